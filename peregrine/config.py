@@ -1,0 +1,217 @@
+"""Engine configuration: one flat, frozen `EngineArgs` (CLI flags come from its fields) and the
+resolved, frozen sub-configs the engine runs on."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Every knob a user can set; defaults live here and nowhere else."""
+
+    model: str | None = None  # None -> the built-in demo model
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    load_format: Literal["auto", "safetensors", "dummy"] = "auto"
+    skip_tokenizer_init: bool = False
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gb: float = 1.0
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    max_queue_len: int | None = None
+    enforce_eager: bool = False
+    attention_backend: str | None = None  # torch | triton; None -> env or device default
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+
+    def create_engine_config(self) -> EngineConfig:
+        """Resolve the model folder and validate every field."""
+        return EngineConfig.from_args(self)
+
+
+def _bad(field_name: str, msg: str) -> ValueError:
+    return ValueError(f"invalid {field_name}: {msg}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    tokenizer: str | None
+    served_model_name: str
+    architecture: str
+    hf_config: dict[str, Any] = field(repr=False, hash=False, compare=False)
+    dtype: torch.dtype
+    max_model_len: int
+    load_format: str
+    skip_tokenizer_init: bool
+    seed: int
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eos_token_ids: tuple[int, ...]
+    generation_config: dict[str, Any] = field(repr=False, hash=False, compare=False)
+
+    @classmethod
+    def from_args(cls, args: EngineArgs, model_dir: str) -> ModelConfig:
+        path = Path(model_dir)
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise ValueError(f"model folder {model_dir!r} has no config.json")
+        hf = json.loads(cfg_path.read_text())
+        archs = hf.get("architectures") or []
+        if not archs:
+            raise ValueError(f"{cfg_path}: field 'architectures' is missing")
+        for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
+            if key not in hf:
+                raise ValueError(f"{cfg_path}: required field {key!r} is missing")
+        num_heads = int(hf["num_attention_heads"])
+        num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
+        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{cfg_path}: num_attention_heads {num_heads} is not a multiple of "
+                             f"num_key_value_heads {num_kv_heads}")
+        gen_cfg: dict[str, Any] = {}
+        gen_path = path / "generation_config.json"
+        if gen_path.is_file():
+            gen_cfg = json.loads(gen_path.read_text())
+        eos = gen_cfg.get("eos_token_id", hf.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        dtype = _resolve_dtype(args.dtype, hf)
+        derived_max = int(hf.get("max_position_embeddings") or 2048)
+        max_len = args.max_model_len or derived_max
+        if max_len < 1:
+            raise _bad("max_model_len", f"must be >= 1, got {max_len}")
+        if args.load_format not in ("auto", "safetensors", "dummy"):
+            raise _bad("load_format", f"{args.load_format!r} (expected auto, safetensors or dummy)")
+        return cls(
+            model=str(path), tokenizer=args.tokenizer or str(path),
+            served_model_name=args.served_model_name or (args.model or "peregrine-demo"),
+            architecture=archs[0], hf_config=hf, dtype=dtype, max_model_len=int(max_len),
+            load_format=args.load_format, skip_tokenizer_init=args.skip_tokenizer_init,
+            seed=args.seed, vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+            num_layers=int(hf["num_hidden_layers"]), num_heads=num_heads,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, eos_token_ids=eos_ids,
+            generation_config=gen_cfg,
+        )
+
+
+def _resolve_dtype(dtype: str, hf: dict[str, Any]) -> torch.dtype:
+    if dtype == "auto":
+        name = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+        resolved = _DTYPES.get(str(name).replace("torch.", ""), torch.float32)
+        return resolved
+    if dtype not in _DTYPES:
+        raise _bad("dtype", f"{dtype!r} (expected auto, float32, float16 or bfloat16)")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    gpu_memory_utilization: float
+    cpu_kv_cache_gb: float
+    num_gpu_blocks_override: int | None
+    enable_prefix_caching: bool
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+    policy: str
+    max_queue_len: int | None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: str
+    attention_backend: str
+    enforce_eager: bool
+    tensor_parallel_size: int
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> EngineConfig:
+        if args.model is None:
+            from peregrine.demo import demo_model_path
+            model_dir = str(demo_model_path())
+        else:
+            model_dir = args.model
+        if not Path(model_dir).is_dir():
+            raise ValueError(f"model {model_dir!r} is not a local folder (no model hub is used)")
+        model = ModelConfig.from_args(args, model_dir)
+        if args.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise _bad("block_size", f"{args.block_size} (expected a power of two up to 128)")
+        if not 0.0 < args.gpu_memory_utilization <= 1.0:
+            raise _bad("gpu_memory_utilization", f"{args.gpu_memory_utilization} not in (0, 1]")
+        if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override < 1:
+            raise _bad("num_gpu_blocks_override", "must be >= 1")
+        if args.max_num_seqs < 1:
+            raise _bad("max_num_seqs", "must be >= 1")
+        if args.scheduling_policy not in ("fcfs", "priority"):
+            raise _bad("scheduling_policy", f"{args.scheduling_policy!r} (expected fcfs or priority)")
+        if args.tensor_parallel_size != 1:
+            raise _bad("tensor_parallel_size", "only 1 is supported so far")
+        max_batched = args.max_num_batched_tokens
+        if max_batched is None:
+            max_batched = 8192 if args.enable_chunked_prefill else max(8192, model.max_model_len)
+        if max_batched < 1:
+            raise _bad("max_num_batched_tokens", "must be >= 1")
+        if not args.enable_chunked_prefill and max_batched < model.max_model_len:
+            raise _bad("max_num_batched_tokens", f"{max_batched} < max_model_len "
+                       f"{model.max_model_len} with chunked prefill off")
+        device = resolve_device(args.device)
+        backend = args.attention_backend or os.environ.get("PEREGRINE_ATTENTION_BACKEND") or (
+            "triton" if device.startswith("cuda") else "torch")
+        if backend not in ("torch", "triton"):
+            raise _bad("attention_backend", f"{backend!r} (expected torch or triton)")
+        cache = CacheConfig(args.block_size, args.gpu_memory_utilization, args.cpu_kv_cache_gb,
+                            args.num_gpu_blocks_override, args.enable_prefix_caching)
+        sched = SchedulerConfig(args.max_num_seqs, max_batched, model.max_model_len,
+                                args.enable_chunked_prefill, args.scheduling_policy,
+                                args.max_queue_len)
+        return cls(model, cache, sched, device, backend, args.enforce_eager,
+                   args.tensor_parallel_size)
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise _bad("device", f"{device!r} requested but CUDA is not available")
+    return device
+
+
+def engine_args_fields() -> list[dataclasses.Field]:
+    """The fields of EngineArgs, for generating CLI flags."""
+    return list(dataclasses.fields(EngineArgs))

@@ -1,0 +1,93 @@
+"""A request's state as the scheduler and the model runner see it: integers and lists only."""
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+from peregrine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from peregrine.kv_cache.hashing import BlockHash
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASON.get(self)
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """One sequence being generated. `n > 1` requests are split into several of these."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 *, arrival_time: float, priority: int = 0, eos_token_ids: tuple[int, ...] = (),
+                 max_tokens: int, seed: int = 0, fork_source: Request | None = None,
+                 cache_salt: str | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.eos_token_ids = eos_token_ids
+        self.max_tokens = max_tokens  # resolved: never None
+        self.seed = seed  # always set: the sampler's random stream is keyed on it
+        # NOTE: a sibling of an n>1 request shares the prompt blocks its fork_source computed.
+        self.fork_source = fork_source
+        self.cache_salt = cache_salt  # extra key for prefix hashes (adapters, tenants)
+
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit tokens at first scheduling (-1: not yet)
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.block_ids: list[int] = []  # owned by the KV cache manager
+        self.block_hashes: list[BlockHash] = []  # hashes of the full blocks of all_token_ids
+        self.num_preemptions = 0
+        self.scheduled_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")
