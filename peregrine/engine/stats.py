@@ -1,0 +1,26 @@
+"""A snapshot of the engine's counters, taken between steps (read by metrics and /health)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Gauges are values now; `*_total`, prefix-cache and preemption counts are cumulative."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # cumulative prompt tokens found there
+    num_preemptions: int = 0  # cumulative
+    prompt_tokens_total: int = 0  # cumulative prompt tokens computed (prefill)
+    generation_tokens_total: int = 0  # cumulative tokens sampled
+    step_time: float = 0.0  # seconds the last step took
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Cumulative hit rate in tokens (0 when nothing was queried)."""
+        if self.prefix_cache_queries <= 0:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
