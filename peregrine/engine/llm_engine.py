@@ -1,0 +1,246 @@
+"""LLMEngine: add_request / step / abort over the scheduler and the model runner."""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Iterable
+
+from peregrine.config import EngineArgs, EngineConfig
+from peregrine.engine.detokenizer import IncrementalDetokenizer
+from peregrine.engine.output_processor import RequestGroup, SequenceState, to_position_logprobs
+from peregrine.engine.request import Request, RequestStatus
+from peregrine.engine.scheduler import Scheduler, SchedulerOutput
+from peregrine.engine.stats import EngineStats
+from peregrine.outputs import RequestOutput
+from peregrine.sampling_params import SamplingParams
+from peregrine.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+logger = logging.getLogger("peregrine")
+
+
+def load_tokenizer(path: str):
+    """A local Hugging Face fast tokenizer (no remote code, no hub)."""
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"could not load a tokenizer from {path!r} ({e}); pass "
+                         "skip_tokenizer_init=True to use token ids only") from e
+
+
+class LLMEngine:
+    """The synchronous engine core. One thread at a time may call it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(mc.tokenizer)
+        self.runner = ModelRunner(config)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks)
+        self._groups: dict[str, RequestGroup] = {}
+        self._seq_group: dict[str, RequestGroup] = {}  # sequence id -> its group
+        self._rng = random.Random(mc.seed)
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        self._last_step_time = 0.0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args.create_engine_config())
+
+    # ---- requests -------------------------------------------------------------------------
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults applied."""
+        return SamplingParams().with_generation_defaults(self.config.model.generation_config, set())
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer (the engine runs with "
+                             "skip_tokenizer_init=True): pass token ids instead")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue a request; bad input raises ValueError and leaves the engine unchanged."""
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        if priority != 0 and self.config.scheduler.policy != "priority":
+            raise ValueError("priority is only accepted with scheduling_policy='priority'")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        max_tokens = self._validate_prompt(ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        group = RequestGroup(request_id, text, ids, params, arrival)
+        mc = self.config.model
+        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        source: Request | None = None
+        for i, sid in enumerate(seq_ids):
+            seed = params.seed + i if params.seed is not None else self._rng.getrandbits(62)
+            req = Request(sid, ids, params, arrival_time=arrival, priority=priority,
+                          eos_token_ids=mc.eos_token_ids, max_tokens=max_tokens, seed=seed,
+                          fork_source=source)
+            source = source or req
+            detok = (IncrementalDetokenizer(self.tokenizer, ids, params)
+                     if self.tokenizer is not None else None)
+            group.seqs.append(SequenceState(req, detok))
+        # NOTE: add to the scheduler first: a full queue raises before any state is kept.
+        added: list[str] = []
+        try:
+            for s in group.seqs:
+                self.scheduler.add_request(s.req)
+                added.append(s.req.request_id)
+        except ValueError:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
+        self._groups[request_id] = group
+        for s in group.seqs:
+            self._seq_group[s.req.request_id] = group
+
+    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> int:
+        limit = self.config.model.max_model_len
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.config.model.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= limit:
+            raise ValueError(f"the prompt has {len(ids)} tokens, which leaves no room to generate "
+                             f"within max_model_len={limit}")
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
+        if len(ids) + max_tokens > limit:
+            raise ValueError(f"the prompt has {len(ids)} tokens and max_tokens={max_tokens}: together "
+                             f"{len(ids) + max_tokens} exceed max_model_len={limit}")
+        return max_tokens
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Stop requests now and free their KV blocks; unknown ids are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            group = self._groups.pop(rid, None)
+            if group is None:
+                continue
+            seq_ids = [s.req.request_id for s in group.seqs]
+            self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
+            for sid in seq_ids:
+                self._seq_group.pop(sid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and report every request that progressed or finished."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        now = time.monotonic()
+        touched: dict[str, RequestGroup] = {}
+        for rid in sched.finished_request_ids:  # e.g. requests that can never fit
+            group = self._seq_group.get(rid)
+            if group is not None:
+                touched[group.request_id] = group
+        if sched.total_num_scheduled_tokens:
+            for req in sched.scheduled_requests:
+                self._seq_group[req.request_id].note_scheduled(now)
+            result = self._execute(sched)
+            if result is not None:
+                updated = self.scheduler.update_from_output(sched, result.sampled_token_ids)
+                self._process(sched, result, updated, touched)
+            else:
+                for req in sched.scheduled_requests:
+                    touched[self._seq_group[req.request_id].request_id] = self._seq_group[req.request_id]
+        outputs: list[RequestOutput] = []
+        for group in touched.values():
+            out = group.make_output()
+            if out is not None:
+                outputs.append(out)
+            if group.finished:
+                self._retire(group)
+        self._last_step_time = time.perf_counter() - t0
+        return outputs
+
+    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        try:
+            return self.runner.execute(sched)
+        except Exception as e:  # noqa: BLE001 - one bad batch must not kill the engine
+            logger.exception("model execution failed; failing the %d requests of this step",
+                             len(sched.scheduled_requests))
+            for req in sched.scheduled_requests:
+                req.error = f"model execution failed: {type(e).__name__}: {e}"
+            self.scheduler.finish_requests([r.request_id for r in sched.scheduled_requests],
+                                           RequestStatus.FINISHED_ERROR)
+            return None
+
+    def _process(self, sched: SchedulerOutput, result: ModelRunnerOutput, updated: list[Request],
+                 touched: dict[str, RequestGroup]) -> None:
+        now = time.monotonic()
+        for req, n in zip(sched.scheduled_requests, sched.num_scheduled_tokens):
+            start = req.num_computed_tokens - n
+            self._prompt_tokens_total += max(0, min(req.num_prompt_tokens, start + n) - start)
+            plp = result.prompt_logprobs.get(req.request_id)
+            group = self._seq_group.get(req.request_id)
+            if plp is not None and group is not None and group.seqs[0].req is req:
+                for ids, lps, rank in zip(plp.token_ids, plp.logprobs, plp.ranks):
+                    group.prompt_logprobs.append(to_position_logprobs(ids, lps, rank, self.tokenizer))
+                touched[group.request_id] = group
+        for req, new in zip(sched.scheduled_requests, result.sampled_token_ids):
+            group = self._seq_group.get(req.request_id)
+            if group is None or not new:
+                continue
+            try:
+                self._on_new_tokens(group, req, new, result)
+            except Exception as e:  # noqa: BLE001 - fail only this request
+                logger.exception("output processing failed for %s", req.request_id)
+                req.error = f"output processing failed: {type(e).__name__}: {e}"
+                self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ERROR)
+            group.note_tokens(now, len(new))
+            touched[group.request_id] = group
+        for req in updated:
+            group = self._seq_group.get(req.request_id)
+            if group is not None:
+                touched[group.request_id] = group
+
+    def _on_new_tokens(self, group: RequestGroup, req: Request, new: list[int],
+                       result: ModelRunnerOutput) -> None:
+        self._generation_tokens_total += len(new)
+        seq = next(s for s in group.seqs if s.req is req)
+        lp = result.logprobs.get(req.request_id)
+        if lp is not None and seq.logprobs is not None:
+            for ids, lps, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
+                seq.logprobs.append(to_position_logprobs(ids, lps, rank, self.tokenizer))
+                seq.cumulative_logprob += lps[0]
+        if seq.detok is None:
+            return
+        # NOTE: a token that ended the request (eos, stop id) is not rendered as text.
+        visible = new
+        if req.is_finished and req.status == RequestStatus.FINISHED_STOPPED:
+            visible = new[:-1]
+        stop = seq.detok.update(visible) if visible else None
+        if stop is not None and not req.is_finished:
+            req.stop_reason = stop
+            self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_STOPPED)
+
+    def _retire(self, group: RequestGroup) -> None:
+        self._groups.pop(group.request_id, None)
+        for s in group.seqs:
+            self._seq_group.pop(s.req.request_id, None)
+
+    # ---- introspection --------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler.make_stats()
+        return EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions, prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total, step_time=self._last_step_time)
+
+    def check_health(self) -> None:
+        """Raises if the engine cannot serve (kept cheap: called by /health)."""
+        if self.runner is None:
+            raise RuntimeError("the model runner is gone")

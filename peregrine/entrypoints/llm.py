@@ -1,0 +1,112 @@
+"""The offline API: `LLM(model=...).generate(prompts, sampling_params)` and `.chat(messages)`."""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from peregrine.config import EngineArgs
+from peregrine.engine.llm_engine import LLMEngine
+from peregrine.outputs import RequestOutput
+from peregrine.sampling_params import RequestOutputKind, SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Runs batches of prompts to completion on one engine (names as in vLLM)."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        known = set(EngineArgs.__dataclass_fields__)
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
+        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.engine.get_default_sampling_params()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate completions for every prompt; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and
+                                        isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt: a string or one list of token ids
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
+        ids: list[str] = []
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                rid = str(next(self._ids))
+                sp = sp.clone()
+                sp.output_kind = RequestOutputKind.FINAL_ONLY
+                self.engine.add_request(rid, prompt, sp, priority=priority[i] if priority else 0)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("chat needs a tokenizer (the engine runs with skip_tokenizer_init=True)")
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; pass chat_template=...")
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [render_chat(tok, conv, add_generation_prompt, chat_template) for conv in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        start, out_tokens = time.perf_counter(), 0
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        out_tokens += sum(len(o.token_ids) for o in out.outputs)
+                        if bar is not None:
+                            rate = out_tokens / max(time.perf_counter() - start, 1e-9)
+                            bar.set_postfix_str(f"output: {rate:.1f} tok/s")
+                            bar.update(1)
+        except BaseException:
+            self.engine.abort_request([i for i in ids if i not in done])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids]
+
+
+def render_chat(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                chat_template: str | None = None) -> list[int]:
+    """Token ids of a conversation rendered with the (given or the tokenizer's) chat template."""
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError("each chat message must be a dict with 'role' and 'content'")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template,
+                                         add_generation_prompt=add_generation_prompt)
+    # NOTE: the template already holds any special tokens (bos); do not add them twice.
+    return tokenizer.encode(text, add_special_tokens=False)

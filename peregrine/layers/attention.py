@@ -1,0 +1,29 @@
+"""The Attention layer: stores the new K/V into its paged cache and attends, via a backend."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from peregrine.attention.metadata import AttentionMetadata
+
+
+class Attention(nn.Module):
+    """Paged attention for one decoder layer. The backend and metadata are passed in, never global."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 backend) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.backend = backend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        t = q.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)  # (T, Hq, D)
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # (T, Hq, D)
+        return out.reshape(t, self.num_heads * self.head_dim)

@@ -1,0 +1,28 @@
+"""RMSNorm with an optional fused residual add."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / rms(x); with `residual`, x := x + residual first and the new residual is returned."""
+
+    def __init__(self, hidden: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
+        self.eps = eps
+        self.use_fused = False  # set by the model runner where the Triton kernel measured faster
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.use_fused:
+            from peregrine.kernels.rmsnorm import rms_norm
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+            residual = x
+        # NOTE: same op order as transformers (normalize in fp32, cast, then scale) so fp32 matches.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * xf.to(x.dtype)
+        return out if residual is None else (out, residual)

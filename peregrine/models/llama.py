@@ -1,0 +1,191 @@
+"""Llama-family decoder: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm)."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from peregrine.attention.metadata import AttentionMetadata
+from peregrine.distributed import divide, tp_size
+from peregrine.layers.activation import SiluAndMul
+from peregrine.layers.attention import Attention
+from peregrine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from peregrine.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                     RowParallelLinear)
+from peregrine.layers.norm import RMSNorm
+from peregrine.layers.rotary import RotaryEmbedding, rope_parameters
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, hf: dict[str, Any], head_dim: int, rope: RotaryEmbedding, backend,
+                 qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        hidden = hf["hidden_size"]
+        heads = hf["num_attention_heads"]
+        kv_heads = hf.get("num_key_value_heads") or heads
+        self.num_heads = divide(heads, tp_size(), "num_attention_heads")
+        self.num_kv_heads = divide(kv_heads, tp_size(), "num_key_value_heads")
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads, bias=qkv_bias)
+        o_bias = bool(hf.get("attention_bias", False)) and hf.get("model_type") != "qwen2"
+        self.o_proj = RowParallelLinear(heads * head_dim, hidden, bias=o_bias)
+        self.rotary_emb = rope
+        eps = hf.get("rms_norm_eps", 1e-6)
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5, backend)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # (T, q_size + 2 kv_size)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)  # (T, Hq, D)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v.reshape(t, self.num_kv_heads, self.head_dim), kv_cache, meta)
+        return self.o_proj(out)  # (T, hidden)
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=bias)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hf: dict[str, Any], head_dim: int, rope: RotaryEmbedding, backend,
+                 qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        eps = hf.get("rms_norm_eps", 1e-6)
+        self.self_attn = DecoderAttention(hf, head_dim, rope, backend, qkv_bias, qk_norm)
+        self.mlp = DecoderMLP(hf["hidden_size"], hf["intermediate_size"], bool(hf.get("mlp_bias", False)))
+        self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
+        self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
+
+    def forward(self, positions, x, residual, kv_cache, meta):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves Mistral, Qwen2 and Qwen3: they differ only in the flags set from config.json."""
+
+    # checkpoint name suffix -> (our parameter suffix, shard index) for fused projections
+    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, hf: dict[str, Any], backend, *, qkv_bias: bool | None = None,
+                 qk_norm: bool = False) -> None:
+        super().__init__()
+        self.hf = hf
+        if qkv_bias is None:
+            qkv_bias = bool(hf.get("attention_bias", False))
+        hidden = hf["hidden_size"]
+        head_dim = hf.get("head_dim") or hidden // hf["num_attention_heads"]
+        theta, scaling = rope_parameters(hf)
+        max_pos = int(hf.get("max_position_embeddings") or 2048)
+        rope = RotaryEmbedding(head_dim, max_pos, theta, scaling)
+        self.embed_tokens = VocabParallelEmbedding(hf["vocab_size"], hidden)
+        self.layers = nn.ModuleList(DecoderLayer(hf, head_dim, rope, backend, qkv_bias, qk_norm)
+                                    for _ in range(hf["num_hidden_layers"]))
+        self.norm = RMSNorm(hidden, hf.get("rms_norm_eps", 1e-6))
+        self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(hf["vocab_size"], hidden)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states (T, hidden) for the flat step batch."""
+        x = self.embed_tokens(input_ids)  # (T, hidden)
+        residual = None
+        for layer, cache in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)  # (N, V) float32
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load checkpoint tensors by Hugging Face name; errors name the offending tensor."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        modules = dict(self.named_modules())
+        expected = {n for n in params if not (self.tie_word_embeddings and n == "lm_head.weight")}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            ours = name[len("model."):] if name.startswith("model.") else name
+            if ours == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            parts = ours.rsplit(".", 2)  # [module path, proj, weight|bias]
+            shard = None
+            if len(parts) == 3 and parts[1] in self._FUSED:
+                fused, shard = self._FUSED[parts[1]]
+                ours = f"{parts[0]}.{fused}.{parts[2]}"
+            param = params.get(ours)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
+                                 f"{type(self).__name__} (architecture {self.hf['architectures'][0]})")
+            module = modules[ours.rsplit(".", 1)[0]]
+            tensor = tensor.to(param.dtype)
+            if shard is not None:
+                module.load_shard(param, tensor, shard, name)
+            elif hasattr(module, "load_full"):
+                module.load_full(param, tensor, name)
+            elif isinstance(module, QKVParallelLinear | MergedColumnParallelLinear):
+                raise ValueError(f"checkpoint tensor {name!r} must be split into its projections")
+            else:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(tensor.shape)} does "
+                                     f"not match the model's {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            loaded.add(ours if shard is None else f"{ours}#{shard}")
+        missing = sorted(n for n in expected if n not in loaded and not _fully_sharded(n, loaded, modules))
+        if missing:
+            raise ValueError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}"
+                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+
+def _fully_sharded(name: str, loaded: set[str], modules: dict[str, nn.Module]) -> bool:
+    module = modules.get(name.rsplit(".", 1)[0])
+    sizes = getattr(module, "out_sizes", None)
+    if sizes is None or len(sizes) < 2:
+        return False
+    return all(f"{name}#{i}" in loaded for i in range(len(sizes)))
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    def __init__(self, hf: dict[str, Any], backend) -> None:
+        super().__init__(hf, backend, qkv_bias=True)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    def __init__(self, hf: dict[str, Any], backend) -> None:
+        super().__init__(hf, backend, qk_norm=True)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral is Llama with GQA; a sliding window caps max_model_len (see ModelConfig)."""

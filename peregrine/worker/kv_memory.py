@@ -1,0 +1,75 @@
+"""Sizing and allocating the paged KV cache pool."""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from peregrine.config import EngineConfig, ModelConfig
+
+if TYPE_CHECKING:
+    from peregrine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("peregrine")
+GiB = 1 << 30
+
+
+def bytes_per_block(mc: ModelConfig, block_size: int) -> int:
+    """K and V of every layer for block_size tokens."""
+    elem = torch.empty((), dtype=mc.dtype).element_size()
+    return 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * elem
+
+
+def allocate_kv_caches(mc: ModelConfig, num_blocks: int, block_size: int,
+                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (k_cache, v_cache) pair per layer, each (num_blocks, block_size, Hkv, D)."""
+    shape = (num_blocks, block_size, mc.num_kv_heads, mc.head_dim)
+    return [(torch.zeros(shape, dtype=mc.dtype, device=device),
+             torch.zeros(shape, dtype=mc.dtype, device=device)) for _ in range(mc.num_layers)]
+
+
+def determine_num_blocks(runner: ModelRunner, config: EngineConfig) -> int:
+    """Pool size: the override, else CPU memory budget, else profiled free GPU memory."""
+    cc, mc = config.cache, config.model
+    per_block = bytes_per_block(mc, cc.block_size)
+    if cc.num_gpu_blocks_override is not None:
+        num_blocks = cc.num_gpu_blocks_override
+    elif runner.device.type != "cuda":
+        num_blocks = int(cc.cpu_kv_cache_gb * GiB) // per_block
+    else:
+        num_blocks = _profile_gpu_blocks(runner, config, per_block)
+    need = -(-mc.max_model_len // cc.block_size)
+    tokens = num_blocks * cc.block_size
+    logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens); max concurrency at "
+                "max_model_len=%d: %.2fx", num_blocks, cc.block_size, num_blocks * per_block / GiB,
+                tokens, mc.max_model_len, num_blocks / need)
+    if num_blocks < 1:
+        raise ValueError("no memory is left for the KV cache: lower max_num_batched_tokens or "
+                         "raise gpu_memory_utilization / cpu_kv_cache_gb")
+    if runner.device.type == "cuda" and cc.num_gpu_blocks_override is None and num_blocks < need:
+        raise ValueError(
+            f"the KV cache holds {tokens} tokens but one request of max_model_len={mc.max_model_len} "
+            f"needs {need * cc.block_size}: lower --max-model-len or raise --gpu-memory-utilization")
+    return num_blocks
+
+
+@torch.inference_mode()
+def _profile_gpu_blocks(runner: ModelRunner, config: EngineConfig, per_block: int) -> int:
+    """(total x utilization - weights - peak activations - non-torch memory) / bytes per block."""
+    dev = runner.device
+    torch.cuda.synchronize(dev)
+    weights = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    from peregrine.worker.profile import profile_run
+    profile_run(runner)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev)
+    free, total = torch.cuda.mem_get_info(dev)
+    non_torch = max(0, (total - free) - torch.cuda.memory_reserved(dev))
+    budget = total * config.cache.gpu_memory_utilization - peak - non_torch
+    logger.info("GPU memory: total %.2f GiB, weights %.2f GiB, peak activations %.2f GiB, "
+                "non-torch %.2f GiB, KV budget %.2f GiB", total / GiB, weights / GiB,
+                (peak - weights) / GiB, non_torch / GiB, max(budget, 0) / GiB)
+    torch.cuda.empty_cache()
+    return max(0, int(budget) // per_block)

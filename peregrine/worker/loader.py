@@ -1,0 +1,77 @@
+"""Build a model on its device and fill it from safetensors, or with dummy weights."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from peregrine.config import ModelConfig
+from peregrine.models.registry import build_model
+
+
+def safetensors_files(model_dir: str) -> list[Path]:
+    """The checkpoint's shard files: from model.safetensors.index.json if present, else *.safetensors."""
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: 'weight_map' is missing or empty")
+        files = sorted({root / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise ValueError(f"{index} names shard {f.name!r}, which does not exist")
+        return files
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in root.glob("*.bin")) + sorted(p.name for p in root.glob("*.pt"))
+        hint = f" (found {', '.join(pickles)}: pickle checkpoints are not loaded)" if pickles else ""
+        raise ValueError(f"model folder {model_dir!r} has no *.safetensors files{hint}")
+    return files
+
+
+def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(cfg: ModelConfig, backend, device: torch.device) -> nn.Module:
+    """Instantiate the registered architecture on `device` in `cfg.dtype` and load its weights."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(cfg.dtype)
+    try:
+        with torch.device(device):
+            model = build_model(cfg.architecture, cfg.hf_config, backend)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if cfg.load_format == "dummy":
+        init_dummy_weights(model, cfg.seed)
+    else:
+        model.load_weights(iterate_safetensors(cfg.model))
+    return model.eval()
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Random weights for benchmarks: normal(0, std) matrices, unit norms, zero biases."""
+    gen: torch.Generator | None = None
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            if gen is None:
+                gen = torch.Generator(device=p.device).manual_seed(seed)
+            # NOTE: drawn on the parameter's device: an 8B model takes seconds, not minutes.
+            p.normal_(0.0, std, generator=gen)

@@ -1,0 +1,45 @@
+"""A worst-case forward + sampling pass, to measure peak activation memory before sizing the KV pool."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from peregrine.worker.kv_memory import allocate_kv_caches
+
+if TYPE_CHECKING:
+    from peregrine.worker.model_runner import ModelRunner
+
+
+@torch.inference_mode()
+def profile_run(runner: ModelRunner) -> None:
+    """Run max_num_batched_tokens tokens split over up to max_num_seqs sequences, then sample all."""
+    t = runner.max_num_tokens
+    b = min(runner.max_num_reqs, t)
+    bs = runner.block_size
+    q_lens = np.full(b, t // b, np.int64)
+    q_lens[: t % b] += 1
+    blocks_per_seq = -(-int(q_lens.max()) // bs)
+    caches = allocate_kv_caches(runner.config.model, b * blocks_per_seq, bs, runner.device)
+    buf = runner.buffers
+    qsl = np.zeros(b + 1, np.int64)
+    np.cumsum(q_lens, out=qsl[1:])
+    positions = np.arange(t) - np.repeat(qsl[:-1], q_lens)
+    buf.input_ids_np[:t] = 0
+    buf.positions_np[:t] = positions
+    buf.slot_mapping_np[:t] = -1  # the profile writes no KV
+    width = blocks_per_seq
+    buf.block_table_np[:b, :width] = np.arange(b * width, dtype=np.int32).reshape(b, width)
+    buf.seq_lens_np[:b] = q_lens
+    buf.query_start_loc_np[: b + 1] = qsl
+    input_ids, pos, meta = buf.to_device(t, b, width)
+    meta.num_decodes = meta.num_decode_tokens = 0
+    meta.max_query_len = int(q_lens.max())
+    meta.max_seq_len = int(q_lens.max())
+    hidden = runner.model(input_ids, pos, caches, meta)
+    logits = runner.model.compute_logits(hidden[:b])  # (B, V)
+    # Sorting for top-p is the sampler's largest buffer.
+    torch.sort(logits, dim=-1, descending=True)
+    del caches
+
