@@ -135,7 +135,7 @@ class BlockPool:
                 self.free_queue.append(block)
 
     def cache_full_block(self, block: KVBlock, block_hash: BlockHash) -> bool:
-        """Make a full, computed block findable by `block_hash`; False if already cached elsewhere."""
+        """Make a full, computed block findable by `block_hash`; False if another block has it."""
         assert self.enable_caching and block.ref_cnt > 0
         if block.block_hash is not None:
             return block.block_hash == block_hash
@@ -148,7 +148,7 @@ class BlockPool:
         return True
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached hash (blocks in use keep their data); returns how many were dropped."""
+        """Forget every cached hash (blocks in use keep their data); returns how many dropped."""
         dropped = len(self.cached)
         for block in self.cached.values():
             block.block_hash = None

@@ -43,7 +43,7 @@ def request_extra_key(req: Request) -> tuple[Any, ...] | None:
 
 
 def update_block_hashes(req: Request, block_size: int) -> int:
-    """Extend `req.block_hashes` to cover every full block of `req.all_token_ids`; returns the count."""
+    """Extend `req.block_hashes` over every full block of `req.all_token_ids`; returns the count."""
     hashes = req.block_hashes
     num_full = req.num_tokens // block_size
     if len(hashes) >= num_full:

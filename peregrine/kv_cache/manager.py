@@ -110,7 +110,7 @@ class KVCacheManager:
         return True
 
     def cache_computed_blocks(self, req: Request) -> None:
-        """Make req's full blocks whose KV is computed (per num_computed_tokens) findable by hash."""
+        """Make req's full blocks whose KV is computed (num_computed_tokens) findable by hash."""
         if not self.enable_caching:
             return
         held = self._blocks.get(req.request_id)

@@ -1,0 +1,322 @@
+"""Iteration-level continuous batching: each step picks which requests run, for how many tokens.
+
+Pure integer bookkeeping: decodes and prefill chunks share one token budget, so chunked prefill
+and continuous batching are the same mechanism. Out of KV blocks, the scheduler preempts by
+recompute (the victim's blocks are freed and it re-queues with num_computed_tokens = 0).
+"""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from peregrine.engine.request import Request, RequestStatus
+from peregrine.kv_cache.manager import NO_COMPUTED_BLOCKS, KVCacheManager
+
+if TYPE_CHECKING:
+    from peregrine.config import CacheConfig, SchedulerConfig
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch, in scheduling order (running requests first, then newly admitted)."""
+
+    scheduled_requests: list[Request]
+    num_scheduled_tokens: list[int]  # parallel to scheduled_requests
+    total_num_scheduled_tokens: int
+    preempted_request_ids: list[str]  # preempted in THIS step: the runner drops their state
+    finished_request_ids: list[str]  # finished/aborted since the previous schedule(): drop state
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled_requests
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot for metrics; token and preemption counters are cumulative."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks held by requests, 0..1
+    prefix_cache_queries: int  # tokens looked up in the prefix cache
+    prefix_cache_hits: int  # tokens found there
+    num_preemptions: int
+
+
+class QueueFullError(ValueError):
+    """Raised by add_request when max_queue_len requests are already waiting."""
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and the KV cache manager."""
+
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+        if config.policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {config.policy!r} "
+                             "(expected fcfs or priority)")
+        self.config = config
+        self.block_size = cache_config.block_size
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size,
+                                 cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.waiting: list[Request] = []  # in policy order: the head is admitted first
+        self.running: list[Request] = []  # in admission order
+        self.num_preemptions = 0
+        self._add_order: dict[str, int] = {}  # last tie-breaker of the priority order
+        self._num_added = 0
+        self._finished_ids: list[str] = []  # reported by the next schedule()
+        self._errored: list[Request] = []  # finished inside schedule(), returned by update
+
+    # ---- queue management -------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, if any."""
+        return self.requests.get(request_id)
+
+    def add_request(self, req: Request) -> None:
+        """Queue a new request; raises QueueFullError when max_queue_len requests are waiting."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.num_prompt_tokens == 0:
+            raise ValueError(f"request {req.request_id!r} has an empty prompt")
+        if req.num_prompt_tokens > self.config.max_model_len:
+            raise ValueError(f"request {req.request_id!r}: prompt has {req.num_prompt_tokens} "
+                             f"tokens, more than max_model_len {self.config.max_model_len}")
+        limit = self.config.max_queue_len
+        if limit is not None and len(self.waiting) >= limit:
+            raise QueueFullError(f"{len(self.waiting)} requests are already waiting "
+                                 f"(max_queue_len={limit}); retry later")
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self._add_order[req.request_id] = self._num_added
+        self._num_added += 1
+        self._enqueue(req, front=False)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests (abort, stop string) in any state, freeing blocks; skips unknown ids."""
+        if not status.is_finished:
+            raise ValueError(f"{status.name} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for request_id in request_ids:
+            req = self.requests.get(request_id)
+            if req is not None:
+                self._finish(req, status)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block; returns how many were dropped."""
+        return self.kv.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        """A snapshot of queue sizes, cache usage and cumulative counters."""
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage,
+                              self.kv.prefix_cache_queries, self.kv.prefix_cache_hits,
+                              self.num_preemptions)
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch: running requests, then (if none was preempted) waiting ones."""
+        budget = self.config.max_num_batched_tokens
+        self._errored = []  # only the update right after this schedule() reports them
+        scheduled: dict[Request, int] = {}  # insertion-ordered: the batch order
+        preempted: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens, self.config.max_model_len) - req.num_computed_tokens
+            num_new = min(num_new, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self._select_victim()
+                if victim is req and len(self.running) == 1:
+                    # Alone and still out of blocks: it can never grow further in this pool.
+                    self._finish_error(req, req.num_computed_tokens + num_new)
+                    break
+                victim_index = self.running.index(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                budget += scheduled.pop(victim, 0)
+                if victim is req:
+                    break
+                if victim_index < i:
+                    i -= 1
+            else:
+                scheduled[req] = num_new
+                budget -= num_new
+                i += 1
+        if not preempted:
+            self._admit(scheduled, budget)
+        finished_ids, self._finished_ids = self._finished_ids, []
+        reqs = list(scheduled)
+        counts = list(scheduled.values())
+        return SchedulerOutput(reqs, counts, sum(counts), [r.request_id for r in preempted],
+                               finished_ids)
+
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled_token_ids: list[list[int]]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, run stop checks, free finished requests.
+
+        Returns the requests that got new tokens or finished (including those finished with an
+        error inside the preceding schedule(), so call this even for an empty batch).
+        """
+        if len(sampled_token_ids) != len(out.scheduled_requests):
+            raise ValueError(f"got {len(sampled_token_ids)} token lists for "
+                             f"{len(out.scheduled_requests)} scheduled requests")
+        changed, self._errored = self._errored, []
+        for req, num, tokens in zip(out.scheduled_requests, out.num_scheduled_tokens,
+                                    sampled_token_ids):
+            if req.status != RequestStatus.RUNNING:
+                continue  # aborted (or otherwise finished) since schedule(); its blocks are gone
+            req.num_computed_tokens += num
+            assert req.num_computed_tokens <= req.num_tokens, f"{req} computed past its tokens"
+            self.kv.cache_computed_blocks(req)
+            if not tokens:
+                continue  # a prefill chunk that did not reach the end of the known tokens
+            assert req.num_computed_tokens == req.num_tokens, f"{req} sampled before its last token"
+            for token in tokens:
+                req.append_output_token(token)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    self._finish(req, status)
+                    break
+            changed.append(req)
+        return changed
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _admit(self, scheduled: dict[Request, int], budget: int) -> None:
+        cfg = self.config
+        if budget <= 0 or len(self.running) >= cfg.max_num_seqs or not self.waiting:
+            return
+        admitted: set[int] = set()
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
+                break
+            shared = self._fork_tokens(req)
+            if shared is None:
+                continue  # its fork source has not computed the shared prompt blocks yet
+            need = min(req.num_tokens + 1, cfg.max_model_len)
+            if self.kv.num_blocks_for(need) > self.kv.num_blocks:
+                self._finish_error(req, need)
+                continue
+            computed = NO_COMPUTED_BLOCKS if shared else self.kv.get_computed_blocks(req)
+            start = shared or computed.num_tokens
+            num_new = min(req.num_tokens, cfg.max_model_len) - start
+            if num_new > budget:
+                if not cfg.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if shared:
+                assert req.fork_source is not None
+                self.kv.fork(req.fork_source, req, shared)
+                req.num_computed_tokens = shared
+                ok = self.kv.allocate_slots(req, num_new)
+                if not ok:
+                    self.kv.free(req)
+                    req.num_computed_tokens = 0
+            else:
+                ok = self.kv.allocate_slots(req, num_new, computed)
+            if not ok:
+                break  # out of blocks: later requests wait too
+            req.num_computed_tokens = start
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = start
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            admitted.add(id(req))
+            scheduled[req] = num_new
+            budget -= num_new
+        if admitted:
+            self.waiting = [r for r in self.waiting if id(r) not in admitted]
+
+    def _fork_tokens(self, req: Request) -> int | None:
+        """Tokens req can share with its fork source now (0: go alone), or None to keep waiting."""
+        src = req.fork_source
+        if src is None or src.is_finished or src.status == RequestStatus.PREEMPTED:
+            return 0
+        if req.sampling_params.prompt_logprobs is not None:
+            return 0  # needs the logits of every prompt position, so it computes them itself
+        # NOTE: share only full prompt blocks, and keep >= 1 token to compute so logits exist.
+        num_blocks = min(req.num_prompt_tokens, req.num_tokens - 1) // self.block_size
+        target = num_blocks * self.block_size
+        if target == 0:
+            return 0
+        if src.status == RequestStatus.RUNNING and src.num_computed_tokens >= target:
+            return target
+        return None
+
+    def _select_victim(self) -> Request:
+        if self.config.policy == "fcfs":
+            return self.running[-1]
+        # Largest (priority, arrival_time); among equals, the most recently admitted.
+        return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(req, front=True)
+
+    def _enqueue(self, req: Request, front: bool) -> None:
+        if self.config.policy == "priority":
+            bisect.insort(self.waiting, req, key=self._priority_key)
+        elif front:
+            self.waiting.insert(0, req)
+        else:
+            self.waiting.append(req)
+
+    def _priority_key(self, req: Request) -> tuple[int, float, int]:
+        return (req.priority, req.arrival_time, self._add_order[req.request_id])
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        reached_min = req.num_output_tokens >= sp.min_tokens
+        if reached_min and not sp.ignore_eos and token in req.eos_token_ids:
+            req.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if reached_min and token in sp.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = status
+        del self.requests[req.request_id]
+        del self._add_order[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    def _finish_error(self, req: Request, num_tokens: int) -> None:
+        need = self.kv.num_blocks_for(num_tokens)
+        pool = self.kv.num_blocks
+        req.error = (f"request needs {need} KV cache blocks ({num_tokens} tokens) but the whole "
+                     f"cache has only {pool} blocks ({pool * self.block_size} tokens of block_size "
+                     f"{self.block_size}); raise the KV cache size or shorten the request")
+        self._finish(req, RequestStatus.FINISHED_ERROR)
+        self._errored.append(req)

@@ -1,0 +1,440 @@
+"""Scheduler: exact batches, chunking, preemption order, errors, aborts, forks, stop checks.
+
+A fake "model" drives it: schedule(), then update_from_output with made-up token ids.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from peregrine.config import CacheConfig, SchedulerConfig
+from peregrine.engine.request import Request, RequestStatus
+from peregrine.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from peregrine.sampling_params import SamplingParams
+
+EOS = 2
+TOKEN = 5  # what the fake model samples unless told otherwise
+
+
+def make_sched(num_blocks: int = 64, block_size: int = 16, max_num_seqs: int = 8,
+               max_batched: int = 64, max_model_len: int = 256, chunked: bool = True,
+               policy: str = "fcfs", caching: bool = True,
+               max_queue_len: int | None = None) -> Scheduler:
+    sc = SchedulerConfig(max_num_seqs, max_batched, max_model_len, chunked, policy, max_queue_len)
+    return Scheduler(sc, CacheConfig(block_size, 0.9, 1.0, None, caching), num_blocks)
+
+
+def make_req(rid: str, num_prompt: int, max_tokens: int = 4, base: int = 1000,
+             arrival: float = 0.0, priority: int = 0, fork_source: Request | None = None,
+             **sp) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, **sp)
+    return Request(rid, [base + i for i in range(num_prompt)], params, arrival_time=arrival,
+                   priority=priority, eos_token_ids=(EOS,), max_tokens=max_tokens,
+                   fork_source=fork_source)
+
+
+def step(s: Scheduler, token: int = TOKEN) -> SchedulerOutput:
+    """One fake model step: a token is sampled for every request whose known tokens are done."""
+    out = s.schedule()
+    sampled = [[token] if r.num_computed_tokens + n == r.num_tokens else []
+               for r, n in zip(out.scheduled_requests, out.num_scheduled_tokens)]
+    s.update_from_output(out, sampled)
+    return out
+
+
+def batch(out: SchedulerOutput) -> list[tuple[str, int]]:
+    return [(r.request_id, n) for r, n in zip(out.scheduled_requests, out.num_scheduled_tokens)]
+
+
+def held_blocks(s: Scheduler) -> int:
+    return s.kv.num_blocks - s.kv.num_free_blocks
+
+
+# ---- batching and chunked prefill ----------------------------------------------------------------
+
+def test_chunked_prefill_splits_prompt_by_budget():
+    s = make_sched(max_batched=16)
+    a = make_req("a", 40)
+    s.add_request(a)
+    assert [batch(step(s)) for _ in range(4)] == [[("a", 16)], [("a", 16)], [("a", 8)], [("a", 1)]]
+    assert a.output_token_ids == [TOKEN, TOKEN]
+
+
+def test_unfinished_prefill_chunk_samples_no_token():
+    s = make_sched(max_batched=16)
+    a = make_req("a", 40)
+    s.add_request(a)
+    out = s.schedule()
+    assert s.update_from_output(out, [[]]) == []
+    assert a.num_computed_tokens == 16 and a.output_token_ids == []
+
+
+def test_decodes_scheduled_before_new_prefills():
+    s = make_sched(max_batched=16)
+    s.add_request(make_req("a", 10, base=0))
+    step(s)
+    s.add_request(make_req("b", 40, base=500))
+    out = step(s)
+    assert batch(out) == [("a", 1), ("b", 15)]
+    assert out.total_num_scheduled_tokens == 16
+
+
+def test_max_num_seqs_respected():
+    s = make_sched(max_num_seqs=2)
+    for i in range(3):
+        s.add_request(make_req(f"r{i}", 4, max_tokens=2, base=100 * i))
+    assert batch(step(s)) == [("r0", 4), ("r1", 4)]
+    assert s.num_running == 2 and s.num_waiting == 1
+    assert batch(step(s)) == [("r0", 1), ("r1", 1)]  # both finish (max_tokens=2)
+    assert batch(step(s)) == [("r2", 4)]
+
+
+def test_chunked_prefill_off_admits_only_whole_prompts():
+    s = make_sched(max_batched=32, chunked=False)
+    for rid, n, base in (("a", 20, 0), ("b", 20, 100), ("c", 5, 200)):
+        s.add_request(make_req(rid, n, base=base))
+    assert batch(step(s)) == [("a", 20)]  # b does not fit the remaining 12: c waits behind it
+    assert batch(step(s)) == [("a", 1), ("b", 20), ("c", 5)]
+
+
+def test_prompt_clipped_to_max_model_len_finishes_with_length():
+    s = make_sched(max_model_len=8, max_batched=64)
+    a = make_req("a", 8, max_tokens=4)
+    s.add_request(a)
+    assert batch(step(s)) == [("a", 8)]
+    assert a.status == RequestStatus.FINISHED_LENGTH and a.num_tokens == 9
+
+
+def test_prompt_longer_than_max_model_len_rejected():
+    s = make_sched(max_model_len=8)
+    with pytest.raises(ValueError, match="max_model_len"):
+        s.add_request(make_req("a", 9))
+
+
+# ---- preemption -----------------------------------------------------------------------------------
+
+def _three_full_requests(policy: str) -> tuple[Scheduler, list[Request]]:
+    """6 blocks of 4; three 8-token prompts fill the pool; each decode then needs a new block."""
+    s = make_sched(num_blocks=6, block_size=4, max_batched=64, policy=policy)
+    reqs = [make_req(rid, 8, max_tokens=8, base=100 * i) for i, rid in enumerate("abc")]
+    for r in reqs:
+        s.add_request(r)
+    step(s)
+    assert s.kv.num_free_blocks == 0
+    return s, reqs
+
+
+def test_fcfs_preempts_most_recently_admitted():
+    s, (a, b, c) = _three_full_requests("fcfs")
+    out = step(s)
+    assert batch(out) == [("a", 1), ("b", 1)]
+    assert out.preempted_request_ids == ["c"]
+    assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0
+    assert c.block_ids == [] and c.num_preemptions == 1
+    assert s.make_stats().num_preemptions == 1
+
+
+def test_fcfs_preempted_request_goes_to_front_of_waiting():
+    s, (a, b, c) = _three_full_requests("fcfs")
+    d = make_req("d", 4, base=900)
+    s.add_request(d)
+    step(s)
+    assert [r.request_id for r in s.waiting] == ["c", "d"]
+
+
+def test_no_admission_in_a_step_that_preempted():
+    s, _ = _three_full_requests("fcfs")
+    s.add_request(make_req("d", 1, base=900))
+    out = step(s)
+    assert "d" not in [r.request_id for r in out.scheduled_requests]
+
+
+def test_priority_preempts_largest_priority_even_itself():
+    s = make_sched(num_blocks=6, block_size=4, policy="priority")
+    x = make_req("x", 7, max_tokens=8, base=0, priority=1, arrival=0.0)
+    s.add_request(x)
+    step(s)  # x: 8 tokens in 2 blocks
+    s.add_request(make_req("y", 8, max_tokens=8, base=100, arrival=1.0))
+    s.add_request(make_req("z", 8, max_tokens=8, base=200, arrival=2.0))
+    assert batch(step(s)) == [("x", 1), ("y", 8), ("z", 8)]
+    out = step(s)  # x needs a 3rd block and is itself the lowest-priority victim
+    assert out.preempted_request_ids == ["x"]
+    assert batch(out) == [("y", 1), ("z", 1)]
+
+
+def test_priority_victim_already_scheduled_gives_back_its_tokens():
+    s = make_sched(num_blocks=4, block_size=4, policy="priority")
+    x = make_req("x", 6, max_tokens=8, base=0, priority=1)
+    s.add_request(x)
+    step(s)
+    s.add_request(make_req("y", 8, max_tokens=8, base=100, arrival=1.0))
+    step(s)
+    out = step(s)  # x's decode fits its block, y's needs one: x is dropped from the batch
+    assert batch(out) == [("y", 1)] and out.total_num_scheduled_tokens == 1
+    assert out.preempted_request_ids == ["x"]
+
+
+def test_priority_ties_preempt_latest_arrival():
+    s = make_sched(num_blocks=6, block_size=4, policy="priority")
+    for i, rid in enumerate("abc"):
+        s.add_request(make_req(rid, 8, max_tokens=8, base=100 * i, arrival=float(i)))
+    step(s)
+    assert step(s).preempted_request_ids == ["c"]
+
+
+def test_preempted_request_resumes_and_finishes():
+    s, reqs = _three_full_requests("fcfs")
+    for _ in range(40):
+        if not s.has_unfinished_requests():
+            break
+        step(s)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 8 for r in reqs)
+    assert held_blocks(s) == 0
+
+
+# ---- requests that can never fit --------------------------------------------------------------------
+
+def test_never_fitting_request_errors_and_others_continue():
+    s = make_sched(num_blocks=4, block_size=4)
+    big, small = make_req("big", 16, base=0), make_req("small", 4, base=100)
+    s.add_request(big)
+    s.add_request(small)
+    out = s.schedule()
+    assert batch(out) == [("small", 4)]
+    assert out.finished_request_ids == ["big"]
+    assert big.status == RequestStatus.FINISHED_ERROR
+    assert big.error is not None and "5 KV cache blocks (17 tokens)" in big.error
+    assert "only 4 blocks" in big.error
+    assert big in s.update_from_output(out, [[TOKEN]])
+    assert s.get_request("big") is None and small.num_output_tokens == 1
+
+
+def test_running_request_alone_out_of_blocks_errors():
+    s = make_sched(num_blocks=2, block_size=4)
+    a = make_req("a", 4, max_tokens=20)
+    s.add_request(a)
+    for _ in range(5):
+        step(s)  # prefill + 4 decodes: 8 tokens computed, 9 known
+    assert a.status == RequestStatus.RUNNING and a.num_computed_tokens == 8
+    out = s.schedule()
+    assert out.scheduled_requests == [] and out.finished_request_ids == ["a"]
+    assert a.status == RequestStatus.FINISHED_ERROR and "3 KV cache blocks" in (a.error or "")
+    assert s.update_from_output(out, []) == [a]
+    assert held_blocks(s) == 0
+
+
+# ---- aborts ---------------------------------------------------------------------------------------------
+
+def test_abort_waiting_request():
+    s = make_sched()
+    a = make_req("a", 4)
+    s.add_request(a)
+    s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert a.status == RequestStatus.FINISHED_ABORTED and s.num_waiting == 0
+    assert not s.has_unfinished_requests()
+    assert s.schedule().finished_request_ids == ["a"]
+
+
+def test_abort_running_request_frees_blocks():
+    s = make_sched()
+    a = make_req("a", 40)
+    s.add_request(a)
+    step(s)
+    assert held_blocks(s) == 3
+    s.finish_requests(["a", "unknown"], RequestStatus.FINISHED_ABORTED)
+    assert held_blocks(s) == 0 and a.block_ids == [] and s.num_running == 0
+
+
+def test_abort_between_schedule_and_update():
+    s = make_sched()
+    a, b = make_req("a", 20, base=0), make_req("b", 20, base=100)
+    s.add_request(a)
+    s.add_request(b)
+    out = s.schedule()
+    s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    changed = s.update_from_output(out, [[TOKEN], [TOKEN]])
+    assert changed == [b]
+    assert a.num_computed_tokens == 0 and a.output_token_ids == [] and a.block_ids == []
+    assert held_blocks(s) == 2
+
+
+def test_abort_preempted_request():
+    s, (a, b, c) = _three_full_requests("fcfs")
+    step(s)
+    assert c.status == RequestStatus.PREEMPTED
+    s.finish_requests("c", RequestStatus.FINISHED_ABORTED)
+    assert s.num_waiting == 0 and c.status == RequestStatus.FINISHED_ABORTED
+
+
+def test_finish_with_unfinished_status_rejected():
+    s = make_sched()
+    with pytest.raises(ValueError, match="not a finished status"):
+        s.finish_requests("a", RequestStatus.RUNNING)
+
+
+# ---- forks (n > 1) -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_fork_waits_for_source_then_shares_blocks(caching):
+    s = make_sched(max_batched=16, caching=caching)
+    src = make_req("p#0", 40)
+    child = make_req("p#1", 40, fork_source=src)
+    s.add_request(src)
+    s.add_request(child)
+    assert batch(step(s)) == [("p#0", 16)]
+    assert batch(step(s)) == [("p#0", 16)]  # 32 computed: now the child may share 2 blocks
+    out = step(s)
+    assert batch(out) == [("p#0", 8), ("p#1", 8)]
+    assert child.block_ids[:2] == src.block_ids[:2] and child.block_ids[2] != src.block_ids[2]
+    assert [s.kv.pool.blocks[i].ref_cnt for i in src.block_ids] == [2, 2, 1]
+    assert child.num_cached_tokens == 32
+    assert s.make_stats().prefix_cache_hits == 0  # sharing by fork is not a cache hit
+
+
+def test_fork_proceeds_alone_when_source_aborted():
+    s = make_sched(max_batched=16, caching=False)
+    src = make_req("p#0", 40)
+    child = make_req("p#1", 40, fork_source=src)
+    s.add_request(src)
+    s.add_request(child)
+    step(s)
+    s.finish_requests("p#0", RequestStatus.FINISHED_ABORTED)
+    assert batch(step(s)) == [("p#1", 16)]
+    assert child.num_cached_tokens == 0
+
+
+def test_fork_short_prompt_needs_no_wait():
+    s = make_sched()
+    src = make_req("p#0", 10)
+    child = make_req("p#1", 10, fork_source=src)
+    s.add_request(src)
+    s.add_request(child)
+    assert batch(step(s)) == [("p#0", 10), ("p#1", 10)]
+
+
+# ---- queue and priority ----------------------------------------------------------------------------------
+
+def test_queue_full_error():
+    s = make_sched(max_queue_len=2)
+    s.add_request(make_req("a", 4))
+    s.add_request(make_req("b", 4))
+    with pytest.raises(QueueFullError, match="max_queue_len=2"):
+        s.add_request(make_req("c", 4))
+    step(s)
+    s.add_request(make_req("c", 4))
+    assert s.num_waiting == 1
+
+
+def test_duplicate_request_id_rejected():
+    s = make_sched()
+    s.add_request(make_req("a", 4))
+    with pytest.raises(ValueError, match="already in use"):
+        s.add_request(make_req("a", 4))
+
+
+def test_priority_order_with_ties_by_arrival():
+    s = make_sched(max_num_seqs=1, policy="priority")
+    s.add_request(make_req("low", 4, max_tokens=1, priority=1, arrival=0.0, base=0))
+    s.add_request(make_req("late", 4, max_tokens=1, priority=0, arrival=2.0, base=100))
+    s.add_request(make_req("early", 4, max_tokens=1, priority=0, arrival=1.0, base=200))
+    assert [r.request_id for r in s.waiting] == ["early", "late", "low"]
+    assert [batch(step(s)) for _ in range(3)] == [[("early", 4)], [("late", 4)], [("low", 4)]]
+
+
+def test_fcfs_ignores_priority():
+    s = make_sched(max_num_seqs=1)
+    s.add_request(make_req("a", 4, max_tokens=1, priority=5, base=0))
+    s.add_request(make_req("b", 4, max_tokens=1, priority=0, base=100))
+    assert batch(step(s)) == [("a", 4)]
+
+
+# ---- stop checks -----------------------------------------------------------------------------------------
+
+def _run_one(req: Request, tokens: list[int], max_model_len: int = 256) -> Request:
+    s = make_sched(max_model_len=max_model_len)
+    s.add_request(req)
+    for tok in tokens:
+        if req.is_finished:
+            break
+        step(s, tok)
+    return req
+
+
+def test_eos_stops_with_no_stop_reason():
+    r = _run_one(make_req("a", 4, max_tokens=8), [7, EOS, 7])
+    assert r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason is None
+    assert r.output_token_ids == [7, EOS]
+
+
+def test_min_tokens_suppresses_eos():
+    r = _run_one(make_req("a", 4, max_tokens=8, min_tokens=2), [EOS, EOS])
+    assert r.status == RequestStatus.FINISHED_STOPPED and r.output_token_ids == [EOS, EOS]
+
+
+def test_ignore_eos_runs_to_max_tokens():
+    r = _run_one(make_req("a", 4, max_tokens=3, ignore_eos=True), [EOS] * 5)
+    assert r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 3
+
+
+def test_stop_token_id_sets_stop_reason():
+    r = _run_one(make_req("a", 4, max_tokens=8, stop_token_ids=[42]), [7, 42])
+    assert r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason == 42
+
+
+def test_max_model_len_finishes_with_length():
+    r = _run_one(make_req("a", 6, max_tokens=100), [7] * 10, max_model_len=8)
+    assert r.status == RequestStatus.FINISHED_LENGTH and r.num_tokens == 8
+
+
+# ---- prefix caching and bookkeeping ---------------------------------------------------------------------
+
+def test_prefix_hit_through_scheduler_in_tokens():
+    s = make_sched()
+    a, b = make_req("a", 40, max_tokens=1), make_req("b", 40, max_tokens=1)
+    s.add_request(a)
+    step(s)
+    s.add_request(b)
+    assert batch(step(s)) == [("b", 8)]
+    assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 32)
+    stats = s.make_stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (80, 32)
+
+
+def test_finished_ids_reported_once():
+    s = make_sched()
+    s.add_request(make_req("a", 4, max_tokens=1))
+    step(s)
+    assert s.schedule().finished_request_ids == ["a"]
+    assert s.schedule().finished_request_ids == []
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+@pytest.mark.parametrize("caching", [True, False])
+def test_random_workload_completes_without_leaks(policy, caching):
+    rng = random.Random(0)
+    s = make_sched(num_blocks=12, block_size=4, max_num_seqs=4, max_batched=12, policy=policy,
+                   caching=caching)
+    reqs: list[Request] = []
+    for i in range(30):
+        prev = reqs[-1] if reqs and rng.random() < 0.3 else None
+        n = prev.num_prompt_tokens if prev else rng.randint(1, 20)
+        base = prev.prompt_token_ids[0] if prev else rng.choice([0, 0, 500])
+        reqs.append(make_req(f"r{i}", n, max_tokens=rng.randint(1, 12), base=base,
+                             priority=rng.randint(0, 2), arrival=float(i), fork_source=prev))
+    for r in reqs:
+        s.add_request(r)
+    for _ in range(2000):
+        if not s.has_unfinished_requests():
+            break
+        step(s)
+        owners = [0] * s.kv.num_blocks
+        for r in s.running:
+            for block_id in r.block_ids:
+                owners[block_id] += 1
+        assert [b.ref_cnt for b in s.kv.pool.blocks] == owners
+        assert all(not r.block_ids for r in s.waiting)
+    assert not s.has_unfinished_requests()
+    assert all(r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == r.max_tokens
+               for r in reqs)
+    assert held_blocks(s) == 0 and s.make_stats().kv_cache_usage == 0.0
