@@ -1,0 +1,80 @@
+"""build_sampling_metadata: per-row tensors and the host flags the sampler branches on."""
+from __future__ import annotations
+
+import pytest
+import torch
+from sample_helpers import make_request
+
+from peregrine.sample import build_sampling_metadata
+from peregrine.sample.metadata import seed_to_int64
+
+
+def test_per_row_values_and_greedy_rows_neutralised():
+    reqs = [make_request(seed=1, temperature=0.0, top_k=5, top_p=0.5, min_p=0.3),
+            make_request(seed=2, output=[4, 4], temperature=0.7, top_k=3, top_p=0.9, min_p=0.1)]
+    m = build_sampling_metadata(reqs, 10, "cpu")
+    assert m.temperature.tolist() == pytest.approx([1.0, 0.7])
+    assert m.top_k.tolist() == [1, 3]
+    assert m.top_p.tolist() == pytest.approx([1.0, 0.9])
+    assert m.min_p.tolist() == pytest.approx([0.0, 0.1])
+    assert m.seeds.tolist() == [1, 2] and m.steps.tolist() == [0, 2]
+    assert m.greedy_mask.tolist() == [True, False]
+
+
+def test_flags_for_an_all_greedy_batch():
+    m = build_sampling_metadata([make_request(temperature=0.0, top_p=0.5)] * 3, 10, "cpu")
+    assert m.all_greedy and not (m.any_top_k or m.any_top_p or m.any_min_p or m.any_penalties)
+    assert m.max_num_logprobs is None
+
+
+def test_flags_come_from_sampled_rows_only():
+    reqs = [make_request(temperature=0.0, top_k=4), make_request(top_k=0, top_p=0.8), make_request(top_k=50)]
+    m = build_sampling_metadata(reqs, 30, "cpu")
+    assert not m.all_greedy and m.any_top_k and not m.all_top_k and m.any_top_p and not m.any_min_p
+    assert m.max_top_k == 30  # clamped to the vocabulary
+
+
+def test_all_top_k_when_every_sampled_row_has_one():
+    m = build_sampling_metadata([make_request(top_k=4), make_request(temperature=0.0),
+                                 make_request(top_k=9)], 30, "cpu")
+    assert m.all_top_k and m.max_top_k == 9 and m.greedy_mask is not None
+
+
+def test_no_penalty_tensors_without_penalties():
+    m = build_sampling_metadata([make_request(prompt=[1, 2], output=[3])], 10, "cpu")
+    assert m.prompt_token_mask is None and m.output_token_counts is None and m.repetition_penalties is None
+
+
+def test_penalty_counts_only_for_rows_that_use_penalties():
+    reqs = [make_request(prompt=[1, 2, 2], output=[3, 3, 7], frequency_penalty=0.5),
+            make_request(prompt=[4], output=[5])]
+    m = build_sampling_metadata(reqs, 8, "cpu")
+    assert m.any_penalties and m.any_presence_frequency and not m.any_repetition_penalty
+    assert m.prompt_token_mask.tolist() == [[False, True, True] + [False] * 5, [False] * 8]
+    assert m.output_token_counts.tolist() == [[0, 0, 0, 2, 0, 0, 0, 1], [0] * 8]
+
+
+def test_min_tokens_bans_listed_per_row():
+    reqs = [make_request(output=[1], min_tokens=2, eos=(9, 8), stop_token_ids=[3]),
+            make_request(output=[1, 1], min_tokens=2, eos=(9,)),
+            make_request(min_tokens=1, eos=(9,), ignore_eos=True, stop_token_ids=[3, 50])]
+    m = build_sampling_metadata(reqs, 10, "cpu")
+    pairs = sorted(zip(m.banned_rows.tolist(), m.banned_tokens.tolist()))
+    assert m.any_min_tokens and pairs == [(0, 3), (0, 8), (0, 9), (2, 3)]
+
+
+def test_max_num_logprobs_is_the_batch_maximum():
+    reqs = [make_request(logprobs=2), make_request(), make_request(logprobs=0)]
+    assert build_sampling_metadata(reqs, 10, "cpu").max_num_logprobs == 2
+    assert build_sampling_metadata([make_request(logprobs=0)], 10, "cpu").max_num_logprobs == 0
+
+
+def test_seeds_wrap_to_int64():
+    assert seed_to_int64(2**64 - 1) == -1 and seed_to_int64(2**63) == -(2**63) and seed_to_int64(-5) == -5
+    m = build_sampling_metadata([make_request(seed=2**64 + 3)], 10, "cpu")
+    assert m.seeds.dtype == torch.int64 and m.seeds.tolist() == [3]
+
+
+def test_empty_batch_is_rejected():
+    with pytest.raises(ValueError, match="at least one request"):
+        build_sampling_metadata([], 10, "cpu")
