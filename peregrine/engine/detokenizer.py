@@ -1,0 +1,123 @@
+"""Incremental detokenization of one sequence: text deltas without U+FFFD, and stop strings."""
+from __future__ import annotations
+
+from typing import Any
+
+from peregrine.sampling_params import SamplingParams
+
+# NOTE: how many prompt tokens open the first decode window. Tokenizers such as SentencePiece drop the
+# leading space of the first decoded token; with real left context the first output token keeps it.
+_PROMPT_CONTEXT_TOKENS = 6
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+def _decoder(tokenizer: Any, skip_special_tokens: bool):
+    """ids -> str over a short window: the Rust backend when there is one (no Python cleanup pass)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                        clean_up_tokenization_spaces=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a sequence's output token ids into text step by step and watches for stop strings.
+
+    Two offsets into the recent token ids delimit the decode window: tokens in [prefix, read) are
+    already rendered and give context; tokens from `read` on are new. Each step decodes only that window,
+    so the cost per token does not grow with the sequence. A window whose text ends in U+FFFD stops in the
+    middle of a UTF-8 character and is held back until the character is complete.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._decode = _decoder(tokenizer, params.skip_special_tokens)
+        self.stop: list[str] = list(params.stop or [])
+        self.include_stop_str_in_output = params.include_stop_str_in_output
+        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._prefix = 0  # index into _ids: start of the decode window
+        self._read = len(self._ids)  # index into _ids: first token not yet rendered into output_text
+        self._prefix_text: str | None = None  # decode of _ids[_prefix:_read], cached
+        self.output_text = ""
+        self.stop_reason: str | None = None  # the stop string found, once one is
+        self._num_sent = 0  # characters of output_text already returned by get_delta_text
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_reason is not None
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Append tokens to the text; return the stop string matched by them, or None."""
+        if self.stop_reason is not None:
+            return None
+        start = len(self.output_text)
+        pieces = [self._render(tok) for tok in new_token_ids]
+        self.output_text += "".join(pieces)
+        return self._find_stop(start) if self.stop else None
+
+    def get_delta_text(self, final: bool = False) -> str:
+        """Text added since the last call; holds back a possible stop-string prefix unless `final`."""
+        end = len(self.output_text) if final or self.stopped else self._stable_length()
+        end = max(end, self._num_sent)
+        delta = self.output_text[self._num_sent:end]
+        self._num_sent = end
+        return delta
+
+    def get_output_text(self, final: bool = False) -> str:
+        """All text so far, without a trailing possible stop-string prefix unless `final` (for streaming)."""
+        if final or self.stopped:
+            return self.output_text
+        return self.output_text[:max(self._stable_length(), self._num_sent)]
+
+    def _render(self, token_id: int) -> str:
+        """Add one token to the window; return the new complete text it unlocks (maybe '')."""
+        self._ids.append(token_id)
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._ids[self._prefix:self._read])
+        new_text = self._decode(self._ids[self._prefix:])
+        if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+            # Nothing visible yet (a skipped special token) or a UTF-8 character still incomplete.
+            return ""
+        delta = new_text[len(self._prefix_text):]
+        # The tokens just rendered become the next window's context; older ones are no longer needed.
+        del self._ids[:self._read]
+        self._prefix, self._read = 0, len(self._ids)
+        self._prefix_text = None
+        return delta
+
+    def _find_stop(self, start: int) -> str | None:
+        """Look for the earliest stop string that ends after `start`; truncate the text at it."""
+        text = self.output_text
+        search_from = max(0, start - self._max_stop_len + 1)
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = text.find(s, search_from)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        i, s = best
+        self.output_text = text[:i + len(s)] if self.include_stop_str_in_output else text[:i]
+        # NOTE: never needed when deltas went through the hold-back, but keeps slicing safe if not.
+        self._num_sent = min(self._num_sent, len(self.output_text))
+        self.stop_reason = s
+        return s
+
+    def _stable_length(self) -> int:
+        """Length of output_text minus its longest suffix that is a proper prefix of a stop string."""
+        text = self.output_text
+        held = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), held, -1):
+                if text.endswith(s[:n]):
+                    held = n
+                    break
+        return len(text) - held
+
+
+def decode_logprob_tokens(tokenizer: Any, token_ids: list[int]) -> list[str]:
+    """Each token decoded on its own (for Logprob.decoded_token); special tokens are kept."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.decode_batch([[t] for t in token_ids], skip_special_tokens=False)
+    return [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
