@@ -61,7 +61,8 @@ class ModelRunner:
         self.num_blocks = determine_num_blocks(self, config)
         self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size, self.device)
         self.graphs = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and \
+                config.attention_backend == "triton":
             from peregrine.worker.cuda_graphs import CudaGraphRunner
             self.graphs = CudaGraphRunner(self)
 
@@ -80,8 +81,8 @@ class ModelRunner:
         batch = [reqs[i] for i in order]
         q_lens = np.fromiter((out.num_scheduled_tokens[i] for i in order), np.int64, len(order))
         step = self._prepare(batch, q_lens)
-        hidden = self._forward(step)  # (T, hidden)
-        return self._sample(batch, order, q_lens, step, hidden)
+        hidden, logits = self._forward(step)
+        return self._sample(batch, order, q_lens, step, hidden, logits)
 
     def _prepare(self, batch: list[Request], q_lens: np.ndarray) -> _Step:
         buf = self.buffers
@@ -112,20 +113,21 @@ class ModelRunner:
         buf.query_start_loc_np[:b + 1] = qsl
         return _Step(t, b, num_decodes, int(q_lens.max()), int(seq_lens.max()), width, qsl, seq_lens)
 
-    def _forward(self, step: _Step) -> torch.Tensor:
+    def _forward(self, step: _Step) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(hidden (T, hidden), None) eagerly, or (None, logits (B, V)) from a CUDA graph."""
         if self.graphs is not None and step.num_decodes == step.num_seqs and \
                 self.graphs.can_run(step.num_seqs):
-            return self.graphs.run(step)
+            return None, self.graphs.run(step)
         buf = self.buffers
         t, b = step.num_tokens, step.num_seqs
         input_ids, positions, meta = buf.to_device(t, b, step.width)
         meta.num_decodes = meta.num_decode_tokens = step.num_decodes
         meta.max_query_len = step.max_query_len
         meta.max_seq_len = step.max_seq_len
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta), None
 
     def _sample(self, batch: list[Request], order: list[int], q_lens: np.ndarray, step: _Step,
-                hidden: torch.Tensor) -> ModelRunnerOutput:
+                hidden: torch.Tensor | None, all_logits: torch.Tensor | None) -> ModelRunnerOutput:
         sample_pos: list[int] = []  # batch index of each request that samples this step
         prompt_lp: list[tuple[int, int, int]] = []  # (batch idx, first prompt position, count)
         for i, r in enumerate(batch):
@@ -140,7 +142,10 @@ class ModelRunner:
             first = int(step.qsl[i])
             prompt_idx.extend(range(first, first + count))
         idx = torch.tensor(logits_idx + prompt_idx, dtype=torch.long).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden.index_select(0, idx))  # (S + P, V)
+        if all_logits is not None:  # decode-only graph step: one row per sequence
+            logits = all_logits.index_select(0, idx)  # (S + P, V)
+        else:
+            logits = self.model.compute_logits(hidden.index_select(0, idx))  # (S + P, V)
         sampled_reqs = [batch[i] for i in sample_pos]
         sampled_lists: list[list[int]] = [[] for _ in batch]
         logprobs: dict[str, TokenLogprobs] = {}

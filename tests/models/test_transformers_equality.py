@@ -1,0 +1,89 @@
+"""Peregrine's greedy tokens and logprobs equal transformers' on tiny float32 checkpoints."""
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+from peregrine import LLM, SamplingParams
+from peregrine.testing.checkpoints import ARCHS, tiny_checkpoint
+
+NEW_TOKENS = 32
+PROMPT_LENS = (5, 17, 33, 48)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_reference(arch: str) -> tuple[list[list[int]], list[list[list[float]]]]:
+    """Greedy continuations and per-step full log-softmax rows from transformers."""
+    from transformers import AutoModelForCausalLM
+    path = tiny_checkpoint(arch)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # like ignore_eos: never stop early
+    tokens, logprobs = [], []
+    for prompt in _prompts(model.config.vocab_size):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                 do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=0)
+        tokens.append(out.sequences[0, len(prompt):].tolist())
+        logprobs.append([torch.log_softmax(x[0].float(), -1) for x in out.logits])
+    return tokens, logprobs
+
+
+def _run(arch: str, **engine_args) -> list:
+    path = tiny_checkpoint(arch)
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=256, seed=0, **engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+    return llm, llm.generate(_prompts(llm.engine.config.model.vocab_size), params, use_tqdm=False)
+
+
+def _check(arch: str, outs) -> None:
+    ref_tokens, ref_lps = _hf_reference(arch)
+    for out, want, want_lp in zip(outs, ref_tokens, ref_lps):
+        got = out.outputs[0].token_ids
+        assert got == want, f"{arch}: greedy tokens differ from transformers"
+        for pos, entry in enumerate(out.outputs[0].logprobs):
+            row = want_lp[pos]
+            for tok, lp in entry.items():
+                assert math.isclose(lp.logprob, row[tok].item(), abs_tol=1e-4), (arch, pos, tok)
+            top = torch.topk(row, 3).indices.tolist()
+            assert set(top) <= set(entry), f"{arch}: top-3 logprob tokens differ at step {pos}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_transformers(arch: str) -> None:
+    _, outs = _run(arch)
+    _check(arch, outs)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("mode", ["chunked", "preempt", "chunked+preempt"])
+def test_greedy_matches_with_scheduler_pressure(mode: str, prefix_caching: bool) -> None:
+    args: dict = {"enable_prefix_caching": prefix_caching}
+    if "chunked" in mode:
+        args["max_num_batched_tokens"] = 16
+    if "preempt" in mode:
+        args["num_gpu_blocks_override"] = 8  # 4 requests need up to 20 blocks at once
+    llm, outs = _run("qwen3", **args)
+    _check("qwen3", outs)
+    if "preempt" in mode:
+        assert llm.engine.get_stats().num_preemptions > 0, "preemption was not exercised"
+
+
+def test_shared_prefix_hits_cache_and_matches() -> None:
+    llm, first = _run("llama", enable_prefix_caching=True)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+    second = llm.generate(_prompts(llm.engine.config.model.vocab_size), params, use_tqdm=False)
+    _check("llama", second)
+    # Full blocks of each prompt are found again; the last prompt token is always recomputed.
+    assert [o.num_cached_tokens for o in second] == [((n - 1) // 16) * 16 for n in PROMPT_LENS]
+    stats = llm.engine.get_stats()
+    assert stats.prefix_cache_hits >= sum(((n - 1) // 16) * 16 for n in PROMPT_LENS)
