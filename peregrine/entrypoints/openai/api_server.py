@@ -1,0 +1,165 @@
+"""The FastAPI app of the OpenAI-compatible server, and running it under uvicorn."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import peregrine
+from peregrine.engine.async_engine import AsyncEngine, EngineDeadError
+from peregrine.entrypoints.openai.errors import (GuardMiddleware, bad_request, error_response,
+                                                 install_error_handlers)
+from peregrine.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                   DetokenizeRequest, ModelCard, ModelList,
+                                                   TokenizeRequest)
+from peregrine.entrypoints.openai.serving_chat import create_chat_completion, render_chat
+from peregrine.entrypoints.openai.serving_common import ServingContext, check_model
+from peregrine.entrypoints.openai.serving_completion import create_completion
+from peregrine.metrics import ServerMetrics, StatLogger
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Server knobs (the engine's are EngineArgs); CLI flags are generated from these fields."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # None: no auth; else required as "Authorization: Bearer" on /v1
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    health_no_progress_timeout: float = 60.0  # seconds without progress (with work) -> 503
+    log_stats_interval: float = 5.0  # seconds between stat log lines; 0 disables them
+    retry_after: int = 1  # Retry-After seconds on 429
+    uvicorn_log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
+        if self.health_no_progress_timeout <= 0:
+            raise ValueError("health_no_progress_timeout must be > 0 seconds")
+        if self.log_stats_interval < 0:
+            raise ValueError("log_stats_interval must be >= 0 (0 disables the log line)")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty")
+
+
+def build_app(engine: AsyncEngine, args: ServerArgs | None = None) -> FastAPI:
+    """The app around an AsyncEngine; the app's lifespan starts and stops the engine loop."""
+    args = args or ServerArgs()
+    engine.no_progress_timeout = args.health_no_progress_timeout
+    mc = engine.config.model
+    ctx = ServingContext(engine, mc.served_model_name, mc.max_model_len, args.retry_after)
+    metrics = ServerMetrics(ctx.model_name, lambda: engine.stats)
+    engine.observers.append(metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        task = None
+        if args.log_stats_interval > 0:
+            task = asyncio.create_task(StatLogger(lambda: engine.stats,
+                                                  args.log_stats_interval).run())
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+            await engine.shutdown()
+
+    app = FastAPI(title="Peregrine OpenAI-compatible server", version=peregrine.__version__,
+                  lifespan=lifespan)
+    app.state.ctx = ctx
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, max_body_bytes=args.max_request_body_bytes,
+                       api_key=args.api_key)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await create_completion(ctx, body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await create_chat_completion(ctx, body, raw)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = ModelCard(id=ctx.model_name, root=mc.model, max_model_len=ctx.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+        check_model(ctx, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("send exactly one of prompt or messages", "prompt")
+        if body.messages is not None:
+            if not body.messages:
+                raise bad_request("messages must not be empty", "messages")
+            ids = render_chat(ctx, body.messages, add_generation_prompt=body.add_generation_prompt)
+        else:
+            tok = ctx.require_tokenizer("tokenize")
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len})
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        check_model(ctx, body.model)
+        tok = ctx.require_tokenizer("detokenize")
+        vocab = mc.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+        return JSONResponse({"prompt": tok.decode(body.tokens)})
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": peregrine.__version__})
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            engine.check_health()
+        except EngineDeadError as e:
+            return error_response(503, str(e), code="engine_unhealthy")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    return app
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket (port 0: the OS picks a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def make_uvicorn_server(app: FastAPI, args: ServerArgs):
+    """A uvicorn.Server for the app (call `.run(sockets=[...])` or `.serve()`)."""
+    import uvicorn
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_keep_alive=5, access_log=False)
+    return uvicorn.Server(config)
+
+
+def run_server(engine: AsyncEngine, args: ServerArgs) -> None:
+    """Serve until interrupted (blocking)."""
+    app = build_app(engine, args)
+    server = make_uvicorn_server(app, args)
+    sock = bind_socket(args.host, args.port)
+    logger.info("serving %s on http://%s:%d", engine.config.model.served_model_name,
+                args.host, sock.getsockname()[1])
+    server.run(sockets=[sock])

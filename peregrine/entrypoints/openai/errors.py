@@ -1,0 +1,164 @@
+"""Errors in OpenAI's shape {"error": {message, type, param, code}}, their FastAPI handlers, and the
+ASGI guard (request body limit, API key) that runs before any route."""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_exceeded",
+          500: "server_error", 503: "service_unavailable"}
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "is-instance"}
+
+
+class OpenAIError(Exception):
+    """An error answered as {"error": {...}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """The JSON body of an error answer."""
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status,
+                        headers=headers)
+
+
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code="invalid_value")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # NOTE: union members show up in loc as type names ("str", "list[int]"); keep field names.
+    loc = [p for p in loc if p not in _TYPE_TAGS and not any(c in p for c in "[]-")]
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {first.get('msg')}", None
+    param = ".".join(loc) or None
+    where = f"{param}: " if param else ""
+    extra = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return f"{where}{first.get('msg', 'invalid value')}{extra}", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every error (ours, validation, routing, unexpected) to the OpenAI shape."""
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, param, "invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error", exc_info=exc)
+        return error_response(500, f"internal server error: {type(exc).__name__}")
+
+
+class GuardMiddleware:
+    """Rejects oversized bodies (413) and, with an API key, unauthenticated /v1 calls (401).
+
+    The body is read up front (bounded by `max_body_bytes`) and replayed to the app; after that
+    `receive` passes through, so the app still sees the client's disconnect.
+    """
+
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, api_key: str | None = None) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.api_key is not None and scope["path"].startswith("/v1") and not self._authorized(scope):
+            await _send_error(send, 401, "invalid or missing API key (send 'Authorization: Bearer "
+                              "<key>')", "invalid_api_key")
+            return
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            await _send_error(send, 413, f"request body of {int(length)} bytes exceeds the limit "
+                              f"of {self.max_body_bytes} bytes", "request_too_large")
+            return
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_body_bytes:
+                await _send_error(send, 413, f"request body exceeds the limit of "
+                                  f"{self.max_body_bytes} bytes", "request_too_large")
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        assert self.api_key is not None
+        for name, value in scope.get("headers") or []:
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer":
+                    return hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        return False
+
+
+async def _send_error(send: Send, status: int, message: str, code: str) -> None:
+    body = json.dumps(error_body(status, message, None, code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

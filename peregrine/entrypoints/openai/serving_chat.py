@@ -1,0 +1,183 @@
+"""POST /v1/chat/completions: messages rendered with the tokenizer's chat template."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from peregrine.engine.async_engine import EngineRequest, RequestStream
+from peregrine.entrypoints.openai.errors import bad_request
+from peregrine.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
+                                                   ChatCompletionRequest, ChatCompletionResponse,
+                                                   ChatLogprobs, ChatMessage, ChatResponseMessage,
+                                                   ChatStreamChoice, ChatTokenLogprob, DeltaMessage,
+                                                   PromptTokensDetails, TopLogprob, Usage,
+                                                   random_id)
+from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ClientDisconnected,
+                                                         ServingContext, TokenText, add_requests,
+                                                         build_sampling_params, check_model,
+                                                         clamp_logprob, output_error,
+                                                         reject_unsupported, resolve_max_tokens,
+                                                         sse, stream_guard, top_entries,
+                                                         unless_disconnected)
+from peregrine.outputs import CompletionOutput, PositionLogprobs
+
+
+def render_chat(ctx: ServingContext, messages: list[ChatMessage], *, add_generation_prompt: bool,
+                continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Apply the chat template and tokenize (the template adds the special tokens itself)."""
+    tok = ctx.require_tokenizer("chat")
+    if not getattr(tok, "chat_template", None):
+        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+    dumped = []
+    for m in messages:
+        d = m.model_dump()
+        if isinstance(m.content, list):
+            for part in m.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(f"unsupported content part type {part.get('type')!r} "
+                                      "(only text)", "messages")
+        dumped.append(d)
+    if continue_final_message and dumped[-1]["role"] != "assistant":
+        raise bad_request("continue_final_message needs an assistant message last", "messages")
+    try:
+        text = tok.apply_chat_template(
+            dumped, tokenize=False, add_generation_prompt=add_generation_prompt and not
+            continue_final_message, continue_final_message=continue_final_message,
+            **(template_kwargs or {}))
+    except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception) are user errors
+        raise bad_request(f"could not apply the chat template: {e}", "messages") from e
+    return tok.encode(text, add_special_tokens=False)
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
+                                 raw: Request) -> Response:
+    """Handle one /v1/chat/completions call."""
+    check_model(ctx, req.model)
+    reject_unsupported(req)
+    if req.tools:
+        raise bad_request("tools are not supported", "tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("response_format other than text is not supported", "response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    ids = render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
+                      continue_final_message=req.continue_final_message,
+                      template_kwargs=req.chat_template_kwargs)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = resolve_max_tokens(ctx, len(ids), requested, None, "messages")
+    params = build_sampling_params(ctx, req, max_tokens=max_tokens,
+                                   logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+    request_id = random_id("chatcmpl")
+    stream = await add_requests(ctx, [EngineRequest(request_id, ids, params, req.priority)])
+    builder = _ChatBuilder(ctx, req, request_id, len(ids))
+    if req.stream:
+        return StreamingResponse(stream_guard(stream, builder.stream(stream)),
+                                 media_type="text/event-stream")
+    try:
+        response = await unless_disconnected(raw, stream, builder.collect(stream))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(response.model_dump())
+
+
+class _ChatBuilder:
+    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
+                 num_prompt_tokens: int) -> None:
+        self.ctx, self.req, self.request_id = ctx, req, request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self.created = int(time.time())
+        self.token_text = TokenText(ctx.tokenizer)
+        n = req.n
+        self.text: list[list[str]] = [[] for _ in range(n)]
+        self.num_tokens = [0] * n
+        self.logprobs: list[list[ChatTokenLogprob]] = [[] for _ in range(n)]
+        self.finish: list[str | None] = [None] * n
+        self.stop_reason: list[int | str | None] = [None] * n
+        self.cached_tokens = 0
+
+    def _logprob_rows(self, c: CompletionOutput) -> list[ChatTokenLogprob]:
+        rows = []
+        num = self.req.top_logprobs or 0
+        for tid, pos in zip(c.token_ids, c.logprobs or []):
+            pos: PositionLogprobs | None
+            chosen = pos.get(tid) if pos else None
+            text = self.token_text(tid, chosen)
+            tops = [TopLogprob(token=(t := self.token_text(i, lp)), logprob=clamp_logprob(lp.logprob),
+                               bytes=list(t.encode("utf-8")))
+                    for i, lp in top_entries(pos or {}, num)]
+            rows.append(ChatTokenLogprob(
+                token=text, logprob=clamp_logprob(chosen.logprob) if chosen else -9999.0,
+                bytes=list(text.encode("utf-8")), top_logprobs=tops))
+        return rows
+
+    def _absorb(self, c: CompletionOutput) -> tuple[bool, list[ChatTokenLogprob] | None]:
+        """Record one completion's delta; return (moved, its new logprob rows)."""
+        k = c.index
+        if self.finish[k] is not None:
+            return False, None
+        rows = self._logprob_rows(c) if self.req.logprobs and c.logprobs is not None else None
+        if rows:
+            self.logprobs[k].extend(rows)
+        self.text[k].append(c.text)
+        self.num_tokens[k] += len(c.token_ids)
+        self.finish[k] = c.finish_reason
+        self.stop_reason[k] = c.stop_reason
+        return bool(c.text or c.token_ids or c.finish_reason is not None), rows
+
+    def usage(self) -> Usage:
+        completion = sum(self.num_tokens)
+        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion,
+                     total_tokens=self.num_prompt_tokens + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens))
+
+    async def collect(self, stream: RequestStream) -> ChatCompletionResponse:
+        async for out in stream:
+            err = output_error(out)
+            if err is not None:
+                raise err
+            self.cached_tokens = out.num_cached_tokens
+            for c in out.outputs:
+                self._absorb(c)
+        choices = [ChatChoice(
+            index=k, message=ChatResponseMessage(content="".join(self.text[k])),
+            logprobs=ChatLogprobs(content=self.logprobs[k]) if self.req.logprobs else None,
+            finish_reason=self.finish[k], stop_reason=self.stop_reason[k])
+            for k in range(self.req.n)]
+        return ChatCompletionResponse(id=self.request_id, model=self.ctx.model_name,
+                                      choices=choices, usage=self.usage())
+
+    def _chunk(self, choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
+        return sse(ChatCompletionChunk(id=self.request_id, created=self.created,
+                                       model=self.ctx.model_name, choices=choices,
+                                       usage=usage).model_dump_json())
+
+    async def stream(self, stream: RequestStream) -> AsyncIterator[str]:
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        # NOTE: like OpenAI, the first chunk of every choice carries only the role.
+        yield self._chunk([ChatStreamChoice(index=k, delta=DeltaMessage(role="assistant",
+                                                                        content=""))
+                           for k in range(self.req.n)])
+        async for out in stream:
+            err = output_error(out)
+            if err is not None:
+                raise err
+            self.cached_tokens = out.num_cached_tokens
+            choices = []
+            for c in out.outputs:
+                moved, rows = self._absorb(c)
+                if not moved:
+                    continue
+                choices.append(ChatStreamChoice(
+                    index=c.index, delta=DeltaMessage(content=c.text or None),
+                    logprobs=ChatLogprobs(content=rows) if rows is not None else None,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            if choices:
+                yield self._chunk(choices)
+        if include_usage:
+            yield self._chunk([], self.usage())
+        yield SSE_DONE

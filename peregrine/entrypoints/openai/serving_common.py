@@ -1,0 +1,219 @@
+"""What completions and chat share: model check, length check, sampling params, adding requests,
+logprob formatting, SSE framing, disconnect handling."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from peregrine.engine.async_engine import (AsyncEngine, EngineDeadError, EngineRequest,
+                                           RequestAbortedError, RequestStream)
+from peregrine.engine.scheduler import QueueFullError
+from peregrine.entrypoints.openai.errors import OpenAIError, bad_request, error_body
+from peregrine.entrypoints.openai.protocol import SamplingRequest
+from peregrine.outputs import Logprob, PositionLogprobs, RequestOutput
+from peregrine.sampling_params import RequestOutputKind, SamplingParams
+
+T = TypeVar("T")
+# NOTE: JSON has no -inf; a token with zero probability is reported with this logprob instead.
+_MIN_LOGPROB = -9999.0
+_GEN_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass
+class ServingContext:
+    """Everything a handler needs; built once per server."""
+
+    engine: AsyncEngine
+    model_name: str
+    max_model_len: int
+    retry_after_s: int = 1
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def require_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            raise bad_request(f"{what} needs a tokenizer, but the server runs without one "
+                              "(skip_tokenizer_init); send token ids instead")
+        return self.tokenizer
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the answer was ready."""
+
+
+def check_model(ctx: ServingContext, model: str | None) -> None:
+    if model is not None and model != ctx.model_name:
+        raise OpenAIError(404, f"The model `{model}` does not exist (this server serves "
+                          f"`{ctx.model_name}`).", param="model", code="model_not_found")
+
+
+def reject_unsupported(req: SamplingRequest) -> None:
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of is not supported (only best_of == n)", "best_of")
+
+
+def resolve_max_tokens(ctx: ServingContext, prompt_len: int, requested: int | None,
+                       default: int | None, param: str) -> int:
+    """The max_tokens to use; 400 when the prompt plus the request cannot fit max_model_len."""
+    limit = ctx.max_model_len
+    if prompt_len == 0:
+        raise bad_request("the prompt is empty", param)
+    if prompt_len >= limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens, but the prompt "
+                          f"has {prompt_len} tokens, which leaves no room for the completion.",
+                          param)
+    if requested is None:
+        # NOTE: an unset max_tokens is clamped to what fits rather than rejected.
+        return min(default, limit - prompt_len) if default is not None else limit - prompt_len
+    if prompt_len + requested > limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you "
+                          f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                          f"{requested} for the completion). Please reduce the prompt or "
+                          "max_tokens.", "max_tokens")
+    return requested
+
+
+def build_sampling_params(ctx: ServingContext, req: SamplingRequest, *, max_tokens: int,
+                          logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    """SamplingParams from the request; generation_config.json fills what the user left unset."""
+    kwargs: dict[str, Any] = dict(
+        n=req.n, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens, max_tokens=max_tokens, logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs, output_kind=RequestOutputKind.DELTA)
+    user_set = set()
+    for name in _GEN_DEFAULT_FIELDS:
+        value = getattr(req, name)
+        if value is not None:
+            kwargs[name] = value
+            user_set.add(name)
+    try:
+        params = SamplingParams(**kwargs)
+    except ValueError as e:
+        raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
+    gen_cfg = ctx.engine.config.model.generation_config
+    return params.with_generation_defaults(gen_cfg, user_set)
+
+
+async def add_requests(ctx: ServingContext, requests: list[EngineRequest]) -> RequestStream:
+    """Add to the engine; map its refusals to 400 / 429 / 503."""
+    try:
+        return await ctx.engine.add_requests(requests)
+    except QueueFullError as e:
+        raise OpenAIError(429, f"the server is busy ({e}); retry later", code="queue_full",
+                          headers={"Retry-After": str(ctx.retry_after_s)}) from e
+    except ValueError as e:
+        raise bad_request(str(e)) from e
+    except EngineDeadError as e:
+        raise OpenAIError(503, str(e), code="engine_dead") from e
+
+
+def stream_failure(e: BaseException) -> OpenAIError:
+    """The error to report for an exception raised while a stream was being read."""
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(503, str(e), code="engine_dead")
+    if isinstance(e, RequestAbortedError):
+        return OpenAIError(500, str(e), code="aborted")
+    return OpenAIError(500, f"internal error: {type(e).__name__}: {e}")
+
+
+def output_error(out: RequestOutput) -> OpenAIError | None:
+    """A request that failed inside the engine becomes a 500 (only that request)."""
+    if out.error is None and not any(c.finish_reason == "error" for c in out.outputs):
+        return None
+    return OpenAIError(500, f"the request failed: {out.error or 'unknown error'}",
+                       code="request_failed")
+
+
+def sse(payload: Any) -> str:
+    """One server-sent event carrying JSON."""
+    data = payload if isinstance(payload, str) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+def sse_error(err: OpenAIError) -> str:
+    return sse(error_body(err.status, err.message, err.param, err.code))
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def stream_guard(stream: RequestStream, body: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Pass SSE text through; on any exit (finish, error, client gone) abort what is left."""
+    try:
+        async for chunk in body:
+            yield chunk
+    except OpenAIError as e:
+        yield sse_error(e)
+        yield SSE_DONE
+    except (EngineDeadError, RequestAbortedError) as e:
+        yield sse_error(stream_failure(e))
+        yield SSE_DONE
+    finally:
+        stream.abort()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, stream: RequestStream, work: Awaitable[T]) -> T:
+    """Await `work` (reading `stream`); if the client leaves first, abort and raise."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        raise ClientDisconnected()
+    except (EngineDeadError, RequestAbortedError) as e:
+        raise stream_failure(e) from e
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        stream.abort()
+
+
+# ----------------------------------------------------------------------------- logprobs
+def clamp_logprob(lp: float) -> float:
+    return lp if math.isfinite(lp) else _MIN_LOGPROB
+
+
+class TokenText:
+    """Token id -> its text, from the engine's decoded_token or the tokenizer (cached)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int, lp: Logprob | None = None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tok.decode([token_id]) if self._tok is not None else f"token_id:{token_id}"
+            self._cache[token_id] = text
+        return text
+
+
+def top_entries(pos: PositionLogprobs, num: int) -> list[tuple[int, Logprob]]:
+    """The top-`num` entries of one position, by rank."""
+    ranked = [(tid, lp) for tid, lp in pos.items() if lp.rank is not None and lp.rank <= num]
+    ranked.sort(key=lambda kv: kv[1].rank)
+    return ranked[:num]

@@ -1,0 +1,245 @@
+"""POST /v1/completions: prompts as text, token ids or lists of either; streaming or not."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from peregrine.engine.async_engine import EngineRequest, RequestStream
+from peregrine.entrypoints.openai.errors import bad_request
+from peregrine.entrypoints.openai.protocol import (CompletionChoice, CompletionChunk,
+                                                   CompletionLogprobs, CompletionRequest,
+                                                   CompletionResponse, PromptTokensDetails, Usage,
+                                                   random_id)
+from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ClientDisconnected,
+                                                         ServingContext, TokenText, add_requests,
+                                                         build_sampling_params, check_model,
+                                                         clamp_logprob, output_error,
+                                                         reject_unsupported, resolve_max_tokens,
+                                                         sse, stream_guard, top_entries,
+                                                         unless_disconnected)
+from peregrine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+
+_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+@dataclass
+class _Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass
+class _Choice:
+    """One choice being assembled: prompt index i, completion j -> OpenAI index i * n + j."""
+
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: CompletionLogprobs | None = None
+    text_len: int = 0  # characters emitted so far (for text_offset)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    started: bool = False  # streaming: the echoed prompt was sent
+
+
+def _parse_prompts(ctx: ServingContext, req: CompletionRequest) -> list[_Prompt]:
+    p = req.prompt
+    if isinstance(p, str):
+        items: list[str | list[int]] = [p]
+    elif not p:
+        raise bad_request("prompt must not be empty", "prompt")
+    elif isinstance(p[0], int):
+        items = [p]  # one prompt of token ids
+    else:
+        items = list(p)
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            tok = ctx.require_tokenizer("a text prompt")
+            prompts.append(_Prompt(item, tok.encode(item)))
+        else:
+            prompts.append(_Prompt(None, list(item)))
+    return prompts
+
+
+async def create_completion(ctx: ServingContext, req: CompletionRequest,
+                            raw: Request) -> Response:
+    """Handle one /v1/completions call."""
+    check_model(ctx, req.model)
+    reject_unsupported(req)
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if req.echo and req.logprobs is not None and req.stream:
+        raise bad_request("echo with logprobs is only supported without streaming", "echo")
+    prompts = _parse_prompts(ctx, req)
+    request_id = random_id("cmpl")
+    engine_reqs = []
+    for i, prompt in enumerate(prompts):
+        max_tokens = resolve_max_tokens(ctx, len(prompt.token_ids), req.max_tokens,
+                                        _DEFAULT_MAX_TOKENS, "prompt")
+        params = build_sampling_params(
+            ctx, req, max_tokens=max_tokens, logprobs=req.logprobs,
+            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
+        engine_reqs.append(EngineRequest(f"{request_id}-{i}", prompt.token_ids, params,
+                                         req.priority))
+    stream = await add_requests(ctx, engine_reqs)
+    index_of = {r.request_id: i for i, r in enumerate(engine_reqs)}
+    builder = _Builder(ctx, req, prompts, index_of, request_id)
+    if req.stream:
+        return StreamingResponse(stream_guard(stream, builder.stream(stream)),
+                                 media_type="text/event-stream")
+    try:
+        response = await unless_disconnected(raw, stream, builder.collect(stream))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(response.model_dump())
+
+
+class _Builder:
+    """Turns DELTA RequestOutputs into OpenAI choices, chunks and usage."""
+
+    def __init__(self, ctx: ServingContext, req: CompletionRequest, prompts: list[_Prompt],
+                 index_of: dict[str, int], request_id: str) -> None:
+        self.ctx, self.req, self.prompts, self.index_of = ctx, req, prompts, index_of
+        self.request_id = request_id
+        self.created = int(time.time())
+        self.token_text = TokenText(ctx.tokenizer)
+        self.choices = [_Choice() for _ in range(len(prompts) * req.n)]
+        self.cached_tokens = [0] * len(prompts)
+        self.prompt_logprobs: list[list[PositionLogprobs | None]] = [[] for _ in prompts]
+
+    def _prompt_text(self, i: int) -> str:
+        p = self.prompts[i]
+        if p.text is None:
+            tok = self.ctx.tokenizer
+            p.text = tok.decode(p.token_ids) if tok is not None else ""
+        return p.text
+
+    def _absorb(self, out: RequestOutput) -> list[tuple[int, CompletionOutput, str]]:
+        """Update the choices; return (choice index, output, new text) for those that moved."""
+        i = self.index_of[out.request_id]
+        self.cached_tokens[i] = out.num_cached_tokens
+        if out.prompt_logprobs:
+            self.prompt_logprobs[i].extend(out.prompt_logprobs)
+        moved = []
+        for c in out.outputs:
+            idx = i * self.req.n + c.index
+            ch = self.choices[idx]
+            if ch.finish_reason is not None:
+                continue  # finished earlier; n>1 outputs keep listing it
+            text = c.text
+            if self.req.echo and not ch.started:
+                ch.started = True
+                if self.req.logprobs is None or self.req.stream:
+                    text = self._prompt_text(i) + text
+            if c.logprobs is not None and self.req.logprobs is not None:
+                if ch.logprobs is None:
+                    ch.logprobs = CompletionLogprobs()
+                self._add_logprobs(ch, c.token_ids, c.logprobs)
+            ch.text.append(text)
+            ch.num_tokens += len(c.token_ids)
+            ch.finish_reason = c.finish_reason
+            ch.stop_reason = c.stop_reason
+            if text or c.token_ids or c.finish_reason is not None:
+                moved.append((idx, c, text))
+        return moved
+
+    def _add_logprobs(self, ch: _Choice, token_ids: list[int],
+                      positions: list[PositionLogprobs | None]) -> CompletionLogprobs:
+        """Append one logprob row per token to ch.logprobs; return just the new rows."""
+        new = CompletionLogprobs()
+        num = self.req.logprobs or 0
+        for tid, pos in zip(token_ids, positions):
+            chosen = pos.get(tid) if pos else None
+            text = self.token_text(tid, chosen)
+            new.tokens.append(text)
+            new.token_logprobs.append(clamp_logprob(chosen.logprob) if chosen else None)
+            if pos is None:
+                new.top_logprobs.append(None)
+            else:
+                top = {self.token_text(t, lp): clamp_logprob(lp.logprob)
+                       for t, lp in top_entries(pos, num)}
+                if chosen is not None:
+                    top.setdefault(text, clamp_logprob(chosen.logprob))
+                new.top_logprobs.append(top)
+            new.text_offset.append(ch.text_len)
+            ch.text_len += len(text)
+        assert ch.logprobs is not None
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(ch.logprobs, name).extend(getattr(new, name))
+        return new
+
+    def usage(self) -> Usage:
+        prompt = sum(len(p.token_ids) for p in self.prompts)
+        completion = sum(ch.num_tokens for ch in self.choices)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens)))
+
+    async def collect(self, stream: RequestStream) -> CompletionResponse:
+        async for out in stream:
+            err = output_error(out)
+            if err is not None:
+                raise err
+            self._absorb(out)
+        if self.req.echo and self.req.logprobs is not None:
+            self._prepend_prompt_logprobs()
+        choices = [CompletionChoice(index=k, text="".join(ch.text), logprobs=ch.logprobs,
+                                    finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)
+                   for k, ch in enumerate(self.choices)]
+        return CompletionResponse(id=self.request_id, model=self.ctx.model_name, choices=choices,
+                                  usage=self.usage())
+
+    def _prepend_prompt_logprobs(self) -> None:
+        """echo + logprobs: the prompt's tokens (first one has no logprob) lead each choice."""
+        for k, ch in enumerate(self.choices):
+            i = k // self.req.n
+            ids = self.prompts[i].token_ids
+            rows = self.prompt_logprobs[i]
+            rows = (rows + [None] * len(ids))[:len(ids)]
+            head = _Choice(logprobs=CompletionLogprobs())
+            self._add_logprobs(head, ids, rows)
+            assert head.logprobs is not None
+            gen = ch.logprobs or CompletionLogprobs()
+            shift = head.text_len
+            head.logprobs.tokens += gen.tokens
+            head.logprobs.token_logprobs += gen.token_logprobs
+            head.logprobs.top_logprobs += gen.top_logprobs
+            head.logprobs.text_offset += [o + shift for o in gen.text_offset]
+            ch.logprobs = head.logprobs
+            ch.text.insert(0, self._prompt_text(i))
+
+    async def stream(self, stream: RequestStream) -> AsyncIterator[str]:
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        async for out in stream:
+            err = output_error(out)
+            if err is not None:
+                raise err
+            lp_before = {k: len(ch.logprobs.tokens) if ch.logprobs else 0
+                         for k, ch in enumerate(self.choices)}
+            choices = []
+            for idx, c, text in self._absorb(out):
+                ch = self.choices[idx]
+                lps = None
+                if ch.logprobs is not None:
+                    start = lp_before[idx]
+                    lps = CompletionLogprobs(
+                        text_offset=ch.logprobs.text_offset[start:],
+                        token_logprobs=ch.logprobs.token_logprobs[start:],
+                        tokens=ch.logprobs.tokens[start:],
+                        top_logprobs=ch.logprobs.top_logprobs[start:])
+                choices.append(CompletionChoice(index=idx, text=text, logprobs=lps,
+                                                finish_reason=c.finish_reason,
+                                                stop_reason=c.stop_reason))
+            if choices:
+                yield sse(CompletionChunk(id=self.request_id, created=self.created,
+                                          model=self.ctx.model_name,
+                                          choices=choices).model_dump_json())
+        if include_usage:
+            yield sse(CompletionChunk(id=self.request_id, created=self.created,
+                                      model=self.ctx.model_name, choices=[],
+                                      usage=self.usage()).model_dump_json())
+        yield SSE_DONE

@@ -1,0 +1,79 @@
+"""`peregrine serve [MODEL] ...`: flags come from the EngineArgs and ServerArgs fields."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import typing
+
+from peregrine.entrypoints.cli import add_engine_args, engine_args_from
+from peregrine.entrypoints.openai.api_server import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_SERVER_HELP = {
+    "host": "address to listen on",
+    "port": "port to listen on (0: any free port)",
+    "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: $PEREGRINE_API_KEY)",
+    "max_request_body_bytes": "larger request bodies get 413",
+    "health_no_progress_timeout": "/health answers 503 after this many seconds without "
+                                  "engine progress while work is pending",
+    "log_stats_interval": "seconds between stats log lines (0: off)",
+    "retry_after": "Retry-After seconds sent with 429 (queue full)",
+    "uvicorn_log_level": "uvicorn's log level",
+}
+
+
+def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type, help_text: dict[str, str]) -> None:
+    """One --flag per field of a flat dataclass; the default is the field's."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+        kwargs: dict[str, typing.Any] = dict(default=f.default, help=help_text.get(f.name))
+        if base is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = base if base in (int, float, str) else str
+        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Add `serve`'s arguments: MODEL, every EngineArgs flag, every ServerArgs flag."""
+    parser.add_argument("model", nargs="?", default=None,
+                        help="local model folder (default: the built-in demo model)")
+    add_engine_args(parser, skip={"model"})
+    _add_dataclass_args(parser, ServerArgs, _SERVER_HELP)
+
+
+def server_args_from(ns: argparse.Namespace) -> ServerArgs:
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs)
+              if hasattr(ns, f.name)}
+    if values.get("api_key") is None and os.environ.get("PEREGRINE_API_KEY"):
+        values["api_key"] = os.environ["PEREGRINE_API_KEY"]
+    return ServerArgs(**values)
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """Parse the flags, build the engine, serve until interrupted; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="peregrine serve",
+                                     description="Run the OpenAI-compatible server.")
+    add_serve_args(parser)
+    ns = parser.parse_args(argv)
+    try:
+        engine_args = engine_args_from(ns)
+        server_args = server_args_from(ns)
+        from peregrine.engine.async_engine import AsyncEngine
+        engine = AsyncEngine.from_engine_args(engine_args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from peregrine.entrypoints.openai.api_server import run_server
+    run_server(engine, server_args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve_main())

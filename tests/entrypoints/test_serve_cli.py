@@ -1,0 +1,102 @@
+"""`peregrine serve` flags (generated from the dataclasses) and one real run as a subprocess."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from peregrine.config import EngineArgs
+from peregrine.entrypoints.cli import engine_args_from
+from peregrine.entrypoints.openai.api_server import ServerArgs
+from peregrine.entrypoints.serve import add_serve_args, serve_main, server_args_from
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    return parser.parse_args(argv)
+
+
+def test_defaults_come_from_the_dataclasses():
+    ns = _parse([])
+    assert engine_args_from(ns) == EngineArgs()
+    assert server_args_from(ns) == ServerArgs()
+
+
+def test_issue_flags_parse_into_engine_and_server_args():
+    ns = _parse(["/models/x", "--host", "0.0.0.0", "--port", "9000", "--api-key", "k",
+                 "--served-model-name", "m", "--max-model-len", "512", "--max-num-seqs", "8",
+                 "--max-num-batched-tokens", "1024", "--gpu-memory-utilization", "0.5",
+                 "--block-size", "32", "--dtype", "bfloat16", "--no-enable-prefix-caching",
+                 "--scheduling-policy", "priority", "--max-queue-len", "10", "--enforce-eager",
+                 "--load-format", "dummy", "--max-request-body-bytes", "100",
+                 "--health-no-progress-timeout", "5"])
+    e, s = engine_args_from(ns), server_args_from(ns)
+    assert (e.model, e.served_model_name, e.max_model_len, e.max_num_seqs) == ("/models/x", "m", 512, 8)
+    assert (e.max_num_batched_tokens, e.gpu_memory_utilization, e.block_size) == (1024, 0.5, 32)
+    assert (e.dtype, e.enable_prefix_caching, e.scheduling_policy) == ("bfloat16", False, "priority")
+    assert (e.max_queue_len, e.enforce_eager, e.load_format) == (10, True, "dummy")
+    assert (s.host, s.port, s.api_key, s.max_request_body_bytes) == ("0.0.0.0", 9000, "k", 100)
+    assert s.health_no_progress_timeout == 5.0
+
+
+def test_no_model_means_the_demo_model():
+    assert engine_args_from(_parse([])).model is None
+
+
+def test_api_key_falls_back_to_the_environment(monkeypatch):
+    monkeypatch.setenv("PEREGRINE_API_KEY", "from-env")
+    assert server_args_from(_parse([])).api_key == "from-env"
+
+
+def test_bad_model_folder_exits_with_code_2(tmp_path, capsys):
+    assert serve_main([str(tmp_path / "missing"), "--device", "cpu"]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_peregrine_serve_runs_and_answers(tiny_model_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-c", "import sys; from peregrine.entrypoints.cli import main; "
+           "sys.exit(main(sys.argv[1:]))", "serve", tiny_model_path, "--port", "0",
+           "--device", "cpu", "--num-gpu-blocks-override", "64", "--max-model-len", "128",
+           "--served-model-name", "cli-model", "--log-stats-interval", "0"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env=env, cwd=REPO)
+    try:
+        port = None
+        deadline = time.monotonic() + 90
+        while port is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line and proc.poll() is not None:
+                break
+            m = re.search(r"on http://[\d.]+:(\d+)", line)
+            if m:
+                port = int(m.group(1))
+        assert port is not None, "server did not report its port"
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            try:
+                if httpx.get(base + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        assert httpx.get(base + "/v1/models").json()["data"][0]["id"] == "cli-model"
+        r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("server did not stop on SIGINT")
