@@ -23,7 +23,8 @@ def _token_logprobs_chunk(logits: torch.Tensor, target_ids: torch.Tensor, k: int
     ranks = (logprobs > target_lp).sum(-1) + 1  # (N,)
     if k > 0:
         top_lp, top_ids = logprobs.topk(k, dim=-1)  # (N, k), (N, k)
-        return LogprobsTensors(torch.cat([target, top_ids], dim=-1), torch.cat([target_lp, top_lp], dim=-1), ranks)
+        ids = torch.cat([target, top_ids], dim=-1)  # (N, k+1)
+        return LogprobsTensors(ids, torch.cat([target_lp, top_lp], dim=-1), ranks)
     return LogprobsTensors(target, target_lp, ranks)
 
 

@@ -5,6 +5,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -73,11 +74,12 @@ def _token_rows(token_lists: list[list[int]], rows: list[int], device: torch.dev
     """Flatten per-row token lists into (row index, token id) tensors on `device`."""
     lengths = [len(t) for t in token_lists]
     total = sum(lengths)
-    tokens = _to_device(list(itertools.chain.from_iterable(token_lists)), torch.int64, device)  # (N,)
-    # NOTE: output_size keeps repeat_interleave from reading the total back from the device.
-    row_ids = torch.repeat_interleave(_to_device(rows, torch.int64, device),
-                                      _to_device(lengths, torch.int64, device), output_size=total)  # (N,)
-    return row_ids, tokens
+    flat = np.empty((2, total), dtype=np.int64)  # (2, N): row index, token id
+    flat[0] = np.repeat(np.asarray(rows, dtype=np.int64), lengths)
+    flat[1] = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=total)
+    cpu = torch.from_numpy(flat)
+    out = cpu.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else cpu
+    return out[0], out[1]
 
 
 def _build_penalty_counts(requests: list[Request], rows: list[int], vocab_size: int,
@@ -102,30 +104,28 @@ def build_sampling_metadata(requests: list[Request], vocab_size: int,
     device = torch.device(device)
     if not requests:
         raise ValueError("build_sampling_metadata needs at least one request")
-    temps, top_ks, top_ps, min_ps, seeds, steps = [], [], [], [], [], []
-    greedy, pres, freq, rep = [], [], [], []
+    float_rows: list[tuple[float, ...]] = []  # temperature, top_p, min_p, presence, frequency, repetition
+    int_rows: list[tuple[int, ...]] = []  # top_k, seed, step, is_greedy
+    sampled_top_ks: list[int] = []  # top_k of the non-greedy rows (0: none)
     penalty_rows: list[int] = []
     banned_rows: list[int] = []
     banned_tokens: list[int] = []
     max_logprobs: int | None = None
-    sampled_top_ks: list[int] = []
     any_top_p = any_min_p = any_rep = any_pf = False
     for row, req in enumerate(requests):
         p = req.sampling_params
-        is_greedy = p.is_greedy
-        greedy.append(int(is_greedy))
-        k = min(p.top_k, vocab_size) if p.top_k > 0 else 0
-        if is_greedy:
+        if p.is_greedy:
             # NOTE: greedy rows get neutral values; their token is the argmax, whatever the filters say.
-            temps.append(1.0), top_ks.append(1), top_ps.append(1.0), min_ps.append(0.0)
+            temperature, top_k, top_p, min_p = 1.0, 1, 1.0, 0.0
         else:
-            temps.append(p.temperature), top_ks.append(k), top_ps.append(p.top_p), min_ps.append(p.min_p)
-            sampled_top_ks.append(k)
-            any_top_p |= p.top_p < 1.0
-            any_min_p |= p.min_p > 0.0
-        seeds.append(seed_to_int64(req.seed))
-        steps.append(req.num_output_tokens)
-        pres.append(p.presence_penalty), freq.append(p.frequency_penalty), rep.append(p.repetition_penalty)
+            temperature, top_p, min_p = p.temperature, p.top_p, p.min_p
+            top_k = min(p.top_k, vocab_size) if p.top_k > 0 else 0
+            sampled_top_ks.append(top_k)
+            any_top_p |= top_p < 1.0
+            any_min_p |= min_p > 0.0
+        float_rows.append((temperature, top_p, min_p, p.presence_penalty, p.frequency_penalty,
+                           p.repetition_penalty))
+        int_rows.append((top_k, seed_to_int64(req.seed), req.num_output_tokens, int(p.is_greedy)))
         row_rep = p.repetition_penalty != 1.0
         row_pf = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
         any_rep |= row_rep
@@ -142,11 +142,12 @@ def build_sampling_metadata(requests: list[Request], vocab_size: int,
         if p.logprobs is not None:
             max_logprobs = p.logprobs if max_logprobs is None else max(max_logprobs, p.logprobs)
 
-    any_greedy = any(greedy)
+    all_greedy = not sampled_top_ks
+    any_greedy = len(sampled_top_ks) < len(requests)
     any_penalties = any_rep or any_pf
     # NOTE: one host->device copy per dtype instead of one per field.
-    floats = _to_device([temps, top_ps, min_ps, pres, freq, rep], torch.float32, device)  # (6, B)
-    ints = _to_device([top_ks, seeds, steps, greedy], torch.int64, device)  # (4, B)
+    floats = _to_device(list(zip(*float_rows)), torch.float32, device)  # (6, B)
+    ints = _to_device(list(zip(*int_rows)), torch.int64, device)  # (4, B)
     meta = SamplingMetadata(
         temperature=floats[0],
         greedy_mask=ints[3].bool() if any_greedy else None,
@@ -155,7 +156,7 @@ def build_sampling_metadata(requests: list[Request], vocab_size: int,
         min_p=floats[2],
         seeds=ints[1],
         steps=ints[2],
-        all_greedy=all(greedy),
+        all_greedy=all_greedy,
         any_top_k=any(k > 0 for k in sampled_top_ks),
         all_top_k=bool(sampled_top_ks) and all(k > 0 for k in sampled_top_ks),
         max_top_k=max(sampled_top_ks, default=0),

@@ -1,4 +1,4 @@
-"""Batched sampler: penalties, temperature, top-k/top-p/min-p and per-request seeded draws on the logits' device.
+"""Batched sampler on the logits' device: penalties, temperature, top-k/top-p/min-p, seeded draws.
 
 Stage order: min_tokens -> repetition penalty -> presence/frequency penalties -> (greedy rows: argmax) ->
 temperature -> top-k -> top-p -> min-p -> draw. No host<->device syncs and no loops over rows.
@@ -29,6 +29,7 @@ _MIX_C1 = 0x39BCD44B
 _MIX_C2 = 0x3792B149
 _SEED_SALT = 0x2545F491
 _TOKEN_SALT = 0x1B873593
+_NEG_INF = float("-inf")
 _U_BITS = 23  # bits of each hash used for the uniform; (x + 0.5) * 2**-23 is exact in float32
 
 
@@ -66,27 +67,28 @@ def log_exponentials(keys: torch.Tensor, token_hash: torch.Tensor) -> torch.Tens
     """log(E) with E ~ Exp(1) for every (row, token): keys (B, 1), token_hash (1, N) or (B, N) -> (B, N)."""
     x = _mix32(keys ^ token_hash)  # (B, N) int64
     u = (x >> (32 - _U_BITS)).to(torch.float32)  # (B, N)
-    # NOTE: u lies in [2**-24, 1 - 2**-24], so E = -log(u) is finite and > 0 and log(E) is finite: a row
-    # whose only kept token drew the extreme noise still picks it. The price: a token less likely than
-    # ~6e-8 times the most likely kept token cannot be drawn (same limit as a float32 exponential_()).
+    # NOTE: u lies in [2**-24, 1 - 2**-24], so E = -log(u) is in [6e-8, 16.6] and log(E) is finite: a row
+    # whose only kept token drew the extreme noise still picks it. The price of 23-bit uniforms: tokens
+    # rarer than ~1e-7 of the top kept token are slightly under-drawn, and below ~4e-9 never drawn (the
+    # same resolution as torch's float32 exponential_(), which vLLM uses).
     return u.add_(0.5).mul_(2.0 ** -_U_BITS).log_().neg_().log_()
 
 
 def _filter_thresholds(vals: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Per-row keep threshold from `vals` (B, K) sorted descending: top-k, then top-p, then min-p."""
-    neg_inf = torch.tensor(float("-inf"), device=vals.device)
     k = meta.top_k.clamp(max=vals.shape[-1])  # (B,)
-    thr = torch.where(k > 0, vals.gather(-1, (k - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1), neg_inf)  # (B,)
+    kth = vals.gather(-1, (k - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (B,)
+    thr = torch.where(k > 0, kth, _NEG_INF)  # (B,)
     if meta.any_top_p:
         # NOTE: the caller guarantees `vals` covers every token top-k kept, so this softmax is the
         # renormalised top-k distribution and top-p is exact.
-        probs = vals.masked_fill(vals < thr.unsqueeze(-1), float("-inf")).softmax(dim=-1)  # (B, K)
+        probs = vals.masked_fill(vals < thr.unsqueeze(-1), _NEG_INF).softmax(dim=-1)  # (B, K)
         cum = probs.cumsum_(dim=-1)  # (B, K)
         # Smallest prefix whose mass reaches top_p: all positions still below it, plus the one crossing it.
         n_keep = ((cum < meta.top_p.unsqueeze(-1)).sum(-1) + 1).clamp(max=vals.shape[-1])  # (B,)
         thr_p = vals.gather(-1, (n_keep - 1).unsqueeze(-1)).squeeze(-1)  # (B,)
         # NOTE: rows with top_p == 1 keep everything, even tokens a float32 cumsum would call beyond 1.
-        thr = torch.maximum(thr, torch.where(meta.top_p < 1.0, thr_p, neg_inf))
+        thr = torch.maximum(thr, torch.where(meta.top_p < 1.0, thr_p, _NEG_INF))
     if meta.any_min_p:
         # p_v >= min_p * p_max  <=>  logit_v >= logit_max + log(min_p); log(0) = -inf disables the row.
         thr = torch.maximum(thr, vals[:, 0] + meta.min_p.log())
@@ -128,7 +130,7 @@ class Sampler:
             return logits
         x = logits.clone()  # (B, V)
         if meta.any_min_tokens:
-            x.index_put_((meta.banned_rows, meta.banned_tokens), torch.tensor(float("-inf"), device=x.device))
+            x.index_put_((meta.banned_rows, meta.banned_tokens), x.new_full((), _NEG_INF))
         if not meta.any_penalties:
             return x
         counts = meta.output_token_counts  # (B, V) int32
@@ -150,7 +152,7 @@ class Sampler:
         return table
 
     def _sample(self, x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        batch, vocab = x.shape
+        vocab = x.shape[-1]
         temp = meta.temperature.unsqueeze(-1)  # (B, 1)
         keys = row_keys(meta.seeds, meta.steps).unsqueeze(-1)  # (B, 1)
         table = self._token_hash_table(vocab, x.device)  # (V,)
@@ -160,7 +162,7 @@ class Sampler:
             vals = vals / temp  # (B, K)
             thr = _filter_thresholds(vals, meta)  # (B,)
             scores = vals - log_exponentials(keys, table[ids])  # (B, K)
-            scores.masked_fill_(vals < thr.unsqueeze(-1), float("-inf"))
+            scores.masked_fill_(vals < thr.unsqueeze(-1), _NEG_INF)
             return ids.gather(-1, scores.argmax(dim=-1, keepdim=True)).squeeze(-1)
         x = x / temp  # (B, V)
         thr = None
@@ -174,6 +176,6 @@ class Sampler:
         log_e = log_exponentials(keys, table.unsqueeze(0))  # (B, V)
         scores = torch.sub(x, log_e, out=log_e)  # (B, V)
         if thr is not None:
-            scores.masked_fill_(x < thr.unsqueeze(-1), float("-inf"))
+            scores.masked_fill_(x < thr.unsqueeze(-1), _NEG_INF)
         return scores.argmax(dim=-1)
 

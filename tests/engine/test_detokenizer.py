@@ -8,10 +8,10 @@ from transformers import PreTrainedTokenizerFast
 from peregrine.engine.detokenizer import IncrementalDetokenizer, decode_logprob_tokens
 from peregrine.sampling_params import SamplingParams
 
-_TRAIN = ["the quick brown fox jumps over the lazy dog", "hello world, hello there", "stop here or STOP there",
-          "héllo wörld 日本語 🙂"] * 4
-_TEXTS = ["héllo wörld 日本語 🙂 and the lazy dog", "🙂🙂 日本語は難しい naïve café", "plain ascii text only",
-          "mixed: ü🙂ü 語, hello"]
+_TRAIN = ["the quick brown fox jumps over the lazy dog", "hello world, hello there",
+          "stop here or STOP there", "héllo wörld 日本語 🙂"] * 4
+_TEXTS = ["héllo wörld 日本語 🙂 and the lazy dog", "🙂🙂 日本語は難しい naïve café",
+          "plain ascii text only", "mixed: ü🙂ü 語, hello"]
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +23,8 @@ def tokenizer() -> PreTrainedTokenizerFast:
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>", "<|sep|>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_TRAIN, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", additional_special_tokens=["<|sep|>"],
-                                   clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>",
+                                   additional_special_tokens=["<|sep|>"], clean_up_tokenization_spaces=False)
 
 
 def _ids(tokenizer, text: str) -> list[int]:
