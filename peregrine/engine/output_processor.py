@@ -33,7 +33,6 @@ class SequenceState:
         self.logprobs: list[PositionLogprobs] | None = [] if req.sampling_params.logprobs is not None else None
         self.cumulative_logprob = 0.0 if self.logprobs is not None else None
         self.sent_tokens = 0
-        self.sent_text = 0
         self.sent_logprobs = 0
 
     @property
@@ -96,10 +95,10 @@ class RequestGroup:
         tokens, text, lps = req.output_token_ids, s.text, s.logprobs
         if delta:
             tokens = tokens[s.sent_tokens:]
-            text = text[s.sent_text:]
+            # NOTE: the detokenizer holds back a possible stop-string prefix until it is resolved.
+            text = s.detok.get_delta_text(final=req.is_finished) if s.detok is not None else ""
             lps = lps[s.sent_logprobs:] if lps is not None else None
             s.sent_tokens = req.num_output_tokens
-            s.sent_text = len(s.text)
             s.sent_logprobs = len(s.logprobs) if s.logprobs is not None else 0
         else:
             tokens = list(tokens)
