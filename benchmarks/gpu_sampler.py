@@ -80,10 +80,11 @@ def check_config(name: str, params: dict, args, device: torch.device, sampler: S
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
+            build_sampling_metadata(reqs, args.vocab, device)
             sampler(logits, meta)
         except RuntimeError as e:
             sync_ok = False
-            print(f"  host sync inside the sampler: {e}")
+            print(f"  host sync inside the metadata build or the sampler: {e}")
         finally:
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
