@@ -1,0 +1,56 @@
+"""Small launch helpers shared by the Triton kernels."""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton.language as tl
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def is_gpu(x: torch.Tensor) -> bool:
+    """True when x lives on a GPU (compiled kernels); False on CPU (the Triton interpreter)."""
+    return x.device.type == "cuda"
+
+
+def dot_dtype(x: torch.Tensor) -> tl.dtype:
+    """The dtype tl.dot operands are cast to: the 16-bit input dtype on a GPU, else fp32."""
+    if x.dtype not in _TL_DTYPES:
+        raise ValueError(f"unsupported dtype {x.dtype} (expected float32, float16 or bfloat16)")
+    # NOTE: the Triton CPU interpreter computes bf16 dots wrongly, so on CPU every dot runs in fp32.
+    # On a GPU, casting the fp32 values (loaded from 16-bit) back to 16-bit is lossless and keeps
+    # the tensor cores at full rate; the accumulator is fp32 either way.
+    if not is_gpu(x):
+        return tl.float32
+    return _TL_DTYPES[x.dtype]
+
+
+def dot_precision(x: torch.Tensor) -> str:
+    """How tl.dot treats fp32 operands: exact on CPU, 3-pass tf32 (~fp32 accuracy) on a GPU."""
+    # NOTE: plain "tf32" would silently round fp32 inputs to 10 mantissa bits; "ieee" runs on FMA
+    # units and spills at flash-attention tile sizes. 16-bit operands ignore this setting.
+    return "tf32x3" if is_gpu(x) else "ieee"
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (and >= 1)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def check_block_size(block_size: int) -> None:
+    """Paged kernels index tokens with shifts and masks: block_size must be a power of two."""
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of device; a small fixed number on CPU (the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())

@@ -1,0 +1,34 @@
+"""SiLU-and-mul for gated MLPs: silu(x[..., :I]) * x[..., I:]."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
+    mask = offs < inter
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up  # (BLOCK,)
+    tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x (..., 2I) -> silu(x[..., :I]) * x[..., I:] of shape (..., I)."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul: last dim {x.shape[-1]} is not even")
+    inter = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * inter)  # (N, 2I)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], inter, dtype=x.dtype, device=x.device)  # (N, I)
+    block = 1024
+    if x2.shape[0] > 0 and inter > 0:
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
+            x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
+    return out.view(*x.shape[:-1], inter)

@@ -1,0 +1,108 @@
+"""Pure-torch references for every Triton kernel; they are the oracle in tests and the CPU path."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# NOTE: the dense score matrix of one query chunk is (Hq, rows, L) fp32; chunking the queries of a
+# long prefill bounds that memory without changing the result.
+_QUERY_CHUNK = 512
+
+
+def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Write k/v (T, Hkv, D) into the paged caches at slot_mapping (T,); slot -1 is skipped."""
+    block_size = k_cache.shape[1]
+    valid = slot_mapping >= 0  # (T,)
+    slots = slot_mapping[valid].long()  # (n,)
+    blocks, offsets = slots // block_size, slots % block_size  # (n,), (n,)
+    k_cache[blocks, offsets] = k[valid].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
+
+
+def gather_kv_ref(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len tokens of one sequence from a paged cache, as (seq_len, Hkv, D)."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table_row[:num_blocks].long()  # (nb,)
+    return cache[blocks].flatten(0, 1)[:seq_len]  # (seq_len, Hkv, D)
+
+
+def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of q (n, Hq, D) at the LAST n positions of k/v (L, Hkv, D); fp32 result."""
+    n, num_q_heads, head_dim = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_q_heads // num_kv_heads
+    # NOTE: viewing q heads as (Hkv, group) is the same as repeating each kv head `group` times
+    # (q head h reads kv head h // group), without materialising the repeated K/V.
+    qg = q.float().reshape(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # (Hkv, G, n, D)
+    kf = k.float().permute(1, 0, 2).unsqueeze(1)  # (Hkv, 1, L, D)
+    vf = v.float().permute(1, 0, 2).unsqueeze(1)  # (Hkv, 1, L, D)
+    q_pos = torch.arange(seq_len - n, seq_len, device=q.device)  # (n,)
+    k_pos = torch.arange(seq_len, device=q.device)  # (L,)
+    out = torch.empty(n, num_q_heads, head_dim, dtype=torch.float32, device=q.device)  # (n, Hq, D)
+    for c in range(0, n, _QUERY_CHUNK):
+        rows = slice(c, min(c + _QUERY_CHUNK, n))
+        scores = (qg[:, :, rows] @ kf.transpose(-1, -2)) * scale  # (Hkv, G, r, L)
+        visible = k_pos[None, :] <= q_pos[rows, None]  # (r, L)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)  # (Hkv, G, r, L)
+        o = probs @ vf  # (Hkv, G, r, D)
+        out[rows] = o.permute(2, 0, 1, 3).reshape(-1, num_q_heads, head_dim)
+    return out
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_table: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor, scale: float,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal paged attention for a packed batch; the tokens of sequence i are q[qsl[i]:qsl[i+1]]."""
+    if out is None:
+        out = torch.zeros_like(q)  # (T, Hq, D)
+    # NOTE: a per-sequence loop needs host integers; this is the reference, so the sync is fine.
+    seq_lens_h = seq_lens.tolist()
+    qsl_h = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens_h):
+        start, end = qsl_h[i], qsl_h[i + 1]
+        if end <= start or seq_len <= 0:
+            continue
+        if end - start > seq_len:
+            raise ValueError(f"sequence {i}: {end - start} new tokens but seq_len {seq_len}")
+        k = gather_kv_ref(k_cache, block_table[i], seq_len)  # (L, Hkv, D)
+        v = gather_kv_ref(v_cache, block_table[i], seq_len)  # (L, Hkv, D)
+        out[start:end] = attend_ref(q[start:end], k, v, scale).to(out.dtype)
+    return out
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """HF-style RMSNorm (normalise in fp32, cast, then scale); with residual: (out, x + residual)."""
+    if residual is not None:
+        x = (x.float() + residual.float()).to(x.dtype)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
+    out = (h.to(x.dtype).float() * weight.float()).to(x.dtype)
+    return out if residual is None else (out, x)
+
+
+def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                   cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style RoPE (rotate halves of the first rotary_dim dims); returns new q, k."""
+    rot = cos_sin_cache.shape[1]
+    cos, sin = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)  # (T, rot/2) each
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # (T, H, D)
+        x1, x2 = xf[..., : rot // 2], xf[..., rot // 2: rot]  # (T, H, rot/2)
+        c, s = cos[:, None, :], sin[:, None, :]
+        rotated = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)  # (T, H, rot)
+        return torch.cat([rotated, xf[..., rot:]], dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :I]) * x[..., I:] for x (..., 2I), computed in fp32."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)

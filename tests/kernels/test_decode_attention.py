@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import TOLERANCES, exact_reference, make_paged_case
+from peregrine.kernels.decode_attention import decode_split_len, paged_decode_attention
+
+SCALE = 0.125
+
+
+def _run(case, **kwargs) -> torch.Tensor:
+    return paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_table,
+                                  case.seq_lens, SCALE, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
+def test_decode_matches_reference_across_splits(dtype: torch.dtype, heads: tuple[int, int]) -> None:
+    # 3 sequences: 1 token, a partial split, several splits with a partial last tile.
+    case = make_paged_case([1, 30, 71], [1, 1, 1], *heads, dtype=dtype)
+    out = _run(case, split_len=32)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), exact_reference(case, SCALE), **TOLERANCES[dtype])
+
+
+def test_decode_head_dim_128_bf16() -> None:
+    case = make_paged_case([17, 40], [1, 1], 4, 2, head_dim=128, dtype=torch.bfloat16)
+    out = _run(case, split_len=16)
+    torch.testing.assert_close(out.float(), exact_reference(case, SCALE),
+                               **TOLERANCES[torch.bfloat16])
+
+
+def test_decode_result_does_not_depend_on_split_len() -> None:
+    case = make_paged_case([5, 64], [1, 1], 4, 2, extra_width=4)
+    one_split = _run(case, split_len=case.block_table.shape[1] * 16)
+    many = _run(case, split_len=16)
+    default = _run(case)
+    torch.testing.assert_close(many, one_split, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(default, one_split, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_small_block_size() -> None:
+    case = make_paged_case([9, 23], [1, 1], 4, 1, block_size=4)
+    torch.testing.assert_close(_run(case, split_len=16), exact_reference(case, SCALE),
+                               **TOLERANCES[torch.float32])
+
+
+def test_decode_empty_sequence_gives_zeros() -> None:
+    case = make_paged_case([20, 1], [1, 1], 4, 2)
+    seq_lens = case.seq_lens.clone()
+    seq_lens[1] = 0  # a CUDA-graph padding slot: no context at all
+    out = paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_table, seq_lens,
+                                 SCALE, split_len=16)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    torch.testing.assert_close(out[0], exact_reference(case, SCALE)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_decode_writes_into_a_strided_out_view() -> None:
+    case = make_paged_case([12, 33], [1, 1], 4, 4)
+    full = torch.full((5, 4, 64), 7.0)
+    _run(case, out=full[1:3], split_len=16)
+    torch.testing.assert_close(full[1:3], exact_reference(case, SCALE), atol=1e-5, rtol=1e-5)
+    assert torch.all(full[0] == 7.0) and torch.all(full[3:] == 7.0)
+
+
+def test_split_len_depends_only_on_shapes() -> None:
+    cpu = torch.device("cpu")
+    a = decode_split_len(8, 2, 512, 16, cpu, 64)
+    assert a % 64 == 0 and a * 64 >= 512 * 16  # at most 64 splits cover the table
+    assert decode_split_len(8, 2, 512, 16, cpu, 64) == a
+    assert decode_split_len(1, 1, 512, 16, cpu, 64) <= a  # fewer programs -> more splits
+
+
+def test_decode_rejects_bad_gqa_ratio() -> None:
+    case = make_paged_case([4], [1], 3, 2)
+    with pytest.raises(ValueError, match="multiple"):
+        _run(case)

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import TOLERANCES, exact_reference, make_paged_case
+from peregrine.kernels.extend_attention import extend_attention
+
+SCALE = 0.125
+
+
+def _run(case, **kwargs) -> torch.Tensor:
+    return extend_attention(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens,
+                            case.query_start_loc, SCALE, case.max_query_len, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
+def test_extend_matches_reference_with_prefixes(dtype: torch.dtype,
+                                                heads: tuple[int, int]) -> None:
+    # A fresh prefill, a chunk after a 21-token prefix (crosses blocks), and a single token.
+    case = make_paged_case([19, 40, 9], [19, 19, 1], *heads, dtype=dtype)
+    out = _run(case)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), exact_reference(case, SCALE), **TOLERANCES[dtype])
+
+
+def test_extend_head_dim_128_bf16() -> None:
+    case = make_paged_case([30, 25], [14, 25], 4, 2, head_dim=128, dtype=torch.bfloat16)
+    torch.testing.assert_close(_run(case).float(), exact_reference(case, SCALE),
+                               **TOLERANCES[torch.bfloat16])
+
+
+def test_extend_tile_sizes_do_not_change_the_result() -> None:
+    case = make_paged_case([37, 20], [20, 20], 4, 2)
+    ref = exact_reference(case, SCALE)
+    for block_m, block_n in [(16, 16), (16, 32), (32, 16)]:
+        out = _run(case, block_m=block_m, block_n=block_n)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_extend_small_block_size() -> None:
+    case = make_paged_case([23, 13], [10, 13], 4, 1, block_size=4)
+    torch.testing.assert_close(_run(case), exact_reference(case, SCALE), atol=1e-5, rtol=1e-5)
+
+
+def test_extend_only_writes_rows_of_its_sequences() -> None:
+    # Sequences 0 and 1 are decodes handled elsewhere: their rows must stay untouched.
+    case = make_paged_case([8, 3, 30], [1, 1, 12], 4, 2)
+    out = torch.full_like(case.q, 7.0)
+    _run(case, out=out, seq_start=2)
+    assert torch.all(out[:2] == 7.0)
+    torch.testing.assert_close(out[2:], exact_reference(case, SCALE)[2:], atol=1e-5, rtol=1e-5)
