@@ -1,0 +1,55 @@
+"""The attention backend interface: store the new K/V, then attend over the paged cache."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from peregrine.attention.metadata import AttentionMetadata
+
+BACKEND_NAMES = ("torch", "triton")
+
+
+class AttentionBackend(ABC):
+    """Paged causal attention for one layer and one flat step batch (decodes first)."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Store k/v (T, Hkv, D) at meta.slot_mapping, then return attention of q (T, Hq, D)."""
+
+
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Raise ValueError when the step tensors do not fit together (cheap: shapes only)."""
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(f"expected q (T, Hq, D) and k/v (T, Hkv, D); got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    if k.shape[0] != num_tokens or k.shape[2] != head_dim:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on T or D")
+    if num_q_heads % k.shape[1]:
+        raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
+                         f"{k.shape[1]}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != k.shape[1:]:
+        raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} must be "
+                         f"(num_blocks, block_size, {k.shape[1]}, {head_dim})")
+    if meta.slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping {tuple(meta.slot_mapping.shape)} != ({num_tokens},)")
+    if meta.num_decodes > meta.num_seqs or meta.num_decodes > num_tokens:
+        raise ValueError(f"num_decodes {meta.num_decodes} exceeds {meta.num_seqs} sequences or "
+                         f"{num_tokens} tokens")
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    """A fresh backend by name: "torch" (reference, any device) or "triton" (GPU kernels)."""
+    # NOTE: imports are lazy so that the torch backend never imports triton.
+    if name == "torch":
+        from peregrine.attention.torch_backend import TorchAttentionBackend
+        return TorchAttentionBackend()
+    if name == "triton":
+        from peregrine.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r} (expected one of {BACKEND_NAMES})")

@@ -1,0 +1,27 @@
+"""Pure-torch attention backend: the reference (oracle) and the CPU path."""
+from __future__ import annotations
+
+import torch
+
+from peregrine.attention.backend import AttentionBackend, check_shapes
+from peregrine.attention.metadata import AttentionMetadata
+from peregrine.kernels.reference import paged_attention_ref, store_kv_ref
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Stores K/V with index_put, then loops over sequences (vectorised within each one)."""
+
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Store k/v at meta.slot_mapping, then return attention of q (T, Hq, D)."""
+        check_shapes(q, k, v, k_cache, v_cache, meta)
+        store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.zeros_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
+        # NOTE: prefer the host copies; falling back to the device tensors costs a sync.
+        seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens
+        qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None \
+            else meta.query_start_loc
+        return paged_attention_ref(q, k_cache, v_cache, meta.block_table, seq_lens, qsl, scale,
+                                   out=out)

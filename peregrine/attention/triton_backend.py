@@ -1,0 +1,42 @@
+"""Triton attention backend: store_kv, flash-decoding for decodes, paged flash attention for the
+prefill/extend chunks."""
+from __future__ import annotations
+
+import torch
+
+from peregrine.attention.backend import AttentionBackend, check_shapes
+from peregrine.attention.metadata import AttentionMetadata
+from peregrine.kernels.decode_attention import paged_decode_attention
+from peregrine.kernels.extend_attention import extend_attention
+from peregrine.kernels.store_kv import store_kv
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Decode kernel on sequences [0, num_decodes), extend kernel on the rest."""
+
+    name = "triton"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Store k/v at meta.slot_mapping, then return attention of q (T, Hq, D)."""
+        check_shapes(q, k, v, k_cache, v_cache, meta)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        num_tokens = q.shape[0]
+        num_decodes = meta.num_decodes
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
+        if num_decodes > 0:
+            # NOTE: decode token i belongs to sequence i (decodes come first, one token each).
+            paged_decode_attention(q[:num_decodes], k_cache, v_cache,
+                                   meta.block_table[:num_decodes], meta.seq_lens[:num_decodes],
+                                   scale, out=out[:num_decodes])
+        if meta.num_seqs > num_decodes:
+            extend_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens,
+                             meta.query_start_loc, scale, meta.max_query_len, out=out,
+                             seq_start=num_decodes)
+            covered = meta.num_actual_tokens
+        else:
+            # NOTE: decode-only batches (the CUDA-graph case) read no host metadata at all.
+            covered = num_decodes
+        if covered < num_tokens:
+            out[covered:].zero_()  # padding rows: defined values, nothing stored for them
+        return out
