@@ -22,8 +22,8 @@ from peregrine.kernels import reference as ref  # noqa: E402
 from peregrine.kernels.activation import silu_and_mul  # noqa: E402
 from peregrine.kernels.decode_attention import paged_decode_attention  # noqa: E402
 from peregrine.kernels.extend_attention import extend_attention  # noqa: E402
-from peregrine.kernels.rms_norm import rms_norm  # noqa: E402
-from peregrine.kernels.rope import apply_rope  # noqa: E402
+from peregrine.kernels.rmsnorm import rms_norm  # noqa: E402
+from peregrine.kernels.rotary import apply_rope  # noqa: E402
 from peregrine.kernels.store_kv import store_kv  # noqa: E402
 
 PEAK_GBS = 4200.0  # H200 HBM3e

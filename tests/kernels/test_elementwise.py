@@ -5,8 +5,8 @@ import torch
 
 from peregrine.kernels.activation import silu_and_mul
 from peregrine.kernels.reference import apply_rope_ref, rms_norm_ref, silu_and_mul_ref
-from peregrine.kernels.rms_norm import rms_norm
-from peregrine.kernels.rope import apply_rope
+from peregrine.kernels.rmsnorm import rms_norm
+from peregrine.kernels.rotary import apply_rope
 
 # Kernels and references compute in fp32 with the same roundings. NOTE: the Triton CPU interpreter
 # truncates fp32 -> bf16 instead of rounding to nearest, so bf16 results may differ by an ulp per
@@ -52,7 +52,8 @@ def test_rope_in_place_matches_reference(dtype: torch.dtype, rotary_dim: int) ->
     cache = _cos_sin_cache(128, rotary_dim)
     q_ref, k_ref = apply_rope_ref(q, k, positions, cache)
     v_before = qkv[:, 6:].clone()
-    apply_rope(q, k, positions, cache)
+    q_out, k_out = apply_rope(q, k, positions, cache)
+    assert q_out is q and k_out is k  # in place, returned for convenience
     torch.testing.assert_close(q.float(), q_ref.float(), **TOL[dtype])
     torch.testing.assert_close(k.float(), k_ref.float(), **TOL[dtype])
     assert torch.equal(qkv[:, 6:], v_before)

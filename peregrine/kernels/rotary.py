@@ -45,9 +45,9 @@ def _rope_kernel(
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-               cos_sin_cache: torch.Tensor) -> None:
-    """Rotate q (T, Hq, D) and k (T, Hkv, D) in place; cos_sin_cache (max_pos, rotary_dim) holds
-    cos in its first half and sin in its second; dims past rotary_dim are left alone."""
+               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q (T, Hq, D) and k (T, Hkv, D) in place and return them; cos_sin_cache (max_pos,
+    rotary_dim) holds cos in its first half, sin in its second; dims past rotary_dim are kept."""
     num_tokens, num_q_heads, head_dim = q.shape
     rotary_dim = cos_sin_cache.shape[-1]
     if k.shape[0] != num_tokens or k.shape[2] != head_dim or positions.shape != (num_tokens,):
@@ -60,7 +60,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         if x.stride(-1) != 1:
             raise ValueError(f"apply_rope: {name} must be contiguous in its last dim")
     if num_tokens == 0:
-        return
+        return q, k
     half = rotary_dim // 2
     _rope_kernel[(num_tokens,)](
         q, k, positions, cos_sin_cache,
@@ -69,3 +69,4 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         HALF=half, BLOCK_HQ=next_pow2(num_q_heads), BLOCK_HK=next_pow2(k.shape[1]),
         BLOCK_HALF=next_pow2(half), num_warps=4,
     )
+    return q, k
