@@ -8,6 +8,7 @@ import os
 import sys
 import typing
 
+from peregrine.config import EngineArgs
 from peregrine.entrypoints.cli import add_engine_args, engine_args_from
 from peregrine.entrypoints.openai.api_server import ServerArgs
 
@@ -43,7 +44,8 @@ def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type, help_text: d
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Add `serve`'s arguments: MODEL, every EngineArgs flag, every ServerArgs flag."""
     parser.add_argument("model", nargs="?", default=None,
-                        help="local model folder (default: the built-in demo model)")
+                        help="local model folder, or a config .json (dummy weights, token-id "
+                        "prompts only); default: the built-in demo model")
     add_engine_args(parser, skip={"model"})
     _add_dataclass_args(parser, ServerArgs, _SERVER_HELP)
 
@@ -56,6 +58,20 @@ def server_args_from(ns: argparse.Namespace) -> ServerArgs:
     return ServerArgs(**values)
 
 
+def resolve_model_arg(args: EngineArgs) -> EngineArgs:
+    """A config .json instead of a folder: serve that architecture with dummy weights, no tokenizer."""
+    if args.model is None or not args.model.endswith(".json") or not os.path.isfile(args.model):
+        return args
+    from peregrine.bench.offline import model_folder
+    folder = model_folder(args.model)
+    load_format = "dummy" if args.load_format == "auto" else args.load_format
+    logger.info("serving %s with %s weights and no tokenizer (token-id prompts only)",
+                args.model, load_format)
+    return dataclasses.replace(args, model=folder, load_format=load_format,
+                               skip_tokenizer_init=True,
+                               served_model_name=args.served_model_name or args.model)
+
+
 def serve_main(argv: list[str] | None = None) -> int:
     """Parse the flags, build the engine, serve until interrupted; returns the exit code."""
     parser = argparse.ArgumentParser(prog="peregrine serve",
@@ -63,7 +79,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     add_serve_args(parser)
     ns = parser.parse_args(argv)
     try:
-        engine_args = engine_args_from(ns)
+        engine_args = resolve_model_arg(engine_args_from(ns))
         server_args = server_args_from(ns)
         from peregrine.engine.async_engine import AsyncEngine
         engine = AsyncEngine.from_engine_args(engine_args)

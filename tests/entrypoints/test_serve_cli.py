@@ -100,3 +100,13 @@ def test_peregrine_serve_runs_and_answers(tiny_model_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             pytest.fail("server did not stop on SIGINT")
+
+
+def test_config_json_means_dummy_weights_without_tokenizer(tiny_model_path):
+    from peregrine.entrypoints.serve import resolve_model_arg
+    cfg = str(Path(tiny_model_path) / "config.json")
+    args = resolve_model_arg(EngineArgs(model=cfg))
+    assert Path(args.model, "config.json").is_file() and args.model != cfg
+    assert (args.load_format, args.skip_tokenizer_init, args.served_model_name) == ("dummy", True, cfg)
+    folder = EngineArgs(model=tiny_model_path)
+    assert resolve_model_arg(folder) == folder

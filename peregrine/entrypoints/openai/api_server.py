@@ -162,4 +162,8 @@ def run_server(engine: AsyncEngine, args: ServerArgs) -> None:
     sock = bind_socket(args.host, args.port)
     logger.info("serving %s on http://%s:%d", engine.config.model.served_model_name,
                 args.host, sock.getsockname()[1])
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # NOTE: uvicorn re-raises SIGINT after its graceful shutdown
+    logger.info("server stopped")
