@@ -1,6 +1,8 @@
 """Every bad input gets its status and OpenAI's error shape, and the server keeps serving."""
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -180,3 +182,51 @@ def test_full_waiting_queue_is_429_with_retry_after():
                     assert err["code"] == "queue_full"
                     assert "[DONE]" in "".join(waiting.iter_text())
         _still_serving(s.base_url)
+
+
+def test_failed_request_is_500_for_it_alone():
+    engine = FakeEngine()
+    engine.fail_requests_with_prompt.add(7)
+    with RunningServer(engine) as s:
+        url = s.base_url + "/v1/completions"
+        err = _assert_error(httpx.post(url, json={"model": MODEL, "prompt": [7, 8],
+                                                  "max_tokens": 3}), 500)
+        assert "injected request failure" in err["message"]
+        with httpx.stream("POST", url, json={"model": MODEL, "prompt": [7, 8], "max_tokens": 3,
+                                             "stream": True}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert '"error"' in events[-2] and events[-1] == "data: [DONE]"
+        _still_serving(s.base_url)
+
+
+def test_health_is_503_while_the_engine_makes_no_progress():
+    engine = FakeEngine()
+    with RunningServer(engine, health_no_progress_timeout=0.2) as s:
+        assert httpx.get(s.base_url + "/health").status_code == 200
+        engine.stall.set()
+        with httpx.Client(timeout=30) as c:
+            with c.stream("POST", s.base_url + "/v1/completions",
+                          json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                "stream": True}) as r:
+                assert r.status_code == 200
+                time.sleep(0.4)
+                _assert_error(httpx.get(s.base_url + "/health"), 503)
+                engine.stall.clear()
+                assert "[DONE]" in "".join(r.iter_text())
+        assert httpx.get(s.base_url + "/health").status_code == 200
+
+
+def test_dead_engine_is_503_on_health_and_requests():
+    engine = FakeEngine()
+    engine.fail_next_steps = 1000
+    with RunningServer(engine) as s:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        for _ in range(3):  # three failed steps in a row kill the loop
+            r = httpx.post(s.base_url + "/v1/completions", json=body)
+            assert r.status_code in (500, 503)
+        deadline = time.monotonic() + 5
+        while httpx.get(s.base_url + "/health").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        _assert_error(httpx.get(s.base_url + "/health"), 503)
+        _assert_error(httpx.post(s.base_url + "/v1/completions", json=body), 503)
