@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+
+MAX_LOGPROBS = 20  # top-N logprobs per position, as in OpenAI's API
 
 
 class RequestOutputKind(enum.Enum):
@@ -51,6 +55,16 @@ class SamplingParams:
     def _validate(self) -> None:
         def bad(name: str, msg: str) -> ValueError:
             return ValueError(f"{name} {msg}")
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or (value is not None and not isinstance(value, int)):
+                raise bad(name, f"must be an integer, got {value!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) \
+                    or math.isinf(value):
+                raise bad(name, f"must be a finite number, got {value!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
         if self.temperature < 0.0:
@@ -73,10 +87,10 @@ class SamplingParams:
             raise bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise bad("logprobs", f"must be >= 0, got {self.logprobs}")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise bad("prompt_logprobs", f"must be >= 0, got {self.prompt_logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             raise bad("stop", "must not contain empty strings")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
