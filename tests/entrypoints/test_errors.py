@@ -164,14 +164,14 @@ def test_missing_or_wrong_api_key_is_401():
 def test_full_waiting_queue_is_429_with_retry_after():
     # One running slot and one waiting slot: a long stream runs, a second one waits, a third
     # request finds the waiting queue full.
-    engine = FakeEngine(max_queue_len=1, max_num_seqs=1, step_delay=0.01)
+    engine = FakeEngine(max_queue_len=1, max_num_seqs=1, step_delay=0.01, max_model_len=512)
     with RunningServer(engine, retry_after=3) as s:
         url = s.base_url + "/v1/completions"
 
         def stream_body(max_tokens: int) -> dict:
             return {"model": MODEL, "prompt": "hi", "max_tokens": max_tokens, "stream": True}
         with httpx.Client(timeout=30) as c1, httpx.Client(timeout=30) as c2:
-            with c1.stream("POST", url, json=stream_body(60)) as running:
+            with c1.stream("POST", url, json=stream_body(300)) as running:
                 lines = running.iter_lines()
                 assert next(lines).startswith("data: ")  # it runs
                 with c2.stream("POST", url, json=stream_body(2)) as waiting:
@@ -180,6 +180,7 @@ def test_full_waiting_queue_is_429_with_retry_after():
                     err = _assert_error(r, 429)
                     assert r.headers["retry-after"] == "3"
                     assert err["code"] == "queue_full"
+                    running.close()  # the client leaves: its slot goes to the waiting one
                     assert "[DONE]" in "".join(waiting.iter_text())
         _still_serving(s.base_url)
 

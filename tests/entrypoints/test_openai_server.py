@@ -189,3 +189,12 @@ def test_metrics_expose_every_name(client, real_server):
         assert name in text, name
     assert f'model_name="{MODEL}"' in text
     assert 'finished_reason="length"' in text
+
+
+def test_priority_needs_the_priority_policy(client):
+    with pytest.raises(openai.BadRequestError, match="priority"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                  extra_body={"priority": 1})
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                  extra_body={"priority": 0})
+    assert r.usage.completion_tokens == 2
