@@ -246,8 +246,10 @@ class AsyncEngine:
                     self._wake.wait(timeout=0.5)
                     continue
                 if not self._has_work:
-                    self._has_work = True
+                    # NOTE: the clock restarts before the flag flips, so /health never pairs
+                    # "work pending" with an idle period's old timestamp.
                     self._last_progress = time.monotonic()
+                    self._has_work = True
                 prev = self._stats
                 try:
                     outputs = self.engine.step()

@@ -103,8 +103,8 @@ class _ChatBuilder:
     def _logprob_rows(self, c: CompletionOutput) -> list[ChatTokenLogprob]:
         rows = []
         num = self.req.top_logprobs or 0
-        for tid, pos in zip(c.token_ids, c.logprobs or []):
-            pos: PositionLogprobs | None
+        positions: list[PositionLogprobs | None] = list(c.logprobs or [])
+        for tid, pos in zip(c.token_ids, positions):
             chosen = pos.get(tid) if pos else None
             text = self.token_text(tid, chosen)
             tops = [TopLogprob(token=(t := self.token_text(i, lp)), logprob=clamp_logprob(lp.logprob),
