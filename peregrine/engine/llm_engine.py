@@ -6,6 +6,8 @@ import random
 import time
 from collections.abc import Iterable
 
+import numpy as np
+
 from peregrine.config import EngineArgs, EngineConfig
 from peregrine.engine.detokenizer import IncrementalDetokenizer
 from peregrine.engine.output_processor import RequestGroup, SequenceState, to_position_logprobs
@@ -104,9 +106,12 @@ class LLMEngine:
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.config.model.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            raise ValueError("a token-id prompt must be a flat list of integers")
+        if int(arr.min()) < 0 or int(arr.max()) >= vocab:
+            bad = int(arr[(arr < 0) | (arr >= vocab)][0])
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         if len(ids) >= limit:
             raise ValueError(f"the prompt has {len(ids)} tokens, which leaves no room to generate "
                              f"within max_model_len={limit}")

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call: kernel checks, sampler check, engine equality, W2 latency and W1 throughput.
+# Usage: bash benchmarks/run_gpu_suite.sh [steps...]   (steps: kernels sampler engine w2 w1 w1hf w2hf)
+set -uo pipefail
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+CFG="${CFG:-benchmarks/configs}"
+steps="${*:-kernels sampler engine w2 w1}"
+run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -40; echo "=== $name rc=${PIPESTATUS[0]}"; }
+for s in $steps; do
+  case $s in
+    kernels) run kernels 240 python benchmarks/gpu_kernels.py ;;
+    sampler) run sampler 120 python benchmarks/gpu_sampler.py ;;
+    engine)  run engine 240 python benchmarks/gpu_engine_check.py ;;
+    w2)      run w2 150 python -m peregrine.entrypoints.cli bench latency --model "$CFG/llama-3-8b.json" --output-json "$OUT/w2.json" ;;
+    w2hf)    run w2hf 300 python -m peregrine.entrypoints.cli bench latency --model "$CFG/llama-3-8b.json" --iters 1 --compare-transformers --output-json "$OUT/w2hf.json" ;;
+    w1)      run w1 200 python -m peregrine.entrypoints.cli bench throughput --model "$CFG/qwen3-0.6b.json" --output-json "$OUT/w1.json" ;;
+    w1hf)    run w1hf 400 python -m peregrine.entrypoints.cli bench throughput --model "$CFG/qwen3-0.6b.json" --compare-transformers --hf-requests 32 --output-json "$OUT/w1hf.json" ;;
+  esac
+done
