@@ -77,7 +77,7 @@ def test_group_add_is_all_or_nothing():
 
 
 def test_queue_full_raises_queue_full_error():
-    engine = FakeEngine(max_queue_len=1, max_num_seqs=1)
+    engine = FakeEngine(max_queue_len=1, max_num_seqs=1, step_delay=0.01)
 
     async def fn(ae):
         s1 = await ae.add_request("r1", [5], _params(200))
