@@ -7,10 +7,12 @@ W4: a 2,000-token prefix shared by all requests + a 100-token unique part: TTFT 
     caching on vs off (finite rate), and throughput at 0% hits (unique 2,100-token prompts, rate
     inf) with caching on vs off.
 
-    python benchmarks/serve_workloads.py w3 --config ../shared/model_configs/llama-3-8b.json
-    python benchmarks/serve_workloads.py w4 --config ../shared/model_configs/llama-3-8b.json
+    python benchmarks/serve_workloads.py w3          # --config benchmarks/configs/llama-3-8b.json
+    python benchmarks/serve_workloads.py w4 --out-dir bench-results/serve
 
 Each run writes OUT_DIR/<name>.json (the bench summary) and prints one table at the end.
+Needs the `serve` extra (fastapi, uvicorn, pydantic, prometheus-client) on the GPU machine; the
+client side is stdlib only. Set PEREGRINE_BENCH_DTYPE=float32 for a CPU dry run on a tiny config.
 """
 from __future__ import annotations
 
@@ -133,7 +135,7 @@ def _table(results: dict[str, dict]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("workload", choices=["w3", "w4", "all"])
-    p.add_argument("--config", default=str(REPO.parent / "shared/model_configs/llama-3-8b.json"))
+    p.add_argument("--config", default=str(REPO / "benchmarks/configs/llama-3-8b.json"))
     p.add_argument("--port", type=int, default=8011)
     p.add_argument("--out-dir", default="bench-results/serve")
     p.add_argument("--num-prompts", type=int, default=1000, help="W3 requests per rate")
