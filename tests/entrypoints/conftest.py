@@ -8,7 +8,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-TINY_MODEL_NAME = "tiny-llama"
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +21,7 @@ def real_server(tiny_model_path):
     """The real LLMEngine behind the real app under uvicorn on 127.0.0.1."""
     from peregrine.config import EngineArgs
     from peregrine.engine.async_engine import AsyncEngine
-    from server_utils import RunningServer
+    from server_utils import TINY_MODEL_NAME, RunningServer
 
     args = EngineArgs(model=tiny_model_path, device="cpu", served_model_name=TINY_MODEL_NAME,
                       max_model_len=256, num_gpu_blocks_override=512, block_size=16)

@@ -10,6 +10,9 @@ from peregrine.entrypoints.openai.api_server import (ServerArgs, bind_socket, bu
                                                      make_uvicorn_server)
 
 
+TINY_MODEL_NAME = "tiny-llama"  # served name of the session's real server (conftest.py)
+
+
 class RunningServer:
     """`with RunningServer(engine) as s:` -> s.base_url ("http://127.0.0.1:PORT")."""
 

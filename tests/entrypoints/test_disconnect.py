@@ -8,7 +8,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import TINY_MODEL_NAME as MODEL
+from server_utils import TINY_MODEL_NAME as MODEL
 
 NUM_STREAMS = 64
 MAX_TOKENS = 24

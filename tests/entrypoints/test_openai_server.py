@@ -5,7 +5,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import TINY_MODEL_NAME as MODEL
+from server_utils import TINY_MODEL_NAME as MODEL
 from peregrine.metrics import METRIC_NAMES
 
 PROMPT = "The quick brown fox"
