@@ -51,16 +51,21 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     llm.generate(prompts[:4], [SamplingParams(max_tokens=8, ignore_eos=True)] * 4, use_tqdm=False)
     _sync()
     t0 = time.perf_counter()
+    llm.engine.timing.clear()
+    llm.engine.runner.timing.clear()
     outs = llm.generate(prompts, params, use_tqdm=False)
     _sync()
     elapsed = time.perf_counter() - t0
+    profile = {**{f"engine_{k}": v for k, v in llm.engine.timing.items()},
+               **{f"runner_{k}": v for k, v in llm.engine.runner.timing.items()}}
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = sum(len(p) for p in prompts)
     result = {"engine": "peregrine", "workload": "W1", "requests": len(prompts),
               "prompt_tokens": in_tokens, "output_tokens": out_tokens, "elapsed_s": elapsed,
               "output_tokens_per_s": out_tokens / elapsed,
               "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
-              "engine_args": {k: v for k, v in args.items() if k != "model"}}
+              "engine_args": {k: v for k, v in args.items() if k != "model"},
+              "host_profile_s": profile}
     del llm
     if ns.compare_transformers:
         result["transformers"] = _hf_continuous_batching(ns, prompts, out_lens)
@@ -225,6 +230,6 @@ def _print_table(result: dict[str, Any]) -> None:
         print(f"{k:<{width}}  {v:.2f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
     for k, v in result.items():
         if isinstance(v, dict) and k != "engine_args":
-            print(f"-- {k}: " + ", ".join(f"{a}={b:.2f}" if isinstance(b, float) else f"{a}={b}"
+            print(f"-- {k}: " + ", ".join(f"{a}={b:.3f}" if isinstance(b, float) else f"{a}={b}"
                                          for a, b in v.items()))
     sys.stdout.flush()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import defaultdict
 import time
 from collections.abc import Iterable
 
@@ -46,6 +47,7 @@ class LLMEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._last_step_time = 0.0
+        self.timing: dict[str, float] = defaultdict(float)  # cumulative host seconds per phase
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -144,6 +146,8 @@ class LLMEngine:
         """Schedule, run the model once, and report every request that progressed or finished."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        t_sched = time.perf_counter()
+        self.timing["schedule"] += t_sched - t0
         now = time.monotonic()
         touched: dict[str, RequestGroup] = {}
         for rid in sched.finished_request_ids:  # e.g. requests that can never fit
@@ -153,10 +157,16 @@ class LLMEngine:
         if sched.total_num_scheduled_tokens:
             for req in sched.scheduled_requests:
                 self._seq_group[req.request_id].note_scheduled(now)
+            t_exec = time.perf_counter()
             result = self._execute(sched)
+            t_update = time.perf_counter()
+            self.timing["execute"] += t_update - t_exec
             if result is not None:
                 updated = self.scheduler.update_from_output(sched, result.sampled_token_ids)
+                t_proc = time.perf_counter()
+                self.timing["update"] += t_proc - t_update
                 self._process(sched, result, updated, touched)
+                self.timing["process"] += time.perf_counter() - t_proc
             else:
                 for req in sched.scheduled_requests:
                     touched[self._seq_group[req.request_id].request_id] = self._seq_group[req.request_id]
@@ -168,6 +178,7 @@ class LLMEngine:
             if group.finished:
                 self._retire(group)
         self._last_step_time = time.perf_counter() - t0
+        self.timing["step_total"] += self._last_step_time
         return outputs
 
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:

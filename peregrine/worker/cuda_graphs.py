@@ -32,7 +32,8 @@ class CudaGraphRunner:
             raise ValueError("CUDA graphs need attention_backend='triton' (the torch backend reads "
                              "host metadata); pass enforce_eager=True to run without graphs")
         self.runner = runner
-        self.sizes = capture_sizes(runner.max_num_reqs)
+        # NOTE: a decode batch of B sequences is B tokens, so B is capped by the token budget too.
+        self.sizes = capture_sizes(min(runner.max_num_reqs, runner.max_num_tokens))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
+from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +20,7 @@ from peregrine.sample.metadata import build_sampling_metadata
 from peregrine.sample.sampler import Sampler
 from peregrine.worker.input_batch import BlockTableRows, StepBuffers
 from peregrine.worker.kv_memory import allocate_kv_caches, determine_num_blocks
-from peregrine.worker.loader import load_model
+from peregrine.worker.loader import load_model, set_fused_kernels
 
 logger = logging.getLogger("peregrine")
 
@@ -50,6 +53,8 @@ class ModelRunner:
         self.vocab_size = mc.vocab_size
         self.backend = get_attention_backend(config.attention_backend)
         self.model = load_model(mc, self.backend, self.device)
+        if self.device.type == "cuda" and os.environ.get("PEREGRINE_FUSED_KERNELS", "1") != "0":
+            set_fused_kernels(self.model, True)
         sc = config.scheduler
         self.max_num_tokens = sc.max_num_batched_tokens
         self.max_num_reqs = sc.max_num_seqs
@@ -61,6 +66,7 @@ class ModelRunner:
         self.num_blocks = determine_num_blocks(self, config)
         self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size, self.device)
         self.graphs = None
+        self.timing: dict[str, float] = defaultdict(float)
         if self.device.type == "cuda" and not config.enforce_eager and \
                 config.attention_backend == "triton":
             from peregrine.worker.cuda_graphs import CudaGraphRunner
@@ -77,12 +83,24 @@ class ModelRunner:
         if not reqs:
             return ModelRunnerOutput([], {}, {})
         # NOTE: decodes (query length 1) go first: the attention backend splits the batch there.
+        t0 = time.perf_counter()
         order = sorted(range(len(reqs)), key=lambda i: out.num_scheduled_tokens[i] != 1)
         batch = [reqs[i] for i in order]
         q_lens = np.fromiter((out.num_scheduled_tokens[i] for i in order), np.int64, len(order))
         step = self._prepare(batch, q_lens)
+        t1 = time.perf_counter()
         hidden, logits = self._forward(step)
-        return self._sample(batch, order, q_lens, step, hidden, logits)
+        t2 = time.perf_counter()
+        result = self._sample(batch, order, q_lens, step, hidden, logits)
+        t3 = time.perf_counter()
+        # Host seconds per phase; "sample" includes waiting for the GPU at the step's one sync.
+        tm = self.timing
+        tm["prepare"] += t1 - t0
+        tm["forward_launch"] += t2 - t1
+        tm["sample_and_sync"] += t3 - t2
+        tm["steps"] += 1
+        tm["decode_only_steps"] += step.num_decodes == step.num_seqs
+        return result
 
     def _prepare(self, batch: list[Request], q_lens: np.ndarray) -> _Step:
         buf = self.buffers
