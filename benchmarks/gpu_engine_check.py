@@ -8,6 +8,7 @@ Writes $OUT/engine_check.json when OUT is set; exits 1 if a check fails.
 """
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -42,8 +43,7 @@ def _generate(path: str, dtype: str, backend: str, eager: bool, **kw) -> list:
               gpu_memory_utilization=0.3, **kw)
     sp = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=2)
     outs = llm.generate(_prompts(), sp, use_tqdm=False)
-    del llm
-    torch.cuda.empty_cache()
+    _release(llm)
     return outs
 
 
@@ -52,9 +52,17 @@ def _teacher_forced(path: str, dtype: str, backend: str, seqs: list[list[int]]) 
               gpu_memory_utilization=0.3, enable_prefix_caching=False)
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=2)
     outs = llm.generate(seqs, sp, use_tqdm=False)
-    del llm
-    torch.cuda.empty_cache()
+    _release(llm)
     return outs
+
+
+def _release(llm: LLM) -> None:
+    """Free an engine's GPU memory before the next one profiles what is left."""
+    llm.engine.runner.graphs = None
+    llm.engine.runner.kv_caches = None
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def check_fp32(report: dict) -> bool:

@@ -15,6 +15,7 @@ for s in $steps; do
     w2)      run w2 150 python -m peregrine.entrypoints.cli bench latency --model "$CFG/llama-3-8b.json" --output-json "$OUT/w2.json" ;;
     w2hf)    run w2hf 300 python -m peregrine.entrypoints.cli bench latency --model "$CFG/llama-3-8b.json" --iters 1 --compare-transformers --output-json "$OUT/w2hf.json" ;;
     w1)      run w1 200 python -m peregrine.entrypoints.cli bench throughput --model "$CFG/qwen3-0.6b.json" --output-json "$OUT/w1.json" ;;
+    w1prof)  run w1prof 200 python -m peregrine.entrypoints.cli bench throughput --model "$CFG/qwen3-0.6b.json" --torch-profile 400:404 --torch-profile-out "$OUT/w1_profile.txt" --output-json "$OUT/w1prof.json" ;;
     w1hf)    run w1hf 400 python -m peregrine.entrypoints.cli bench throughput --model "$CFG/qwen3-0.6b.json" --compare-transformers --hf-requests 32 --output-json "$OUT/w1hf.json" ;;
   esac
 done

@@ -53,6 +53,8 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     llm.engine.timing.clear()
     llm.engine.runner.timing.clear()
+    if ns.torch_profile:
+        _profile_steps(llm.engine, ns.torch_profile, ns.torch_profile_out)
     outs = llm.generate(prompts, params, use_tqdm=False)
     _sync()
     elapsed = time.perf_counter() - t0
@@ -70,6 +72,35 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     if ns.compare_transformers:
         result["transformers"] = _hf_continuous_batching(ns, prompts, out_lens)
     return result
+
+
+def _profile_steps(engine, window: str, out_path: str | None) -> None:
+    """Wrap engine.step so that steps [a, b) run under torch.profiler; print the top kernels."""
+    a, b = (int(x) for x in window.split(":"))
+    original = engine.step
+    state = {"n": 0, "prof": None}
+
+    def step():
+        n = state["n"]
+        if n == a:
+            state["prof"] = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+            state["prof"].__enter__()
+        result = original()
+        state["n"] = n + 1
+        if n + 1 == b and state["prof"] is not None:
+            _sync()
+            state["prof"].__exit__(None, None, None)
+            table = state["prof"].key_averages().table(sort_by="cuda_time_total", row_limit=40)
+            cpu_table = state["prof"].key_averages().table(sort_by="cpu_time_total", row_limit=40)
+            text = f"steps {a}..{b}\n{table}\n{cpu_table}"
+            print(table)
+            if out_path:
+                Path(out_path).write_text(text)
+            state["prof"] = None
+        return result
+
+    engine.step = step
 
 
 def _hf_continuous_batching(ns, prompts, out_lens) -> dict[str, Any]:
@@ -198,6 +229,8 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
         p.add_argument("--max-output", type=int, default=1024)
         p.add_argument("--temperature", type=float, default=0.6)
         p.add_argument("--hf-requests", type=int, default=32)
+        p.add_argument("--torch-profile", default=None, help="profile engine steps A:B")
+        p.add_argument("--torch-profile-out", default=None)
     else:
         p.add_argument("--input-len", type=int, default=128)
         p.add_argument("--output-len", type=int, default=256)

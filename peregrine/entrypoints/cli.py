@@ -19,11 +19,13 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: set[str] = frozenset(
             continue
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
-        args = typing.get_args(hint)
         if hint is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             continue
-        base = next((a for a in args if a is not type(None)), hint)
+        # Optional[X] -> X; a bare Literal[...] keeps its own values as choices.
+        base = hint
+        if typing.get_origin(hint) is not typing.Literal:
+            base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
         if typing.get_origin(base) is typing.Literal:
             parser.add_argument(flag, choices=typing.get_args(base), default=f.default)
         else:
