@@ -43,6 +43,7 @@ class EngineArgs:
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     max_queue_len: int | None = None
     enforce_eager: bool = False
+    async_scheduling: bool | None = None  # None: on with CUDA (overlaps host and device work)
     attention_backend: str | None = None  # torch | triton; None -> env or device default
     device: str = "auto"
     tensor_parallel_size: int = 1
@@ -166,6 +167,7 @@ class EngineConfig:
     attention_backend: str
     enforce_eager: bool
     tensor_parallel_size: int
+    async_scheduling: bool | None = None
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
@@ -208,7 +210,7 @@ class EngineConfig:
                                 args.enable_chunked_prefill, args.scheduling_policy,
                                 args.max_queue_len)
         return cls(model, cache, sched, device, backend, args.enforce_eager,
-                   args.tensor_parallel_size)
+                   args.tensor_parallel_size, args.async_scheduling)
 
 
 def resolve_device(device: str) -> str:

@@ -32,6 +32,12 @@ def load_tokenizer(path: str):
                          "skip_tokenizer_init=True to use token ids only") from e
 
 
+def _needs_exact_host_state(params: SamplingParams) -> bool:
+    """Penalties and min_tokens are built from the host's token lists, which lag in async mode."""
+    return bool(params.presence_penalty or params.frequency_penalty or
+                params.repetition_penalty != 1.0 or params.min_tokens)
+
+
 class LLMEngine:
     """The synchronous engine core. One thread at a time may call it."""
 
@@ -48,6 +54,11 @@ class LLMEngine:
         self._generation_tokens_total = 0
         self._last_step_time = 0.0
         self.timing: dict[str, float] = defaultdict(float)  # cumulative host seconds per phase
+        async_default = config.device.startswith("cuda")
+        self.async_scheduling = (async_default if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self._inflight: tuple[SchedulerOutput, object] | None = None
+        self._num_sync_requests = 0  # live requests whose sampling needs exact host state
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -102,6 +113,8 @@ class LLMEngine:
         self._groups[request_id] = group
         for s in group.seqs:
             self._seq_group[s.req.request_id] = group
+        group.needs_sync = _needs_exact_host_state(params)
+        self._num_sync_requests += group.needs_sync
 
     def _validate_prompt(self, ids: list[int], params: SamplingParams) -> int:
         limit = self.config.model.max_model_len
@@ -130,46 +143,55 @@ class LLMEngine:
             group = self._groups.pop(rid, None)
             if group is None:
                 continue
+            self._num_sync_requests -= group.needs_sync
             seq_ids = [s.req.request_id for s in group.seqs]
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
             for sid in seq_ids:
                 self._seq_group.pop(sid, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self._groups) or self._inflight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and report every request that progressed or finished."""
+        """Schedule, run the model once, and report every request that progressed or finished.
+
+        With async scheduling the step launched here is collected by the next call, so the host
+        work of one step overlaps the device work of the previous one.
+        """
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        t_sched = time.perf_counter()
-        self.timing["schedule"] += t_sched - t0
-        now = time.monotonic()
         touched: dict[str, RequestGroup] = {}
+        if self._inflight is not None and self._num_sync_requests:
+            # NOTE: penalties and min_tokens read exact host token state: no step may be in flight.
+            self._complete(*self._inflight, touched)
+            self._inflight = None
+        sched = self.scheduler.schedule()
+        self.timing["schedule"] += time.perf_counter() - t0
         for rid in sched.finished_request_ids:  # e.g. requests that can never fit
             group = self._seq_group.get(rid)
             if group is not None:
                 touched[group.request_id] = group
+        handle = None
         if sched.total_num_scheduled_tokens:
+            now = time.monotonic()
             for req in sched.scheduled_requests:
                 self._seq_group[req.request_id].note_scheduled(now)
-            t_exec = time.perf_counter()
-            result = self._execute(sched)
-            t_update = time.perf_counter()
-            self.timing["execute"] += t_update - t_exec
-            if result is not None:
-                updated = self.scheduler.update_from_output(sched, result.sampled_token_ids)
-                t_proc = time.perf_counter()
-                self.timing["update"] += t_proc - t_update
-                self._process(sched, result, updated, touched)
-                self.timing["process"] += time.perf_counter() - t_proc
+            t_launch = time.perf_counter()
+            handle = self._guard(sched, touched, self.runner.launch, sched)
+            self.timing["launch"] += time.perf_counter() - t_launch
+            if handle is not None and self.async_scheduling:
+                self.scheduler.mark_in_flight(sched, handle.samples)
+        if self._inflight is not None:
+            self._complete(*self._inflight, touched)
+            self._inflight = None
+        if handle is not None:
+            if self.async_scheduling:
+                self._inflight = (sched, handle)
             else:
-                for req in sched.scheduled_requests:
-                    touched[self._seq_group[req.request_id].request_id] = self._seq_group[req.request_id]
+                self._complete(sched, handle, touched)
         outputs: list[RequestOutput] = []
         for group in touched.values():
             out = group.make_output()
@@ -181,14 +203,33 @@ class LLMEngine:
         self.timing["step_total"] += self._last_step_time
         return outputs
 
-    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+    def _complete(self, sched: SchedulerOutput, handle, touched: dict[str, RequestGroup]) -> None:
+        """Wait for a launched step, apply its tokens to the scheduler and to the outputs."""
+        t0 = time.perf_counter()
+        result = self._guard(sched, touched, self.runner.collect, handle)
+        t1 = time.perf_counter()
+        self.timing["collect"] += t1 - t0
+        if result is None:
+            return
+        updated = self.scheduler.update_from_output(sched, result.sampled_token_ids,
+                                                    in_flight=self.async_scheduling)
+        t2 = time.perf_counter()
+        self.timing["update"] += t2 - t1
+        self._process(sched, result, updated, touched)
+        self.timing["process"] += time.perf_counter() - t2
+
+    def _guard(self, sched: SchedulerOutput, touched: dict[str, RequestGroup], fn, arg):
+        """Run a runner call; if it raises, fail that step's requests and keep the engine alive."""
         try:
-            return self.runner.execute(sched)
+            return fn(arg)
         except Exception as e:  # noqa: BLE001 - one bad batch must not kill the engine
             logger.exception("model execution failed; failing the %d requests of this step",
                              len(sched.scheduled_requests))
             for req in sched.scheduled_requests:
                 req.error = f"model execution failed: {type(e).__name__}: {e}"
+                group = self._seq_group.get(req.request_id)
+                if group is not None:
+                    touched[group.request_id] = group
             self.scheduler.finish_requests([r.request_id for r in sched.scheduled_requests],
                                            RequestStatus.FINISHED_ERROR)
             return None
@@ -196,8 +237,8 @@ class LLMEngine:
     def _process(self, sched: SchedulerOutput, result: ModelRunnerOutput, updated: list[Request],
                  touched: dict[str, RequestGroup]) -> None:
         now = time.monotonic()
-        for req, n in zip(sched.scheduled_requests, sched.num_scheduled_tokens):
-            start = req.num_computed_tokens - n
+        for req, n, start in zip(sched.scheduled_requests, sched.num_scheduled_tokens,
+                                 sched.num_computed_tokens):
             self._prompt_tokens_total += max(0, min(req.num_prompt_tokens, start + n) - start)
             plp = result.prompt_logprobs.get(req.request_id)
             group = self._seq_group.get(req.request_id)
@@ -205,9 +246,12 @@ class LLMEngine:
                 for ids, lps, rank in zip(plp.token_ids, plp.logprobs, plp.ranks):
                     group.prompt_logprobs.append(to_position_logprobs(ids, lps, rank, self.tokenizer))
                 touched[group.request_id] = group
+        # NOTE: only tokens the scheduler kept count: a request preempted or aborted while its step
+        # was in flight drops that step's token (a recompute samples it again).
+        accepted = {id(r) for r in updated}
         for req, new in zip(sched.scheduled_requests, result.sampled_token_ids):
             group = self._seq_group.get(req.request_id)
-            if group is None or not new:
+            if group is None or not new or id(req) not in accepted:
                 continue
             try:
                 self._on_new_tokens(group, req, new, result)
@@ -243,7 +287,8 @@ class LLMEngine:
             self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _retire(self, group: RequestGroup) -> None:
-        self._groups.pop(group.request_id, None)
+        if self._groups.pop(group.request_id, None) is not None:
+            self._num_sync_requests -= group.needs_sync
         for s in group.seqs:
             self._seq_group.pop(s.req.request_id, None)
 

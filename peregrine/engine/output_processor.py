@@ -53,6 +53,7 @@ class RequestGroup:
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
         self.sent_prompt_logprobs = 0
+        self.needs_sync = False  # set by the engine: sampling reads exact host token state
         self.metrics = RequestMetrics(arrival_time=arrival_time)
 
     @property

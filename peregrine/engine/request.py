@@ -59,6 +59,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Tokens sampled by steps still running on the GPU (async scheduling): their ids are unknown
+        # on the host yet, but the scheduler already counts them as computed-to-be.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit tokens at first scheduling (-1: not yet)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from peregrine.engine.request import Request, RequestStatus
@@ -27,6 +27,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     preempted_request_ids: list[str]  # preempted in THIS step: the runner drops their state
     finished_request_ids: list[str]  # finished/aborted since the previous schedule(): drop state
+    # num_computed_tokens of each scheduled request when it was scheduled (where its chunk starts)
+    num_computed_tokens: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -138,7 +140,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens, self.config.max_model_len) - req.num_computed_tokens
+            num_new = self._num_new_tokens(req)
             num_new = min(num_new, budget)
             if num_new <= 0:
                 i += 1
@@ -167,10 +169,31 @@ class Scheduler:
         reqs = list(scheduled)
         counts = list(scheduled.values())
         return SchedulerOutput(reqs, counts, sum(counts), [r.request_id for r in preempted],
-                               finished_ids)
+                               finished_ids, [r.num_computed_tokens for r in reqs])
 
-    def update_from_output(self, out: SchedulerOutput,
-                           sampled_token_ids: list[list[int]]) -> list[Request]:
+    def _num_new_tokens(self, req: Request) -> int:
+        """Tokens of a running request still to compute, counting in-flight samples as known."""
+        pending = req.num_output_placeholders
+        if pending and (req.num_output_tokens + pending >= req.max_tokens or
+                        req.num_tokens + pending >= self.config.max_model_len):
+            return 0  # the in-flight token is its last one: nothing more to schedule
+        return min(req.num_tokens + pending, self.config.max_model_len) - req.num_computed_tokens
+
+    def mark_in_flight(self, out: SchedulerOutput, samples: list[bool]) -> None:
+        """Async scheduling: count a launched step as computed before its results come back.
+
+        `samples[i]` says whether scheduled request i samples a token in that step; until
+        update_from_output(..., in_flight=True) delivers it, it is a placeholder.
+        """
+        for req, num, sampled in zip(out.scheduled_requests, out.num_scheduled_tokens, samples):
+            if req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += num
+            if sampled:
+                req.num_output_placeholders += 1
+
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[list[int]],
+                           in_flight: bool = False) -> list[Request]:
         """Advance computed tokens, append sampled tokens, run stop checks, free finished requests.
 
         Returns the requests that got new tokens or finished (including those finished with an
@@ -184,12 +207,17 @@ class Scheduler:
                                     sampled_token_ids):
             if req.status != RequestStatus.RUNNING:
                 continue  # aborted (or otherwise finished) since schedule(); its blocks are gone
-            req.num_computed_tokens += num
-            assert req.num_computed_tokens <= req.num_tokens, f"{req} computed past its tokens"
+            if in_flight:
+                # NOTE: mark_in_flight already advanced num_computed_tokens at launch.
+                req.num_output_placeholders -= len(tokens)
+            else:
+                req.num_computed_tokens += num
+                assert req.num_computed_tokens <= req.num_tokens, f"{req} computed past its tokens"
             self.kv.cache_computed_blocks(req)
             if not tokens:
                 continue  # a prefill chunk that did not reach the end of the known tokens
-            assert req.num_computed_tokens == req.num_tokens, f"{req} sampled before its last token"
+            assert in_flight or req.num_computed_tokens == req.num_tokens, \
+                f"{req} sampled before its last token"
             for token in tokens:
                 req.append_output_token(token)
                 status = self._check_stop(req, token)
@@ -272,6 +300,9 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        # NOTE: an in-flight sample of a preempted request is dropped; the recompute draws it again
+        # (same seed and step, so the same token).
+        req.num_output_placeholders = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1

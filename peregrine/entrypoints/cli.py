@@ -26,6 +26,9 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: set[str] = frozenset(
         base = hint
         if typing.get_origin(hint) is not typing.Literal:
             base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+        if base is bool:  # Optional[bool]: --flag / --no-flag, unset means "decide automatically"
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            continue
         if typing.get_origin(base) is typing.Literal:
             parser.add_argument(flag, choices=typing.get_args(base), default=f.default)
         else:

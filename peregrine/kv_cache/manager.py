@@ -117,7 +117,8 @@ class KVCacheManager:
         if not held:
             return
         start = self._num_cached[req.request_id]
-        num_full = min(req.num_computed_tokens // self.block_size, len(held))
+        # NOTE: with async scheduling num_computed_tokens may run ahead of the known token ids.
+        num_full = min(min(req.num_computed_tokens, req.num_tokens) // self.block_size, len(held))
         if num_full <= start:
             return
         update_block_hashes(req, self.block_size)

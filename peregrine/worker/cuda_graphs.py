@@ -10,7 +10,7 @@ import torch
 from peregrine.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from peregrine.worker.model_runner import ModelRunner, _Step
+    from peregrine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("peregrine")
 
@@ -45,7 +45,7 @@ class CudaGraphRunner:
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 
-    def _padded(self, num_seqs: int) -> int:
+    def padded(self, num_seqs: int) -> int:
         return next(s for s in self.sizes if s >= num_seqs)
 
     def _meta(self, bs: int) -> AttentionMetadata:
@@ -83,10 +83,8 @@ class CudaGraphRunner:
             self.graphs[bs] = g
         torch.cuda.synchronize()
 
-    def run(self, step: _Step) -> torch.Tensor:
-        """Logits (B, V) of a decode-only step."""
-        b = step.num_seqs
-        bs = self._padded(b)
-        self.runner.buffers.to_device(b, b, step.width, pad_t=bs, pad_b=bs)
+    def replay(self, num_seqs: int) -> torch.Tensor:
+        """Logits (B, V) of a decode-only step whose inputs are already in the device buffers."""
+        bs = self.padded(num_seqs)
         self.graphs[bs].replay()
-        return self.logits[bs][:b]
+        return self.logits[bs][:num_seqs]

@@ -438,3 +438,51 @@ def test_random_workload_completes_without_leaks(policy, caching):
     assert all(r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == r.max_tokens
                for r in reqs)
     assert held_blocks(s) == 0 and s.make_stats().kv_cache_usage == 0.0
+
+
+# ---- async scheduling (one step in flight) --------------------------------------------------------
+
+def _launch(s: Scheduler) -> tuple[SchedulerOutput, list[bool]]:
+    out = s.schedule()
+    samples = [start + n >= r.num_tokens + r.num_output_placeholders
+               for r, n, start in zip(out.scheduled_requests, out.num_scheduled_tokens,
+                                      out.num_computed_tokens)]
+    s.mark_in_flight(out, samples)
+    return out, samples
+
+
+def _land(s: Scheduler, out: SchedulerOutput, samples: list[bool], token: int = TOKEN) -> None:
+    s.update_from_output(out, [[token] if x else [] for x in samples], in_flight=True)
+
+
+def test_async_schedules_decode_of_in_flight_token():
+    s = make_sched()
+    a = make_req("a", 20, max_tokens=3)
+    s.add_request(a)
+    first, f_samples = _launch(s)  # the whole prompt; samples token 1
+    assert batch(first) == [("a", 20)] and a.num_output_placeholders == 1
+    second, s_samples = _launch(s)  # decodes token 1 before it is known on the host
+    assert batch(second) == [("a", 1)] and second.num_computed_tokens == [20]
+    _land(s, first, f_samples)
+    assert a.output_token_ids == [TOKEN] and a.num_output_placeholders == 1
+    third, t_samples = _launch(s)  # token 3 is the last: after it nothing more is scheduled
+    assert batch(third) == [("a", 1)]
+    _land(s, second, s_samples)
+    assert s.schedule().scheduled_requests == []
+    _land(s, third, t_samples)
+    assert a.status == RequestStatus.FINISHED_LENGTH and a.num_output_tokens == 3
+    assert held_blocks(s) == 0
+
+
+def test_async_token_of_request_preempted_in_flight_is_dropped():
+    s = make_sched(num_blocks=2, max_num_seqs=2)
+    a = make_req("a", 16, max_tokens=20, arrival=0.0)
+    b = make_req("b", 15, max_tokens=20, base=5000, arrival=1.0)
+    s.add_request(a)
+    s.add_request(b)
+    first, f_samples = _launch(s)  # a and b fill both blocks
+    second, _ = _launch(s)  # a needs a second block: b (admitted last) is preempted
+    assert second.preempted_request_ids == ["b"] and b.num_output_placeholders == 0
+    _land(s, first, f_samples)
+    assert a.output_token_ids == [TOKEN] and b.output_token_ids == []
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0

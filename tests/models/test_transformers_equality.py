@@ -64,10 +64,12 @@ def test_greedy_matches_transformers(arch: str) -> None:
     _check(arch, outs)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("mode", ["chunked", "preempt", "chunked+preempt"])
-def test_greedy_matches_with_scheduler_pressure(mode: str, prefix_caching: bool) -> None:
-    args: dict = {"enable_prefix_caching": prefix_caching}
+def test_greedy_matches_with_scheduler_pressure(mode: str, prefix_caching: bool,
+                                                async_scheduling: bool) -> None:
+    args: dict = {"enable_prefix_caching": prefix_caching, "async_scheduling": async_scheduling}
     if "chunked" in mode:
         args["max_num_batched_tokens"] = 16
     if "preempt" in mode:
