@@ -75,6 +75,7 @@ def check_fp32(report: dict) -> bool:
         "graphs+preempt": {"num_gpu_blocks_override": 40},
         "graphs+no_prefix_cache": {"enable_prefix_caching": False},
         "eager": {"_eager": True},
+        "graphs+sync_scheduling": {"async_scheduling": False},
     }
     for name, kw in variants.items():
         eager = kw.pop("_eager", False)
