@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -98,81 +100,126 @@ def _build_penalty_counts(requests: list[Request], rows: list[int], vocab_size: 
     return prompt_mask[:, :vocab_size], counts[:, :vocab_size]
 
 
-def build_sampling_metadata(requests: list[Request], vocab_size: int,
-                            device: torch.device | str) -> SamplingMetadata:
-    """Build the step's sampling tensors for `requests` (row b = requests[b]) on `device`."""
+# Per-request values the step needs, each read by one C-level call per request.
+_PARAMS = attrgetter("sampling_params")
+_OUTPUT_IDS = attrgetter("output_token_ids")
+_SEED = attrgetter("seed")
+_ROW = attrgetter("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty", "min_tokens", "logprobs")
+_TEMP, _TOP_K, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION, _MIN_TOKENS, _LOGPROBS = range(9)
+_GREEDY_TEMPERATURE = 1e-5  # SamplingParams.is_greedy: temperature below this
+
+
+def _has_penalty(row: tuple) -> bool:
+    return row[_REPETITION] != 1.0 or row[_PRESENCE] != 0.0 or row[_FREQUENCY] != 0.0
+
+
+def _seeds(requests: list[Request]) -> list[int]:
+    seeds = list(map(_SEED, requests))
+    if min(seeds) < -(1 << 63) or max(seeds) >= (1 << 63):
+        seeds = [seed_to_int64(s) for s in seeds]
+    return seeds
+
+
+def _banned_pairs(requests: list[Request], rows: list[int], vocab_size: int) -> tuple[list[int], list[int]]:
+    """(row, token) pairs min_tokens bans this step, for the (few) rows still below their min_tokens."""
+    banned_rows: list[int] = []
+    banned_tokens: list[int] = []
+    for row in rows:
+        req = requests[row]
+        p = req.sampling_params
+        banned = set(p.stop_token_ids or ())
+        if not p.ignore_eos:
+            banned.update(req.eos_token_ids)
+        banned = sorted(t for t in banned if 0 <= t < vocab_size)
+        banned_rows.extend([row] * len(banned))
+        banned_tokens.extend(banned)
+    return banned_rows, banned_tokens
+
+
+def build_sampling_metadata(requests: list[Request], vocab_size: int, device: torch.device | str,
+                            steps: Sequence[int] | None = None) -> SamplingMetadata:
+    """Build the step's sampling tensors for `requests` (row b = requests[b]) on `device`.
+
+    steps: per row, the number of output tokens before the one sampled now (keys the random stream and
+    min_tokens); default len(req.output_token_ids), which lags by one while a token is still in flight.
+    """
     device = torch.device(device)
     if not requests:
         raise ValueError("build_sampling_metadata needs at least one request")
-    float_rows: list[tuple[float, ...]] = []  # temperature, top_p, min_p, presence, frequency, repetition
-    int_rows: list[tuple[int, ...]] = []  # top_k, seed, step, is_greedy
-    sampled_top_ks: list[int] = []  # top_k of the non-greedy rows (0: none)
-    penalty_rows: list[int] = []
-    banned_rows: list[int] = []
-    banned_tokens: list[int] = []
-    max_logprobs: int | None = None
-    any_top_p = any_min_p = any_rep = any_pf = False
-    for row, req in enumerate(requests):
-        p = req.sampling_params
-        if p.is_greedy:
-            # NOTE: greedy rows get neutral values; their token is the argmax, whatever the filters say.
-            temperature, top_k, top_p, min_p = 1.0, 1, 1.0, 0.0
-        else:
-            temperature, top_p, min_p = p.temperature, p.top_p, p.min_p
-            top_k = min(p.top_k, vocab_size) if p.top_k > 0 else 0
-            sampled_top_ks.append(top_k)
-            any_top_p |= top_p < 1.0
-            any_min_p |= min_p > 0.0
-        float_rows.append((temperature, top_p, min_p, p.presence_penalty, p.frequency_penalty,
-                           p.repetition_penalty))
-        int_rows.append((top_k, seed_to_int64(req.seed), req.num_output_tokens, int(p.is_greedy)))
-        row_rep = p.repetition_penalty != 1.0
-        row_pf = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-        any_rep |= row_rep
-        any_pf |= row_pf
-        if row_rep or row_pf:
-            penalty_rows.append(row)
-        if req.num_output_tokens < p.min_tokens:
-            banned = set(p.stop_token_ids or ())
-            if not p.ignore_eos:
-                banned.update(req.eos_token_ids)
-            banned = sorted(t for t in banned if 0 <= t < vocab_size)
-            banned_rows.extend([row] * len(banned))
-            banned_tokens.extend(banned)
-        if p.logprobs is not None:
-            max_logprobs = p.logprobs if max_logprobs is None else max(max_logprobs, p.logprobs)
+    batch = len(requests)
+    if steps is None:
+        steps = list(map(len, map(_OUTPUT_IDS, requests)))
+    elif len(steps) != batch:
+        raise ValueError(f"steps has {len(steps)} entries for {batch} requests")
+    rows = list(map(_ROW, map(_PARAMS, requests)))  # one tuple of settings per request
+    # NOTE: the host flags depend only on the distinct settings: one row in the common uniform batch.
+    uniform = rows.count(rows[0]) == batch
+    distinct = [rows[0]] if uniform else list(dict.fromkeys(rows))
+    sampled = [r for r in distinct if r[_TEMP] >= _GREEDY_TEMPERATURE]
+    top_ks = [min(r[_TOP_K], vocab_size) for r in sampled]  # 0: no top-k
+    any_penalties = any(map(_has_penalty, distinct))
+    requested = [r[_LOGPROBS] for r in distinct if r[_LOGPROBS] is not None]
 
-    all_greedy = not sampled_top_ks
-    any_greedy = len(sampled_top_ks) < len(requests)
-    any_penalties = any_rep or any_pf
-    # NOTE: one host->device copy per dtype instead of one per field.
-    floats = _to_device(list(zip(*float_rows)), torch.float32, device)  # (6, B)
-    ints = _to_device(list(zip(*int_rows)), torch.int64, device)  # (4, B)
+    # NOTE: one buffer holds every per-row value: on CUDA it is allocated pinned and filled in place,
+    # then sent in one non-blocking copy (no sync); the tensors below are views of its device copy.
+    n_int, n_float = 3 * 8 * batch, 6 * 4 * batch
+    host = torch.empty(n_int + n_float + batch, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    buf = host.numpy()
+    ints = buf[:n_int].view(np.int64).reshape(3, batch)  # top_k, seed, step
+    floats = buf[n_int:n_int + n_float].view(np.float32).reshape(6, batch)  # temp, top_p, min_p, penalties
+    greedy = buf[n_int + n_float:].view(np.bool_)  # (B,)
+    ints[1] = _seeds(requests)
+    ints[2] = steps
+    # NOTE: greedy rows get neutral values; their token is the argmax, whatever the filters say.
+    if uniform:  # plain scalars, broadcast
+        r = rows[0]
+        greedy[:] = is_greedy = not sampled
+        ints[0] = 1 if is_greedy else min(r[_TOP_K], vocab_size)
+        floats[:3] = np.array([[1.0], [1.0], [0.0]] if is_greedy else [[r[_TEMP]], [r[_TOP_P]], [r[_MIN_P]]])
+        floats[3:] = np.array([[r[_PRESENCE]], [r[_FREQUENCY]], [r[_REPETITION]]])
+    else:
+        cols = list(zip(*rows))  # one tuple per field
+        greedy[:] = np.less(cols[_TEMP], _GREEDY_TEMPERATURE)
+        ints[0] = np.where(greedy, 1, np.minimum(cols[_TOP_K], vocab_size))
+        floats[0] = np.where(greedy, 1.0, cols[_TEMP])
+        floats[1] = np.where(greedy, 1.0, cols[_TOP_P])
+        floats[2] = np.where(greedy, 0.0, cols[_MIN_P])
+        floats[3], floats[4], floats[5] = cols[_PRESENCE], cols[_FREQUENCY], cols[_REPETITION]
+    dev = host.to(device, non_blocking=True) if device.type != "cpu" else host
+    top_k_t, seeds_t, steps_t = dev[:n_int].view(torch.int64).view(3, batch).unbind(0)
+    temp_t, top_p_t, min_p_t, presence_t, frequency_t, repetition_t = (
+        dev[n_int:n_int + n_float].view(torch.float32).view(6, batch).unbind(0))
     meta = SamplingMetadata(
-        temperature=floats[0],
-        greedy_mask=ints[3].bool() if any_greedy else None,
-        top_k=ints[0],
-        top_p=floats[1],
-        min_p=floats[2],
-        seeds=ints[1],
-        steps=ints[2],
-        all_greedy=all_greedy,
-        any_top_k=any(k > 0 for k in sampled_top_ks),
-        all_top_k=bool(sampled_top_ks) and all(k > 0 for k in sampled_top_ks),
-        max_top_k=max(sampled_top_ks, default=0),
-        any_top_p=any_top_p,
-        any_min_p=any_min_p,
+        temperature=temp_t,
+        greedy_mask=dev[n_int + n_float:].view(torch.bool) if len(sampled) < len(distinct) else None,
+        top_k=top_k_t,
+        top_p=top_p_t,
+        min_p=min_p_t,
+        seeds=seeds_t,
+        steps=steps_t,
+        all_greedy=not sampled,
+        any_top_k=any(top_ks),
+        all_top_k=bool(top_ks) and all(top_ks),
+        max_top_k=max(top_ks, default=0),
+        any_top_p=any(r[_TOP_P] < 1.0 for r in sampled),
+        any_min_p=any(r[_MIN_P] > 0.0 for r in sampled),
         any_penalties=any_penalties,
-        any_repetition_penalty=any_rep,
-        any_presence_frequency=any_pf,
-        any_min_tokens=bool(banned_rows),
-        max_num_logprobs=max_logprobs,
+        any_repetition_penalty=any(r[_REPETITION] != 1.0 for r in distinct),
+        any_presence_frequency=any(r[_PRESENCE] != 0.0 or r[_FREQUENCY] != 0.0 for r in distinct),
+        max_num_logprobs=max(requested, default=None),
     )
     if any_penalties:
-        meta.presence_penalties, meta.frequency_penalties = floats[3], floats[4]
-        meta.repetition_penalties = floats[5]
+        meta.presence_penalties, meta.frequency_penalties = presence_t, frequency_t
+        meta.repetition_penalties = repetition_t
+        penalty_rows = [i for i, r in enumerate(rows) if _has_penalty(r)]
         meta.prompt_token_mask, meta.output_token_counts = _build_penalty_counts(
             requests, penalty_rows, vocab_size, device)
-    if banned_rows:
-        meta.banned_rows, meta.banned_tokens = _to_device([banned_rows, banned_tokens], torch.int64, device)
+    if max(r[_MIN_TOKENS] for r in distinct) > 0:
+        banned_rows, banned_tokens = _banned_pairs(
+            requests, [i for i, (r, n) in enumerate(zip(rows, steps)) if n < r[_MIN_TOKENS]], vocab_size)
+        if banned_rows:
+            meta.any_min_tokens = True
+            meta.banned_rows, meta.banned_tokens = _to_device([banned_rows, banned_tokens], torch.int64,
+                                                              device)
     return meta

@@ -11,26 +11,25 @@ Draws use the exponential race: with E_v ~ Exp(1) i.i.d., argmax_v p_v / E_v is 
 because E_v / p_v ~ Exp(rate p_v) and the smallest of independent exponentials is the one of index v with
 probability p_v / sum(p). In log space that is argmax_v (logit_v / T - log E_v) (the Gumbel-max trick), so
 no softmax is needed and filtered tokens (-inf) can never win. E_v = -log(u_v) with u_v a hash of
-(seed, step, v): the same request gets the same noise wherever it sits in whatever batch.
+(seed, step, v) (noise.py): the same request gets the same noise wherever it sits in whatever batch.
+
+Two implementations of the full-vocabulary draw: pure torch (the reference; CPU default) and, on CUDA, one
+Triton pass (peregrine/kernels/sampling.py) that reads the logits once and does temperature, noise, the
+threshold mask and the argmax together, with no (B, V) temporaries. Both pick the same token: thresholds
+come from the same torch code, and the kernel repeats the noise's integer and float steps exactly.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
 
 from peregrine.sample.logprobs import compute_token_logprobs
 from peregrine.sample.metadata import SamplingMetadata
+from peregrine.sample.noise import as_int32_bits, log_exponentials, row_keys, token_hashes
 
-_M32 = 0xFFFFFFFF
-# NOTE: multipliers < 2**31 keep every product of a 32-bit value below 2**63, so the int64 arithmetic
-# never overflows (overflow of signed tensors is not something torch promises on every backend).
-_MIX_C1 = 0x39BCD44B
-_MIX_C2 = 0x3792B149
-_SEED_SALT = 0x2545F491
-_TOKEN_SALT = 0x1B873593
 _NEG_INF = float("-inf")
-_U_BITS = 23  # bits of each hash used for the uniform; (x + 0.5) * 2**-23 is exact in float32
 
 
 class SamplerOutput(NamedTuple):
@@ -38,40 +37,6 @@ class SamplerOutput(NamedTuple):
     logprob_token_ids: torch.Tensor | None  # (B, K+1) int64: sampled token, then the top-K
     logprobs: torch.Tensor | None  # (B, K+1) float32, of the raw (unpenalised, untempered) distribution
     ranks: torch.Tensor | None  # (B,) int64: rank of the sampled token in the raw distribution
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """Bijective 32-bit integer mixer, in place on an int64 tensor holding values in [0, 2**32)."""
-    x.bitwise_xor_(x >> 16)
-    x.mul_(_MIX_C1).bitwise_and_(_M32)
-    x.bitwise_xor_(x >> 15)
-    x.mul_(_MIX_C2).bitwise_and_(_M32)
-    x.bitwise_xor_(x >> 16)
-    return x
-
-
-def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """(B,) int64 32-bit keys of the random stream of each (seed, step)."""
-    key = _mix32((seeds & _M32) ^ _SEED_SALT)  # (B,)
-    key = _mix32(key.bitwise_xor_((seeds >> 32) & _M32))
-    key = _mix32(key.bitwise_xor_(steps & _M32))
-    return _mix32(key.bitwise_xor_((steps >> 32) & _M32))
-
-
-def token_hashes(token_ids: torch.Tensor) -> torch.Tensor:
-    """int64 32-bit hashes of token ids (a bijection on ids < 2**32)."""
-    return _mix32(_mix32((token_ids.long() & _M32) ^ _TOKEN_SALT))
-
-
-def log_exponentials(keys: torch.Tensor, token_hash: torch.Tensor) -> torch.Tensor:
-    """log(E) with E ~ Exp(1) for every (row, token): keys (B, 1), token_hash (1, N) or (B, N) -> (B, N)."""
-    x = _mix32(keys ^ token_hash)  # (B, N) int64
-    u = (x >> (32 - _U_BITS)).to(torch.float32)  # (B, N)
-    # NOTE: u lies in [2**-24, 1 - 2**-24], so E = -log(u) is in [6e-8, 16.6] and log(E) is finite: a row
-    # whose only kept token drew the extreme noise still picks it. The price of 23-bit uniforms: tokens
-    # rarer than ~1e-7 of the top kept token are slightly under-drawn, and below ~4e-9 never drawn (the
-    # same resolution as torch's float32 exponential_(), which vLLM uses).
-    return u.add_(0.5).mul_(2.0 ** -_U_BITS).log_().neg_().log_()
 
 
 def _filter_thresholds(vals: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -95,6 +60,10 @@ def _filter_thresholds(vals: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
     return thr
 
 
+def _kernel_usable_on_cpu() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 class Sampler:
     """Turns (B, V) logits into one token per row according to each row's SamplingParams."""
 
@@ -102,26 +71,41 @@ class Sampler:
     # larger k, or top-p without top-k somewhere in the batch, sorts the whole vocabulary.
     max_compact_top_k: int = 256
 
-    def __init__(self) -> None:
-        self._token_hash_cache: dict[tuple[int, torch.device], torch.Tensor] = {}
+    def __init__(self, use_kernel: bool | None = None) -> None:
+        """use_kernel: None = fused Triton draw on CUDA, pure torch elsewhere; True/False force one."""
+        # NOTE: True on a CPU tensor runs the Triton interpreter: TRITON_INTERPRET=1 must be set before
+        # peregrine.kernels.sampling is first imported.
+        self.use_kernel = use_kernel
+        self._token_hash_cache: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row; `logits` is not modified."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be (B, V), got shape {tuple(logits.shape)}")
-        raw = logits if logits.dtype == torch.float32 else logits.float()  # (B, V)
-        x = self.apply_penalties(raw, meta)  # (B, V)
-        greedy = x.argmax(dim=-1) if meta.greedy_mask is not None else None  # (B,)
-        if meta.all_greedy:
-            sampled = greedy
+        if self._uses_kernel(logits):
+            sampled = self._sample_fused(logits, meta)
+            raw = logits  # compute_token_logprobs upcasts by itself
         else:
-            sampled = self._sample(x, meta)  # (B,)
-            if greedy is not None:
-                sampled = torch.where(meta.greedy_mask, greedy, sampled)
+            raw = logits if logits.dtype == torch.float32 else logits.float()  # (B, V)
+            x = self.apply_penalties(raw, meta)  # (B, V)
+            greedy = x.argmax(dim=-1) if meta.greedy_mask is not None else None  # (B,)
+            if meta.all_greedy:
+                sampled = greedy
+            else:
+                sampled = self._sample(x, meta)  # (B,)
+                if greedy is not None:
+                    sampled = torch.where(meta.greedy_mask, greedy, sampled)
         if meta.max_num_logprobs is None:
             return SamplerOutput(sampled, None, None, None)
         lp = compute_token_logprobs(raw, sampled, meta.max_num_logprobs)
         return SamplerOutput(sampled, lp.token_ids, lp.logprobs, lp.ranks)
+
+    def _uses_kernel(self, logits: torch.Tensor) -> bool:
+        if self.use_kernel is None:
+            return logits.device.type == "cuda"
+        if self.use_kernel and logits.device.type != "cuda" and not _kernel_usable_on_cpu():
+            raise ValueError("Sampler(use_kernel=True) on a CPU tensor needs TRITON_INTERPRET=1")
+        return self.use_kernel
 
     @staticmethod
     def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -143,39 +127,77 @@ class Sampler:
             x -= meta.presence_penalties.unsqueeze(-1) * (counts > 0)
         return x
 
-    def _token_hash_table(self, vocab: int, device: torch.device) -> torch.Tensor:
-        key = (vocab, device)
+    def _token_hash_table(self, vocab: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """(V,) token hashes: int64 for the torch path, int32 bits for the kernel; built once per device."""
+        key = (vocab, device, dtype)
         table = self._token_hash_cache.get(key)
         if table is None:
             table = token_hashes(torch.arange(vocab, device=device))  # (V,)
+            if dtype == torch.int32:
+                table = as_int32_bits(table)
             self._token_hash_cache[key] = table
         return table
 
-    def _sample(self, x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        vocab = x.shape[-1]
+    def _is_compact(self, meta: SamplingMetadata) -> bool:
+        return meta.all_top_k and meta.max_top_k <= self.max_compact_top_k
+
+    def _threshold(self, x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor | None:
+        """(B,) keep threshold on the tempered logits, from untempered `x`; None: keep everything."""
+        # NOTE: dividing by T > 0 with exact rounding is monotone, so sorted(x) / T equals sorted(x / T)
+        # value for value: thresholds come out bit-identical without a tempered (B, V) copy of x.
         temp = meta.temperature.unsqueeze(-1)  # (B, 1)
-        keys = row_keys(meta.seeds, meta.steps).unsqueeze(-1)  # (B, 1)
-        table = self._token_hash_table(vocab, x.device)  # (V,)
-        if meta.all_top_k and meta.max_top_k <= self.max_compact_top_k:
-            # Compact path: every sampled row keeps at most max_top_k tokens, so work on (B, K) only.
-            vals, ids = x.topk(meta.max_top_k, dim=-1)  # (B, K), (B, K)
-            vals = vals / temp  # (B, K)
-            thr = _filter_thresholds(vals, meta)  # (B,)
-            scores = vals - log_exponentials(keys, table[ids])  # (B, K)
-            scores.masked_fill_(vals < thr.unsqueeze(-1), _NEG_INF)
-            return ids.gather(-1, scores.argmax(dim=-1, keepdim=True)).squeeze(-1)
-        x = x / temp  # (B, V)
-        thr = None
         if meta.any_top_p or (meta.any_top_k and meta.max_top_k > self.max_compact_top_k):
-            thr = _filter_thresholds(x.sort(dim=-1, descending=True).values, meta)  # (B,)
-        elif meta.any_top_k:
+            return _filter_thresholds(x.sort(dim=-1, descending=True).values.float().div_(temp), meta)
+        if meta.any_top_k:
             # top-k without top-p: the k-th largest value is all we need (rows without top-k get -inf).
-            thr = _filter_thresholds(x.topk(meta.max_top_k, dim=-1).values, meta)  # (B,)
-        elif meta.any_min_p:
-            thr = x.amax(dim=-1) + meta.min_p.log()  # (B,)
+            return _filter_thresholds(x.topk(meta.max_top_k, dim=-1).values.float().div_(temp), meta)
+        if meta.any_min_p:
+            return x.amax(dim=-1).float().div_(meta.temperature).add_(meta.min_p.log())  # (B,)
+        return None
+
+    def _sample_compact(self, x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Every sampled row keeps at most max_top_k tokens: filter and draw on (B, K) only."""
+        vals, ids = x.topk(meta.max_top_k, dim=-1)  # (B, K), (B, K)
+        vals = vals / meta.temperature.unsqueeze(-1)  # (B, K)
+        thr = _filter_thresholds(vals, meta)  # (B,)
+        keys = row_keys(meta.seeds, meta.steps).unsqueeze(-1)  # (B, 1)
+        table = self._token_hash_table(x.shape[-1], x.device, torch.int64)  # (V,)
+        scores = vals - log_exponentials(keys, table[ids])  # (B, K)
+        scores.masked_fill_(vals < thr.unsqueeze(-1), _NEG_INF)
+        return ids.gather(-1, scores.argmax(dim=-1, keepdim=True)).squeeze(-1)
+
+    def _sample(self, x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The pure-torch draw on penalised float32 logits (the reference for the kernel)."""
+        if self._is_compact(meta):
+            return self._sample_compact(x, meta)
+        thr = self._threshold(x, meta)  # (B,) or None
+        keys = row_keys(meta.seeds, meta.steps).unsqueeze(-1)  # (B, 1)
+        table = self._token_hash_table(x.shape[-1], x.device, torch.int64)  # (V,)
+        x = x / meta.temperature.unsqueeze(-1)  # (B, V)
         log_e = log_exponentials(keys, table.unsqueeze(0))  # (B, V)
         scores = torch.sub(x, log_e, out=log_e)  # (B, V)
         if thr is not None:
             scores.masked_fill_(x < thr.unsqueeze(-1), _NEG_INF)
         return scores.argmax(dim=-1)
 
+    def _sample_fused(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Same tokens as the torch path; noise, temperature, mask and argmax in one Triton pass."""
+        # NOTE: imported here: triton.jit reads TRITON_INTERPRET when the kernel module is imported.
+        from peregrine.kernels.sampling import gumbel_argmax
+
+        x = logits  # (B, V), any float dtype: the kernel upcasts as it loads
+        if meta.any_min_tokens or meta.any_penalties:
+            x = self.apply_penalties(logits.float(), meta)  # (B, V) float32
+        if meta.all_greedy:
+            return x.argmax(dim=-1)
+        if self._is_compact(meta):
+            sampled = self._sample_compact(x.float(), meta)  # (B,)
+            if meta.greedy_mask is not None:
+                sampled = torch.where(meta.greedy_mask, x.argmax(dim=-1), sampled)
+            return sampled
+        thr = self._threshold(x, meta)  # (B,) or None
+        temp = meta.temperature  # (B,)
+        if meta.greedy_mask is not None:
+            temp = temp.masked_fill(meta.greedy_mask, 0.0)  # the kernel's marker for an argmax row
+        table = self._token_hash_table(x.shape[-1], x.device, torch.int32)  # (V,)
+        return gumbel_argmax(x, temp, meta.seeds, meta.steps, table, thr)

@@ -78,3 +78,41 @@ def test_seeds_wrap_to_int64():
 def test_empty_batch_is_rejected():
     with pytest.raises(ValueError, match="at least one request"):
         build_sampling_metadata([], 10, "cpu")
+
+
+def test_rows_are_the_same_alone_in_a_uniform_batch_and_in_a_mixed_batch():
+    params = [dict(temperature=0.6), dict(temperature=0.0, top_k=5, top_p=0.5),
+              dict(top_k=50, top_p=0.8, min_p=0.1),
+              dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=-0.25, temperature=1.7)]
+    reqs = [make_request(seed=i - 2, output=[1] * i, **params[i]) for i in range(4)]
+    mixed = build_sampling_metadata(reqs, 30, "cpu")
+    fields = ("temperature", "top_k", "top_p", "min_p", "seeds", "steps")
+    for i, req in enumerate(reqs):
+        alone = build_sampling_metadata([req], 30, "cpu")
+        uniform = build_sampling_metadata([req] * 3, 30, "cpu")
+        for name in fields:
+            want = getattr(mixed, name)[i].item()
+            assert getattr(alone, name).tolist() == [want] and getattr(uniform, name).tolist() == [want] * 3
+    assert mixed.greedy_mask.tolist() == [False, True, False, False]
+    assert mixed.repetition_penalties.tolist() == pytest.approx([1.0, 1.0, 1.0, 1.3])
+    assert mixed.presence_penalties.tolist() == pytest.approx([0.0, 0.0, 0.0, 0.5])
+    assert mixed.frequency_penalties.tolist() == pytest.approx([0.0, 0.0, 0.0, -0.25])
+    assert mixed.temperature.tolist() == pytest.approx([0.6, 1.0, 1.0, 1.7])
+
+
+def test_uniform_greedy_batch_gets_neutral_values():
+    m = build_sampling_metadata([make_request(seed=s, temperature=0.0, top_k=3, min_p=0.2) for s in range(3)],
+                                10, "cpu")
+    assert m.all_greedy and m.greedy_mask.tolist() == [True] * 3
+    assert m.temperature.tolist() == [1.0] * 3 and m.top_k.tolist() == [1] * 3
+    assert m.min_p.tolist() == [0.0] * 3
+
+
+def test_explicit_steps_override_the_output_count():
+    reqs = [make_request(seed=1, output=[4, 4], min_tokens=3, eos=(9,)),
+            make_request(seed=2, min_tokens=3, eos=(9,))]
+    m = build_sampling_metadata(reqs, 10, "cpu", steps=[5, 2])  # e.g. tokens still in flight
+    assert m.steps.tolist() == [5, 2]
+    assert m.banned_rows.tolist() == [1] and m.banned_tokens.tolist() == [9]  # row 0 is past min_tokens
+    with pytest.raises(ValueError, match="steps"):
+        build_sampling_metadata(reqs, 10, "cpu", steps=[1])
