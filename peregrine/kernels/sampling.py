@@ -47,7 +47,8 @@ def _log(x, PRECISE: tl.constexpr):
     return y
 
 
-@triton.jit
+# NOTE: num_chunks only addresses the partials; not specialising on it avoids recompiles per batch size.
+@triton.jit(do_not_specialize=["num_chunks"])
 def _gumbel_argmax_kernel(
     logits_ptr, temp_ptr, seed_ptr, step_ptr, hash_ptr, thr_ptr, part_val_ptr, part_idx_ptr,
     vocab, chunk, num_chunks, stride_row,

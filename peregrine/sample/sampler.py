@@ -100,6 +100,19 @@ class Sampler:
         lp = compute_token_logprobs(raw, sampled, meta.max_num_logprobs)
         return SamplerOutput(sampled, lp.token_ids, lp.logprobs, lp.ranks)
 
+    def warm_up(self, vocab_size: int, device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
+        """Compile the fused kernel's variants (with and without a threshold) before the first step."""
+        device = torch.device(device)
+        if not self._uses_kernel(torch.empty(0, device=device)):
+            return
+        from peregrine.kernels.sampling import gumbel_argmax
+
+        logits = torch.zeros(1, vocab_size, dtype=dtype, device=device)  # (1, V)
+        ones, zeros = torch.ones(1, device=device), torch.zeros(1, dtype=torch.int64, device=device)
+        table = self._token_hash_table(vocab_size, device, torch.int32)  # (V,)
+        for thr in (None, torch.zeros(1, device=device)):
+            gumbel_argmax(logits, ones, zeros, zeros, table, thr)
+
     def _uses_kernel(self, logits: torch.Tensor) -> bool:
         if self.use_kernel is None:
             return logits.device.type == "cuda"

@@ -184,3 +184,10 @@ def test_forcing_the_kernel_on_cpu_needs_the_interpreter(monkeypatch: pytest.Mon
     meta = build_sampling_metadata(_requests(1, 0, False), 50, "cpu")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         Sampler(use_kernel=True)(torch.zeros(1, 50), meta)
+
+
+def test_warm_up_caches_the_kernel_hash_table() -> None:
+    sampler = Sampler(use_kernel=True)
+    sampler.warm_up(300, "cpu", torch.bfloat16)
+    table = sampler._token_hash_cache[(300, torch.device("cpu"), torch.int32)]
+    assert torch.equal(table, as_int32_bits(token_hashes(torch.arange(300))))
