@@ -75,6 +75,9 @@ class ModelRunner:
                 config.attention_backend == "triton":
             from peregrine.worker.cuda_graphs import CudaGraphRunner
             self.graphs = CudaGraphRunner(self)
+        if self.device.type == "cuda":
+            # Compile the sampling kernel now, not inside the first (timed) steps.
+            self.sampler.warm_up(self.vocab_size, self.device)
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -201,7 +204,10 @@ class ModelRunner:
         host: dict[str, torch.Tensor] = {}
         sampled_dev = None
         if sampled_reqs:
-            meta = build_sampling_metadata(sampled_reqs, self.vocab_size, self.device)
+            # The index of the token being sampled: with async scheduling the host's token lists
+            # lag by the in-flight step, so it comes from the chunk's end, not len(output).
+            steps = [int(starts[i] + q_lens[i]) - batch[i].num_prompt_tokens for i in sample_pos]
+            meta = build_sampling_metadata(sampled_reqs, self.vocab_size, self.device, steps=steps)
             so = self.sampler(logits[: len(sampled_reqs)], meta)
             sampled_dev = so.sampled_token_ids
             host["sampled"] = self._to_host(sampled_dev)

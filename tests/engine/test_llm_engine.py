@@ -177,3 +177,15 @@ def test_skip_tokenizer_init_takes_token_ids() -> None:
     assert len(out.outputs[0].token_ids) == 3 and out.outputs[0].text == ""
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate(["text needs a tokenizer"], use_tqdm=False)
+
+
+def test_async_and_sync_scheduling_sample_the_same_tokens() -> None:
+    # NOTE: the sampler's noise is keyed on the token's index, which async steps must not shift.
+    sp = SamplingParams(temperature=1.0, top_p=0.95, seed=5, max_tokens=12, ignore_eos=True)
+    prompts = [_ids(9), _ids(25, 4), _ids(3, 77)]
+    outs = []
+    for mode in (False, True):
+        llm = LLM(tiny_checkpoint("llama"), dtype="float32", device="cpu", max_model_len=128,
+                  async_scheduling=mode)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
+    assert outs[0] == outs[1]
