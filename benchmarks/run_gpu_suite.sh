@@ -16,6 +16,14 @@ for s in $steps; do
     w2hf)    run w2hf 300 python -m peregrine.entrypoints.cli bench latency --model "$CFG/llama-3-8b.json" --iters 1 --compare-transformers --output-json "$OUT/w2hf.json" ;;
     w1)      run w1 200 python -m peregrine.entrypoints.cli bench throughput --model "$CFG/qwen3-0.6b.json" --output-json "$OUT/w1.json" ;;
     w1prof)  run w1prof 200 python -m peregrine.entrypoints.cli bench throughput --model "$CFG/qwen3-0.6b.json" --torch-profile 400:404 --torch-profile-out "$OUT/w1_profile.txt" --output-json "$OUT/w1prof.json" ;;
+    serve)   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+             run w3 200 python benchmarks/serve_workloads.py w3 --num-prompts "${W3_PROMPTS:-1000}" --rates "${W3_RATES:-inf,32}" --out-dir "$OUT/serve"
+             run w4 200 python benchmarks/serve_workloads.py w4 --w4-prompts "${W4_PROMPTS:-60}" --out-dir "$OUT/serve" ;;
+    enginefp32) run engine 150 python benchmarks/gpu_engine_check.py --fp32-only --quick ;;
     w1hf)    run w1hf 400 python -m peregrine.entrypoints.cli bench throughput --model "$CFG/qwen3-0.6b.json" --compare-transformers --hf-requests 32 --output-json "$OUT/w1hf.json" ;;
   esac
 done
+# Everything under $OUT in one archive: the device tool brings back at most 8 files.
+if [ -n "${PACK:-}" ]; then
+  (cd "$OUT" && tar czf /tmp/results.tgz . && find . -mindepth 1 -delete && mv /tmp/results.tgz results.tgz)
+fi

@@ -90,7 +90,9 @@ class StepBuffers:
         self.d_slot_mapping[:pt].copy_(self.slot_mapping[:pt], non_blocking=nb)
         self.d_seq_lens[:pb].copy_(self.seq_lens[:pb], non_blocking=nb)
         self.d_query_start_loc[:pb + 1].copy_(self.query_start_loc[:pb + 1], non_blocking=nb)
-        self.d_block_table[:b, :width].copy_(self.block_table[:b, :width], non_blocking=nb)
+        # NOTE: whole rows, so source and destination are contiguous: a strided host source would
+        # go through a pageable temporary, and a pageable copy waits for the in-flight step.
+        self.d_block_table[:b].copy_(self.block_table[:b], non_blocking=nb)
         meta = AttentionMetadata(
             num_actual_tokens=t, num_decodes=0, num_decode_tokens=0, max_query_len=0, max_seq_len=0,
             query_start_loc=self.d_query_start_loc[:pb + 1], seq_lens=self.d_seq_lens[:pb],

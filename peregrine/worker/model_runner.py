@@ -165,8 +165,8 @@ class ModelRunner:
         input_ids, positions, meta = buf.to_device(t, b, step.width, pad_t=pad, pad_b=pad)
         if step.pending_dst:
             # In-flight samples of the previous step become this step's input ids, on the device.
-            dst = torch.tensor(step.pending_dst, dtype=torch.long).to(self.device, non_blocking=True)
-            src = torch.tensor(step.pending_src, dtype=torch.long).to(self.device, non_blocking=True)
+            dst = self._h2d(step.pending_dst)
+            src = self._h2d(step.pending_src)
             buf.d_input_ids.index_copy_(0, dst, self._prev_sampled.index_select(0, src))
         if self._inputs_copied is not None:
             self._inputs_copied.record()
@@ -192,11 +192,12 @@ class ModelRunner:
         for i, _, count in prompt_lp:
             first = int(step.qsl[i])
             logits_idx.extend(range(first, first + count))
-        idx = torch.tensor(logits_idx, dtype=torch.long).to(self.device, non_blocking=True)
-        if all_logits is not None:  # decode-only graph step: one row per sequence
-            logits = all_logits.index_select(0, idx)  # (S + P, V)
+        if all_logits is not None and len(logits_idx) == all_logits.shape[0]:
+            logits = all_logits  # decode-only graph step where every row samples: (B, V)
+        elif all_logits is not None:  # decode-only graph step: one row per sequence
+            logits = all_logits.index_select(0, self._h2d(logits_idx))  # (S + P, V)
         else:
-            logits = self.model.compute_logits(hidden.index_select(0, idx))  # (S + P, V)
+            logits = self.model.compute_logits(hidden.index_select(0, self._h2d(logits_idx)))
         sampled_reqs = [batch[i] for i in sample_pos]
         samples = [False] * len(batch)
         for i in sample_pos:
@@ -220,7 +221,7 @@ class ModelRunner:
             for i, first, count in prompt_lp:
                 targets.extend(batch[i].prompt_token_ids[first + 1:first + 1 + count])
             k = max(batch[i].sampling_params.prompt_logprobs for i, _, _ in prompt_lp)
-            tgt = torch.tensor(targets, dtype=torch.long).to(self.device, non_blocking=True)
+            tgt = self._h2d(targets)
             lp = compute_token_logprobs(logits[len(sampled_reqs):], tgt, k)
             host["plp_ids"] = self._to_host(lp.token_ids)
             host["plp_vals"] = self._to_host(lp.logprobs)
@@ -234,6 +235,17 @@ class ModelRunner:
         return StepHandle(out, sampled_reqs,
                           [(batch[i], first, count) for i, first, count in prompt_lp],
                           samples, host, event)
+
+    def _h2d(self, values: list[int]) -> torch.Tensor:
+        """An int64 device tensor from a Python list, without waiting for the in-flight step.
+
+        A copy from pageable memory would first wait for everything queued on the stream, so the
+        list goes through pinned memory (the caching host allocator keeps it until the copy ran).
+        """
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=torch.long)
+        host = torch.tensor(values, dtype=torch.long).pin_memory()
+        return host.to(self.device, non_blocking=True)
 
     def _to_host(self, x: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":
