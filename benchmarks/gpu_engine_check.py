@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import os
 import sys
 import tempfile

@@ -6,7 +6,6 @@ import dataclasses
 import logging
 import sys
 import typing
-from typing import Any
 
 from peregrine.config import EngineArgs
 

@@ -54,3 +54,17 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def check_q_and_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+                       ) -> tuple[int, int]:
+    """(block_size, num_kv_heads) of caches shaped (blocks, block_size, Hkv, D) that fit q (.., Hq, D)."""
+    num_q_heads, head_dim = q.shape[-2], q.shape[-1]
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} / "
+                         f"{tuple(v_cache.shape)}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
+                         f"{num_kv_heads}")
+    return block_size, num_kv_heads

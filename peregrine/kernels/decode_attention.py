@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import (check_block_size, dot_dtype, dot_precision, is_gpu,
+from peregrine.kernels._utils import (check_block_size, check_q_and_caches, dot_dtype, dot_precision, is_gpu,
                                       next_pow2, num_sms)
 
 _MIN_SPLIT_LEN = 256  # tokens; shorter splits cost more in the merge than they win in parallelism
@@ -137,13 +137,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     seq_lens[b] <= block_table.shape[1] * block_size tokens; returns out (B, Hq, D).
     A sequence with seq_len 0 (CUDA-graph padding) gets zeros."""
     batch, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} / "
-                         f"{tuple(v_cache.shape)}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
-                         f"{num_kv_heads}")
+    block_size, num_kv_heads = check_q_and_caches(q, k_cache, v_cache)
     if block_table.shape[0] != batch or seq_lens.shape != (batch,):
         raise ValueError(f"block_table {tuple(block_table.shape)} / seq_lens "
                          f"{tuple(seq_lens.shape)} do not match batch {batch}")

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import (check_block_size, dot_dtype, dot_precision, is_gpu,
+from peregrine.kernels._utils import (check_block_size, check_q_and_caches, dot_dtype, dot_precision, is_gpu,
                                       next_pow2)
 
 
@@ -130,13 +130,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Causal attention of the packed chunks of sequences [seq_start, seq_start + num_seqs), q
     (T, Hq, D), over their paged contexts; writes only those sequences' rows of out (T, Hq, D)."""
     num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache.shape)} / "
-                         f"{tuple(v_cache.shape)}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
-                         f"{num_kv_heads}")
+    block_size, num_kv_heads = check_q_and_caches(q, k_cache, v_cache)
     total_seqs = seq_lens.shape[0]
     if num_seqs is None:
         num_seqs = total_seqs - seq_start

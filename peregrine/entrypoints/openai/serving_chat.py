@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from peregrine.engine.async_engine import EngineRequest, RequestStream
 from peregrine.entrypoints.openai.errors import bad_request
@@ -16,13 +16,12 @@ from peregrine.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChu
                                                    ChatStreamChoice, ChatTokenLogprob, DeltaMessage,
                                                    PromptTokensDetails, TopLogprob, Usage,
                                                    random_id)
-from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ClientDisconnected,
-                                                         ServingContext, TokenText, add_requests,
-                                                         build_sampling_params, check_model,
-                                                         clamp_logprob, output_error,
-                                                         reject_unsupported, resolve_max_tokens,
-                                                         sse, stream_guard, top_entries,
-                                                         unless_disconnected)
+from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ServingContext, TokenText,
+                                                         add_requests, build_sampling_params,
+                                                         check_model, clamp_logprob,
+                                                         output_error, reject_unsupported,
+                                                         resolve_max_tokens, respond, sse,
+                                                         top_entries)
 from peregrine.outputs import CompletionOutput, PositionLogprobs
 
 
@@ -75,14 +74,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     request_id = random_id("chatcmpl")
     stream = await add_requests(ctx, [EngineRequest(request_id, ids, params, req.priority)])
     builder = _ChatBuilder(ctx, req, request_id, len(ids))
-    if req.stream:
-        return StreamingResponse(stream_guard(stream, builder.stream(stream)),
-                                 media_type="text/event-stream")
-    try:
-        response = await unless_disconnected(raw, stream, builder.collect(stream))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    return JSONResponse(response.model_dump())
+    return await respond(raw, stream, builder, req.stream)
 
 
 class _ChatBuilder:

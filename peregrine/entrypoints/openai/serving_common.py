@@ -190,6 +190,20 @@ async def unless_disconnected(request: Request, stream: RequestStream, work: Awa
         stream.abort()
 
 
+async def respond(raw: Request, stream: RequestStream, builder: Any, streaming: bool):
+    """An SSE response fed by builder.stream(), or the JSON of builder.collect() (499 if the
+    client left first)."""
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    if streaming:
+        return StreamingResponse(stream_guard(stream, builder.stream(stream)),
+                                 media_type="text/event-stream")
+    try:
+        response = await unless_disconnected(raw, stream, builder.collect(stream))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(response.model_dump())
+
+
 # ----------------------------------------------------------------------------- logprobs
 def clamp_logprob(lp: float) -> float:
     return lp if math.isfinite(lp) else _MIN_LOGPROB

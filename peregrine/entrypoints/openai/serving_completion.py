@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from peregrine.engine.async_engine import EngineRequest, RequestStream
 from peregrine.entrypoints.openai.errors import bad_request
@@ -14,13 +14,12 @@ from peregrine.entrypoints.openai.protocol import (CompletionChoice, CompletionC
                                                    CompletionLogprobs, CompletionRequest,
                                                    CompletionResponse, PromptTokensDetails, Usage,
                                                    random_id)
-from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ClientDisconnected,
-                                                         ServingContext, TokenText, add_requests,
-                                                         build_sampling_params, check_model,
-                                                         clamp_logprob, output_error,
-                                                         reject_unsupported, resolve_max_tokens,
-                                                         sse, stream_guard, top_entries,
-                                                         unless_disconnected)
+from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ServingContext, TokenText,
+                                                         add_requests, build_sampling_params,
+                                                         check_model, clamp_logprob,
+                                                         output_error, reject_unsupported,
+                                                         resolve_max_tokens, respond, sse,
+                                                         top_entries)
 from peregrine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 _DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
@@ -88,14 +87,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
     stream = await add_requests(ctx, engine_reqs)
     index_of = {r.request_id: i for i, r in enumerate(engine_reqs)}
     builder = _Builder(ctx, req, prompts, index_of, request_id)
-    if req.stream:
-        return StreamingResponse(stream_guard(stream, builder.stream(stream)),
-                                 media_type="text/event-stream")
-    try:
-        response = await unless_disconnected(raw, stream, builder.collect(stream))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    return JSONResponse(response.model_dump())
+    return await respond(raw, stream, builder, req.stream)
 
 
 class _Builder:
