@@ -189,3 +189,22 @@ def test_async_and_sync_scheduling_sample_the_same_tokens() -> None:
                   async_scheduling=mode)
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
     assert outs[0] == outs[1]
+
+
+def test_n_copies_fork_the_first_copy_prompt_blocks() -> None:
+    llm = LLM(tiny_checkpoint("llama"), dtype="float32", device="cpu", max_model_len=128,
+              enable_prefix_caching=False)
+    eng = llm.engine
+    eng.add_request("fork", _ids(40), SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8,
+                                                     ignore_eos=True))
+    first, second = (eng.scheduler.get_request(f"fork#{i}") for i in range(2))
+    for _ in range(4):
+        eng.step()
+        if second.block_ids:
+            break
+    # The 40-token prompt has 2 full blocks; the second copy holds the same two (ref count 2).
+    assert second.block_ids[:2] == first.block_ids[:2]
+    assert second.num_cached_tokens == 32
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.scheduler.make_stats().kv_cache_usage == 0.0

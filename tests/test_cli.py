@@ -1,0 +1,26 @@
+"""The `peregrine` command line, run as a user would."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from peregrine.testing.checkpoints import tiny_checkpoint
+
+
+def test_generate_prints_completion_for_a_model_folder() -> None:
+    path = str(tiny_checkpoint("llama"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "peregrine.entrypoints.cli", "generate", "--model", path,
+         "--device", "cpu", "--max-model-len", "64", "--max-tokens", "5", "hello world"],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert "Prompt: 'hello world'" in proc.stdout
+    assert "[5 tokens, finish_reason=length]" in proc.stdout
+
+
+def test_generate_reports_bad_model_folder_clearly(tmp_path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "peregrine.entrypoints.cli", "generate", "--model",
+         str(tmp_path / "missing"), "x"], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2
+    assert "is not a local folder" in proc.stderr
