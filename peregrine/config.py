@@ -2,7 +2,6 @@
 resolved, frozen sub-configs the engine runs on."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -220,7 +219,3 @@ def resolve_device(device: str) -> str:
         raise _bad("device", f"{device!r} requested but CUDA is not available")
     return device
 
-
-def engine_args_fields() -> list[dataclasses.Field]:
-    """The fields of EngineArgs, for generating CLI flags."""
-    return list(dataclasses.fields(EngineArgs))

@@ -48,7 +48,6 @@ class ModelRunner:
         self.config = config
         mc = config.model
         self.device = torch.device(config.device)
-        self.dtype = mc.dtype
         self.block_size = config.cache.block_size
         self.vocab_size = mc.vocab_size
         self.backend = get_attention_backend(config.attention_backend)
@@ -80,11 +79,6 @@ class ModelRunner:
             self.sampler.warm_up(self.vocab_size, self.device)
 
     # ---- one step -------------------------------------------------------------------------
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step and wait for its tokens."""
-        return self.collect(self.launch(out))
-
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> StepHandle:
         """Queue one step's forward pass and sampling on the device; return without waiting.
@@ -154,7 +148,7 @@ class ModelRunner:
         buf.query_start_loc_np[:b + 1] = qsl
         pending_src = [self._prev_rows[batch[i].request_id] for i in pending_dst]
         return _Step(t, b, num_decodes, int(q_lens.max()), int(seq_lens.max()), width, qsl,
-                     seq_lens, pending_dst, pending_src)
+                     pending_dst, pending_src)
 
     def _forward(self, step: _Step) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(hidden (T, hidden), None) eagerly, or (None, logits (B, V)) from a CUDA graph."""
@@ -310,7 +304,6 @@ class _Step:
     max_seq_len: int
     width: int  # block-table columns in use
     qsl: np.ndarray  # (B + 1,) query start offsets
-    seq_lens: np.ndarray  # (B,)
     pending_dst: list[int]  # decode rows whose input token is still on the device
     pending_src: list[int]  # their rows in the previous step's sampled tokens
 
