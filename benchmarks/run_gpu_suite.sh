@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device call: kernel checks, sampler check, engine equality, W2 latency and W1 throughput.
-# Usage: bash benchmarks/run_gpu_suite.sh [steps...]   (steps: kernels sampler engine w2 w1 w1hf w2hf)
+# Usage: bash benchmarks/run_gpu_suite.sh [steps...]   (steps: kernels sampler engine enginefp32 w2 w2hf w1 w1prof w1hf serve ttft)
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 CFG="${CFG:-benchmarks/configs}"
 steps="${*:-kernels sampler engine w2 w1}"
+wheels() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"; }
 run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -40; echo "=== $name rc=${PIPESTATUS[0]}"; }
 for s in $steps; do
   case $s in
@@ -16,9 +17,13 @@ for s in $steps; do
     w2hf)    run w2hf 300 python -m peregrine.entrypoints.cli bench latency --model "$CFG/llama-3-8b.json" --iters 1 --compare-transformers --output-json "$OUT/w2hf.json" ;;
     w1)      run w1 200 python -m peregrine.entrypoints.cli bench throughput --model "$CFG/qwen3-0.6b.json" --output-json "$OUT/w1.json" ;;
     w1prof)  run w1prof 200 python -m peregrine.entrypoints.cli bench throughput --model "$CFG/qwen3-0.6b.json" --torch-profile 400:404 --torch-profile-out "$OUT/w1_profile.txt" --output-json "$OUT/w1prof.json" ;;
-    serve)   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-             run w3 200 python benchmarks/serve_workloads.py w3 --num-prompts "${W3_PROMPTS:-1000}" --rates "${W3_RATES:-inf,32}" --out-dir "$OUT/serve"
+    serve)   wheels
+             run w3 450 python benchmarks/serve_workloads.py w3 --num-prompts "${W3_PROMPTS:-1000}" --rates "${W3_RATES:-inf,32}" --out-dir "$OUT/serve"
              run w4 200 python benchmarks/serve_workloads.py w4 --w4-prompts "${W4_PROMPTS:-60}" --out-dir "$OUT/serve" ;;
+    ttft)    wheels
+             run probe 300 python benchmarks/ttft_probe.py --out "$OUT/ttft_probe.json"
+             run w4diag 300 python benchmarks/serve_workloads.py w4 --w4-prompts "${W4_PROMPTS:-60}" --w4-no-zero-hits --out-dir "$OUT/serve_diag"
+             [ -n "${W4_EXTRA_ENV:-}" ] && run w4exp 200 env $W4_EXTRA_ENV python benchmarks/serve_workloads.py w4 --w4-caching on --w4-no-zero-hits --w4-prompts "${W4_PROMPTS:-60}" --out-dir "$OUT/serve_exp" ;;
     enginefp32) run engine 150 python benchmarks/gpu_engine_check.py --fp32-only --quick ;;
     w1hf)    run w1hf 400 python -m peregrine.entrypoints.cli bench throughput --model "$CFG/qwen3-0.6b.json" --compare-transformers --hf-requests 32 --output-json "$OUT/w1hf.json" ;;
   esac

@@ -73,12 +73,42 @@ class Server:
 _VOCAB = ["128000"]
 
 
+# Server-side latency histograms whose mean over a run is reported beside the client's view.
+_SERVER_HISTOGRAMS = ("time_to_first_token", "request_queue_time", "request_prefill_time",
+                      "request_decode_time")
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """The _sum and _count samples of the server's latency histograms (seconds)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    got: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        base = name.split("{", 1)[0]
+        if base.endswith(("_sum", "_count")) and base.startswith("peregrine_"):
+            got[base] = got.get(base, 0.0) + float(value)
+    return got
+
+
 def _bench(port: int, out: Path, name: str, args: list[str]) -> dict:
     from peregrine.bench.serve import main as bench_main
     path = out / f"{name}.json"
+    before = _scrape(port)
     bench_main(["--base-url", f"http://127.0.0.1:{port}", "--vocab-size", _VOCAB[0],
                 "--label", name, "--result-file", str(path), *args])
-    return json.loads(path.read_text())["summary"]
+    after = _scrape(port)
+    summary = json.loads(path.read_text())["summary"]
+    # NOTE: the server's clock starts when the handler has parsed the request, and stops when
+    # the engine thread hands the first token to the event loop; the client's view adds HTTP.
+    server = {}
+    for h in _SERVER_HISTOGRAMS:
+        key = f"peregrine_{h}_seconds"
+        n = after.get(key + "_count", 0.0) - before.get(key + "_count", 0.0)
+        total = after.get(key + "_sum", 0.0) - before.get(key + "_sum", 0.0)
+        server[f"{h}_mean_ms"] = 1e3 * total / n if n else None
+    summary["server"] = server
+    return summary
 
 
 def _warmup(port: int, out: Path) -> None:
@@ -100,7 +130,7 @@ def run_w3(ns: argparse.Namespace, out: Path) -> dict[str, dict]:
 
 def run_w4(ns: argparse.Namespace, out: Path) -> dict[str, dict]:
     results = {}
-    for caching in ("on", "off"):
+    for caching in ns.w4_caching.split(","):
         flag = "--enable-prefix-caching" if caching == "on" else "--no-enable-prefix-caching"
         with Server(ns.config, ns.port, out / f"server-w4-{caching}.log",
                     ["--max-model-len", "4096", flag]):
@@ -110,6 +140,8 @@ def run_w4(ns: argparse.Namespace, out: Path) -> dict[str, dict]:
                     "--dataset", "prefix-shared", "--num-prompts", str(ns.w4_prompts),
                     "--request-rate", ns.w4_rate, "--prefix-len", "2000", "--suffix-len", "100",
                     "--output-len", "100", "--seed", "1"])
+            if ns.w4_no_zero_hits:
+                continue
             results[f"w4_zero_hits_caching_{caching}"] = _bench(
                 ns.port, out, f"w4_zero_hits_caching_{caching}", [
                     "--dataset", "random", "--num-prompts", str(ns.w4_prompts),
@@ -129,6 +161,16 @@ def _table(results: dict[str, dict]) -> str:
                     f"| {t['mean']:.1f}/{t['median']:.1f}/{t['p99']:.1f} "
                     f"| {p['mean']:.1f}/{p['median']:.1f}/{p['p99']:.1f} "
                     f"| {i['median']:.1f}/{i['p99']:.1f} | {e['median']:.0f}/{e['p99']:.0f} |")
+    rows += ["", "| run | client TTFT mean ms | server TTFT mean ms | queue mean ms "
+             "| prefill mean ms | decode mean ms |", "|" + "---|" * 6]
+    for name, s in results.items():
+        v = s.get("server", {})
+
+        def ms(key: str) -> str:
+            return "-" if v.get(key) is None else f"{v[key]:.1f}"
+        rows.append(f"| {name} | {s['ttft_ms']['mean']:.1f} | {ms('time_to_first_token_mean_ms')} "
+                    f"| {ms('request_queue_time_mean_ms')} | {ms('request_prefill_time_mean_ms')} "
+                    f"| {ms('request_decode_time_mean_ms')} |")
     return "\n".join(rows)
 
 
@@ -142,6 +184,8 @@ def main() -> int:
     p.add_argument("--rates", default="inf,8,16,32", help="W3 request rates (comma-separated)")
     p.add_argument("--w4-prompts", type=int, default=200)
     p.add_argument("--w4-rate", default="4", help="W4 shared-prefix TTFT run: requests/s")
+    p.add_argument("--w4-caching", default="on,off", help="W4 prefix caching settings to run")
+    p.add_argument("--w4-no-zero-hits", action="store_true", help="skip W4's 0%%-hit runs")
     p.add_argument("--vocab-size", default="128000", help="prompt token ids are drawn below this")
     ns = p.parse_args()
     _VOCAB[0] = ns.vocab_size

@@ -42,6 +42,9 @@ class EngineArgs:
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     max_queue_len: int | None = None
     enforce_eager: bool = False
+    # Mixed and prefill steps of up to this many tokens replay piecewise CUDA graphs (everything
+    # but attention); 0 runs them eagerly. Decode-only steps always use full graphs.
+    max_prefill_graph_tokens: int = 2048
     async_scheduling: bool | None = None  # None: on with CUDA (overlaps host and device work)
     attention_backend: str | None = None  # torch | triton; None -> env or device default
     device: str = "auto"
@@ -167,6 +170,7 @@ class EngineConfig:
     enforce_eager: bool
     tensor_parallel_size: int
     async_scheduling: bool | None = None
+    max_prefill_graph_tokens: int = 0
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
@@ -188,6 +192,8 @@ class EngineConfig:
             raise _bad("max_num_seqs", "must be >= 1")
         if args.scheduling_policy not in ("fcfs", "priority"):
             raise _bad("scheduling_policy", f"{args.scheduling_policy!r} (expected fcfs or priority)")
+        if args.max_prefill_graph_tokens < 0:
+            raise _bad("max_prefill_graph_tokens", "must be >= 0 (0 turns the graphs off)")
         if args.tensor_parallel_size != 1:
             raise _bad("tensor_parallel_size", "only 1 is supported so far")
         max_batched = args.max_num_batched_tokens
@@ -209,7 +215,8 @@ class EngineConfig:
                                 args.enable_chunked_prefill, args.scheduling_policy,
                                 args.max_queue_len)
         return cls(model, cache, sched, device, backend, args.enforce_eager,
-                   args.tensor_parallel_size, args.async_scheduling)
+                   args.tensor_parallel_size, args.async_scheduling,
+                   min(args.max_prefill_graph_tokens, max_batched))
 
 
 def resolve_device(device: str) -> str:

@@ -17,12 +17,15 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Store k/v (T, Hkv, D) at meta.slot_mapping, then return attention of q (T, Hq, D)."""
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """Store k/v (T, Hkv, D) at meta.slot_mapping, then return attention of q (T, Hq, D),
+        written into `out` (T, Hq, D) when given. Rows past meta.num_actual_tokens are zeros."""
 
 
 def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+                 v_cache: torch.Tensor, meta: AttentionMetadata,
+                 out: torch.Tensor | None = None) -> None:
     """Raise ValueError when the step tensors do not fit together (cheap: shapes only)."""
     if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape:
         raise ValueError(f"expected q (T, Hq, D) and k/v (T, Hkv, D); got q {tuple(q.shape)}, "
@@ -38,6 +41,9 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
                          f"(num_blocks, block_size, {k.shape[1]}, {head_dim})")
     if meta.slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping {tuple(meta.slot_mapping.shape)} != ({num_tokens},)")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must match q {tuple(q.shape)} "
+                         f"{q.dtype} and be contiguous in its last dim")
     if meta.num_decodes > meta.num_seqs or meta.num_decodes > num_tokens:
         raise ValueError(f"num_decodes {meta.num_decodes} exceeds {meta.num_seqs} sequences or "
                          f"{num_tokens} tokens")

@@ -14,11 +14,15 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """Store k/v at meta.slot_mapping, then return attention of q (T, Hq, D)."""
-        check_shapes(q, k, v, k_cache, v_cache, meta)
+        check_shapes(q, k, v, k_cache, v_cache, meta, out)
         store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.zeros_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
+        if out is None:
+            out = torch.zeros_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
+        else:
+            out.zero_()
         # NOTE: prefer the host copies; falling back to the device tensors costs a sync.
         seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens
         qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None \

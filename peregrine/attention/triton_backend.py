@@ -17,13 +17,15 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """Store k/v at meta.slot_mapping, then return attention of q (T, Hq, D)."""
-        check_shapes(q, k, v, k_cache, v_cache, meta)
+        check_shapes(q, k, v, k_cache, v_cache, meta, out)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         num_tokens = q.shape[0]
         num_decodes = meta.num_decodes
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
         if num_decodes > 0:
             # NOTE: decode token i belongs to sequence i (decodes come first, one token each).
             paged_decode_attention(q[:num_decodes], k_cache, v_cache,

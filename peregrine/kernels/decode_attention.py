@@ -21,7 +21,10 @@ _MAX_SPLITS = 64
 _PROGRAMS_PER_SM = 4
 
 
-@triton.jit
+# NOTE: ints that change with the batch are not specialised on (==1, %16): each new value would
+# compile a variant on the request path. The merge's BLOCK_S variants are compiled by precompile().
+@triton.jit(do_not_specialize=["split_len", "stride_bt", "stride_mo_b", "stride_mo_h",
+                               "stride_ml_b", "stride_ml_h"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     scale_log2, split_len,
@@ -88,7 +91,8 @@ def _decode_split_kernel(
     tl.store(mid_lse_ptr + b64 * stride_ml_b + heads * stride_ml_h + split, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_len", "stride_mo_b", "stride_mo_h", "stride_ml_b",
+                               "stride_ml_h"])
 def _decode_merge_kernel(
     mid_o_ptr, mid_lse_ptr, seq_lens_ptr, o_ptr, split_len,
     stride_mo_b, stride_mo_h, stride_mo_s,
@@ -187,3 +191,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_warps=4,
     )
     return out
+
+
+def precompile(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+               dtype: torch.dtype, device: torch.device) -> None:
+    """Compile every merge variant (one per power-of-two split count) now, so that no batch
+    size met later compiles one on the request path."""
+    q = torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=device)
+    cache = torch.zeros(1, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+    block_n = 16 if not is_gpu(q) else 32 if dtype == torch.float32 else 64
+    splits = 1
+    while splits <= _MAX_SPLITS:  # splits of block_n tokens over a table of splits * block_n
+        table = torch.zeros(1, -(-splits * block_n // block_size), dtype=torch.int32,
+                            device=device)
+        paged_decode_attention(q, cache, cache, table, seq_lens, 1.0, split_len=block_n,
+                               block_n=block_n)
+        splits *= 2

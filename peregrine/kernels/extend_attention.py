@@ -49,7 +49,7 @@ def _attend_tile(q, m_i, l_i, acc, n0, q_pos, kv_end, k_base, v_base, bt_row,
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_offset"])  # NOTE: the decode count varies step to step
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, o_ptr,
     scale_log2, seq_offset,

@@ -48,7 +48,10 @@ def _log(x, PRECISE: tl.constexpr):
 
 
 # NOTE: num_chunks only addresses the partials; not specialising on it avoids recompiles per batch size.
-@triton.jit(do_not_specialize=["num_chunks"])
+# NOTE: the per-row parameters are views into one packed buffer; their alignment changes with the
+# batch size, and specialising on it would compile variants on the request path.
+@triton.jit(do_not_specialize=["num_chunks"],
+            do_not_specialize_on_alignment=["temp_ptr", "seed_ptr", "step_ptr", "thr_ptr"])
 def _gumbel_argmax_kernel(
     logits_ptr, temp_ptr, seed_ptr, step_ptr, hash_ptr, thr_ptr, part_val_ptr, part_idx_ptr,
     vocab, chunk, num_chunks, stride_row,

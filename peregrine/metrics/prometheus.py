@@ -39,6 +39,8 @@ METRIC_NAMES = (
     "peregrine_request_time_per_output_token_seconds",
     "peregrine_e2e_request_latency_seconds",
     "peregrine_request_queue_time_seconds",
+    "peregrine_request_prefill_time_seconds",
+    "peregrine_request_decode_time_seconds",
 )
 
 
@@ -120,6 +122,12 @@ class ServerMetrics:
         self.queue_time = Histogram(
             PREFIX + "request_queue_time_seconds", "Arrival to first scheduling.",
             lbl, buckets=_REQUEST_BUCKETS, registry=self.registry).labels(model_name)
+        self.prefill_time = Histogram(
+            PREFIX + "request_prefill_time_seconds", "First scheduling to first token (engine).",
+            lbl, buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.decode_time = Histogram(
+            PREFIX + "request_decode_time_seconds", "First token to last token (engine).",
+            lbl, buckets=_REQUEST_BUCKETS, registry=self.registry).labels(model_name)
         self._requests: dict[str, _RequestTimes] = {}
 
     def render(self) -> tuple[bytes, str]:
@@ -164,5 +172,10 @@ class ServerMetrics:
         if times.first_token is not None and times.num_tokens > 1:
             self.tpot.observe((times.last_token - times.first_token) / (times.num_tokens - 1))
         m = out.metrics
-        if m is not None and m.first_scheduled_time is not None:
-            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        if m is None or m.first_scheduled_time is None:
+            return
+        self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        if m.first_token_time is not None:
+            self.prefill_time.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+            if m.last_token_time is not None:
+                self.decode_time.observe(max(0.0, m.last_token_time - m.first_token_time))

@@ -41,8 +41,8 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5, backend)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def project(self, positions: torch.Tensor, x: torch.Tensor):
+        """q (T, Hq, D), k and v (T, Hkv, D) of x (T, hidden), with q/k norm and RoPE applied."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, q_size + 2 kv_size)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -52,8 +52,12 @@ class DecoderAttention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v.reshape(t, self.num_kv_heads, self.head_dim), kv_cache, meta)
-        return self.o_proj(out)  # (T, hidden)
+        return q, k, v.reshape(t, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.project(positions, x)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))  # (T, hidden)
 
 
 class DecoderMLP(nn.Module):
@@ -78,13 +82,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
 
     def forward(self, positions, x, residual, kv_cache, meta):
+        q, k, v, residual = self.pre_attention(positions, x, residual)
+        return self.post_attention(self.self_attn.attn(q, k, v, kv_cache, meta), residual)
+
+    # NOTE: the halves around attention are what piecewise CUDA graphs capture (cuda_graphs.py).
+    def pre_attention(self, positions: torch.Tensor, x: torch.Tensor,
+                      residual: torch.Tensor | None):
+        """Input norm (residual add included) and q/k/v: (q, k, v, residual)."""
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        return (*self.self_attn.project(positions, x), residual)
+
+    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor):
+        """Output projection, residual add and norm, MLP: (x, residual) for the next layer."""
+        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
         return self.mlp(x), residual
 
 

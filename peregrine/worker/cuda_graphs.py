@@ -1,4 +1,11 @@
-"""CUDA graphs for decode-only steps: one graph per padded batch size, LM head included."""
+"""CUDA graphs.
+
+- Decode-only steps: one graph per padded batch size, the whole model and the LM head included.
+- Mixed and prefill steps (piecewise): per padded token count, one graph per stretch between two
+  attention calls; attention runs eagerly in between with the step's host metadata, so any mix of
+  decodes, chunks and cached prefixes fits. This removes the eager per-kernel launch cost, which
+  for small chunks (a prefix-cache hit) is larger than the GPU time itself.
+"""
 from __future__ import annotations
 
 import logging
@@ -88,3 +95,113 @@ class CudaGraphRunner:
         bs = self.padded(num_seqs)
         self.graphs[bs].replay()
         return self.logits[bs][:num_seqs]
+
+
+def prefill_graph_sizes(max_tokens: int) -> list[int]:
+    """Padded token counts for piecewise graphs: fine steps for small counts, coarser beyond."""
+    if max_tokens <= 0:
+        return []
+    sizes = [8, 16, 24, 32, 48, 64, 80, 96, 112, 128]
+    sizes += list(range(160, 513, 32)) + list(range(576, 1025, 64))
+    sizes += list(range(1152, max(1153, max_tokens + 1), 128))
+    sizes = [s for s in sizes if s < max_tokens]
+    return sorted(set(sizes + [max_tokens]))
+
+
+class PiecewiseGraphs:
+    """Steps of up to max(sizes) tokens: piece 0 is the embedding and layer 0 up to its q/k/v,
+    piece i (1..L-1) runs layer i-1 after attention and layer i up to q/k/v, piece L the last
+    layer after attention and the final norm. Pieces talk through fixed buffers (q, k, v,
+    attention output, residual, hidden), so a replay needs only the step's input buffers.
+
+    With capture=False the pieces run eagerly on the same buffers and padding (the CPU path
+    tests use, where CUDA graphs do not exist).
+    """
+
+    def __init__(self, runner: ModelRunner, sizes: list[int], capture: bool = True) -> None:
+        if not sizes:
+            raise ValueError("PiecewiseGraphs needs at least one size")
+        self.runner = runner
+        self.model = runner.model
+        self.layers = list(self.model.layers)
+        self.sizes = sorted(sizes)
+        n = self.sizes[-1]
+        attn = self.layers[0].self_attn
+        emb = self.model.embed_tokens.weight
+        dev, dt = emb.device, emb.dtype
+        hidden = emb.shape[1]
+        self.q = torch.zeros(n, attn.num_heads, attn.head_dim, dtype=dt, device=dev)
+        self.k = torch.zeros(n, attn.num_kv_heads, attn.head_dim, dtype=dt, device=dev)
+        self.v = torch.zeros(n, attn.num_kv_heads, attn.head_dim, dtype=dt, device=dev)
+        self.o = torch.zeros(n, attn.num_heads, attn.head_dim, dtype=dt, device=dev)
+        self.residual = torch.zeros(n, hidden, dtype=dt, device=dev)
+        self.hidden = torch.zeros(n, hidden, dtype=dt, device=dev)
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.pool = None
+        if capture:
+            t0 = time.perf_counter()
+            self._capture_all()
+            logger.info("captured piecewise CUDA graphs for %d token counts up to %d (%d graphs) "
+                        "in %.1f s", len(self.sizes), n, sum(map(len, self.graphs.values())),
+                        time.perf_counter() - t0)
+
+    def can_run(self, num_tokens: int) -> bool:
+        return num_tokens <= self.sizes[-1]
+
+    def padded(self, num_tokens: int) -> int:
+        return next(s for s in self.sizes if s >= num_tokens)
+
+    def _piece(self, i: int, n: int) -> None:
+        """Piece i over the first n (padded) tokens of the step buffers."""
+        buf = self.runner.buffers
+        if i == 0:
+            x, residual = self.model.embed_tokens(buf.d_input_ids[:n]), None  # (n, hidden)
+        else:
+            x, residual = self.layers[i - 1].post_attention(self.o[:n].view(n, -1),
+                                                            self.residual[:n])
+        if i == len(self.layers):
+            self.hidden[:n].copy_(self.model.norm(x, residual)[0])
+            return
+        q, k, v, residual = self.layers[i].pre_attention(buf.d_positions[:n], x, residual)
+        self.q[:n].copy_(q)
+        self.k[:n].copy_(k)
+        self.v[:n].copy_(v)
+        self.residual[:n].copy_(residual)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        for n in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
+            for i in range(len(self.layers) + 1):
+                self._piece(i, n)  # warm-up: Triton compiles, cuBLAS picks, outside the capture
+            torch.cuda.synchronize()
+            graphs = []
+            for i in range(len(self.layers) + 1):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    self._piece(i, n)
+                if self.pool is None:
+                    self.pool = g.pool()
+                graphs.append(g)
+            self.graphs[n] = graphs
+        torch.cuda.synchronize()
+
+    def run(self, num_tokens: int, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states (num_tokens, hidden) of a step whose inputs are in the step buffers,
+        padded to padded(num_tokens) (padding slots are -1 in meta.slot_mapping)."""
+        n = self.padded(num_tokens)
+        if meta.slot_mapping.shape[0] != n:
+            raise ValueError(f"slot_mapping has {meta.slot_mapping.shape[0]} rows, expected the "
+                             f"padded {n}")
+        graphs = self.graphs.get(n)
+        kv = self.runner.kv_caches
+        for i, layer in enumerate(self.layers):
+            if graphs is None:
+                self._piece(i, n)
+            else:
+                graphs[i].replay()
+            layer.self_attn.attn(self.q[:n], self.k[:n], self.v[:n], kv[i], meta, out=self.o[:n])
+        if graphs is None:
+            self._piece(len(self.layers), n)
+        else:
+            graphs[-1].replay()
+        return self.hidden[:num_tokens]

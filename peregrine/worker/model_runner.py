@@ -65,15 +65,25 @@ class ModelRunner:
         self.num_blocks = determine_num_blocks(self, config)
         self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size, self.device)
         self.graphs = None
+        self.prefill_graphs = None
         # Async scheduling: the previous step's sampled tokens (device) and each request's row.
         self._prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
         self._inputs_copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self.timing: dict[str, float] = defaultdict(float)
+        if self.device.type == "cuda" and config.attention_backend == "triton":
+            from peregrine.kernels.decode_attention import precompile
+            attn = self.model.layers[0].self_attn
+            precompile(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.block_size,
+                       self.kv_caches[0][0].dtype, self.device)
         if self.device.type == "cuda" and not config.enforce_eager and \
                 config.attention_backend == "triton":
-            from peregrine.worker.cuda_graphs import CudaGraphRunner
+            from peregrine.worker.cuda_graphs import (CudaGraphRunner, PiecewiseGraphs,
+                                                      prefill_graph_sizes)
             self.graphs = CudaGraphRunner(self)
+            sizes = prefill_graph_sizes(config.max_prefill_graph_tokens)
+            if sizes:
+                self.prefill_graphs = PiecewiseGraphs(self, sizes)
         if self.device.type == "cuda":
             # Compile the sampling kernel now, not inside the first (timed) steps.
             self.sampler.warm_up(self.vocab_size, self.device)
@@ -156,7 +166,10 @@ class ModelRunner:
         t, b = step.num_tokens, step.num_seqs
         graph = (self.graphs is not None and step.num_decodes == b and self.graphs.can_run(b))
         pad = self.graphs.padded(b) if graph else None
-        input_ids, positions, meta = buf.to_device(t, b, step.width, pad_t=pad, pad_b=pad)
+        pieces = (not graph and self.prefill_graphs is not None
+                  and self.prefill_graphs.can_run(t))
+        pad_t = self.prefill_graphs.padded(t) if pieces else pad
+        input_ids, positions, meta = buf.to_device(t, b, step.width, pad_t=pad_t, pad_b=pad)
         if step.pending_dst:
             # In-flight samples of the previous step become this step's input ids, on the device.
             dst = self._h2d(step.pending_dst)
@@ -169,6 +182,8 @@ class ModelRunner:
         meta.num_decodes = meta.num_decode_tokens = step.num_decodes
         meta.max_query_len = step.max_query_len
         meta.max_seq_len = step.max_seq_len
+        if pieces:
+            return self.prefill_graphs.run(t, meta), None
         return self.model(input_ids, positions, self.kv_caches, meta), None
 
     def _launch_sampling(self, out: SchedulerOutput, batch: list[Request], order: list[int],

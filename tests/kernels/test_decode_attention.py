@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import pytest
+import math
+
 import torch
 
 from kernel_cases import TOLERANCES, exact_reference, make_paged_case
@@ -76,3 +78,23 @@ def test_decode_rejects_bad_gqa_ratio() -> None:
     case = make_paged_case([4], [1], 3, 2)
     with pytest.raises(ValueError, match="multiple"):
         _run(case)
+
+
+def test_precompile_covers_every_merge_variant(monkeypatch) -> None:
+    """precompile() launches one decode per power-of-two split count up to the maximum, so no
+    BLOCK_S variant is left to compile while serving."""
+    import peregrine.kernels.decode_attention as da
+    seen = []
+    real = da.paged_decode_attention
+
+    def spy(q, k_cache, v_cache, block_table, seq_lens, scale, **kw):
+        seen.append(math.ceil(block_table.shape[1] * k_cache.shape[1] / kw["split_len"]))
+        return real(q, k_cache, v_cache, block_table, seq_lens, scale, **kw)
+
+    monkeypatch.setattr(da, "paged_decode_attention", spy)
+    da.precompile(4, 2, 16, 16, torch.float32, torch.device("cpu"))
+    want, s = [], 1
+    while s <= da._MAX_SPLITS:
+        want.append(s)
+        s *= 2
+    assert seen == want

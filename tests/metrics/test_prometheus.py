@@ -58,7 +58,8 @@ def test_engine_stats_are_read_at_scrape_time():
 
 def test_request_latencies_are_observed():
     m = ServerMetrics("m", lambda: EngineStats())
-    rm = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5)
+    rm = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=10.75,
+                        last_token_time=11.5)
     m.on_request_added("r", 10.0)
     m.on_outputs([_out("r", 1, metrics=rm)], now=11.0)  # TTFT 1.0
     m.on_outputs([_out("r", 1, metrics=rm)], now=11.2)  # ITL 0.2
@@ -72,6 +73,8 @@ def test_request_latencies_are_observed():
     assert abs(got[("peregrine_request_time_per_output_token_seconds_sum", lbl)] - 0.2) < 1e-9
     assert got[("peregrine_e2e_request_latency_seconds_sum", lbl)] == pytest.approx(1.6)
     assert got[("peregrine_request_queue_time_seconds_sum", lbl)] == pytest.approx(0.5)
+    assert got[("peregrine_request_prefill_time_seconds_sum", lbl)] == pytest.approx(0.25)
+    assert got[("peregrine_request_decode_time_seconds_sum", lbl)] == pytest.approx(0.75)
     key = ("peregrine_request_success_total", (("finished_reason", "length"), ("model_name", "m")))
     assert got[key] == 1
 
