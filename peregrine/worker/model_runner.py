@@ -80,10 +80,14 @@ class ModelRunner:
                 config.attention_backend == "triton":
             from peregrine.worker.cuda_graphs import (CudaGraphRunner, PiecewiseGraphs,
                                                       prefill_graph_sizes)
+            free_before = torch.cuda.mem_get_info(self.device)[0]
             self.graphs = CudaGraphRunner(self)
             sizes = prefill_graph_sizes(config.max_prefill_graph_tokens)
             if sizes:
                 self.prefill_graphs = PiecewiseGraphs(self, sizes)
+            # NOTE: graph memory comes out of the (1 - gpu_memory_utilization) slack; say how much.
+            logger.info("CUDA graphs use %.2f GiB of GPU memory",
+                        (free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**30)
         if self.device.type == "cuda":
             # Compile the sampling kernel now, not inside the first (timed) steps.
             self.sampler.warm_up(self.vocab_size, self.device)
