@@ -244,3 +244,16 @@ def test_engine_config_reads_tiny_checkpoints() -> None:
         ("Qwen3ForCausalLM", 4, 2, 32)
     assert cfg.dtype == torch.float32 and cfg.vocab_size == 512 and cfg.max_model_len == 512
     assert cfg.eos_token_ids == (1, 3)
+
+
+def test_prefill_graph_tokens_are_validated_and_capped_by_the_token_budget() -> None:
+    from peregrine.config import EngineArgs
+    from peregrine.worker.cuda_graphs import prefill_graph_sizes
+    path = str(tiny_checkpoint("qwen3"))
+    with pytest.raises(ValueError, match="max_prefill_graph_tokens"):
+        EngineArgs(model=path, max_prefill_graph_tokens=-1).create_engine_config()
+    cfg = EngineArgs(model=path, max_num_batched_tokens=300).create_engine_config()
+    assert cfg.max_prefill_graph_tokens == 300
+    sizes = prefill_graph_sizes(cfg.max_prefill_graph_tokens)
+    assert sizes[0] == 8 and sizes[-1] == 300 and sizes == sorted(set(sizes))
+    assert prefill_graph_sizes(0) == []

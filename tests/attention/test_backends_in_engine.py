@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import pytest
+import torch
+
 from peregrine import LLM, SamplingParams
+from peregrine.attention import get_attention_backend
 
 
 def test_triton_backend_generates_the_same_greedy_tokens_as_torch() -> None:
@@ -14,3 +18,21 @@ def test_triton_backend_generates_the_same_greedy_tokens_as_torch() -> None:
                   max_num_batched_tokens=16, dtype="float32")
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert tokens["triton"] == tokens["torch"]
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_backends_write_into_a_given_out_buffer(name: str) -> None:
+    """Piecewise CUDA graphs pass a fixed output buffer: the backend fills it (padding rows with
+    zeros, whatever was there before) and returns it, with the same values as without it."""
+    from step_cases import make_step
+    backend = get_attention_backend(name)
+    step = make_step(prefix_lens=[0, 30, 21, 0], q_lens=[1, 1, 13, 9], num_pad_tokens=3)
+    want = backend.forward(step.q, step.k, step.v, step.k_cache, step.v_cache, step.meta, 0.125)
+    out = torch.full_like(step.q, float("nan"))
+    got = backend.forward(step.q, step.k, step.v, step.k_cache, step.v_cache, step.meta, 0.125,
+                          out=out)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="out"):
+        backend.forward(step.q, step.k, step.v, step.k_cache, step.v_cache, step.meta, 0.125,
+                        out=out[:-1])
