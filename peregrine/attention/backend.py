@@ -16,29 +16,43 @@ class AttentionBackend(ABC):
     name: str = "abstract"
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """Store k/v (T, Hkv, D) at meta.slot_mapping, then return attention of q (T, Hq, D),
-        written into `out` (T, Hq, D) when given. Rows past meta.num_actual_tokens are zeros."""
+        written into `out` (T, Hq, D) when given. Rows past meta.num_actual_tokens are zeros.
+        k = v = None: the step's K/V are already stored (by store_kv)."""
+
+    @abstractmethod
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write k/v (T, Hkv, D) into the paged caches at slot_mapping (T,); -1 writes nothing."""
 
 
-def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, meta: AttentionMetadata,
+def check_shapes(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                  out: torch.Tensor | None = None) -> None:
-    """Raise ValueError when the step tensors do not fit together (cheap: shapes only)."""
-    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape:
-        raise ValueError(f"expected q (T, Hq, D) and k/v (T, Hkv, D); got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    """Raise ValueError when the step tensors do not fit together (cheap: shapes only).
+    k = v = None (already stored) checks the caches against q alone."""
+    if q.dim() != 3:
+        raise ValueError(f"expected q (T, Hq, D), got {tuple(q.shape)}")
     num_tokens, num_q_heads, head_dim = q.shape
-    if k.shape[0] != num_tokens or k.shape[2] != head_dim:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on T or D")
-    if num_q_heads % k.shape[1]:
-        raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
-                         f"{k.shape[1]}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != k.shape[1:]:
+    if (k is None) != (v is None):
+        raise ValueError("k and v must both be given or both be None (already stored)")
+    if k is not None:
+        if k.dim() != 3 or k.shape != v.shape:
+            raise ValueError(f"expected k/v (T, Hkv, D); got k {tuple(k.shape)}, "
+                             f"v {tuple(v.shape)}")
+        if k.shape[0] != num_tokens or k.shape[2] != head_dim:
+            raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on T or D")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim or (
+            k is not None and k_cache.shape[2] != k.shape[1]):
+        kv_heads = k.shape[1] if k is not None else "Hkv"
         raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} must be "
-                         f"(num_blocks, block_size, {k.shape[1]}, {head_dim})")
+                         f"(num_blocks, block_size, {kv_heads}, {head_dim})")
+    if num_q_heads % k_cache.shape[2]:
+        raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
+                         f"{k_cache.shape[2]}")
     if meta.slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping {tuple(meta.slot_mapping.shape)} != ({num_tokens},)")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):

@@ -13,12 +13,17 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-        """Store k/v at meta.slot_mapping, then return attention of q (T, Hq, D)."""
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Store k/v at meta.slot_mapping (unless None), then return attention of q (T, Hq, D)."""
         check_shapes(q, k, v, k_cache, v_cache, meta, out)
-        store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+        if k is not None:
+            store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
         if out is None:
             out = torch.zeros_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
         else:

@@ -19,15 +19,22 @@ class Attention(nn.Module):
         self.scale = scale
         self.backend = backend
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention (T, Hq * D) of q (T, Hq, D) given k, v (T, Hkv, D); written into `out`
-        (T, Hq, D) when given (a fixed buffer for CUDA graphs)."""
+        """Attention (T, Hq * D) of q (T, Hq, D) given k, v (T, Hkv, D), or k = v = None when
+        store() already wrote them; written into `out` (T, Hq, D) when given (a fixed buffer
+        for CUDA graphs)."""
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)  # (T, Hq, D)
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        v = v.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        if k is not None:
+            k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+            v = v.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                                    out=out)  # (T, Hq, D)
         return out.reshape(t, self.num_heads * self.head_dim)
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+              slot_mapping: torch.Tensor) -> None:
+        """Write k, v (T, Hkv, D) into the paged cache at slot_mapping (T,); -1 writes nothing."""
+        self.backend.store_kv(k, v, kv_cache[0], kv_cache[1], slot_mapping)

@@ -109,10 +109,11 @@ def prefill_graph_sizes(max_tokens: int) -> list[int]:
 
 
 class PiecewiseGraphs:
-    """Steps of up to max(sizes) tokens: piece 0 is the embedding and layer 0 up to its q/k/v,
-    piece i (1..L-1) runs layer i-1 after attention and layer i up to q/k/v, piece L the last
-    layer after attention and the final norm. Pieces talk through fixed buffers (q, k, v,
-    attention output, residual, hidden), so a replay needs only the step's input buffers.
+    """Steps of up to max(sizes) tokens: piece 0 is the embedding and layer 0 up to storing its
+    K/V, piece i (1..L-1) runs layer i-1 after attention and layer i up to storing its K/V,
+    piece L the last layer after attention and the final norm. Pieces talk through fixed
+    buffers (q, attention output, residual, hidden), so a replay needs only the step's input
+    buffers (ids, positions, slot mapping).
 
     With capture=False the pieces run eagerly on the same buffers and padding (the CPU path
     tests use, where CUDA graphs do not exist).
@@ -131,8 +132,6 @@ class PiecewiseGraphs:
         dev, dt = emb.device, emb.dtype
         hidden = emb.shape[1]
         self.q = torch.zeros(n, attn.num_heads, attn.head_dim, dtype=dt, device=dev)
-        self.k = torch.zeros(n, attn.num_kv_heads, attn.head_dim, dtype=dt, device=dev)
-        self.v = torch.zeros(n, attn.num_kv_heads, attn.head_dim, dtype=dt, device=dev)
         self.o = torch.zeros(n, attn.num_heads, attn.head_dim, dtype=dt, device=dev)
         self.residual = torch.zeros(n, hidden, dtype=dt, device=dev)
         self.hidden = torch.zeros(n, hidden, dtype=dt, device=dev)
@@ -163,13 +162,17 @@ class PiecewiseGraphs:
             self.hidden[:n].copy_(self.model.norm(x, residual)[0])
             return
         q, k, v, residual = self.layers[i].pre_attention(buf.d_positions[:n], x, residual)
+        # NOTE: K/V go to the cache inside the graph (padding slots are -1): the eager part
+        # between pieces is the attention kernels alone.
+        self.layers[i].self_attn.attn.store(k, v, self.runner.kv_caches[i],
+                                            buf.d_slot_mapping[:n])
         self.q[:n].copy_(q)
-        self.k[:n].copy_(k)
-        self.v[:n].copy_(v)
         self.residual[:n].copy_(residual)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        # NOTE: warm-up runs store K/V: with every slot -1 they write nothing.
+        self.runner.buffers.d_slot_mapping[:self.sizes[-1]].fill_(-1)
         for n in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
             for i in range(len(self.layers) + 1):
                 self._piece(i, n)  # warm-up: Triton compiles, cuBLAS picks, outside the capture
@@ -189,9 +192,9 @@ class PiecewiseGraphs:
         """Hidden states (num_tokens, hidden) of a step whose inputs are in the step buffers,
         padded to padded(num_tokens) (padding slots are -1 in meta.slot_mapping)."""
         n = self.padded(num_tokens)
-        if meta.slot_mapping.shape[0] != n:
-            raise ValueError(f"slot_mapping has {meta.slot_mapping.shape[0]} rows, expected the "
-                             f"padded {n}")
+        if meta.slot_mapping.shape[0] != n or \
+                meta.slot_mapping.data_ptr() != self.runner.buffers.d_slot_mapping.data_ptr():
+            raise ValueError(f"slot_mapping must be the step buffer's first {n} (padded) rows")
         graphs = self.graphs.get(n)
         kv = self.runner.kv_caches
         for i, layer in enumerate(self.layers):
@@ -199,7 +202,7 @@ class PiecewiseGraphs:
                 self._piece(i, n)
             else:
                 graphs[i].replay()
-            layer.self_attn.attn(self.q[:n], self.k[:n], self.v[:n], kv[i], meta, out=self.o[:n])
+            layer.self_attn.attn(self.q[:n], None, None, kv[i], meta, out=self.o[:n])
         if graphs is None:
             self._piece(len(self.layers), n)
         else:

@@ -36,3 +36,19 @@ def test_backends_write_into_a_given_out_buffer(name: str) -> None:
     with pytest.raises(ValueError, match="out"):
         backend.forward(step.q, step.k, step.v, step.k_cache, step.v_cache, step.meta, 0.125,
                         out=out[:-1])
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_store_first_then_attend_equals_the_one_call(name: str) -> None:
+    """Piecewise graphs store K/V inside a graph and call attention with k = v = None."""
+    from step_cases import make_step
+    backend = get_attention_backend(name)
+    args = dict(prefix_lens=[0, 30, 21, 0], q_lens=[1, 1, 13, 9], num_pad_tokens=3)
+    one, two = make_step(**args), make_step(**args)
+    want = backend.forward(one.q, one.k, one.v, one.k_cache, one.v_cache, one.meta, 0.125)
+    backend.store_kv(two.k, two.v, two.k_cache, two.v_cache, two.meta.slot_mapping)
+    got = backend.forward(two.q, None, None, two.k_cache, two.v_cache, two.meta, 0.125)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(two.k_cache, one.k_cache) and torch.equal(two.v_cache, one.v_cache)
+    with pytest.raises(ValueError, match="both"):
+        backend.forward(two.q, two.k, None, two.k_cache, two.v_cache, two.meta, 0.125)
