@@ -15,6 +15,8 @@ class TritonAttentionBackend(AttentionBackend):
     """Decode kernel on sequences [0, num_decodes), extend kernel on the rest."""
 
     name = "triton"
+    # Mixed steps with at most this many decodes run them in the extend kernel (see forward).
+    fold_decodes_max = 8
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -31,12 +33,18 @@ class TritonAttentionBackend(AttentionBackend):
         num_decodes = meta.num_decodes
         if out is None:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
+        has_chunks = meta.num_seqs > num_decodes
+        if has_chunks and num_decodes <= self.fold_decodes_max:
+            # NOTE: a few decodes beside a chunk ride in the extend kernel as 1-token chunks: two
+            # launches fewer per layer (host time a light-load step is bound by) for a little
+            # more K/V traffic, which the L2 absorbs at this size.
+            num_decodes = 0
         if num_decodes > 0:
             # NOTE: decode token i belongs to sequence i (decodes come first, one token each).
             paged_decode_attention(q[:num_decodes], k_cache, v_cache,
                                    meta.block_table[:num_decodes], meta.seq_lens[:num_decodes],
                                    scale, out=out[:num_decodes])
-        if meta.num_seqs > num_decodes:
+        if has_chunks:
             extend_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens,
                              meta.query_start_loc, scale, meta.max_query_len, out=out,
                              seq_start=num_decodes)

@@ -15,9 +15,13 @@ def _forward(step, meta=None) -> torch.Tensor:
                                                    step.v_cache, meta or step.meta, SCALE)
 
 
+@pytest.mark.parametrize("fold", [0, 8], ids=["decode-kernel", "decodes-in-extend"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
-def test_mixed_batch_matches_naive(dtype: torch.dtype, heads: tuple[int, int]) -> None:
+def test_mixed_batch_matches_naive(dtype: torch.dtype, heads: tuple[int, int], fold: int,
+                                   monkeypatch) -> None:
+    from peregrine.attention.triton_backend import TritonAttentionBackend
+    monkeypatch.setattr(TritonAttentionBackend, "fold_decodes_max", fold)
     step = make_step(**MIXED, num_q_heads=heads[0], num_kv_heads=heads[1], dtype=dtype)
     out = _forward(step)
     assert out.dtype == dtype
@@ -28,6 +32,13 @@ def test_head_dim_128_bf16_mixed() -> None:
     step = make_step(prefix_lens=[17, 12], q_lens=[1, 8], head_dim=128, dtype=torch.bfloat16)
     torch.testing.assert_close(_forward(step).float(), naive_attention(step, SCALE),
                                **TOLERANCES[torch.bfloat16])
+
+
+def test_many_decodes_beside_a_chunk_use_the_decode_kernel() -> None:
+    from peregrine.attention.triton_backend import TritonAttentionBackend
+    n = TritonAttentionBackend.fold_decodes_max + 2
+    step = make_step(prefix_lens=[3 * i + 1 for i in range(n)] + [5], q_lens=[1] * n + [6])
+    torch.testing.assert_close(_forward(step), naive_attention(step, SCALE), atol=1e-5, rtol=1e-5)
 
 
 def test_prefill_only_batch() -> None:
