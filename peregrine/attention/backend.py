@@ -15,18 +15,26 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
 
-    @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """Store k/v (T, Hkv, D) at meta.slot_mapping, then return attention of q (T, Hq, D),
         written into `out` (T, Hq, D) when given. Rows past meta.num_actual_tokens are zeros.
         k = v = None: the step's K/V are already stored (by store_kv)."""
+        check_shapes(q, k, v, k_cache, v_cache, meta, out)
+        if k is not None:
+            self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, scale, out)
 
     @abstractmethod
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write k/v (T, Hkv, D) into the paged caches at slot_mapping (T,); -1 writes nothing."""
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float, out: torch.Tensor | None) -> torch.Tensor:
+        """Attention of q (T, Hq, D) over the stored paged context (shapes already checked)."""
 
 
 def check_shapes(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from peregrine.attention.backend import AttentionBackend, check_shapes
+from peregrine.attention.backend import AttentionBackend
 from peregrine.attention.metadata import AttentionMetadata
 from peregrine.kernels.reference import paged_attention_ref, store_kv_ref
 
@@ -17,13 +17,8 @@ class TorchAttentionBackend(AttentionBackend):
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Store k/v at meta.slot_mapping (unless None), then return attention of q (T, Hq, D)."""
-        check_shapes(q, k, v, k_cache, v_cache, meta, out)
-        if k is not None:
-            store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float, out: torch.Tensor | None) -> torch.Tensor:
         if out is None:
             out = torch.zeros_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
         else:
