@@ -7,15 +7,22 @@ from peregrine import LLM, SamplingParams
 from peregrine.attention import get_attention_backend
 
 
-def test_triton_backend_generates_the_same_greedy_tokens_as_torch() -> None:
+@pytest.mark.parametrize("pieces", [False, True], ids=["plain", "piecewise"])
+def test_triton_backend_generates_the_same_greedy_tokens_as_torch(pieces: bool) -> None:
     # NOTE: 16-token steps split the 24-token prompt into chunks (the second after a computed
     # prefix) mixed with decodes, so every path of both backends runs in the real engine.
+    # "piecewise" runs the Triton side through the piecewise-graph path (pieces eager on CPU):
+    # K/V stored by the pieces, decodes folded into the extend kernel, padded token counts.
+    from peregrine.worker.cuda_graphs import PiecewiseGraphs, prefill_graph_sizes
     prompts = ["The capital of France is a city that lies on the river Seine, and it is", "1 2 3"]
     params = SamplingParams(temperature=0.0, max_tokens=6)
     tokens = {}
     for backend in ("torch", "triton"):
         llm = LLM(attention_backend=backend, device="cpu", enforce_eager=True, block_size=16,
                   max_num_batched_tokens=16, dtype="float32")
+        if pieces and backend == "triton":
+            runner = llm.engine.runner
+            runner.prefill_graphs = PiecewiseGraphs(runner, prefill_graph_sizes(16), capture=False)
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert tokens["triton"] == tokens["torch"]
 
