@@ -55,6 +55,39 @@ class EngineArgs:
         return EngineConfig.from_args(self)
 
 
+# One line of --help per EngineArgs field (the CLI's flags are generated from the fields).
+ENGINE_ARGS_HELP: dict[str, str] = {
+    "model": "local Hugging Face model folder (default: the built-in demo model)",
+    "tokenizer": "tokenizer folder (default: the model folder)",
+    "served_model_name": "model name in the API (default: the model path)",
+    "dtype": "weights and activations: auto (the checkpoint's), float32, float16, bfloat16",
+    "load_format": "auto / safetensors: read the checkpoint; dummy: random weights",
+    "skip_tokenizer_init": "load no tokenizer: prompts must be token ids, outputs carry no text",
+    "seed": "seed of the sampler (requests without their own seed) and of dummy weights",
+    "max_model_len": "longest prompt + output in tokens (default: the model's limit)",
+    "block_size": "tokens per KV cache block (a power of two)",
+    "gpu_memory_utilization": "fraction of GPU memory for weights, activations and the KV cache",
+    "cpu_kv_cache_gb": "KV cache size on the CPU, in GiB",
+    "num_gpu_blocks_override": "use this many KV cache blocks instead of profiling",
+    "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
+    "max_num_seqs": "most requests running at once",
+    "max_num_batched_tokens": "token budget of one step (default: 8192, at least max_model_len "
+                              "without chunked prefill)",
+    "enable_chunked_prefill": "split long prompts into chunks that share steps with decodes",
+    "scheduling_policy": "fcfs: arrival order; priority: lowest priority value first "
+                         "(ties by arrival), preempting lower-priority requests",
+    "max_queue_len": "most waiting requests; more are refused (the server answers 429)",
+    "enforce_eager": "run without CUDA graphs",
+    "max_prefill_graph_tokens": "mixed and prefill steps up to this many tokens replay "
+                                "piecewise CUDA graphs (0: run them eagerly)",
+    "async_scheduling": "launch step N+1 while step N runs (default: on with CUDA)",
+    "attention_backend": "torch (reference) or triton (default on CUDA; also "
+                         "$PEREGRINE_ATTENTION_BACKEND)",
+    "device": "auto, cpu or cuda[:N]",
+    "tensor_parallel_size": "GPUs to split the model over (only 1 so far)",
+}
+
+
 def _bad(field_name: str, msg: str) -> ValueError:
     return ValueError(f"invalid {field_name}: {msg}")
 

@@ -24,3 +24,18 @@ def test_generate_reports_bad_model_folder_clearly(tmp_path) -> None:
          str(tmp_path / "missing"), "x"], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 2
     assert "is not a local folder" in proc.stderr
+
+
+def test_every_engine_flag_has_help_text() -> None:
+    import argparse
+    import dataclasses
+
+    from peregrine.config import ENGINE_ARGS_HELP, EngineArgs
+    from peregrine.entrypoints.cli import add_engine_args
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    assert names == set(ENGINE_ARGS_HELP), "EngineArgs fields and their help text differ"
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for action in parser._actions:
+        if action.dest in names:
+            assert action.help and action.help.strip(), action.dest

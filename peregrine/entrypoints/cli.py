@@ -7,7 +7,7 @@ import logging
 import sys
 import typing
 
-from peregrine.config import EngineArgs
+from peregrine.config import ENGINE_ARGS_HELP, EngineArgs
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: set[str] = frozenset()) -> None:
@@ -18,20 +18,26 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: set[str] = frozenset(
             continue
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
+        doc = ENGINE_ARGS_HELP.get(f.name)
+        if f.default is not None and doc is not None:
+            doc += " (default: %(default)s)"
         if hint is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=doc)
             continue
         # Optional[X] -> X; a bare Literal[...] keeps its own values as choices.
         base = hint
         if typing.get_origin(hint) is not typing.Literal:
             base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
         if base is bool:  # Optional[bool]: --flag / --no-flag, unset means "decide automatically"
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=doc)
             continue
         if typing.get_origin(base) is typing.Literal:
-            parser.add_argument(flag, choices=typing.get_args(base), default=f.default)
+            parser.add_argument(flag, choices=typing.get_args(base), default=f.default, help=doc)
         else:
-            parser.add_argument(flag, type=base if base in (int, float, str) else str, default=f.default)
+            parser.add_argument(flag, type=base if base in (int, float, str) else str,
+                                default=f.default, help=doc)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
