@@ -96,7 +96,7 @@ def _bench(port: int, out: Path, name: str, args: list[str]) -> dict:
     path = out / f"{name}.json"
     before = _scrape(port)
     bench_main(["--base-url", f"http://127.0.0.1:{port}", "--vocab-size", _VOCAB[0],
-                "--label", name, "--result-file", str(path), *args])
+                "--save-detailed", "--label", name, "--result-file", str(path), *args])
     after = _scrape(port)
     summary = json.loads(path.read_text())["summary"]
     # NOTE: the server's clock starts when the handler has parsed the request, and stops when

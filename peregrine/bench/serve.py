@@ -29,6 +29,16 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    sent: float = 0.0  # perf_counter() when the request was sent
+
+
+def detailed(results: list[RequestResult]) -> list[dict[str, Any]]:
+    """One row per request (ms; sent_ms from the first request's send), for finding outliers."""
+    start = min((r.sent for r in results), default=0.0)
+    return [{"sent_ms": round((r.sent - start) * 1e3, 3), "prompt_len": r.prompt_len,
+             "output_len": r.output_len, "success": r.success, "ttft_ms": round(r.ttft * 1e3, 3),
+             "latency_ms": round(r.latency * 1e3, 3),
+             "itl_ms": [round(x * 1e3, 3) for x in r.itl], "error": r.error} for r in results]
 
 
 async def _one_request(ep: Endpoint, model: str, req: BenchRequest, headers: dict[str, str],
@@ -36,8 +46,8 @@ async def _one_request(ep: Endpoint, model: str, req: BenchRequest, headers: dic
     payload = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len,
                "temperature": 0.0, "stream": True, "ignore_eos": ignore_eos,
                "stream_options": {"include_usage": True}}
-    res = RequestResult(prompt_len=req.prompt_len)
     start = time.perf_counter()
+    res = RequestResult(prompt_len=req.prompt_len, sent=start)
     last = start
     chunks = 0
     try:
@@ -182,6 +192,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="let requests stop at eos (default: exactly the requested lengths)")
     p.add_argument("--label", default=None, help="free text stored in the JSON")
     p.add_argument("--result-file", default=None, help="write the summary (and config) as JSON")
+    p.add_argument("--save-detailed", action="store_true",
+                   help="also write every request's send time, TTFT, ITLs and error to the JSON")
 
 
 def build_requests(ns: argparse.Namespace) -> list[BenchRequest]:
@@ -201,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     try:
         reqs = build_requests(ns)
-        summary, _ = asyncio.run(run_benchmark(
+        summary, results = asyncio.run(run_benchmark(
             ns.base_url, ns.model, reqs, request_rate=ns.request_rate,
             max_concurrency=ns.max_concurrency, seed=ns.seed, api_key=ns.api_key,
             ignore_eos=ns.ignore_eos))
@@ -213,7 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         config = {k: (v if not (isinstance(v, float) and math.isinf(v)) else "inf")
                   for k, v in vars(ns).items()}
         summary = dict(summary, request_rate=config["request_rate"])
+        data: dict[str, Any] = {"config": config, "summary": summary}
+        if ns.save_detailed:
+            data["requests"] = detailed(results)
         with open(ns.result_file, "w") as f:
-            json.dump({"config": config, "summary": summary}, f, indent=2)
+            json.dump(data, f, indent=2)
     return 0 if summary["failed_requests"] == 0 else 1
 

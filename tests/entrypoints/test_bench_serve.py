@@ -57,7 +57,8 @@ def test_bench_against_a_live_server_writes_json(tmp_path, capsys, rate, dataset
         code = main(["--base-url", s.base_url, "--dataset", dataset, "--num-prompts", "12",
                      "--request-rate", rate, "--max-concurrency", "4", "--random-input-len", "20",
                      "--random-output-len", "6", "--prefix-len", "30", "--suffix-len", "5",
-                     "--output-len", "4", "--vocab-size", "500", "--result-file", str(out)])
+                     "--output-len", "4", "--vocab-size", "500", "--result-file", str(out),
+                     "--save-detailed"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "Successful requests:" in printed and "TTFT (ms)" in printed
@@ -73,6 +74,13 @@ def test_bench_against_a_live_server_writes_json(tmp_path, capsys, rate, dataset
     assert summary["model"] == "fake-model"
     assert data["config"]["request_rate"] == ("inf" if rate == "inf" else float(rate))
     assert not math.isnan(summary["output_throughput"])
+    rows = data["requests"]
+    assert len(rows) == 12 and all(r["success"] and r["error"] == "" for r in rows)
+    assert min(r["sent_ms"] for r in rows) == 0.0
+    for r in rows:
+        assert 0 < r["ttft_ms"] <= r["latency_ms"]
+        # NOTE: one streamed chunk per token here, so a request has output_len - 1 gaps.
+        assert len(r["itl_ms"]) == r["output_len"] - 1
 
 
 def test_bench_counts_failures(tmp_path):
