@@ -140,14 +140,10 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         dtype = _resolve_dtype(args.dtype, hf)
         derived_max = int(hf.get("max_position_embeddings") or 2048)
-        window = hf.get("sliding_window")
-        if window and hf.get("use_sliding_window", True) and window < derived_max:
-            # NOTE: no windowed attention yet, so stay inside the window where outputs are exact.
-            derived_max = int(window)
         max_len = args.max_model_len or derived_max
         if max_len > derived_max:
             raise _bad("max_model_len", f"{max_len} exceeds the model's limit {derived_max} "
-                       "(max_position_embeddings / sliding_window in config.json)")
+                       "(max_position_embeddings in config.json)")
         if max_len < 1:
             raise _bad("max_model_len", f"must be >= 1, got {max_len}")
         if args.load_format not in ("auto", "safetensors", "dummy"):

@@ -17,14 +17,18 @@ class AttentionBackend(ABC):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                scale: float, out: torch.Tensor | None = None,
+                window: int | None = None) -> torch.Tensor:
         """Store k/v (T, Hkv, D) at meta.slot_mapping, then return attention of q (T, Hq, D),
         written into `out` (T, Hq, D) when given. Rows past meta.num_actual_tokens are zeros.
-        k = v = None: the step's K/V are already stored (by store_kv)."""
+        k = v = None: the step's K/V are already stored (by store_kv). With a sliding window, a
+        query at position p sees keys p - window + 1 .. p."""
         check_shapes(q, k, v, k_cache, v_cache, meta, out)
+        if window is not None and window < 1:
+            raise ValueError(f"sliding window must be >= 1, got {window}")
         if k is not None:
             self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k_cache, v_cache, meta, scale, out)
+        return self.attend(q, k_cache, v_cache, meta, scale, out, window)
 
     @abstractmethod
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -33,7 +37,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float, out: torch.Tensor | None) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, out: torch.Tensor | None,
+               window: int | None) -> torch.Tensor:
         """Attention of q (T, Hq, D) over the stored paged context (shapes already checked)."""
 
 

@@ -18,7 +18,8 @@ class TorchAttentionBackend(AttentionBackend):
         store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float, out: torch.Tensor | None) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, out: torch.Tensor | None,
+               window: int | None) -> torch.Tensor:
         if out is None:
             out = torch.zeros_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
         else:
@@ -28,4 +29,4 @@ class TorchAttentionBackend(AttentionBackend):
         qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None \
             else meta.query_start_loc
         return paged_attention_ref(q, k_cache, v_cache, meta.block_table, seq_lens, qsl, scale,
-                                   out=out)
+                                   out=out, window=window)

@@ -23,7 +23,8 @@ class TritonAttentionBackend(AttentionBackend):
         store_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float, out: torch.Tensor | None) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, out: torch.Tensor | None,
+               window: int | None) -> torch.Tensor:
         num_tokens = q.shape[0]
         num_decodes = meta.num_decodes
         if out is None:
@@ -38,11 +39,11 @@ class TritonAttentionBackend(AttentionBackend):
             # NOTE: decode token i belongs to sequence i (decodes come first, one token each).
             paged_decode_attention(q[:num_decodes], k_cache, v_cache,
                                    meta.block_table[:num_decodes], meta.seq_lens[:num_decodes],
-                                   scale, out=out[:num_decodes])
+                                   scale, out=out[:num_decodes], window=window)
         if has_chunks:
             extend_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens,
                              meta.query_start_loc, scale, meta.max_query_len, out=out,
-                             seq_start=num_decodes)
+                             seq_start=num_decodes, window=window)
             covered = meta.num_actual_tokens
         else:
             # NOTE: decode-only batches (the CUDA-graph case) read no host metadata at all.

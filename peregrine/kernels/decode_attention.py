@@ -23,11 +23,11 @@ _PROGRAMS_PER_SM = 4
 
 # NOTE: ints that change with the batch are not specialised on (==1, %16): each new value would
 # compile a variant on the request path. The merge's BLOCK_S variants are compiled by precompile().
-@triton.jit(do_not_specialize=["split_len", "stride_bt", "stride_mo_b", "stride_mo_h",
+@triton.jit(do_not_specialize=["split_len", "window", "stride_bt", "stride_mo_b", "stride_mo_h",
                                "stride_ml_b", "stride_ml_h"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
-    scale_log2, split_len,
+    scale_log2, split_len, window,
     stride_qb, stride_qh,
     stride_kc_b, stride_kc_s, stride_kc_h,
     stride_vc_b, stride_vc_s, stride_vc_h,
@@ -36,7 +36,7 @@ def _decode_split_kernel(
     stride_ml_b, stride_ml_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -46,6 +46,8 @@ def _decode_split_kernel(
     if start >= seq_len:  # NOTE: splits past the context exit; the merge derives how many ran
         return
     end = tl.minimum(start + split_len, seq_len)
+    if HAS_WINDOW:  # the query at seq_len - 1 sees keys seq_len - window .. seq_len - 1
+        start = tl.maximum(start, seq_len - window)
 
     offs_g = tl.arange(0, BLOCK_G)  # (BG,)
     offs_d = tl.arange(0, BLOCK_D)  # (BD,)
@@ -84,8 +86,13 @@ def _decode_split_kernel(
                                             input_precision=DOT_PREC)
         m_i = m_new
 
-    out = acc / l_i[:, None]  # (BG, BD)
-    lse = m_i + tl.log2(l_i)  # (BG,)
+    if HAS_WINDOW:
+        # NOTE: a split wholly before the window saw no key: zero output and weight in the merge.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (BG, BD)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))  # (BG,)
+    else:
+        out = acc / l_i[:, None]  # (BG, BD)
+        lse = m_i + tl.log2(l_i)  # (BG,)
     mo = mid_o_ptr + b64 * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s
     tl.store(mo + offs_d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
     tl.store(mid_lse_ptr + b64 * stride_ml_b + heads * stride_ml_h + split, lse, mask=g_mask)
@@ -136,16 +143,19 @@ def decode_split_len(batch: int, num_kv_heads: int, max_blocks: int, block_size:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, *, split_len: int | None = None,
-                           block_n: int | None = None) -> torch.Tensor:
+                           block_n: int | None = None, window: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence, q (B, Hq, D), over its whole paged context of
-    seq_lens[b] <= block_table.shape[1] * block_size tokens; returns out (B, Hq, D).
-    A sequence with seq_len 0 (CUDA-graph padding) gets zeros."""
+    seq_lens[b] <= block_table.shape[1] * block_size tokens (only the last `window` tokens with a
+    sliding window); returns out (B, Hq, D). A sequence with seq_len 0 (CUDA-graph padding)
+    gets zeros."""
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = check_q_and_caches(q, k_cache, v_cache)
     if block_table.shape[0] != batch or seq_lens.shape != (batch,):
         raise ValueError(f"block_table {tuple(block_table.shape)} / seq_lens "
                          f"{tuple(seq_lens.shape)} do not match batch {batch}")
     check_block_size(block_size)
+    if window is not None and window < 1:
+        raise ValueError(f"paged_decode_attention: window must be >= 1, got {window}")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (B, Hq, D)
     for name, x in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -170,7 +180,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_d = max(16, next_pow2(head_dim))
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, mid_o, mid_lse,
-        scale * math.log2(math.e), split_len,
+        scale * math.log2(math.e), split_len, window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -179,7 +189,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        DOT_DTYPE=dot_dtype(q), DOT_PREC=dot_precision(q),
+        DOT_DTYPE=dot_dtype(q), DOT_PREC=dot_precision(q), HAS_WINDOW=window is not None,
         num_warps=8 if q.dtype == torch.float32 and on_gpu else 4, num_stages=2,
     )
     _decode_merge_kernel[(batch, num_q_heads)](

@@ -19,9 +19,9 @@ from peregrine.kernels._utils import (check_block_size, check_q_and_caches, dot_
 @triton.jit
 def _attend_tile(q, m_i, l_i, acc, n0, q_pos, kv_end, k_base, v_base, bt_row,
                  stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, scale_log2,
-                 offs_d, d_mask, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                 offs_d, d_mask, window, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr):
+                 DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, HAS_WINDOW: tl.constexpr):
     tok = n0 + tl.arange(0, BLOCK_N)  # (BN,) key positions
     off = tok % BLOCK_SIZE  # (BN,)
     if MASKED:  # the diagonal / last tiles: past the context or the query is invisible
@@ -38,10 +38,17 @@ def _attend_tile(q, m_i, l_i, acc, n0, q_pos, kv_end, k_base, v_base, bt_row,
     s = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=DOT_PREC) * scale_log2  # (BM, BN)
     if MASKED:
         visible = (tok[None, :] <= q_pos[:, None]) & (tok[None, :] < kv_end)  # (BM, BN)
+        if HAS_WINDOW:  # a query at position p sees keys p - window + 1 .. p
+            visible = visible & (tok[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))  # (BM,)
-    alpha = tl.exp2(m_i - m_new)  # (BM,)
-    p = tl.exp2(s - m_new[:, None])  # (BM, BN)
+    if HAS_WINDOW:
+        # NOTE: a row may see no key of this tile and none before it: keep it NaN-free.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)  # (BM,)
+    p = tl.exp2(s - m_use[:, None])  # (BM, BN)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_base + blk[:, None] * stride_vc_b + off[:, None] * stride_vc_s
                 + offs_d[None, :], mask=v_mask, other=0.0).to(tl.float32)  # (BN, BD)
@@ -49,17 +56,18 @@ def _attend_tile(q, m_i, l_i, acc, n0, q_pos, kv_end, k_base, v_base, bt_row,
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["seq_offset"])  # NOTE: the decode count varies step to step
+# NOTE: the decode count (seq_offset) varies step to step; no variant per value.
+@triton.jit(do_not_specialize=["seq_offset", "window"])
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, o_ptr,
-    scale_log2, seq_offset,
+    scale_log2, seq_offset, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kc_b, stride_kc_s, stride_kc_h,
     stride_vc_b, stride_vc_s, stride_vc_h,
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
@@ -91,19 +99,31 @@ def _extend_kernel(
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kvh * stride_kc_h
     v_base = v_cache_ptr + kvh * stride_vc_h
-    # Keys before the block's first query position are visible to every row: no causal mask.
-    full_end = (prefix + m0) // BLOCK_N * BLOCK_N
     kv_end = tl.minimum(seq_len, prefix + m0 + BLOCK_M)
-    for n0 in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, q_pos, kv_end, k_base, v_base, bt_row,
-                                     stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
-                                     scale_log2, offs_d, d_mask, HEAD_DIM, BLOCK_N, BLOCK_SIZE,
-                                     False, DOT_DTYPE, DOT_PREC)
-    for n0 in range(full_end, kv_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, q_pos, kv_end, k_base, v_base, bt_row,
-                                     stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
-                                     scale_log2, offs_d, d_mask, HEAD_DIM, BLOCK_N, BLOCK_SIZE,
-                                     True, DOT_DTYPE, DOT_PREC)
+    if HAS_WINDOW:
+        # NOTE: every tile is masked; it starts at the oldest key the block's first row sees.
+        lo = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(lo, kv_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, q_pos, kv_end, k_base, v_base,
+                                         bt_row, stride_kc_b, stride_kc_s, stride_vc_b,
+                                         stride_vc_s, scale_log2, offs_d, d_mask, window,
+                                         HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, DOT_DTYPE,
+                                         DOT_PREC, True)
+    else:
+        # Keys before the block's first query position are visible to every row: no mask.
+        full_end = (prefix + m0) // BLOCK_N * BLOCK_N
+        for n0 in range(0, full_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, q_pos, kv_end, k_base, v_base,
+                                         bt_row, stride_kc_b, stride_kc_s, stride_vc_b,
+                                         stride_vc_s, scale_log2, offs_d, d_mask, window,
+                                         HEAD_DIM, BLOCK_N, BLOCK_SIZE, False, DOT_DTYPE,
+                                         DOT_PREC, False)
+        for n0 in range(full_end, kv_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, q_pos, kv_end, k_base, v_base,
+                                         bt_row, stride_kc_b, stride_kc_s, stride_vc_b,
+                                         stride_vc_s, scale_log2, offs_d, d_mask, window,
+                                         HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, DOT_DTYPE,
+                                         DOT_PREC, False)
 
     out = acc / l_i[:, None]  # (BM, BD)
     tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -126,9 +146,11 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                      out: torch.Tensor | None = None, *, seq_start: int = 0,
                      num_seqs: int | None = None, block_m: int | None = None,
-                     block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                     block_n: int | None = None, num_warps: int | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """Causal attention of the packed chunks of sequences [seq_start, seq_start + num_seqs), q
-    (T, Hq, D), over their paged contexts; writes only those sequences' rows of out (T, Hq, D)."""
+    (T, Hq, D), over their paged contexts (with a sliding window, a query at position p sees
+    keys p - window + 1 .. p); writes only those sequences' rows of out (T, Hq, D)."""
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = check_q_and_caches(q, k_cache, v_cache)
     total_seqs = seq_lens.shape[0]
@@ -140,6 +162,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"query_start_loc {tuple(query_start_loc.shape)} / block_table "
                          f"{tuple(block_table.shape)} do not match {total_seqs} sequences")
     check_block_size(block_size)
+    if window is not None and window < 1:
+        raise ValueError(f"extend_attention: window must be >= 1, got {window}")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
     for name, x in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -152,7 +176,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     grid = (triton.cdiv(max_query_len, block_m), num_q_heads, num_seqs)
     _extend_kernel[grid](
         q, k_cache, v_cache, block_table, seq_lens, query_start_loc, out,
-        scale * math.log2(math.e), seq_start,
+        scale * math.log2(math.e), seq_start, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -160,6 +184,6 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, DOT_DTYPE=dot_dtype(q), DOT_PREC=dot_precision(q),
-        num_warps=num_warps, num_stages=2,
+        HAS_WINDOW=window is not None, num_warps=num_warps, num_stages=2,
     )
     return out

@@ -28,8 +28,10 @@ def gather_kv_ref(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: i
     return cache[blocks].flatten(0, 1)[:seq_len]  # (seq_len, Hkv, D)
 
 
-def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of q (n, Hq, D) at the LAST n positions of k/v (L, Hkv, D); fp32 result."""
+def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               window: int | None = None) -> torch.Tensor:
+    """Causal attention of q (n, Hq, D) at the LAST n positions of k/v (L, Hkv, D); fp32 result.
+    With a sliding window, a query at position p sees keys p - window + 1 .. p."""
     n, num_q_heads, head_dim = q.shape
     seq_len, num_kv_heads, _ = k.shape
     group = num_q_heads // num_kv_heads
@@ -45,6 +47,8 @@ def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
         rows = slice(c, min(c + _QUERY_CHUNK, n))
         scores = (qg[:, :, rows] @ kf.transpose(-1, -2)) * scale  # (Hkv, G, r, L)
         visible = k_pos[None, :] <= q_pos[rows, None]  # (r, L)
+        if window is not None:
+            visible &= k_pos[None, :] > q_pos[rows, None] - window
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # (Hkv, G, r, L)
         o = probs @ vf  # (Hkv, G, r, D)
@@ -55,8 +59,10 @@ def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_table: torch.Tensor, seq_lens: torch.Tensor,
                         query_start_loc: torch.Tensor, scale: float,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal paged attention for a packed batch; the tokens of sequence i are q[qsl[i]:qsl[i+1]]."""
+                        out: torch.Tensor | None = None,
+                        window: int | None = None) -> torch.Tensor:
+    """Causal paged attention for a packed batch; the tokens of sequence i are q[qsl[i]:qsl[i+1]].
+    With a sliding window, a query at position p sees keys p - window + 1 .. p."""
     if out is None:
         out = torch.zeros_like(q)  # (T, Hq, D)
     # NOTE: a per-sequence loop needs host integers; this is the reference, so the sync is fine.
@@ -70,7 +76,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             raise ValueError(f"sequence {i}: {end - start} new tokens but seq_len {seq_len}")
         k = gather_kv_ref(k_cache, block_table[i], seq_len)  # (L, Hkv, D)
         v = gather_kv_ref(v_cache, block_table[i], seq_len)  # (L, Hkv, D)
-        out[start:end] = attend_ref(q[start:end], k, v, scale).to(out.dtype)
+        out[start:end] = attend_ref(q[start:end], k, v, scale, window).to(out.dtype)
     return out
 
 

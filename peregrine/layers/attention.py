@@ -11,8 +11,9 @@ class Attention(nn.Module):
     """Paged attention for one decoder layer. The backend and metadata are passed in, never global."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 backend) -> None:
+                 backend, sliding_window: int | None = None) -> None:
         super().__init__()
+        self.sliding_window = sliding_window  # None: full causal attention
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -31,7 +32,7 @@ class Attention(nn.Module):
             k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
             v = v.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                   out=out)  # (T, Hq, D)
+                                   out=out, window=self.sliding_window)  # (T, Hq, D)
         return out.reshape(t, self.num_heads * self.head_dim)
 
     def store(self, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],

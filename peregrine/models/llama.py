@@ -20,9 +20,33 @@ from peregrine.layers.rotary import RotaryEmbedding, rope_parameters
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+def layer_windows(hf: dict[str, Any]) -> list[int | None]:
+    """Each layer's sliding window (None: full attention), as transformers reads config.json:
+    `layer_types` when present; else Mistral windows every layer, and Qwen2/Qwen3 (with
+    use_sliding_window) the layers from max_window_layers on."""
+    n = hf["num_hidden_layers"]
+    window = hf.get("sliding_window")
+    if not window:
+        return [None] * n
+    window = int(window)
+    types = hf.get("layer_types")
+    if types:
+        if len(types) != n:
+            raise ValueError(f"config.json: layer_types has {len(types)} entries for {n} layers")
+        return [window if t == "sliding_attention" else None for t in types]
+    if hf.get("model_type") in ("qwen2", "qwen3"):
+        if not hf.get("use_sliding_window", False):
+            return [None] * n
+        first = int(hf.get("max_window_layers", n))
+        return [window if i >= first else None for i in range(n)]
+    if hf.get("model_type") == "mistral":
+        return [window] * n
+    return [None] * n
+
+
 class DecoderAttention(nn.Module):
     def __init__(self, hf: dict[str, Any], head_dim: int, rope: RotaryEmbedding, backend,
-                 qkv_bias: bool, qk_norm: bool) -> None:
+                 qkv_bias: bool, qk_norm: bool, window: int | None = None) -> None:
         super().__init__()
         hidden = hf["hidden_size"]
         heads = hf["num_attention_heads"]
@@ -39,7 +63,8 @@ class DecoderAttention(nn.Module):
         eps = hf.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5, backend)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5, backend,
+                              sliding_window=window)
 
     def project(self, positions: torch.Tensor, x: torch.Tensor):
         """q (T, Hq, D), k and v (T, Hkv, D) of x (T, hidden), with q/k norm and RoPE applied."""
@@ -73,10 +98,10 @@ class DecoderMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, hf: dict[str, Any], head_dim: int, rope: RotaryEmbedding, backend,
-                 qkv_bias: bool, qk_norm: bool) -> None:
+                 qkv_bias: bool, qk_norm: bool, window: int | None = None) -> None:
         super().__init__()
         eps = hf.get("rms_norm_eps", 1e-6)
-        self.self_attn = DecoderAttention(hf, head_dim, rope, backend, qkv_bias, qk_norm)
+        self.self_attn = DecoderAttention(hf, head_dim, rope, backend, qkv_bias, qk_norm, window)
         self.mlp = DecoderMLP(hf["hidden_size"], hf["intermediate_size"], bool(hf.get("mlp_bias", False)))
         self.input_layernorm = RMSNorm(hf["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps)
@@ -121,8 +146,8 @@ class LlamaForCausalLM(nn.Module):
         max_pos = int(hf.get("max_position_embeddings") or 2048)
         rope = RotaryEmbedding(head_dim, max_pos, theta, scaling)
         self.embed_tokens = VocabParallelEmbedding(hf["vocab_size"], hidden)
-        self.layers = nn.ModuleList(DecoderLayer(hf, head_dim, rope, backend, qkv_bias, qk_norm)
-                                    for _ in range(hf["num_hidden_layers"]))
+        self.layers = nn.ModuleList(DecoderLayer(hf, head_dim, rope, backend, qkv_bias, qk_norm, w)
+                                    for w in layer_windows(hf))
         self.norm = RMSNorm(hidden, hf.get("rms_norm_eps", 1e-6))
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(hf["vocab_size"], hidden)
@@ -202,4 +227,4 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral is Llama with GQA; a sliding window caps max_model_len (see ModelConfig)."""
+    """Mistral is Llama with GQA and (v0.1) a sliding window on every layer."""

@@ -41,12 +41,13 @@ def make_paged_case(seq_lens: list[int], q_lens: list[int], num_q_heads: int, nu
                      qsl, max(q_lens))
 
 
-def exact_reference(case: PagedCase, scale: float) -> torch.Tensor:
+def exact_reference(case: PagedCase, scale: float, window: int | None = None) -> torch.Tensor:
     """The fp32 reference on the (already rounded) inputs, so low-precision kernels compare to
     the exact answer rather than to another rounded one."""
     from peregrine.kernels.reference import paged_attention_ref
     return paged_attention_ref(case.q.float(), case.k_cache.float(), case.v_cache.float(),
-                               case.block_table, case.seq_lens, case.query_start_loc, scale)
+                               case.block_table, case.seq_lens, case.query_start_loc, scale,
+                               window=window)
 
 
 # Tolerances for comparing a kernel's output (cast to fp32) with the exact fp32 reference.

@@ -98,3 +98,14 @@ def test_precompile_covers_every_merge_variant(monkeypatch) -> None:
         want.append(s)
         s *= 2
     assert seen == want
+
+
+@pytest.mark.parametrize("window", [1, 7, 64, 300])
+@pytest.mark.parametrize("split_len", [16, 64])
+def test_decode_sliding_window_matches_reference(window: int, split_len: int) -> None:
+    """Splits wholly before the window contribute nothing (and no NaN) to the merge."""
+    from kernel_cases import exact_reference
+    case = make_paged_case([1, 20, 100, 70], [1, 1, 1, 1], 4, 2)
+    out = _run(case, window=window, split_len=split_len)
+    torch.testing.assert_close(out, exact_reference(case, SCALE, window), atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(out).all()

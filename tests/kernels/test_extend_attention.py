@@ -51,3 +51,22 @@ def test_extend_only_writes_rows_of_its_sequences() -> None:
     _run(case, out=out, seq_start=2)
     assert torch.all(out[:2] == 7.0)
     torch.testing.assert_close(out[2:], exact_reference(case, SCALE)[2:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 21, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_sliding_window_matches_reference(window: int, dtype: torch.dtype) -> None:
+    # A fresh prefill longer than most windows, a chunk after a prefix, a 1-token chunk; 16x16
+    # tiles so a window edge falls inside a tile, on a tile boundary, and past the context.
+    case = make_paged_case([40, 45, 9], [40, 19, 1], 4, 2, dtype=dtype)
+    out = _run(case, window=window)
+    torch.testing.assert_close(out.float(), exact_reference(case, SCALE, window),
+                               **TOLERANCES[dtype])
+    if window < 40:  # the window really changes the answer
+        assert not torch.allclose(out.float(), exact_reference(case, SCALE), atol=1e-3)
+
+
+def test_extend_rejects_a_bad_window() -> None:
+    case = make_paged_case([8], [8], 4, 2)
+    with pytest.raises(ValueError, match="window"):
+        _run(case, window=0)

@@ -117,3 +117,71 @@ def test_piecewise_graph_path_matches_transformers(mode: str, prefix_caching: bo
     assert used and any(pw.padded(n) > n for n in used), "padded piecewise steps did not run"
     if "preempt" in mode:
         assert llm.engine.get_stats().num_preemptions > 0, "preemption was not exercised"
+
+
+# Sliding windows shorter than the prompts: Mistral windows every layer; Qwen2 (as transformers
+# reads use_sliding_window / max_window_layers) only the layers from max_window_layers on.
+_WINDOWED = {
+    "mistral": dict(sliding_window=8),
+    "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_windowed_reference(arch: str) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    from transformers import AutoModelForCausalLM
+    path = tiny_checkpoint(arch, **_WINDOWED[arch])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    tokens, logprobs = [], []
+    for prompt in _prompts(model.config.vocab_size):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                 do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=0)
+        tokens.append(out.sequences[0, len(prompt):].tolist())
+        logprobs.append([torch.log_softmax(x[0].float(), -1) for x in out.logits])
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("mode", ["plain", "chunked+preempt", "no-prefix-cache", "triton"])
+@pytest.mark.parametrize("arch", sorted(_WINDOWED))
+def test_sliding_window_matches_transformers(arch: str, mode: str) -> None:
+    from peregrine.models.llama import layer_windows
+    path = tiny_checkpoint(arch, **_WINDOWED[arch])
+    args: dict = {}
+    if mode == "chunked+preempt":
+        args.update(max_num_batched_tokens=16, num_gpu_blocks_override=8)
+    if mode == "no-prefix-cache":
+        args.update(enable_prefix_caching=False)
+    if mode == "triton":
+        args.update(attention_backend="triton", max_num_batched_tokens=32)
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=256, seed=0, **args)
+    windows = layer_windows(llm.engine.config.model.hf_config)
+    assert windows == ([8, 8] if arch == "mistral" else [None, 8])
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+    outs = llm.generate(_prompts(llm.engine.config.model.vocab_size), params, use_tqdm=False)
+    ref_tokens, ref_lps = _hf_windowed_reference(arch)
+    for out, want, want_lp in zip(outs, ref_tokens, ref_lps):
+        assert out.outputs[0].token_ids == want, f"{arch} {mode}: greedy tokens differ"
+        for pos, entry in enumerate(out.outputs[0].logprobs):
+            for tok, lp in entry.items():
+                assert math.isclose(lp.logprob, want_lp[pos][tok].item(), abs_tol=1e-4)
+    if mode == "chunked+preempt":
+        assert llm.engine.get_stats().num_preemptions > 0
+
+
+def test_layer_windows_follow_the_config() -> None:
+    from peregrine.models.llama import layer_windows
+    base = {"num_hidden_layers": 3}
+    assert layer_windows(dict(base, model_type="llama")) == [None] * 3
+    assert layer_windows(dict(base, model_type="mistral", sliding_window=None)) == [None] * 3
+    assert layer_windows(dict(base, model_type="mistral", sliding_window=4096)) == [4096] * 3
+    qwen = dict(base, model_type="qwen2", sliding_window=64, max_window_layers=2)
+    assert layer_windows(qwen) == [None] * 3  # use_sliding_window defaults to off
+    assert layer_windows(dict(qwen, use_sliding_window=True)) == [None, None, 64]
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    assert layer_windows(dict(base, sliding_window=32, layer_types=types)) == [32, None, 32]
+    with pytest.raises(ValueError, match="layer_types"):
+        layer_windows(dict(base, sliding_window=32, layer_types=types[:2]))
