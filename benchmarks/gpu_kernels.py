@@ -82,9 +82,10 @@ def paged_inputs(seq_lens: list[int], q_lens: list[int], hq: int, hkv: int, head
     return q, k_cache, v_cache, block_table, seq_lens_t, qsl
 
 
-def attn_error(out, q, k_cache, v_cache, block_table, seq_lens, qsl, scale) -> float:
+def attn_error(out, q, k_cache, v_cache, block_table, seq_lens, qsl, scale,
+               window: int | None = None) -> float:
     exact = ref.paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), block_table,
-                                    seq_lens, qsl, scale)
+                                    seq_lens, qsl, scale, window=window)
     return (out.float() - exact).abs().max().item()
 
 
@@ -98,24 +99,28 @@ def kv_bytes(seq_lens: list[int], hkv: int, head_dim: int, dtype: torch.dtype) -
 
 
 def run_decode(batch: int, ctx: int, hq: int, hkv: int, head_dim: int, dtype: torch.dtype,
-               timed: bool, width: int | None = None) -> None:
+               timed: bool, width: int | None = None, window: int | None = None) -> None:
     gen = torch.Generator().manual_seed(batch * 7 + ctx)
     # NOTE: lengths spread over [ctx/2, ctx] so splits end at different places per sequence.
     lens = [ctx] + torch.randint(max(1, ctx // 2), ctx + 1, (batch - 1,), generator=gen).tolist()
     q, kc, vc, bt, sl, _ = paged_inputs(lens, [1] * batch, hq, hkv, head_dim, dtype, width=width)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
     scale = head_dim ** -0.5
-    out = paged_decode_attention(q, kc, vc, bt, sl, scale)
-    err = attn_error(out, q, kc, vc, bt, sl, qsl, scale)
-    ms = bench(lambda: paged_decode_attention(q, kc, vc, bt, sl, scale, out=out)) if timed else None
+    out = paged_decode_attention(q, kc, vc, bt, sl, scale, window=window)
+    err = attn_error(out, q, kc, vc, bt, sl, qsl, scale, window)
+    ms = bench(lambda: paged_decode_attention(q, kc, vc, bt, sl, scale, out=out,
+                                              window=window)) if timed else None
     cfg = dict(dtype=str(dtype)[6:], D=head_dim, hq=hq, hkv=hkv, B=batch, ctx=ctx)
     if width:
         cfg["width"] = width
+    if window:
+        cfg["window"] = window
     record("decode", cfg, err, TOL[dtype], ms, kv_bytes(lens, hkv, head_dim, dtype))
 
 
 def run_extend(chunks: list[tuple[int, int]], hq: int, hkv: int, head_dim: int,
-               dtype: torch.dtype, timed: bool, tiles: tuple[int, int, int] | None = None) -> None:
+               dtype: torch.dtype, timed: bool, tiles: tuple[int, int, int] | None = None,
+               window: int | None = None) -> None:
     """chunks: (new tokens, cached prefix) per sequence; tiles: (BLOCK_M, BLOCK_N, warps)."""
     tile_kw = dict(zip(("block_m", "block_n", "num_warps"), tiles or (None, None, None)))
     q_lens = [n for n, _ in chunks]
@@ -123,10 +128,10 @@ def run_extend(chunks: list[tuple[int, int]], hq: int, hkv: int, head_dim: int,
     q, kc, vc, bt, sl, qsl = paged_inputs(lens, q_lens, hq, hkv, head_dim, dtype)
     scale = head_dim ** -0.5
     max_q = max(q_lens)
-    out = extend_attention(q, kc, vc, bt, sl, qsl, scale, max_q, **tile_kw)
-    err = attn_error(out, q, kc, vc, bt, sl, qsl, scale)
+    out = extend_attention(q, kc, vc, bt, sl, qsl, scale, max_q, window=window, **tile_kw)
+    err = attn_error(out, q, kc, vc, bt, sl, qsl, scale, window)
     ms = bench(lambda: extend_attention(q, kc, vc, bt, sl, qsl, scale, max_q, out=out,
-                                        **tile_kw)) if timed else None
+                                        window=window, **tile_kw)) if timed else None
     # causal: query at position p sees p + 1 keys
     visible = sum(n * p + n * (n + 1) / 2 for n, p in chunks)
     flops = 4.0 * hq * head_dim * visible
@@ -134,6 +139,8 @@ def run_extend(chunks: list[tuple[int, int]], hq: int, hkv: int, head_dim: int,
                chunks="+".join(f"{n}@{p}" for n, p in chunks))
     if tiles:
         cfg["tiles"] = "x".join(map(str, tiles))
+    if window:
+        cfg["window"] = window  # NOTE: the FLOP count above ignores the window
     record("extend", cfg, err, TOL[dtype], ms, kv_bytes(lens, hkv, head_dim, dtype), flops)
 
 
@@ -228,6 +235,11 @@ def main() -> int:
     # fp32 runs 3-pass tf32 dots: near-exact, slower
     run_decode(8, 2048, 32, 8, 128, torch.float32, timed=False)
     run_extend([(512, 1000), (700, 0)], 32, 8, 128, torch.float32, timed=False)
+    # sliding windows (Mistral v0.1 style): edges inside splits and tiles, splits wholly outside
+    for window in (300, 1024):
+        run_decode(8, 2048, 32, 8, 128, torch.bfloat16, timed=False, window=window)
+        run_extend([(512, 1000), (700, 0)], 32, 8, 128, torch.bfloat16, timed=False,
+                   window=window)
     check_decode_cuda_graph()
     if args.quick:
         return _finish(t0)
