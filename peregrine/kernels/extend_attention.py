@@ -101,29 +101,23 @@ def _extend_kernel(
     v_base = v_cache_ptr + kvh * stride_vc_h
     kv_end = tl.minimum(seq_len, prefix + m0 + BLOCK_M)
     if HAS_WINDOW:
-        # NOTE: every tile is masked; it starts at the oldest key the block's first row sees.
-        lo = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
-        for n0 in range(lo, kv_end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, q_pos, kv_end, k_base, v_base,
-                                         bt_row, stride_kc_b, stride_kc_s, stride_vc_b,
-                                         stride_vc_s, scale_log2, offs_d, d_mask, window,
-                                         HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, DOT_DTYPE,
-                                         DOT_PREC, True)
+        # NOTE: every tile is masked; they start at the oldest key the block's first row sees.
+        first = tl.maximum(prefix + m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_end = first
     else:
         # Keys before the block's first query position are visible to every row: no mask.
+        first = 0
         full_end = (prefix + m0) // BLOCK_N * BLOCK_N
-        for n0 in range(0, full_end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, q_pos, kv_end, k_base, v_base,
-                                         bt_row, stride_kc_b, stride_kc_s, stride_vc_b,
-                                         stride_vc_s, scale_log2, offs_d, d_mask, window,
-                                         HEAD_DIM, BLOCK_N, BLOCK_SIZE, False, DOT_DTYPE,
-                                         DOT_PREC, False)
-        for n0 in range(full_end, kv_end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, q_pos, kv_end, k_base, v_base,
-                                         bt_row, stride_kc_b, stride_kc_s, stride_vc_b,
-                                         stride_vc_s, scale_log2, offs_d, d_mask, window,
-                                         HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, DOT_DTYPE,
-                                         DOT_PREC, False)
+    for n0 in range(first, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, q_pos, kv_end, k_base, v_base, bt_row,
+                                     stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+                                     scale_log2, offs_d, d_mask, window, HEAD_DIM, BLOCK_N,
+                                     BLOCK_SIZE, False, DOT_DTYPE, DOT_PREC, HAS_WINDOW)
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, q_pos, kv_end, k_base, v_base, bt_row,
+                                     stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+                                     scale_log2, offs_d, d_mask, window, HEAD_DIM, BLOCK_N,
+                                     BLOCK_SIZE, True, DOT_DTYPE, DOT_PREC, HAS_WINDOW)
 
     out = acc / l_i[:, None]  # (BM, BD)
     tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],

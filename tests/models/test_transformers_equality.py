@@ -19,11 +19,21 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
+# Sliding windows shorter than the prompts: Mistral windows every layer; Qwen2 (as transformers
+# reads use_sliding_window / max_window_layers) only the layers from max_window_layers on.
+_WINDOWED = {
+    "mistral": dict(sliding_window=8),
+    "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+}
+
+
 @functools.lru_cache(maxsize=None)
-def _hf_reference(arch: str) -> tuple[list[list[int]], list[list[list[float]]]]:
-    """Greedy continuations and per-step full log-softmax rows from transformers."""
+def _hf_reference(arch: str, windowed: bool = False
+                  ) -> tuple[list[list[int]], list[list[list[float]]]]:
+    """Greedy continuations and per-step full log-softmax rows from transformers (on the
+    sliding-window variant of the checkpoint with windowed=True)."""
     from transformers import AutoModelForCausalLM
-    path = tiny_checkpoint(arch)
+    path = tiny_checkpoint(arch, **(_WINDOWED[arch] if windowed else {}))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # like ignore_eos: never stop early
     tokens, logprobs = [], []
@@ -119,30 +129,6 @@ def test_piecewise_graph_path_matches_transformers(mode: str, prefix_caching: bo
         assert llm.engine.get_stats().num_preemptions > 0, "preemption was not exercised"
 
 
-# Sliding windows shorter than the prompts: Mistral windows every layer; Qwen2 (as transformers
-# reads use_sliding_window / max_window_layers) only the layers from max_window_layers on.
-_WINDOWED = {
-    "mistral": dict(sliding_window=8),
-    "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
-}
-
-
-@functools.lru_cache(maxsize=None)
-def _hf_windowed_reference(arch: str) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
-    from transformers import AutoModelForCausalLM
-    path = tiny_checkpoint(arch, **_WINDOWED[arch])
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    tokens, logprobs = [], []
-    for prompt in _prompts(model.config.vocab_size):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                 do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=0)
-        tokens.append(out.sequences[0, len(prompt):].tolist())
-        logprobs.append([torch.log_softmax(x[0].float(), -1) for x in out.logits])
-    return tokens, logprobs
 
 
 @pytest.mark.parametrize("mode", ["plain", "chunked+preempt", "no-prefix-cache", "triton"])
@@ -162,7 +148,7 @@ def test_sliding_window_matches_transformers(arch: str, mode: str) -> None:
     assert windows == ([8, 8] if arch == "mistral" else [None, 8])
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
     outs = llm.generate(_prompts(llm.engine.config.model.vocab_size), params, use_tqdm=False)
-    ref_tokens, ref_lps = _hf_windowed_reference(arch)
+    ref_tokens, ref_lps = _hf_reference(arch, windowed=True)
     for out, want, want_lp in zip(outs, ref_tokens, ref_lps):
         assert out.outputs[0].token_ids == want, f"{arch} {mode}: greedy tokens differ"
         for pos, entry in enumerate(out.outputs[0].logprobs):
