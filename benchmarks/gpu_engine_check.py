@@ -23,13 +23,13 @@ from peregrine.testing.checkpoints import build_tiny_checkpoint
 NEW = 64
 
 
-def _checkpoint(dtype: torch.dtype) -> str:
+def _checkpoint(dtype: torch.dtype, arch: str = "qwen3", **overrides) -> str:
     # Big enough for real kernel shapes (head_dim 128, GQA 4:1), small enough to build in seconds.
     d = tempfile.mkdtemp(prefix="peregrine-gpu-check-")
-    return str(build_tiny_checkpoint(d, "qwen3", dtype=dtype, hidden_size=512, head_dim=128,
+    return str(build_tiny_checkpoint(d, arch, dtype=dtype, hidden_size=512, head_dim=128,
                                      num_attention_heads=8, num_key_value_heads=2,
                                      intermediate_size=1024, num_hidden_layers=4,
-                                     max_position_embeddings=1024))
+                                     max_position_embeddings=1024, **overrides))
 
 
 def _prompts() -> list[list[int]]:
@@ -85,6 +85,21 @@ def check_fp32(report: dict) -> bool:
         report[f"fp32_{name}_identical"] = same
         ok &= same
         print(f"fp32 triton {name:>24}: identical to torch = {same}", flush=True)
+    return ok
+
+
+def check_sliding_window(report: dict) -> bool:
+    """Mistral-style sliding window (64 tokens, prompts up to 250): Triton with graphs, plain
+    and chunked, gives the torch backend's greedy tokens in float32."""
+    path = _checkpoint(torch.float32, "mistral", sliding_window=64)
+    ref = [o.outputs[0].token_ids for o in _generate(path, "float32", "torch", True)]
+    ok = True
+    for name, kw in {"graphs": {}, "graphs+chunked": {"max_num_batched_tokens": 64}}.items():
+        got = [o.outputs[0].token_ids for o in _generate(path, "float32", "triton", False, **kw)]
+        same = got == ref
+        report[f"window_fp32_{name}_identical"] = same
+        ok &= same
+        print(f"window fp32 triton {name:>17}: identical to torch = {same}", flush=True)
     return ok
 
 
@@ -149,6 +164,7 @@ def main() -> int:
     report: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
     t0 = time.time()
     ok = check_fp32(report)
+    ok &= check_sliding_window(report)
     if "--fp32-only" not in sys.argv:
         ok &= check_bf16(report)
     report["elapsed_s"] = time.time() - t0
