@@ -130,9 +130,9 @@ def _default_blocks(head_dim: int, dtype: torch.dtype, on_gpu: bool) -> tuple[in
         return 16, 16, 4
     if dtype == torch.float32:  # NOTE: 3-pass tf32 dots need 3x the registers; big tiles spill
         return 32, 32, 8
-    if head_dim <= 64:
-        return 128, 64, 4
-    return 128, 64, 8
+    # NOTE: measured on an H200 (docs/BENCHMARKS.md, tile sweep): 64x64 with 4 warps gives
+    # 318 TFLOP/s at D=128 against 241 for 128x64x8, and 277 against 198 for 128x64x4 at D=64.
+    return 64, 64, 4
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
