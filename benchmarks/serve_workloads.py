@@ -27,6 +27,7 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # NOTE: the bench client runs in-process: this checkout's code
 
 
 def _wait_healthy(port: int, proc: subprocess.Popen, timeout: float) -> None:
@@ -73,42 +74,12 @@ class Server:
 _VOCAB = ["128000"]
 
 
-# Server-side latency histograms whose mean over a run is reported beside the client's view.
-_SERVER_HISTOGRAMS = ("time_to_first_token", "request_queue_time", "request_prefill_time",
-                      "request_decode_time")
-
-
-def _scrape(port: int) -> dict[str, float]:
-    """The _sum and _count samples of the server's latency histograms (seconds)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    got: dict[str, float] = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        base = name.split("{", 1)[0]
-        if base.endswith(("_sum", "_count")) and base.startswith("peregrine_"):
-            got[base] = got.get(base, 0.0) + float(value)
-    return got
-
-
 def _bench(port: int, out: Path, name: str, args: list[str]) -> dict:
     from peregrine.bench.serve import main as bench_main
     path = out / f"{name}.json"
-    before = _scrape(port)
     bench_main(["--base-url", f"http://127.0.0.1:{port}", "--vocab-size", _VOCAB[0],
                 "--save-detailed", "--label", name, "--result-file", str(path), *args])
-    after = _scrape(port)
-    summary = json.loads(path.read_text())["summary"]
-    # NOTE: the server's clock starts when the handler has parsed the request, and stops when
-    # the engine thread hands the first token to the event loop; the client's view adds HTTP.
-    server = {}
-    for h in _SERVER_HISTOGRAMS:
-        key = f"peregrine_{h}_seconds"
-        n = after.get(key + "_count", 0.0) - before.get(key + "_count", 0.0)
-        total = after.get(key + "_sum", 0.0) - before.get(key + "_sum", 0.0)
-        server[f"{h}_mean_ms"] = 1e3 * total / n if n else None
-    summary["server"] = server
-    return summary
+    return json.loads(path.read_text())["summary"]  # includes the server-side means
 
 
 def _warmup(port: int, out: Path) -> None:

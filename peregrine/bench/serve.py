@@ -15,7 +15,7 @@ from typing import Any
 
 from peregrine.bench.datasets import (DATASETS, BenchRequest, prefix_shared_dataset,
                                       random_dataset)
-from peregrine.bench.http_client import Endpoint, HTTPError, get_json, post_sse
+from peregrine.bench.http_client import Endpoint, HTTPError, get_json, post_sse, request
 
 
 @dataclass
@@ -106,6 +106,7 @@ async def run_benchmark(base_url: str, model: str | None, requests: list[BenchRe
         async with gate:
             return await _one_request(ep, model, req, headers, ignore_eos)
 
+    before = await _scrape(ep, headers)
     tasks = []
     start = time.perf_counter()
     for req, gap in zip(requests, _arrival_gaps(len(requests), request_rate, seed)):
@@ -116,7 +117,47 @@ async def run_benchmark(base_url: str, model: str | None, requests: list[BenchRe
     duration = time.perf_counter() - start
     summary = summarize(results, duration)
     summary.update(model=model, request_rate=request_rate, max_concurrency=max_concurrency)
+    # NOTE: the server's clock starts when its handler has parsed the request and stops when
+    # the engine hands over the first token; the client's TTFT adds HTTP and the event loop.
+    summary["server"] = server_means(before, await _scrape(ep, headers))
     return summary, list(results)
+
+
+# Server-side latency histograms whose mean over the run is reported beside the client's view.
+SERVER_HISTOGRAMS = ("time_to_first_token", "request_queue_time", "request_prefill_time",
+                     "request_decode_time")
+
+
+async def _scrape(ep: Endpoint, headers: dict[str, str]) -> dict[str, float] | None:
+    """The peregrine_* histograms' _sum and _count samples from /metrics (None if unavailable)."""
+    try:
+        text = b"".join([c async for c in request(ep, "GET", "/metrics", None, headers)]).decode()
+    except (HTTPError, OSError):
+        return None
+    got: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        base = name.split("{", 1)[0]
+        if base.startswith("peregrine_") and base.endswith(("_sum", "_count")):
+            try:
+                got[base] = got.get(base, 0.0) + float(value)
+            except ValueError:
+                continue
+    return got
+
+
+def server_means(before: dict[str, float] | None,
+                 after: dict[str, float] | None) -> dict[str, float | None]:
+    """Mean of each server histogram over the run, in ms (None where it saw no sample)."""
+    out: dict[str, float | None] = {}
+    for h in SERVER_HISTOGRAMS:
+        key = f"peregrine_{h}_seconds"
+        n = total = 0.0
+        if before is not None and after is not None:
+            n = after.get(key + "_count", 0.0) - before.get(key + "_count", 0.0)
+            total = after.get(key + "_sum", 0.0) - before.get(key + "_sum", 0.0)
+        out[f"{h}_mean_ms"] = 1e3 * total / n if n else None
+    return out
 
 
 def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float]:
@@ -162,6 +203,11 @@ def format_summary(s: dict[str, Any]) -> str:
         v = s[key]
         lines.append(f"{name + ' (ms) mean/median/P99:':<34}"
                      f"{v['mean']:.2f} / {v['median']:.2f} / {v['p99']:.2f}")
+    server = s.get("server") or {}
+    if any(v is not None for v in server.values()):
+        vals = [server.get(f"{h}_mean_ms") for h in SERVER_HISTOGRAMS]
+        lines.append(f"{'Server means (ms) TTFT/queue/prefill/decode:':<34} "
+                     + " / ".join("-" if v is None else f"{v:.2f}" for v in vals))
     for err in s.get("errors", []):
         lines.append(f"error: {err}")
     return "\n".join(lines)

@@ -74,6 +74,9 @@ def test_bench_against_a_live_server_writes_json(tmp_path, capsys, rate, dataset
     assert summary["model"] == "fake-model"
     assert data["config"]["request_rate"] == ("inf" if rate == "inf" else float(rate))
     assert not math.isnan(summary["output_throughput"])
+    server = summary["server"]
+    assert server["time_to_first_token_mean_ms"] > 0  # from the server's /metrics
+    assert "Server means (ms)" in printed
     rows = data["requests"]
     assert len(rows) == 12 and all(r["success"] and r["error"] == "" for r in rows)
     assert min(r["sent_ms"] for r in rows) == 0.0
