@@ -64,10 +64,24 @@ def _release(llm: LLM) -> None:
     torch.cuda.empty_cache()
 
 
-def check_fp32(report: dict) -> bool:
-    path = _checkpoint(torch.float32)
+def _triton_matches_torch(path: str, variants: dict[str, dict], label: str,
+                          report: dict) -> bool:
+    """float32 greedy tokens of the Triton backend in each variant against the torch backend's
+    (eager); a variant's "_eager" key runs Triton without CUDA graphs."""
     ref = [o.outputs[0].token_ids for o in _generate(path, "float32", "torch", True)]
     ok = True
+    for name, kw in variants.items():
+        kw = dict(kw)
+        eager = kw.pop("_eager", False)
+        got = [o.outputs[0].token_ids for o in _generate(path, "float32", "triton", eager, **kw)]
+        same = got == ref
+        report[f"{label}_{name}_identical"] = same
+        ok &= same
+        print(f"{label} triton {name:>24}: identical to torch = {same}", flush=True)
+    return ok
+
+
+def check_fp32(report: dict) -> bool:
     variants = {
         "graphs": {},
         "graphs+chunked": {"max_num_batched_tokens": 64},
@@ -78,29 +92,15 @@ def check_fp32(report: dict) -> bool:
     }
     if "--quick" in sys.argv:
         variants = {k: variants[k] for k in ("graphs", "graphs+preempt")}
-    for name, kw in variants.items():
-        eager = kw.pop("_eager", False)
-        got = [o.outputs[0].token_ids for o in _generate(path, "float32", "triton", eager, **kw)]
-        same = got == ref
-        report[f"fp32_{name}_identical"] = same
-        ok &= same
-        print(f"fp32 triton {name:>24}: identical to torch = {same}", flush=True)
-    return ok
+    return _triton_matches_torch(_checkpoint(torch.float32), variants, "fp32", report)
 
 
 def check_sliding_window(report: dict) -> bool:
     """Mistral-style sliding window (64 tokens, prompts up to 250): Triton with graphs, plain
     and chunked, gives the torch backend's greedy tokens in float32."""
     path = _checkpoint(torch.float32, "mistral", sliding_window=64)
-    ref = [o.outputs[0].token_ids for o in _generate(path, "float32", "torch", True)]
-    ok = True
-    for name, kw in {"graphs": {}, "graphs+chunked": {"max_num_batched_tokens": 64}}.items():
-        got = [o.outputs[0].token_ids for o in _generate(path, "float32", "triton", False, **kw)]
-        same = got == ref
-        report[f"window_fp32_{name}_identical"] = same
-        ok &= same
-        print(f"window fp32 triton {name:>17}: identical to torch = {same}", flush=True)
-    return ok
+    variants = {"graphs": {}, "graphs+chunked": {"max_num_batched_tokens": 64}}
+    return _triton_matches_torch(path, variants, "window_fp32", report)
 
 
 def _fp32_relative_gaps(path: str, seqs: list[list[int]],
