@@ -149,6 +149,25 @@ def test_echo_prepends_the_prompt(client):
     assert r.choices[0].text == PROMPT + plain.choices[0].text
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client, real_server):
+    """vLLM's truncate_prompt_tokens: the answer equals that of the kept tail alone."""
+    ids = list(range(20, 60))
+    kw = dict(model=MODEL, max_tokens=4, temperature=0)
+    cut = client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": 7}, **kw)
+    tail = client.completions.create(prompt=ids[-7:], **kw)
+    assert cut.usage.prompt_tokens == 7 and cut.choices[0].text == tail.choices[0].text
+    # -1: as much as fits; a 300-token prompt would not fit max_model_len=256 otherwise
+    long = client.completions.create(prompt=list(range(10, 310)), max_tokens=1,
+                                     extra_body={"truncate_prompt_tokens": -1}, model=MODEL)
+    assert long.usage.prompt_tokens == 255
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2,
+                                          extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
+    r = httpx.post(real_server.base_url + "/v1/completions",
+                   json={"model": MODEL, "prompt": ids, "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_seed_makes_sampling_reproducible(client):
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=1234)
     assert client.completions.create(**kw).choices[0].text == \

@@ -49,6 +49,8 @@ class SamplingRequest(OpenAIModel):
     stream_options: StreamOptions | None = None
     priority: int = 0
     user: str | None = None
+    # vLLM's extra: keep only the last k prompt tokens (-1: the last max_model_len - 1 ones).
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     # Known OpenAI fields we do not implement: accepted only at their no-op values.
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None

@@ -21,7 +21,7 @@ from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ServingContex
                                                          check_model, clamp_logprob,
                                                          output_error, reject_unsupported,
                                                          resolve_max_tokens, respond, sse,
-                                                         top_entries)
+                                                         top_entries, truncate_prompt)
 from peregrine.outputs import CompletionOutput, PositionLogprobs
 
 
@@ -67,6 +67,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ids = render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
                       continue_final_message=req.continue_final_message,
                       template_kwargs=req.chat_template_kwargs)
+    ids = truncate_prompt(ctx, ids, req.truncate_prompt_tokens)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(ctx, len(ids), requested, None, "messages")
     params = build_sampling_params(ctx, req, max_tokens=max_tokens,

@@ -62,6 +62,19 @@ def reject_unsupported(req: SamplingRequest) -> None:
         raise bad_request("best_of is not supported (only best_of == n)", "best_of")
 
 
+def truncate_prompt(ctx: ServingContext, token_ids: list[int], keep: int | None) -> list[int]:
+    """The last `keep` tokens of a prompt (vLLM's truncate_prompt_tokens; -1 keeps as many as
+    leave room for one generated token)."""
+    if keep is None:
+        return token_ids
+    if keep == 0:
+        raise bad_request("truncate_prompt_tokens must be >= 1, or -1 for the model's limit",
+                          "truncate_prompt_tokens")
+    if keep == -1:
+        keep = ctx.max_model_len - 1
+    return token_ids[-keep:]
+
+
 def resolve_max_tokens(ctx: ServingContext, prompt_len: int, requested: int | None,
                        default: int | None, param: str) -> int:
     """The max_tokens to use; 400 when the prompt plus the request cannot fit max_model_len."""

@@ -19,7 +19,7 @@ from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ServingContex
                                                          check_model, clamp_logprob,
                                                          output_error, reject_unsupported,
                                                          resolve_max_tokens, respond, sse,
-                                                         top_entries)
+                                                         top_entries, truncate_prompt)
 from peregrine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 _DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
@@ -58,9 +58,13 @@ def _parse_prompts(ctx: ServingContext, req: CompletionRequest) -> list[_Prompt]
     for item in items:
         if isinstance(item, str):
             tok = ctx.require_tokenizer("a text prompt")
-            prompts.append(_Prompt(item, tok.encode(item)))
+            prompt = _Prompt(item, tok.encode(item))
         else:
-            prompts.append(_Prompt(None, list(item)))
+            prompt = _Prompt(None, list(item))
+        kept = truncate_prompt(ctx, prompt.token_ids, req.truncate_prompt_tokens)
+        if len(kept) < len(prompt.token_ids):
+            prompt = _Prompt(None, kept)  # NOTE: echo then shows the decoded kept tokens
+        prompts.append(prompt)
     return prompts
 
 
