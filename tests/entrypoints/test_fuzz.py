@@ -27,7 +27,7 @@ _FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens",
            "top_logprobs", "echo", "ignore_eos", "min_tokens", "priority", "presence_penalty",
            "frequency_penalty", "repetition_penalty", "stream", "stream_options", "user",
            "logit_bias", "add_generation_prompt", "response_format", "tools", "suffix",
-           "truncate_prompt_tokens"]
+           "truncate_prompt_tokens", "prompt_logprobs"]
 _PROMPTS = st.sampled_from(["hi", "", " ", "a" * 300, [1, 2, 3], [[1, 2], [3]], [], [-1],
                             [10 ** 9], ["x", "y"], [[]]])
 _MESSAGES = st.sampled_from([[{"role": "user", "content": "hi"}], [], [{"role": "user"}],

@@ -168,6 +168,36 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client, real_server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
+def test_prompt_logprobs_extra(real_server):
+    """vLLM's prompt_logprobs: one entry per prompt token (None first) holding the token's own
+    logprob and the top-k; the values agree with echo + logprobs."""
+    url = real_server.base_url
+    ids = [5, 9, 17, 33, 64, 101]
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", json=dict(body, prompt_logprobs=2)).json()
+    plp = r["choices"][0]["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for tid, entry in zip(ids[1:], plp[1:]):
+        assert str(tid) in entry and entry[str(tid)]["rank"] >= 1
+        ranks = sorted(e["rank"] for e in entry.values())
+        assert ranks[:2] == [1, 2]
+        assert all(e["logprob"] <= 0 and isinstance(e["decoded_token"], str) for e in entry.values())
+    echo = httpx.post(url + "/v1/completions", json=dict(body, echo=True, logprobs=0)).json()
+    echoed = echo["choices"][0]["logprobs"]["token_logprobs"][:len(ids)]
+    assert echoed[0] is None
+    for tid, entry, lp in zip(ids[1:], plp[1:], echoed[1:]):
+        assert abs(entry[str(tid)]["logprob"] - lp) < 1e-5
+    chat = httpx.post(url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": CHAT, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    chat_ids = httpx.post(url + "/tokenize", json={"messages": CHAT}).json()["tokens"]
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] == len(chat_ids)
+    assert chat["prompt_logprobs"][0] is None
+    # prompt_logprobs=0: only the prompt's own token at each position
+    assert [list(e) for e in chat["prompt_logprobs"][1:]] == [[str(t)] for t in chat_ids[1:]]
+    bad = httpx.post(url + "/v1/completions", json=dict(body, prompt_logprobs=1, stream=True))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_seed_makes_sampling_reproducible(client):
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=1234)
     assert client.completions.create(**kw).choices[0].text == \

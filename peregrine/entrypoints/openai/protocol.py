@@ -49,8 +49,10 @@ class SamplingRequest(OpenAIModel):
     stream_options: StreamOptions | None = None
     priority: int = 0
     user: str | None = None
-    # vLLM's extra: keep only the last k prompt tokens (-1: the last max_model_len - 1 ones).
+    # vLLM's extras: keep only the last k prompt tokens (-1: the last max_model_len - 1 ones);
+    # logprobs of the prompt's tokens (and the top-k at each position), non-streaming only.
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Known OpenAI fields we do not implement: accepted only at their no-op values.
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
@@ -124,12 +126,23 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: one entry per prompt token, None for the first; token id -> logprob.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -175,6 +188,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -21,7 +21,9 @@ from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ServingContex
                                                          check_model, clamp_logprob,
                                                          output_error, reject_unsupported,
                                                          resolve_max_tokens, respond, sse,
-                                                         top_entries, truncate_prompt)
+                                                         top_entries, truncate_prompt,
+                                                         check_prompt_logprobs,
+                                                         prompt_logprob_rows)
 from peregrine.outputs import CompletionOutput, PositionLogprobs
 
 
@@ -64,6 +66,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         raise bad_request("response_format other than text is not supported", "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    check_prompt_logprobs(req)
     ids = render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
                       continue_final_message=req.continue_final_message,
                       template_kwargs=req.chat_template_kwargs)
@@ -71,18 +74,21 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(ctx, len(ids), requested, None, "messages")
     params = build_sampling_params(ctx, req, max_tokens=max_tokens,
-                                   logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+                                   logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                   prompt_logprobs=req.prompt_logprobs)
     request_id = random_id("chatcmpl")
     stream = await add_requests(ctx, [EngineRequest(request_id, ids, params, req.priority)])
-    builder = _ChatBuilder(ctx, req, request_id, len(ids))
+    builder = _ChatBuilder(ctx, req, request_id, ids)
     return await respond(raw, stream, builder, req.stream)
 
 
 class _ChatBuilder:
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
-                 num_prompt_tokens: int) -> None:
+                 prompt_ids: list[int]) -> None:
         self.ctx, self.req, self.request_id = ctx, req, request_id
-        self.num_prompt_tokens = num_prompt_tokens
+        self.prompt_ids = prompt_ids
+        self.num_prompt_tokens = len(prompt_ids)
+        self.prompt_logprobs: list[PositionLogprobs | None] = []
         self.created = int(time.time())
         self.token_text = TokenText(ctx.tokenizer)
         n = req.n
@@ -134,6 +140,8 @@ class _ChatBuilder:
             if err is not None:
                 raise err
             self.cached_tokens = out.num_cached_tokens
+            if out.prompt_logprobs:
+                self.prompt_logprobs.extend(out.prompt_logprobs)
             for c in out.outputs:
                 self._absorb(c)
         choices = [ChatChoice(
@@ -141,8 +149,12 @@ class _ChatBuilder:
             logprobs=ChatLogprobs(content=self.logprobs[k]) if self.req.logprobs else None,
             finish_reason=self.finish[k], stop_reason=self.stop_reason[k])
             for k in range(self.req.n)]
+        plp = None
+        if self.req.prompt_logprobs is not None:
+            plp = prompt_logprob_rows(self.prompt_ids, self.prompt_logprobs,
+                                      self.req.prompt_logprobs, self.token_text)
         return ChatCompletionResponse(id=self.request_id, model=self.ctx.model_name,
-                                      choices=choices, usage=self.usage())
+                                      choices=choices, usage=self.usage(), prompt_logprobs=plp)
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
         return sse(ChatCompletionChunk(id=self.request_id, created=self.created,

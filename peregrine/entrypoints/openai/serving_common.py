@@ -15,7 +15,7 @@ from peregrine.engine.async_engine import (AsyncEngine, EngineDeadError, EngineR
                                            RequestAbortedError, RequestStream)
 from peregrine.engine.scheduler import QueueFullError
 from peregrine.entrypoints.openai.errors import OpenAIError, bad_request, error_body
-from peregrine.entrypoints.openai.protocol import SamplingRequest
+from peregrine.entrypoints.openai.protocol import PromptLogprob, SamplingRequest
 from peregrine.outputs import Logprob, PositionLogprobs, RequestOutput
 from peregrine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -237,6 +237,30 @@ class TokenText:
             text = self._tok.decode([token_id]) if self._tok is not None else f"token_id:{token_id}"
             self._cache[token_id] = text
         return text
+
+
+def check_prompt_logprobs(req: SamplingRequest) -> None:
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs is only supported without streaming", "prompt_logprobs")
+
+
+def prompt_logprob_rows(token_ids: list[int], rows: list[PositionLogprobs | None], num: int,
+                        token_text: TokenText) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or the token's own logprob
+    and the top-`num` at that position, keyed by token id."""
+    rows = (list(rows) + [None] * len(token_ids))[:len(token_ids)]
+    out: list[dict[str, PromptLogprob] | None] = []
+    for tid, pos in zip(token_ids, rows):
+        if pos is None:
+            out.append(None)
+            continue
+        keep = dict(top_entries(pos, num))
+        if tid in pos:
+            keep[tid] = pos[tid]
+        out.append({str(t): PromptLogprob(logprob=clamp_logprob(lp.logprob), rank=lp.rank,
+                                          decoded_token=token_text(t, lp))
+                    for t, lp in keep.items()})
+    return out
 
 
 def top_entries(pos: PositionLogprobs, num: int) -> list[tuple[int, Logprob]]:

@@ -19,7 +19,9 @@ from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ServingContex
                                                          check_model, clamp_logprob,
                                                          output_error, reject_unsupported,
                                                          resolve_max_tokens, respond, sse,
-                                                         top_entries, truncate_prompt)
+                                                         top_entries, truncate_prompt,
+                                                         check_prompt_logprobs,
+                                                         prompt_logprob_rows)
 from peregrine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 _DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
@@ -77,15 +79,17 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
         raise bad_request("suffix is not supported", "suffix")
     if req.echo and req.logprobs is not None and req.stream:
         raise bad_request("echo with logprobs is only supported without streaming", "echo")
+    check_prompt_logprobs(req)
     prompts = _parse_prompts(ctx, req)
     request_id = random_id("cmpl")
     engine_reqs = []
     for i, prompt in enumerate(prompts):
         max_tokens = resolve_max_tokens(ctx, len(prompt.token_ids), req.max_tokens,
                                         _DEFAULT_MAX_TOKENS, "prompt")
-        params = build_sampling_params(
-            ctx, req, max_tokens=max_tokens, logprobs=req.logprobs,
-            prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
+        wanted = [k for k in (req.prompt_logprobs,
+                              req.logprobs if req.echo else None) if k is not None]
+        params = build_sampling_params(ctx, req, max_tokens=max_tokens, logprobs=req.logprobs,
+                                       prompt_logprobs=max(wanted) if wanted else None)
         engine_reqs.append(EngineRequest(f"{request_id}-{i}", prompt.token_ids, params,
                                          req.priority))
     stream = await add_requests(ctx, engine_reqs)
@@ -183,8 +187,13 @@ class _Builder:
             self._absorb(out)
         if self.req.echo and self.req.logprobs is not None:
             self._prepend_prompt_logprobs()
+        plp = None
+        if self.req.prompt_logprobs is not None:
+            plp = [prompt_logprob_rows(p.token_ids, rows, self.req.prompt_logprobs, self.token_text)
+                   for p, rows in zip(self.prompts, self.prompt_logprobs)]
         choices = [CompletionChoice(index=k, text="".join(ch.text), logprobs=ch.logprobs,
-                                    finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)
+                                    finish_reason=ch.finish_reason, stop_reason=ch.stop_reason,
+                                    prompt_logprobs=plp[k // self.req.n] if plp else None)
                    for k, ch in enumerate(self.choices)]
         return CompletionResponse(id=self.request_id, model=self.ctx.model_name, choices=choices,
                                   usage=self.usage())
