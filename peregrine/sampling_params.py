@@ -39,6 +39,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # token id -> added to that token's logit before sampling, in [-100, 100] (as in OpenAI's API)
+    logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled from generation_config.json for fields the user did not set; see `with_defaults`.
     _user_set: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
@@ -97,6 +99,15 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", f"must map token ids to numbers, got {self.logit_bias!r}")
+            for tok, value in self.logit_bias.items():
+                if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                    raise bad("logit_bias", f"keys must be token ids >= 0, got {tok!r}")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                        not -100.0 <= value <= 100.0:
+                    raise bad("logit_bias", f"values must be numbers in [-100, 100], got {value!r}")
 
     @property
     def is_greedy(self) -> bool:

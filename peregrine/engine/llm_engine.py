@@ -127,6 +127,10 @@ class LLMEngine:
         if int(arr.min()) < 0 or int(arr.max()) >= vocab:
             bad = int(arr[(arr < 0) | (arr >= vocab)][0])
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        out_of_vocab = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if out_of_vocab:
+            raise ValueError(f"logit_bias token id {out_of_vocab[0]} is outside the vocabulary "
+                             f"[0, {vocab})")
         if len(ids) >= limit:
             raise ValueError(f"the prompt has {len(ids)} tokens, which leaves no room to generate "
                              f"within max_model_len={limit}")

@@ -39,6 +39,10 @@ class SamplingMetadata:
     # min_tokens: (row, token) pairs whose logit is set to -inf this step. None when nothing is banned.
     banned_rows: torch.Tensor | None = None  # (N,) int64
     banned_tokens: torch.Tensor | None = None  # (N,) int64
+    # logit_bias: (row, token, bias) triples added to the logits. None when no row has a bias.
+    bias_rows: torch.Tensor | None = None  # (M,) int64
+    bias_tokens: torch.Tensor | None = None  # (M,) int64
+    bias_values: torch.Tensor | None = None  # (M,) float32
     # Host-side flags: read by the sampler without touching the device.
     all_greedy: bool = False
     any_top_k: bool = False
@@ -50,6 +54,7 @@ class SamplingMetadata:
     any_repetition_penalty: bool = False
     any_presence_frequency: bool = False
     any_min_tokens: bool = False
+    any_logit_bias: bool = False
     max_num_logprobs: int | None = None  # K: largest `logprobs` in the batch; None: nobody asked
 
     @property
@@ -104,6 +109,7 @@ def _build_penalty_counts(requests: list[Request], rows: list[int], vocab_size: 
 _PARAMS = attrgetter("sampling_params")
 _OUTPUT_IDS = attrgetter("output_token_ids")
 _SEED = attrgetter("seed")
+_BIAS = attrgetter("logit_bias")
 _ROW = attrgetter("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "min_tokens", "logprobs")
 _TEMP, _TOP_K, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION, _MIN_TOKENS, _LOGPROBS = range(9)
@@ -215,6 +221,19 @@ def build_sampling_metadata(requests: list[Request], vocab_size: int, device: to
         penalty_rows = [i for i, r in enumerate(rows) if _has_penalty(r)]
         meta.prompt_token_mask, meta.output_token_counts = _build_penalty_counts(
             requests, penalty_rows, vocab_size, device)
+    biases = list(map(_BIAS, map(_PARAMS, requests)))
+    if any(biases):
+        b_rows, b_tokens, b_values = [], [], []
+        for row, bias in enumerate(biases):
+            for tok, value in (bias or {}).items():
+                if 0 <= tok < vocab_size:
+                    b_rows.append(row)
+                    b_tokens.append(tok)
+                    b_values.append(float(value))
+        if b_rows:
+            meta.any_logit_bias = True
+            meta.bias_rows, meta.bias_tokens = _to_device([b_rows, b_tokens], torch.int64, device)
+            meta.bias_values = _to_device(b_values, torch.float32, device)
     if max(r[_MIN_TOKENS] for r in distinct) > 0:
         banned_rows, banned_tokens = _banned_pairs(
             requests, [i for i, (r, n) in enumerate(zip(rows, steps)) if n < r[_MIN_TOKENS]], vocab_size)

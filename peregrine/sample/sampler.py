@@ -1,6 +1,6 @@
 """Batched sampler on the logits' device: penalties, temperature, top-k/top-p/min-p, seeded draws.
 
-Stage order: min_tokens -> repetition penalty -> presence/frequency penalties -> (greedy rows: argmax) ->
+Stage order: logit_bias -> min_tokens -> repetition penalty -> presence/frequency penalties -> (greedy rows: argmax) ->
 temperature -> top-k -> top-p -> min-p -> draw. No host<->device syncs and no loops over rows.
 
 Filtering keeps, per row, every token whose tempered logit is >= one threshold (the largest of the top-k,
@@ -122,10 +122,13 @@ class Sampler:
 
     @staticmethod
     def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """min_tokens bans, then repetition, presence and frequency penalties; returns a new tensor if any."""
-        if not (meta.any_min_tokens or meta.any_penalties):
+        """logit_bias, min_tokens bans, then repetition, presence and frequency penalties; returns
+        a new tensor if any."""
+        if not (meta.any_min_tokens or meta.any_penalties or meta.any_logit_bias):
             return logits
         x = logits.clone()  # (B, V)
+        if meta.any_logit_bias:
+            x.index_put_((meta.bias_rows, meta.bias_tokens), meta.bias_values, accumulate=True)
         if meta.any_min_tokens:
             x.index_put_((meta.banned_rows, meta.banned_tokens), x.new_full((), _NEG_INF))
         if not meta.any_penalties:
@@ -199,7 +202,7 @@ class Sampler:
         from peregrine.kernels.sampling import gumbel_argmax
 
         x = logits  # (B, V), any float dtype: the kernel upcasts as it loads
-        if meta.any_min_tokens or meta.any_penalties:
+        if meta.any_min_tokens or meta.any_penalties or meta.any_logit_bias:
             x = self.apply_penalties(logits.float(), meta)  # (B, V) float32
         if meta.all_greedy:
             return x.argmax(dim=-1)

@@ -198,6 +198,15 @@ def test_prompt_logprobs_extra(real_server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
 
 
+def test_logit_bias_steers_the_tokens(client, real_server):
+    kw = dict(model=MODEL, prompt=[5, 6, 7], max_tokens=5, temperature=0.8, seed=3)
+    text42 = httpx.post(real_server.base_url + "/detokenize", json={"tokens": [42]}).json()["prompt"]
+    ids = client.completions.create(logit_bias={"42": 100}, logprobs=1, **kw).choices[0]
+    assert ids.logprobs.tokens == [text42] * 5
+    plain = client.completions.create(logprobs=1, **kw).choices[0]
+    assert plain.logprobs.tokens != ids.logprobs.tokens
+
+
 def test_seed_makes_sampling_reproducible(client):
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=1234)
     assert client.completions.create(**kw).choices[0].text == \

@@ -89,3 +89,46 @@ def test_out_of_range_token_ids_are_ignored_by_penalties_and_bans():
     req = make_request(prompt=[0, 99], output=[77], repetition_penalty=2.0, min_tokens=1, eos=(123,))
     out = _penalised([req])
     assert torch.equal(out, torch.tensor([[1.0, -2.0, 1.0, -1.0, 0.5, 3.0]]))
+
+
+def test_logit_bias_adds_exactly_its_values_to_its_row():
+    logits = _LOGITS.repeat(2, 1)
+    reqs = [make_request(logit_bias={1: 5.0, 5: -3.0}), make_request(seed=1)]
+    out = _penalised(reqs, logits)
+    expected = _LOGITS[0].clone()
+    expected[1] += 5.0
+    expected[5] -= 3.0
+    assert torch.equal(out[0], expected)
+    assert torch.equal(out[1], _LOGITS[0])
+
+
+def test_logit_bias_decides_greedy_and_random_draws_and_min_tokens_still_bans():
+    # +100 makes token 1 win every draw; -100 on the argmax (token 5) moves greedy to token 0.
+    for temperature in (0.0, 1.0):
+        for seed in range(5):
+            req = make_request(seed=seed, logit_bias={1: 100.0}, temperature=temperature)
+            assert sample(_LOGITS, [req]).sampled_token_ids.item() == 1
+    req = make_request(logit_bias={5: -100.0}, temperature=0.0)
+    assert sample(_LOGITS, [req]).sampled_token_ids.item() == 0
+    # min_tokens bans the stop token even with a bias towards it.
+    req = make_request(logit_bias={1: 100.0}, temperature=0.0, min_tokens=3, stop_token_ids=[1])
+    assert sample(_LOGITS, [req]).sampled_token_ids.item() == 5
+
+
+def test_logit_bias_is_validated():
+    import pytest
+
+    from peregrine.sampling_params import SamplingParams
+    for bad in ({-1: 1.0}, {"3": 1.0}, {3: 100.5}, {3: float("nan")}, [3]):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+
+
+def test_fused_kernel_applies_the_logit_bias_like_the_torch_path():
+    from sample_helpers import rng
+    logits = torch.randn(4, 64, generator=rng())
+    reqs = [make_request(seed=s, logit_bias={7: 4.0, 9: -2.5, 60: 1.5}, temperature=t)
+            for s, t in ((0, 0.0), (1, 0.7), (2, 1.0), (3, 1.3))]
+    got = sample(logits, reqs, Sampler(use_kernel=True)).sampled_token_ids
+    want = sample(logits, reqs, Sampler(use_kernel=False)).sampled_token_ids
+    assert torch.equal(got, want)

@@ -53,8 +53,8 @@ class SamplingRequest(OpenAIModel):
     # logprobs of the prompt's tokens (and the top-k at each position), non-streaming only.
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # Known OpenAI fields we do not implement: accepted only at their no-op values.
-    logit_bias: dict[str, float] | None = None
     best_of: int | None = None
 
 

@@ -56,8 +56,6 @@ def check_model(ctx: ServingContext, model: str | None) -> None:
 
 
 def reject_unsupported(req: SamplingRequest) -> None:
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (only best_of == n)", "best_of")
 
@@ -96,6 +94,26 @@ def resolve_max_tokens(ctx: ServingContext, prompt_len: int, requested: int | No
     return requested
 
 
+def _logit_bias(ctx: ServingContext, bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token id strings -> bias in [-100, 100]) as token id -> bias."""
+    if not bias:
+        return None
+    vocab = ctx.engine.config.model.vocab_size
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if not 0 <= tok < vocab:
+            raise bad_request(f"logit_bias token id {tok} is outside the vocabulary [0, {vocab})",
+                              "logit_bias")
+        if not -100.0 <= value <= 100.0:  # NOTE: also refuses NaN
+            raise bad_request(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
+        out[tok] = float(value)
+    return out
+
+
 def build_sampling_params(ctx: ServingContext, req: SamplingRequest, *, max_tokens: int,
                           logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from the request; generation_config.json fills what the user left unset."""
@@ -104,7 +122,8 @@ def build_sampling_params(ctx: ServingContext, req: SamplingRequest, *, max_toke
         stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, max_tokens=max_tokens, logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs, output_kind=RequestOutputKind.DELTA)
+        prompt_logprobs=prompt_logprobs, output_kind=RequestOutputKind.DELTA,
+        logit_bias=_logit_bias(ctx, req.logit_bias))
     user_set = set()
     for name in _GEN_DEFAULT_FIELDS:
         value = getattr(req, name)
