@@ -47,6 +47,20 @@ def test_stream_include_usage_sends_a_final_usage_chunk(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_stats_put_usage_in_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats: the running usage rides on every chunk."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
+                                            temperature=0, stream=True, stream_options=opts))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 4 and len(chunks) >= 5
+    assert all(c.usage.prompt_tokens == chunks[0].usage.prompt_tokens > 0 for c in chunks)
+    chat = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3,
+                                               stream=True, stream_options=opts))
+    assert all(c.usage is not None for c in chat) and chat[-1].usage.completion_tokens == 3
+    assert chat[0].usage.completion_tokens == 0  # the role chunk comes before any token
+
+
 def test_chat_completion_uses_the_chat_template(client, real_server):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0)
     templated = httpx.post(real_server.base_url + "/tokenize", json={"messages": CHAT}).json()

@@ -23,6 +23,11 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's extra: usage in every chunk (with include_usage)
+
+    @property
+    def usage_every_chunk(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class SamplingRequest(OpenAIModel):

@@ -162,11 +162,13 @@ class _ChatBuilder:
                                        usage=usage).model_dump_json())
 
     async def stream(self, stream: RequestStream) -> AsyncIterator[str]:
-        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        opts = self.req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        every_chunk = bool(opts and opts.usage_every_chunk)
         # NOTE: like OpenAI, the first chunk of every choice carries only the role.
         yield self._chunk([ChatStreamChoice(index=k, delta=DeltaMessage(role="assistant",
                                                                         content=""))
-                           for k in range(self.req.n)])
+                           for k in range(self.req.n)], self.usage() if every_chunk else None)
         async for out in stream:
             err = output_error(out)
             if err is not None:
@@ -182,7 +184,7 @@ class _ChatBuilder:
                     logprobs=ChatLogprobs(content=rows) if rows is not None else None,
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason))
             if choices:
-                yield self._chunk(choices)
+                yield self._chunk(choices, self.usage() if every_chunk else None)
         if include_usage:
             yield self._chunk([], self.usage())
         yield SSE_DONE

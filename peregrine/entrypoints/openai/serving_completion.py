@@ -218,7 +218,9 @@ class _Builder:
             ch.text.insert(0, self._prompt_text(i))
 
     async def stream(self, stream: RequestStream) -> AsyncIterator[str]:
-        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        opts = self.req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        every_chunk = bool(opts and opts.usage_every_chunk)
         async for out in stream:
             err = output_error(out)
             if err is not None:
@@ -241,8 +243,9 @@ class _Builder:
                                                 stop_reason=c.stop_reason))
             if choices:
                 yield sse(CompletionChunk(id=self.request_id, created=self.created,
-                                          model=self.ctx.model_name,
-                                          choices=choices).model_dump_json())
+                                          model=self.ctx.model_name, choices=choices,
+                                          usage=self.usage() if every_chunk else None
+                                          ).model_dump_json())
         if include_usage:
             yield sse(CompletionChunk(id=self.request_id, created=self.created,
                                       model=self.ctx.model_name, choices=[],
