@@ -68,3 +68,18 @@ def check_q_and_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         raise ValueError(f"num_q_heads {num_q_heads} is not a multiple of num_kv_heads "
                          f"{num_kv_heads}")
     return block_size, num_kv_heads
+
+
+def check_window_and_out(fn: str, q: torch.Tensor, out: torch.Tensor | None,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         window: int | None) -> torch.Tensor:
+    """The attention kernels' shared launch checks (sliding window, last-dim contiguity); returns
+    `out`, allocated like q when None."""
+    if window is not None and window < 1:
+        raise ValueError(f"{fn}: window must be >= 1, got {window}")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    for name, x in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{fn}: {name} must be contiguous in its last dim")
+    return out

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import (check_block_size, check_q_and_caches, dot_dtype, dot_precision, is_gpu,
-                                      next_pow2, num_sms)
+from peregrine.kernels._utils import (check_block_size, check_q_and_caches, check_window_and_out,
+                                      dot_dtype, dot_precision, is_gpu, next_pow2, num_sms)
 
 _MIN_SPLIT_LEN = 256  # tokens; shorter splits cost more in the merge than they win in parallelism
 _MAX_SPLITS = 64
@@ -154,13 +154,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"block_table {tuple(block_table.shape)} / seq_lens "
                          f"{tuple(seq_lens.shape)} do not match batch {batch}")
     check_block_size(block_size)
-    if window is not None and window < 1:
-        raise ValueError(f"paged_decode_attention: window must be >= 1, got {window}")
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (B, Hq, D)
-    for name, x in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.stride(-1) != 1:
-            raise ValueError(f"paged_decode_attention: {name} must be contiguous in its last dim")
+    out = check_window_and_out("paged_decode_attention", q, out, k_cache, v_cache, window)  # (B, Hq, D)
     if batch == 0:
         return out
     on_gpu = is_gpu(q)

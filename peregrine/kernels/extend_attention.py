@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import (check_block_size, check_q_and_caches, dot_dtype, dot_precision, is_gpu,
-                                      next_pow2)
+from peregrine.kernels._utils import (check_block_size, check_q_and_caches, check_window_and_out,
+                                      dot_dtype, dot_precision, is_gpu, next_pow2)
 
 
 @triton.jit
@@ -156,13 +156,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"query_start_loc {tuple(query_start_loc.shape)} / block_table "
                          f"{tuple(block_table.shape)} do not match {total_seqs} sequences")
     check_block_size(block_size)
-    if window is not None and window < 1:
-        raise ValueError(f"extend_attention: window must be >= 1, got {window}")
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
-    for name, x in (("q", q), ("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.stride(-1) != 1:
-            raise ValueError(f"extend_attention: {name} must be contiguous in its last dim")
+    out = check_window_and_out("extend_attention", q, out, k_cache, v_cache, window)  # (T, Hq, D)
     if num_seqs == 0 or max_query_len <= 0 or num_tokens == 0:
         return out
     dflt_m, dflt_n, dflt_warps = _default_blocks(head_dim, q.dtype, is_gpu(q))
