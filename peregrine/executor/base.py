@@ -1,0 +1,42 @@
+"""The engine's view of the workers: send a SchedulerOutput, get a ModelRunnerOutput back."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Protocol
+
+from peregrine.config import EngineConfig
+from peregrine.messages import ModelRunnerOutput, SchedulerOutput
+
+
+class StepFuture(Protocol):
+    """A launched step; `result()` waits for it (the step's one device->host sync)."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+class Executor(ABC):
+    """Owns tensor_parallel_size x pipeline_parallel_size workers.
+
+    After construction every worker has loaded its shard of the model, the KV cache is allocated
+    with `num_blocks` blocks (the minimum any worker can hold) and CUDA graphs are captured.
+    """
+
+    num_blocks: int
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @property
+    def world_size(self) -> int:
+        return self.config.tensor_parallel_size
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> StepFuture:
+        """Queue one step on every worker; return without waiting for the device."""
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raise if a worker can no longer serve (kept cheap: /health calls it)."""
+
+    def shutdown(self) -> None:
+        """Release the workers (processes, device memory); safe to call twice."""

@@ -1,0 +1,74 @@
+"""What crosses the scheduler -> executor -> worker boundary: plain, picklable data, no live objects.
+
+A request's full data travels once (`NewRequestData`); after that each step carries only deltas
+(`CachedRequestData`). A worker keeps its own copy of every request's state and appends the tokens it
+samples itself, so nothing per token flows back into it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from peregrine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have not seen (or forgot after it was preempted)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int  # keys the sampler's random stream
+    eos_token_ids: tuple[int, ...]  # banned until min_tokens (unless ignore_eos)
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hit (or shared fork prefix) already in the KV cache
+    # Tokens generated before a preemption; the recompute feeds them as input again.
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CachedRequestData:
+    """Per-step deltas of requests the workers already hold, one entry per column."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)  # blocks appended since last step
+    num_computed_tokens: list[int] = field(default_factory=list)  # before this step's tokens
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: who runs, how many tokens each, what to forget."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # Request id -> tokens to compute this step, in batch order (new requests after cached ones).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    preempted_req_ids: list[str]  # their KV blocks are gone: workers drop them until resumed
+    finished_req_ids: list[str]  # finished since the last step: workers free their state
+
+
+@dataclass
+class TokenLogprobs:
+    """Top-N logprobs of consecutive positions: ids[i][0] is the chosen token, ids[i][1:] the top-N."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """A step's results; a request may get several tokens in one step (speculative decoding)."""
+
+    req_ids: list[str]  # the step's scheduled requests, in SchedulerOutput.num_scheduled_tokens order
+    sampled_token_ids: list[list[int]]  # parallel to req_ids; [] for a chunk that samples nothing
+    logprobs: dict[str, TokenLogprobs]  # request id -> logprobs of this step's sampled tokens
+    prompt_logprobs: dict[str, TokenLogprobs]  # request id -> logprobs of this chunk's prompt tokens
+
+
+EMPTY_RUNNER_OUTPUT = ModelRunnerOutput([], [], {}, {})
