@@ -8,6 +8,9 @@ from typing import Any
 
 
 MAX_LOGPROBS = 20  # top-N logprobs per position, as in OpenAI's API
+# NOTE: stop strings are matched on every decode step; these bound that work and the hold-back.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
 
 
 class RequestOutputKind(enum.Enum):
@@ -93,8 +96,16 @@ class SamplingParams:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise bad("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        if any(not isinstance(s, str) for s in self.stop):
+            raise bad("stop", "must be a string or a list of strings")
         if any(not s for s in self.stop):
             raise bad("stop", "must not contain empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise bad("stop", f"strings must be at most {MAX_STOP_STRING_CHARS} characters, got one of "
+                      f"{longest}")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):

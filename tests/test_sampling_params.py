@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from peregrine.sampling_params import SamplingParams
+from peregrine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 _BAD = [
     ("n", 0), ("n", 1.5),
@@ -18,7 +18,9 @@ _BAD = [
     ("min_tokens", -1),
     ("logprobs", -1),
     ("prompt_logprobs", -2),
-    ("stop", ["ok", ""]), ("stop", ""),
+    ("stop", ["ok", ""]), ("stop", ""), ("stop", ["ok", 5]),
+    ("stop", [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]),
+    ("stop", ["x" * (MAX_STOP_STRING_CHARS + 1)]),
     ("stop_token_ids", [1, -1]), ("stop_token_ids", ["2"]),
     ("seed", 1.5), ("seed", "7"),
 ]
@@ -70,3 +72,8 @@ def test_generation_do_sample_false_means_greedy_unless_user_set_temperature():
     assert SamplingParams().with_generation_defaults({"do_sample": False}, set()).is_greedy
     kept = SamplingParams(temperature=0.8).with_generation_defaults({"do_sample": False}, {"temperature"})
     assert kept.temperature == 0.8
+
+
+def test_stop_strings_at_the_limits_are_accepted():
+    stop = ["x" * MAX_STOP_STRING_CHARS] + [f"s{i}" for i in range(MAX_STOP_STRINGS - 1)]
+    assert len(SamplingParams(stop=stop).stop) == MAX_STOP_STRINGS

@@ -1,6 +1,7 @@
 """Incremental detokenization of one sequence: text deltas without U+FFFD, and stop strings."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from peregrine.sampling_params import SamplingParams
@@ -33,7 +34,7 @@ class IncrementalDetokenizer:
         self._decode = _decoder(tokenizer, params.skip_special_tokens)
         self.stop: list[str] = list(params.stop or [])
         self.include_stop_str_in_output = params.include_stop_str_in_output
-        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self._stops = StopStringMatcher(self.stop) if self.stop else None
         self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix = 0  # index into _ids: start of the decode window
         self._read = len(self._ids)  # index into _ids: first token not yet rendered into output_text
@@ -51,9 +52,12 @@ class IncrementalDetokenizer:
         if self.stop_reason is not None:
             return None
         start = len(self.output_text)
-        pieces = [self._render(tok) for tok in new_token_ids]
-        self.output_text += "".join(pieces)
-        return self._find_stop(start) if self.stop else None
+        new_text = "".join([self._render(tok) for tok in new_token_ids])
+        self.output_text += new_text
+        if self._stops is None or not new_text:
+            return None
+        match = self._stops.feed(new_text, start)
+        return self._cut_at(*match) if match is not None else None
 
     def get_delta_text(self, final: bool = False) -> str:
         """Text added since the last call; holds back a possible stop-string prefix unless `final`."""
@@ -85,19 +89,10 @@ class IncrementalDetokenizer:
         self._prefix_text = None
         return delta
 
-    def _find_stop(self, start: int) -> str | None:
-        """Look for the earliest stop string that ends after `start`; truncate the text at it."""
-        text = self.output_text
-        search_from = max(0, start - self._max_stop_len + 1)
-        best: tuple[int, str] | None = None
-        for s in self.stop:
-            i = text.find(s, search_from)
-            if i != -1 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
-            return None
-        i, s = best
-        self.output_text = text[:i + len(s)] if self.include_stop_str_in_output else text[:i]
+    def _cut_at(self, i: int, s: str) -> str:
+        """Truncate the text at the stop string `s` found at index `i`; return `s`."""
+        end = i + len(s) if self.include_stop_str_in_output else i
+        self.output_text = self.output_text[:end]
         # NOTE: never needed when deltas went through the hold-back, but keeps slicing safe if not.
         self._num_sent = min(self._num_sent, len(self.output_text))
         self.stop_reason = s
@@ -105,14 +100,82 @@ class IncrementalDetokenizer:
 
     def _stable_length(self) -> int:
         """Length of output_text minus its longest suffix that is a proper prefix of a stop string."""
-        text = self.output_text
-        held = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(text)), held, -1):
-                if text.endswith(s[:n]):
-                    held = n
-                    break
-        return len(text) - held
+        held = self._stops.held if self._stops is not None else 0
+        return len(self.output_text) - held
+
+
+@functools.lru_cache(maxsize=256)
+def _borders(s: str) -> tuple[int, ...]:
+    """KMP table: entry i is the length of the longest proper prefix of s[:i + 1] that is also its suffix."""
+    table = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = table[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        table[i] = k
+    return tuple(table)
+
+
+class StopStringMatcher:
+    """Finds stop strings in text that arrives piece by piece, in time linear in each piece.
+
+    Per stop string it keeps one KMP state: the length of the longest suffix of the text so far that is
+    a prefix of that stop string. A new piece only advances these states, so the text before it is never
+    scanned again, and the longest state is exactly the tail that streaming must hold back.
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = list(stops)
+        self._tables = [_borders(s) for s in self.stops]
+        self._states = [0] * len(self.stops)
+        self.chars_scanned = 0  # characters examined, KMP fall-backs included (for tests and stats)
+
+    @property
+    def held(self) -> int:
+        """Length of the text's longest suffix that is a proper prefix of a stop string."""
+        return max(self._states, default=0)
+
+    def feed(self, piece: str, offset: int) -> tuple[int, str] | None:
+        """Scan `piece`, which starts at `offset` of the whole text; return (start, stop string) of the
+        earliest-starting match that ends inside it (ties: the first in the list), or None."""
+        best: tuple[int, str] | None = None
+        for j, s in enumerate(self.stops):
+            state, end, work = _advance(s, self._tables[j], self._states[j], piece)
+            self._states[j] = state
+            self.chars_scanned += work
+            if end != -1:
+                start = offset + end - len(s)
+                if best is None or start < best[0]:
+                    best = (start, s)
+        return best
+
+
+def _advance(s: str, table: tuple[int, ...], state: int, piece: str) -> tuple[int, int, int]:
+    """Run one stop string's KMP state over `piece`: (new state, index just past the first full match or
+    -1, characters examined)."""
+    n, i, size, work = len(s), 0, len(piece), 0
+    while i < size:
+        if state == 0:
+            # NOTE: outside a partial match, jump to the next possible start (str.find runs in C).
+            j = piece.find(s[0], i)
+            work += (size if j == -1 else j + 1) - i
+            if j == -1:
+                return 0, -1, work
+            state, i = 1, j + 1
+        else:
+            ch = piece[i]
+            work += 1
+            while state and ch != s[state]:
+                state = table[state - 1]
+                work += 1
+            if ch == s[state]:
+                state += 1
+            i += 1
+        if state == n:
+            return state, i, work
+    return state, -1, work
 
 
 def decode_logprob_tokens(tokenizer: Any, token_ids: list[int]) -> list[str]:

@@ -5,7 +5,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from peregrine.engine.detokenizer import IncrementalDetokenizer, decode_logprob_tokens
+from peregrine.engine.detokenizer import (IncrementalDetokenizer, StopStringMatcher,
+                                          decode_logprob_tokens)
 from peregrine.sampling_params import SamplingParams
 
 _TRAIN = ["the quick brown fox jumps over the lazy dog", "hello world, hello there",
@@ -152,6 +153,34 @@ def test_prompt_is_not_part_of_the_output(tokenizer):
     d = _detok(tokenizer, prompt="héllo wörld 日本語 🙂")
     d.update(_ids(tokenizer, " and"))
     assert d.output_text == " and"
+
+
+def test_stop_scan_work_per_update_does_not_grow_with_the_output(tokenizer):
+    # NOTE: long stop strings that keep almost matching: the case that once re-scanned the whole tail.
+    stops = ["ab" * 500 + f"x{i}" for i in range(8)] + ["b" * 900 + "y"]
+    d = _detok(tokenizer, stop=stops)
+    piece = _ids(tokenizer, "ab")
+    work = []
+    for _ in range(3000):
+        before = d._stops.chars_scanned
+        assert d.update(piece) is None
+        work.append(d._stops.chars_scanned - before)
+    assert len(d.output_text) == 6000
+    # Flat once the partial matches are long (after 1,000 characters), not growing with the text.
+    assert sum(work[-500:]) == sum(work[1000:1500])
+    assert max(work) <= 2 * 2 * len(stops)  # two characters, at most two steps each per stop string
+    assert d.get_delta_text() == d.output_text[:len(d.output_text) - 1000]  # held: "ab" * 500
+
+
+def test_stop_matcher_finds_the_earliest_match_across_pieces():
+    m = StopStringMatcher(["abcd", "bc", "zz"])
+    assert m.feed("xab", 0) is None and m.held == 2
+    assert m.feed("c", 3) == (2, "bc")  # "bc" completes first; "abcd" is not complete yet
+    m = StopStringMatcher(["bc", "abcd"])
+    assert m.feed("xabcd", 0) == (1, "abcd")  # both end in this piece: the earlier start wins
+    m = StopStringMatcher(["aab"])
+    assert m.feed("aaaa", 0) is None and m.held == 2
+    assert m.feed("ab", 4) == (3, "aab")
 
 
 def test_decode_logprob_tokens_decodes_each_token(tokenizer):
