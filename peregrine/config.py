@@ -46,6 +46,8 @@ class EngineArgs:
     # but attention); 0 runs them eagerly. Decode-only steps always use full graphs.
     max_prefill_graph_tokens: int = 2048
     async_scheduling: bool | None = None  # None: on with CUDA (overlaps host and device work)
+    # The scheduler and the model in a process of their own (None: on for the server on CUDA).
+    engine_core_process: bool | None = None
     attention_backend: str | None = None  # torch | triton; None -> env or device default
     device: str = "auto"
     tensor_parallel_size: int = 1
@@ -81,6 +83,8 @@ ENGINE_ARGS_HELP: dict[str, str] = {
     "max_prefill_graph_tokens": "mixed and prefill steps up to this many tokens replay "
                                 "piecewise CUDA graphs (0: run them eagerly)",
     "async_scheduling": "launch step N+1 while step N runs (default: on with CUDA)",
+    "engine_core_process": "run the scheduler and the model in their own process, apart from "
+                           "the API server (default: on for the server with CUDA)",
     "attention_backend": "torch (reference) or triton (default on CUDA; also "
                          "$PEREGRINE_ATTENTION_BACKEND)",
     "device": "auto, cpu or cuda[:N]",
@@ -200,6 +204,7 @@ class EngineConfig:
     tensor_parallel_size: int
     async_scheduling: bool | None = None
     max_prefill_graph_tokens: int = 0
+    engine_core_process: bool = False
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
@@ -245,7 +250,8 @@ class EngineConfig:
                                 args.max_queue_len)
         return cls(model, cache, sched, device, backend, args.enforce_eager,
                    args.tensor_parallel_size, args.async_scheduling,
-                   min(args.max_prefill_graph_tokens, max_batched))
+                   min(args.max_prefill_graph_tokens, max_batched),
+                   bool(args.engine_core_process))
 
 
 def resolve_device(device: str) -> str:

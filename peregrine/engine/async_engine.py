@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from peregrine.engine.core_client import EngineCoreDeadError
 from peregrine.engine.stats import EngineStats
 from peregrine.outputs import RequestOutput
 from peregrine.sampling_params import SamplingParams
@@ -139,8 +140,17 @@ class AsyncEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncEngine:
-        """Build the LLMEngine from EngineArgs and wrap it."""
+        """Build the LLMEngine from EngineArgs and wrap it.
+
+        With CUDA the engine core gets its own process unless `engine_core_process` says no.
+        """
+        import dataclasses
+
+        from peregrine.config import resolve_device
         from peregrine.engine.llm_engine import LLMEngine
+        if args.engine_core_process is None:
+            on_cuda = resolve_device(args.device).startswith("cuda")
+            args = dataclasses.replace(args, engine_core_process=on_cuda)
         return cls(LLMEngine.from_engine_args(args), **kwargs)
 
     # ----------------------------------------------------------------- lifecycle (event loop)
@@ -253,6 +263,8 @@ class AsyncEngine:
                 prev = self._stats
                 try:
                     outputs = self.engine.step()
+                except EngineCoreDeadError:
+                    raise
                 except Exception as e:  # noqa: BLE001 - one bad step must not kill the server
                     failures += 1
                     logger.exception("engine step failed (%d in a row)", failures)
@@ -276,6 +288,9 @@ class AsyncEngine:
             return
         self._fail_all(RequestAbortedError("server is shutting down"))
         self._reject_inbox(EngineDeadError("engine is shut down"))
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def _drain_inbox(self) -> None:
         while self._inbox:

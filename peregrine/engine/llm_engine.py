@@ -1,23 +1,23 @@
-"""LLMEngine: add_request / step / abort over the scheduler and the model runner."""
+"""LLMEngine: the front end over an engine core (tokenize, validate, detokenize, stop strings)."""
 from __future__ import annotations
 
 import logging
 import random
-from collections import defaultdict
 import time
+from collections import defaultdict
 from collections.abc import Iterable
 
 import numpy as np
 
 from peregrine.config import EngineArgs, EngineConfig
+from peregrine.engine.core import EngineCoreOutputs, EngineCoreRequest
+from peregrine.engine.core_client import CoreClient, make_core_client
 from peregrine.engine.detokenizer import IncrementalDetokenizer
 from peregrine.engine.output_processor import RequestGroup, SequenceState, to_position_logprobs
 from peregrine.engine.request import Request, RequestStatus
-from peregrine.engine.scheduler import Scheduler, SchedulerOutput
 from peregrine.engine.stats import EngineStats
 from peregrine.outputs import RequestOutput
 from peregrine.sampling_params import SamplingParams
-from peregrine.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger("peregrine")
 
@@ -32,33 +32,30 @@ def load_tokenizer(path: str):
                          "skip_tokenizer_init=True to use token ids only") from e
 
 
-def _needs_exact_host_state(params: SamplingParams) -> bool:
-    """Penalties and min_tokens are built from the host's token lists, which lag in async mode."""
-    return bool(params.presence_penalty or params.frequency_penalty or
-                params.repetition_penalty != 1.0 or params.min_tokens)
+class QueueFullError(ValueError):
+    """Raised by add_request when max_queue_len requests are already waiting to start."""
 
 
 class LLMEngine:
-    """The synchronous engine core. One thread at a time may call it."""
+    """Requests in, RequestOutputs out; the scheduler and the model run in the engine core.
 
-    def __init__(self, config: EngineConfig) -> None:
+    The core runs in this process or in its own (`engine_core_process`); either way one thread
+    at a time may call the engine.
+    """
+
+    def __init__(self, config: EngineConfig, core_client: CoreClient | None = None) -> None:
         self.config = config
         mc = config.model
         self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(mc.tokenizer)
-        self.runner = ModelRunner(config)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks)
+        self.core_client = core_client if core_client is not None else make_core_client(config)
         self._groups: dict[str, RequestGroup] = {}
-        self._seq_group: dict[str, RequestGroup] = {}  # sequence id -> its group
+        self._seqs: dict[str, tuple[RequestGroup, SequenceState]] = {}  # sequence id -> state
+        self._unscheduled: set[str] = set()  # sequences not yet scheduled: the waiting queue
         self._rng = random.Random(mc.seed)
+        self._stats = EngineStats()
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
-        self._last_step_time = 0.0
         self.timing: dict[str, float] = defaultdict(float)  # cumulative host seconds per phase
-        async_default = config.device.startswith("cuda")
-        self.async_scheduling = (async_default if config.async_scheduling is None
-                                 else config.async_scheduling)
-        self._inflight: tuple[SchedulerOutput, object] | None = None
-        self._num_sync_requests = 0  # live requests whose sampling needs exact host state
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -87,36 +84,34 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = self._validate_prompt(ids, params)
+        limit = self.config.scheduler.max_queue_len
+        if limit is not None and len(self._unscheduled) + params.n > limit:
+            raise QueueFullError(f"{len(self._unscheduled)} requests are already waiting "
+                                 f"(max_queue_len={limit}); retry later")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = RequestGroup(request_id, text, ids, params, arrival)
         mc = self.config.model
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        source: Request | None = None
+        core_reqs: list[EngineCoreRequest] = []
         for i, sid in enumerate(seq_ids):
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(62)
-            req = Request(sid, ids, params, arrival_time=arrival, priority=priority,
-                          eos_token_ids=mc.eos_token_ids, max_tokens=max_tokens, seed=seed,
-                          fork_source=source)
-            source = source or req
+            core_reqs.append(EngineCoreRequest(sid, ids, params, arrival, max_tokens, seed,
+                                               mc.eos_token_ids, priority,
+                                               fork_of=seq_ids[0] if i else None))
+            # NOTE: the front end mirrors each sequence's tokens and status for its outputs.
+            req = Request(sid, ids, params, arrival_time=arrival, eos_token_ids=mc.eos_token_ids,
+                          max_tokens=max_tokens, seed=seed)
             detok = (IncrementalDetokenizer(self.tokenizer, ids, params)
                      if self.tokenizer is not None else None)
             group.seqs.append(SequenceState(req, detok))
-        # NOTE: add to the scheduler first: a full queue raises before any state is kept.
-        added: list[str] = []
-        try:
-            for s in group.seqs:
-                self.scheduler.add_request(s.req)
-                added.append(s.req.request_id)
-        except ValueError:
-            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
-            raise
+        self.core_client.add_requests(core_reqs)
         self._groups[request_id] = group
         for s in group.seqs:
-            self._seq_group[s.req.request_id] = group
-        group.needs_sync = _needs_exact_host_state(params)
-        self._num_sync_requests += group.needs_sync
+            self._seqs[s.req.request_id] = (group, s)
+        self._unscheduled.update(seq_ids)
 
     def _validate_prompt(self, ids: list[int], params: SamplingParams) -> int:
+        """The prompt's one check (the core trusts it); returns the resolved max_tokens."""
         limit = self.config.model.max_model_len
         if not ids:
             raise ValueError("the prompt is empty")
@@ -143,59 +138,38 @@ class LLMEngine:
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests now and free their KV blocks; unknown ids are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        seq_ids: list[str] = []
         for rid in ids:
-            group = self._groups.pop(rid, None)
+            group = self._groups.get(rid)
             if group is None:
                 continue
-            self._num_sync_requests -= group.needs_sync
-            seq_ids = [s.req.request_id for s in group.seqs]
-            self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
-            for sid in seq_ids:
-                self._seq_group.pop(sid, None)
+            for s in group.seqs:
+                if not s.req.is_finished:
+                    s.req.status = RequestStatus.FINISHED_ABORTED
+                    seq_ids.append(s.req.request_id)
+            self._retire(group)
+        if seq_ids:
+            self.core_client.abort_requests(seq_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups) or self._inflight is not None
+        return bool(self._groups)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and report every request that progressed or finished.
-
-        With async scheduling the step launched here is collected by the next call, so the host
-        work of one step overlaps the device work of the previous one.
-        """
+        """Run the core one step (or take what its process produced) and report progress."""
         t0 = time.perf_counter()
+        batches = self.core_client.get_outputs()
+        t1 = time.perf_counter()
+        self.timing["core"] += t1 - t0
         touched: dict[str, RequestGroup] = {}
-        if self._inflight is not None and self._num_sync_requests:
-            # NOTE: penalties and min_tokens read exact host token state: no step may be in flight.
-            self._complete(*self._inflight, touched)
-            self._inflight = None
-        sched = self.scheduler.schedule()
-        self.timing["schedule"] += time.perf_counter() - t0
-        for rid in sched.finished_request_ids:  # e.g. requests that can never fit
-            group = self._seq_group.get(rid)
-            if group is not None:
-                touched[group.request_id] = group
-        handle = None
-        if sched.total_num_scheduled_tokens:
-            now = time.monotonic()
-            for req in sched.scheduled_requests:
-                self._seq_group[req.request_id].note_scheduled(now)
-            t_launch = time.perf_counter()
-            handle = self._guard(sched, touched, self.runner.launch, sched)
-            self.timing["launch"] += time.perf_counter() - t_launch
-            if handle is not None and self.async_scheduling:
-                self.scheduler.mark_in_flight(sched, handle.samples)
-        if self._inflight is not None:
-            self._complete(*self._inflight, touched)
-            self._inflight = None
-        if handle is not None:
-            if self.async_scheduling:
-                self._inflight = (sched, handle)
-            else:
-                self._complete(sched, handle, touched)
+        stop_ids: list[str] = []
+        for out in batches:
+            self._apply(out, touched, stop_ids)
+        if stop_ids:
+            self.core_client.abort_requests(stop_ids)
         outputs: list[RequestOutput] = []
         for group in touched.values():
             out = group.make_output()
@@ -203,109 +177,105 @@ class LLMEngine:
                 outputs.append(out)
             if group.finished:
                 self._retire(group)
-        self._last_step_time = time.perf_counter() - t0
-        self.timing["step_total"] += self._last_step_time
+        self.timing["process"] += time.perf_counter() - t1
+        self.timing["step_total"] += time.perf_counter() - t0
         return outputs
 
-    def _complete(self, sched: SchedulerOutput, handle, touched: dict[str, RequestGroup]) -> None:
-        """Wait for a launched step, apply its tokens to the scheduler and to the outputs."""
-        t0 = time.perf_counter()
-        result = self._guard(sched, touched, self.runner.collect, handle)
-        t1 = time.perf_counter()
-        self.timing["collect"] += t1 - t0
-        if result is None:
-            return
-        updated = self.scheduler.update_from_output(sched, result.sampled_token_ids,
-                                                    in_flight=self.async_scheduling)
-        t2 = time.perf_counter()
-        self.timing["update"] += t2 - t1
-        self._process(sched, result, updated, touched)
-        self.timing["process"] += time.perf_counter() - t2
-
-    def _guard(self, sched: SchedulerOutput, touched: dict[str, RequestGroup], fn, arg):
-        """Run a runner call; if it raises, fail that step's requests and keep the engine alive."""
-        try:
-            return fn(arg)
-        except Exception as e:  # noqa: BLE001 - one bad batch must not kill the engine
-            logger.exception("model execution failed; failing the %d requests of this step",
-                             len(sched.scheduled_requests))
-            for req in sched.scheduled_requests:
-                req.error = f"model execution failed: {type(e).__name__}: {e}"
-                group = self._seq_group.get(req.request_id)
-                if group is not None:
-                    touched[group.request_id] = group
-            self.scheduler.finish_requests([r.request_id for r in sched.scheduled_requests],
-                                           RequestStatus.FINISHED_ERROR)
-            return None
-
-    def _process(self, sched: SchedulerOutput, result: ModelRunnerOutput, updated: list[Request],
-                 touched: dict[str, RequestGroup]) -> None:
+    def _apply(self, out: EngineCoreOutputs, touched: dict[str, RequestGroup],
+               stop_ids: list[str]) -> None:
+        """Fold one core step's results into the sequences' mirrors (tokens, text, status)."""
         now = time.monotonic()
-        for req, n, start in zip(sched.scheduled_requests, sched.num_scheduled_tokens,
-                                 sched.num_computed_tokens):
-            self._prompt_tokens_total += max(0, min(req.num_prompt_tokens, start + n) - start)
-            plp = result.prompt_logprobs.get(req.request_id)
-            group = self._seq_group.get(req.request_id)
-            if plp is not None and group is not None and group.seqs[0].req is req:
+        for sid, (when, cached) in out.first_scheduled.items():
+            entry = self._seqs.get(sid)
+            self._unscheduled.discard(sid)
+            if entry is not None:
+                entry[1].req.num_cached_tokens = cached
+                entry[0].note_scheduled(when)
+        for sid, plp in out.prompt_logprobs.items():
+            entry = self._seqs.get(sid)
+            if entry is not None and entry[0].seqs[0] is entry[1]:
+                group = entry[0]
                 for ids, lps, rank in zip(plp.token_ids, plp.logprobs, plp.ranks):
                     group.prompt_logprobs.append(to_position_logprobs(ids, lps, rank, self.tokenizer))
                 touched[group.request_id] = group
-        # NOTE: only tokens the scheduler kept count: a request preempted or aborted while its step
-        # was in flight drops that step's token (a recompute samples it again).
-        accepted = {id(r) for r in updated}
-        for req, new in zip(sched.scheduled_requests, result.sampled_token_ids):
-            group = self._seq_group.get(req.request_id)
-            if group is None or not new or id(req) not in accepted:
-                continue
+        for sid, new in zip(out.req_ids, out.new_token_ids):
+            entry = self._seqs.get(sid)
+            if entry is None or entry[1].req.is_finished:
+                continue  # aborted, or stopped by a stop string while this step ran
+            group, seq = entry
             try:
-                self._on_new_tokens(group, req, new, result)
+                if self._on_new_tokens(seq, new, out, out.finished.get(sid)):
+                    stop_ids.append(sid)
             except Exception as e:  # noqa: BLE001 - fail only this request
-                logger.exception("output processing failed for %s", req.request_id)
-                req.error = f"output processing failed: {type(e).__name__}: {e}"
-                self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_ERROR)
+                logger.exception("output processing failed for %s", sid)
+                seq.req.error = f"output processing failed: {type(e).__name__}: {e}"
+                seq.req.status = RequestStatus.FINISHED_ERROR
+                stop_ids.append(sid)
             group.note_tokens(now, len(new))
             touched[group.request_id] = group
-        for req in updated:
-            group = self._seq_group.get(req.request_id)
-            if group is not None:
-                touched[group.request_id] = group
+        for sid, info in out.finished.items():
+            entry = self._seqs.get(sid)
+            if entry is None:
+                continue
+            req = entry[1].req
+            if not req.is_finished:
+                req.status, req.stop_reason, req.error = info.status, info.stop_reason, info.error
+            self._unscheduled.discard(sid)
+            touched[entry[0].request_id] = entry[0]
+        self._prompt_tokens_total += out.num_prompt_tokens
+        if out.stats is not None:
+            st = out.stats
+            self._stats = EngineStats(
+                num_running=st.num_running, num_waiting=st.num_waiting,
+                kv_cache_usage=st.kv_cache_usage, prefix_cache_queries=st.prefix_cache_queries,
+                prefix_cache_hits=st.prefix_cache_hits, num_preemptions=st.num_preemptions,
+                prompt_tokens_total=self._prompt_tokens_total,
+                generation_tokens_total=self._generation_tokens_total, step_time=out.step_time)
 
-    def _on_new_tokens(self, group: RequestGroup, req: Request, new: list[int],
-                       result: ModelRunnerOutput) -> None:
+    def _on_new_tokens(self, seq: SequenceState, new: list[int], out: EngineCoreOutputs,
+                       finished) -> bool:
+        """Append tokens, logprobs and text; True when a stop string ended the sequence."""
+        req = seq.req
         self._generation_tokens_total += len(new)
-        seq = next(s for s in group.seqs if s.req is req)
-        lp = result.logprobs.get(req.request_id)
+        for token in new:
+            req.append_output_token(token)
+        lp = out.logprobs.get(req.request_id)
         if lp is not None and seq.logprobs is not None:
             for ids, lps, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
                 seq.logprobs.append(to_position_logprobs(ids, lps, rank, self.tokenizer))
                 seq.cumulative_logprob += lps[0]
         if seq.detok is None:
-            return
+            return False
         # NOTE: a token that ended the request (eos, stop id) is not rendered as text.
         visible = new
-        if req.is_finished and req.status == RequestStatus.FINISHED_STOPPED:
+        if finished is not None and finished.status == RequestStatus.FINISHED_STOPPED:
             visible = new[:-1]
         stop = seq.detok.update(visible) if visible else None
-        if stop is not None and not req.is_finished:
-            req.stop_reason = stop
-            self.scheduler.finish_requests(req.request_id, RequestStatus.FINISHED_STOPPED)
+        if stop is None:
+            return False
+        req.status = RequestStatus.FINISHED_STOPPED
+        req.stop_reason = stop
+        return finished is None  # still running in the core: abort it there
 
     def _retire(self, group: RequestGroup) -> None:
-        if self._groups.pop(group.request_id, None) is not None:
-            self._num_sync_requests -= group.needs_sync
+        if self._groups.pop(group.request_id, None) is None:
+            return
         for s in group.seqs:
-            self._seq_group.pop(s.req.request_id, None)
+            self._seqs.pop(s.req.request_id, None)
+            self._unscheduled.discard(s.req.request_id)
 
     # ---- introspection --------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
-        s = self.scheduler.make_stats()
-        return EngineStats(
-            num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
-            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions, prompt_tokens_total=self._prompt_tokens_total,
-            generation_tokens_total=self._generation_tokens_total, step_time=self._last_step_time)
+        return self._stats
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (after the requests in flight)."""
+        self.core_client.reset_prefix_cache()
 
     def check_health(self) -> None:
         """Raises if the engine cannot serve (kept cheap: called by /health)."""
-        if self.runner is None:
-            raise RuntimeError("the model runner is gone")
+        self.core_client.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the engine core (its process, if it has one) and release the device."""
+        self.core_client.shutdown()

@@ -70,6 +70,7 @@ class Request:
         self.block_hashes: list[BlockHash] = []  # hashes of the full blocks of all_token_ids
         self.num_preemptions = 0
         self.scheduled_time: float | None = None
+        self.num_reported_tokens = 0  # output tokens the core has reported to the front end
 
     @property
     def num_prompt_tokens(self) -> int:

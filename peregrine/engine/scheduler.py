@@ -8,31 +8,16 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from peregrine.engine.request import Request, RequestStatus
 from peregrine.kv_cache.manager import NO_COMPUTED_BLOCKS, KVCacheManager
+from peregrine.messages import (CachedRequestData, ModelRunnerOutput, NewRequestData,
+                                SchedulerOutput)
 
 if TYPE_CHECKING:
     from peregrine.config import CacheConfig, SchedulerConfig
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's batch, in scheduling order (running requests first, then newly admitted)."""
-
-    scheduled_requests: list[Request]
-    num_scheduled_tokens: list[int]  # parallel to scheduled_requests
-    total_num_scheduled_tokens: int
-    preempted_request_ids: list[str]  # preempted in THIS step: the runner drops their state
-    finished_request_ids: list[str]  # finished/aborted since the previous schedule(): drop state
-    # num_computed_tokens of each scheduled request when it was scheduled (where its chunk starts)
-    num_computed_tokens: list[int] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled_requests
 
 
 @dataclass
@@ -45,10 +30,6 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens looked up in the prefix cache
     prefix_cache_hits: int  # tokens found there
     num_preemptions: int
-
-
-class QueueFullError(ValueError):
-    """Raised by add_request when max_queue_len requests are already waiting."""
 
 
 class Scheduler:
@@ -69,7 +50,12 @@ class Scheduler:
         self._add_order: dict[str, int] = {}  # last tie-breaker of the priority order
         self._num_added = 0
         self._finished_ids: list[str] = []  # reported by the next schedule()
+        self._finished_reqs: list[Request] = []  # reported by take_finished()
         self._errored: list[Request] = []  # finished inside schedule(), returned by update
+        # Blocks of each request the workers already hold (absent: the workers do not know it).
+        self._sent_blocks: dict[str, int] = {}
+        # The Request objects of each step not yet updated, keyed by id(SchedulerOutput).
+        self._steps: dict[int, list[Request]] = {}
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -90,18 +76,9 @@ class Scheduler:
         return self.requests.get(request_id)
 
     def add_request(self, req: Request) -> None:
-        """Queue a new request; raises QueueFullError when max_queue_len requests are waiting."""
+        """Queue a new request (the front end has validated its prompt and admitted it)."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        if req.num_prompt_tokens == 0:
-            raise ValueError(f"request {req.request_id!r} has an empty prompt")
-        if req.num_prompt_tokens > self.config.max_model_len:
-            raise ValueError(f"request {req.request_id!r}: prompt has {req.num_prompt_tokens} "
-                             f"tokens, more than max_model_len {self.config.max_model_len}")
-        limit = self.config.max_queue_len
-        if limit is not None and len(self.waiting) >= limit:
-            raise QueueFullError(f"{len(self.waiting)} requests are already waiting "
-                                 f"(max_queue_len={limit}); retry later")
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self._add_order[req.request_id] = self._num_added
@@ -166,10 +143,41 @@ class Scheduler:
         if not preempted:
             self._admit(scheduled, budget)
         finished_ids, self._finished_ids = self._finished_ids, []
-        reqs = list(scheduled)
-        counts = list(scheduled.values())
-        return SchedulerOutput(reqs, counts, sum(counts), [r.request_id for r in preempted],
-                               finished_ids, [r.num_computed_tokens for r in reqs])
+        out = self._make_output(scheduled, [r.request_id for r in preempted], finished_ids)
+        self._steps[id(out)] = list(scheduled)
+        return out
+
+    def _make_output(self, scheduled: dict[Request, int], preempted_ids: list[str],
+                     finished_ids: list[str]) -> SchedulerOutput:
+        """The step as data: full data for requests the workers lack, block deltas for the rest."""
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        for req in scheduled:
+            rid = req.request_id
+            sent = self._sent_blocks.get(rid)
+            self._sent_blocks[rid] = len(req.block_ids)
+            if sent is None:
+                new_reqs.append(NewRequestData(
+                    rid, req.prompt_token_ids, req.sampling_params, req.seed, req.eos_token_ids,
+                    list(req.block_ids), req.num_computed_tokens, list(req.output_token_ids)))
+            else:
+                cached.req_ids.append(rid)
+                cached.new_block_ids.append(req.block_ids[sent:])
+                cached.num_computed_tokens.append(req.num_computed_tokens)
+        # NOTE: running requests come first and the workers know them all; admitted ones (new or
+        # resumed after preemption) follow, so the batch order is cached requests, then new ones.
+        counts = {r.request_id: n for r, n in scheduled.items()}
+        return SchedulerOutput(new_reqs, cached, counts, sum(counts.values()), preempted_ids,
+                               finished_ids)
+
+    def take_finished(self) -> list[Request]:
+        """Requests finished (any reason) since the last call."""
+        done, self._finished_reqs = self._finished_reqs, []
+        return done
+
+    def requests_of(self, out: SchedulerOutput) -> list[Request]:
+        """The requests a step scheduled (in num_scheduled_tokens order), until it is updated."""
+        return self._steps.get(id(out), [])
 
     def _num_new_tokens(self, req: Request) -> int:
         """Tokens of a running request still to compute, counting in-flight samples as known."""
@@ -179,39 +187,40 @@ class Scheduler:
             return 0  # the in-flight token is its last one: nothing more to schedule
         return min(req.num_tokens + pending, self.config.max_model_len) - req.num_computed_tokens
 
-    def mark_in_flight(self, out: SchedulerOutput, samples: list[bool]) -> None:
+    def mark_in_flight(self, out: SchedulerOutput) -> None:
         """Async scheduling: count a launched step as computed before its results come back.
 
-        `samples[i]` says whether scheduled request i samples a token in that step; until
-        update_from_output(..., in_flight=True) delivers it, it is a placeholder.
+        A request whose chunk reaches its last known token samples one; until
+        update_from_output(..., in_flight=True) delivers it, that token is a placeholder.
         """
-        for req, num, sampled in zip(out.scheduled_requests, out.num_scheduled_tokens, samples):
+        for req in self._steps.get(id(out), ()):
             if req.status != RequestStatus.RUNNING:
                 continue
-            req.num_computed_tokens += num
-            if sampled:
+            num = out.num_scheduled_tokens[req.request_id]
+            if req.num_computed_tokens + num >= req.num_tokens + req.num_output_placeholders:
                 req.num_output_placeholders += 1
+            req.num_computed_tokens += num
 
-    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: list[list[int]],
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput,
                            in_flight: bool = False) -> list[Request]:
         """Advance computed tokens, append sampled tokens, run stop checks, free finished requests.
 
         Returns the requests that got new tokens or finished (including those finished with an
         error inside the preceding schedule(), so call this even for an empty batch).
         """
-        if len(sampled_token_ids) != len(out.scheduled_requests):
-            raise ValueError(f"got {len(sampled_token_ids)} token lists for "
-                             f"{len(out.scheduled_requests)} scheduled requests")
+        reqs = self._steps.pop(id(out), [])
+        if result.req_ids != [r.request_id for r in reqs]:
+            raise ValueError(f"the step's output names {len(result.req_ids)} requests, not the "
+                             f"{len(reqs)} it scheduled in that order")
         changed, self._errored = self._errored, []
-        for req, num, tokens in zip(out.scheduled_requests, out.num_scheduled_tokens,
-                                    sampled_token_ids):
+        for req, tokens in zip(reqs, result.sampled_token_ids):
             if req.status != RequestStatus.RUNNING:
                 continue  # aborted (or otherwise finished) since schedule(); its blocks are gone
             if in_flight:
                 # NOTE: mark_in_flight already advanced num_computed_tokens at launch.
                 req.num_output_placeholders -= len(tokens)
             else:
-                req.num_computed_tokens += num
+                req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
                 assert req.num_computed_tokens <= req.num_tokens, f"{req} computed past its tokens"
             self.kv.cache_computed_blocks(req)
             if not tokens:
@@ -226,6 +235,14 @@ class Scheduler:
                     break
             changed.append(req)
         return changed
+
+    def fail_step(self, out: SchedulerOutput, error: str) -> list[Request]:
+        """The workers could not run a step: finish its requests with `error`; returns them."""
+        failed = [r for r in self._steps.pop(id(out), []) if not r.is_finished]
+        for req in failed:
+            req.error = error
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+        return failed
 
     # ---- internals ----------------------------------------------------------------------------
 
@@ -299,6 +316,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
+        self._sent_blocks.pop(req.request_id, None)  # the workers drop it; resumed, it is new
         req.num_computed_tokens = 0
         # NOTE: an in-flight sample of a preempted request is dropped; the recompute draws it again
         # (same seed and step, so the same token).
@@ -339,9 +357,11 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         req.status = status
+        self._sent_blocks.pop(req.request_id, None)
         del self.requests[req.request_id]
         del self._add_order[req.request_id]
         self._finished_ids.append(req.request_id)
+        self._finished_reqs.append(req)
 
     def _finish_error(self, req: Request, num_tokens: int) -> None:
         need = self.kv.num_blocks_for(num_tokens)

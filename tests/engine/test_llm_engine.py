@@ -34,7 +34,7 @@ def test_n_copies_share_prompt_blocks_and_differ(llm: LLM) -> None:
     assert all(len(o.token_ids) == 10 for o in out.outputs)
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
     # NOTE: the two later copies forked the first's two full prompt blocks instead of computing them.
-    stats = llm.engine.scheduler.make_stats()
+    stats = llm.engine.core_client.core.scheduler.make_stats()
     assert stats.num_running == 0 and stats.kv_cache_usage == 0.0
 
 
@@ -134,7 +134,7 @@ def test_bad_requests_raise_and_others_finish(llm: LLM) -> None:
                 done[out.request_id] = out
     assert sorted(done) == ["ok-1", "ok-2"]
     assert all(len(o.outputs[0].token_ids) == 6 for o in done.values())
-    assert eng.scheduler.make_stats().kv_cache_usage == 0.0
+    assert eng.core_client.core.scheduler.make_stats().kv_cache_usage == 0.0
 
 
 def test_request_that_can_never_fit_fails_alone() -> None:
@@ -150,10 +150,10 @@ def test_abort_frees_blocks(llm: LLM) -> None:
     eng = llm.engine
     eng.add_request("a", _ids(50), SamplingParams(max_tokens=50, ignore_eos=True))
     eng.step()
-    assert eng.scheduler.make_stats().kv_cache_usage > 0
+    assert eng.core_client.core.scheduler.make_stats().kv_cache_usage > 0
     eng.abort_request("a")
     assert eng.get_num_unfinished_requests() == 0
-    assert eng.scheduler.make_stats().kv_cache_usage == 0.0
+    assert eng.core_client.core.scheduler.make_stats().kv_cache_usage == 0.0
     # An in-flight step (async scheduling) drains in one more step and reports nothing for "a".
     assert all(o.request_id != "a" for o in eng.step())
     assert not eng.has_unfinished_requests()
@@ -197,7 +197,7 @@ def test_n_copies_fork_the_first_copy_prompt_blocks() -> None:
     eng = llm.engine
     eng.add_request("fork", _ids(40), SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8,
                                                      ignore_eos=True))
-    first, second = (eng.scheduler.get_request(f"fork#{i}") for i in range(2))
+    first, second = (eng.core_client.core.scheduler.get_request(f"fork#{i}") for i in range(2))
     for _ in range(4):
         eng.step()
         if second.block_ids:
@@ -207,4 +207,4 @@ def test_n_copies_fork_the_first_copy_prompt_blocks() -> None:
     assert second.num_cached_tokens == 32
     while eng.has_unfinished_requests():
         eng.step()
-    assert eng.scheduler.make_stats().kv_cache_usage == 0.0
+    assert eng.core_client.core.scheduler.make_stats().kv_cache_usage == 0.0

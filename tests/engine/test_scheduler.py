@@ -10,7 +10,8 @@ import pytest
 
 from peregrine.config import CacheConfig, SchedulerConfig
 from peregrine.engine.request import Request, RequestStatus
-from peregrine.engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from peregrine.engine.scheduler import Scheduler
+from peregrine.messages import ModelRunnerOutput, SchedulerOutput
 from peregrine.sampling_params import SamplingParams
 
 EOS = 2
@@ -34,17 +35,22 @@ def make_req(rid: str, num_prompt: int, max_tokens: int = 4, base: int = 1000,
                    fork_source=fork_source)
 
 
+def result(out: SchedulerOutput, sampled: list[list[int]]) -> ModelRunnerOutput:
+    """What a model would return for `out`: these token lists, in the step's order."""
+    return ModelRunnerOutput(list(out.num_scheduled_tokens), sampled, {}, {})
+
+
 def step(s: Scheduler, token: int = TOKEN) -> SchedulerOutput:
     """One fake model step: a token is sampled for every request whose known tokens are done."""
     out = s.schedule()
-    sampled = [[token] if r.num_computed_tokens + n == r.num_tokens else []
-               for r, n in zip(out.scheduled_requests, out.num_scheduled_tokens)]
-    s.update_from_output(out, sampled)
+    sampled = [[token] if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] ==
+               r.num_tokens else [] for r in s.requests_of(out)]
+    s.update_from_output(out, result(out, sampled))
     return out
 
 
 def batch(out: SchedulerOutput) -> list[tuple[str, int]]:
-    return [(r.request_id, n) for r, n in zip(out.scheduled_requests, out.num_scheduled_tokens)]
+    return list(out.num_scheduled_tokens.items())
 
 
 def held_blocks(s: Scheduler) -> int:
@@ -66,7 +72,7 @@ def test_unfinished_prefill_chunk_samples_no_token():
     a = make_req("a", 40)
     s.add_request(a)
     out = s.schedule()
-    assert s.update_from_output(out, [[]]) == []
+    assert s.update_from_output(out, result(out, [[]])) == []
     assert a.num_computed_tokens == 16 and a.output_token_ids == []
 
 
@@ -106,12 +112,6 @@ def test_prompt_clipped_to_max_model_len_finishes_with_length():
     assert a.status == RequestStatus.FINISHED_LENGTH and a.num_tokens == 9
 
 
-def test_prompt_longer_than_max_model_len_rejected():
-    s = make_sched(max_model_len=8)
-    with pytest.raises(ValueError, match="max_model_len"):
-        s.add_request(make_req("a", 9))
-
-
 # ---- preemption -----------------------------------------------------------------------------------
 
 def _three_full_requests(policy: str) -> tuple[Scheduler, list[Request]]:
@@ -129,7 +129,7 @@ def test_fcfs_preempts_most_recently_admitted():
     s, (a, b, c) = _three_full_requests("fcfs")
     out = step(s)
     assert batch(out) == [("a", 1), ("b", 1)]
-    assert out.preempted_request_ids == ["c"]
+    assert out.preempted_req_ids == ["c"]
     assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0
     assert c.block_ids == [] and c.num_preemptions == 1
     assert s.make_stats().num_preemptions == 1
@@ -147,7 +147,7 @@ def test_no_admission_in_a_step_that_preempted():
     s, _ = _three_full_requests("fcfs")
     s.add_request(make_req("d", 1, base=900))
     out = step(s)
-    assert "d" not in [r.request_id for r in out.scheduled_requests]
+    assert "d" not in out.num_scheduled_tokens
 
 
 def test_priority_preempts_largest_priority_even_itself():
@@ -159,7 +159,7 @@ def test_priority_preempts_largest_priority_even_itself():
     s.add_request(make_req("z", 8, max_tokens=8, base=200, arrival=2.0))
     assert batch(step(s)) == [("x", 1), ("y", 8), ("z", 8)]
     out = step(s)  # x needs a 3rd block and is itself the lowest-priority victim
-    assert out.preempted_request_ids == ["x"]
+    assert out.preempted_req_ids == ["x"]
     assert batch(out) == [("y", 1), ("z", 1)]
 
 
@@ -172,7 +172,7 @@ def test_priority_victim_already_scheduled_gives_back_its_tokens():
     step(s)
     out = step(s)  # x's decode fits its block, y's needs one: x is dropped from the batch
     assert batch(out) == [("y", 1)] and out.total_num_scheduled_tokens == 1
-    assert out.preempted_request_ids == ["x"]
+    assert out.preempted_req_ids == ["x"]
 
 
 def test_priority_ties_preempt_latest_arrival():
@@ -180,7 +180,7 @@ def test_priority_ties_preempt_latest_arrival():
     for i, rid in enumerate("abc"):
         s.add_request(make_req(rid, 8, max_tokens=8, base=100 * i, arrival=float(i)))
     step(s)
-    assert step(s).preempted_request_ids == ["c"]
+    assert step(s).preempted_req_ids == ["c"]
 
 
 def test_preempted_request_resumes_and_finishes():
@@ -202,11 +202,11 @@ def test_never_fitting_request_errors_and_others_continue():
     s.add_request(small)
     out = s.schedule()
     assert batch(out) == [("small", 4)]
-    assert out.finished_request_ids == ["big"]
+    assert out.finished_req_ids == ["big"]
     assert big.status == RequestStatus.FINISHED_ERROR
     assert big.error is not None and "5 KV cache blocks (17 tokens)" in big.error
     assert "only 4 blocks" in big.error
-    assert big in s.update_from_output(out, [[TOKEN]])
+    assert big in s.update_from_output(out, result(out, [[TOKEN]]))
     assert s.get_request("big") is None and small.num_output_tokens == 1
 
 
@@ -218,9 +218,9 @@ def test_running_request_alone_out_of_blocks_errors():
         step(s)  # prefill + 4 decodes: 8 tokens computed, 9 known
     assert a.status == RequestStatus.RUNNING and a.num_computed_tokens == 8
     out = s.schedule()
-    assert out.scheduled_requests == [] and out.finished_request_ids == ["a"]
+    assert out.num_scheduled_tokens == {} and out.finished_req_ids == ["a"]
     assert a.status == RequestStatus.FINISHED_ERROR and "3 KV cache blocks" in (a.error or "")
-    assert s.update_from_output(out, []) == [a]
+    assert s.update_from_output(out, result(out, [])) == [a]
     assert held_blocks(s) == 0
 
 
@@ -233,7 +233,7 @@ def test_abort_waiting_request():
     s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     assert a.status == RequestStatus.FINISHED_ABORTED and s.num_waiting == 0
     assert not s.has_unfinished_requests()
-    assert s.schedule().finished_request_ids == ["a"]
+    assert s.schedule().finished_req_ids == ["a"]
 
 
 def test_abort_running_request_frees_blocks():
@@ -253,7 +253,7 @@ def test_abort_between_schedule_and_update():
     s.add_request(b)
     out = s.schedule()
     s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
-    changed = s.update_from_output(out, [[TOKEN], [TOKEN]])
+    changed = s.update_from_output(out, result(out, [[TOKEN], [TOKEN]]))
     assert changed == [b]
     assert a.num_computed_tokens == 0 and a.output_token_ids == [] and a.block_ids == []
     assert held_blocks(s) == 2
@@ -314,17 +314,6 @@ def test_fork_short_prompt_needs_no_wait():
 
 
 # ---- queue and priority ----------------------------------------------------------------------------------
-
-def test_queue_full_error():
-    s = make_sched(max_queue_len=2)
-    s.add_request(make_req("a", 4))
-    s.add_request(make_req("b", 4))
-    with pytest.raises(QueueFullError, match="max_queue_len=2"):
-        s.add_request(make_req("c", 4))
-    step(s)
-    s.add_request(make_req("c", 4))
-    assert s.num_waiting == 1
-
 
 def test_duplicate_request_id_rejected():
     s = make_sched()
@@ -405,8 +394,8 @@ def test_finished_ids_reported_once():
     s = make_sched()
     s.add_request(make_req("a", 4, max_tokens=1))
     step(s)
-    assert s.schedule().finished_request_ids == ["a"]
-    assert s.schedule().finished_request_ids == []
+    assert s.schedule().finished_req_ids == ["a"]
+    assert s.schedule().finished_req_ids == []
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
@@ -444,15 +433,14 @@ def test_random_workload_completes_without_leaks(policy, caching):
 
 def _launch(s: Scheduler) -> tuple[SchedulerOutput, list[bool]]:
     out = s.schedule()
-    samples = [start + n >= r.num_tokens + r.num_output_placeholders
-               for r, n, start in zip(out.scheduled_requests, out.num_scheduled_tokens,
-                                      out.num_computed_tokens)]
-    s.mark_in_flight(out, samples)
+    samples = [r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] >=
+               r.num_tokens + r.num_output_placeholders for r in s.requests_of(out)]
+    s.mark_in_flight(out)
     return out, samples
 
 
 def _land(s: Scheduler, out: SchedulerOutput, samples: list[bool], token: int = TOKEN) -> None:
-    s.update_from_output(out, [[token] if x else [] for x in samples], in_flight=True)
+    s.update_from_output(out, result(out, [[token] if x else [] for x in samples]), in_flight=True)
 
 
 def test_async_schedules_decode_of_in_flight_token():
@@ -462,13 +450,13 @@ def test_async_schedules_decode_of_in_flight_token():
     first, f_samples = _launch(s)  # the whole prompt; samples token 1
     assert batch(first) == [("a", 20)] and a.num_output_placeholders == 1
     second, s_samples = _launch(s)  # decodes token 1 before it is known on the host
-    assert batch(second) == [("a", 1)] and second.num_computed_tokens == [20]
+    assert batch(second) == [("a", 1)] and second.scheduled_cached_reqs.num_computed_tokens == [20]
     _land(s, first, f_samples)
     assert a.output_token_ids == [TOKEN] and a.num_output_placeholders == 1
     third, t_samples = _launch(s)  # token 3 is the last: after it nothing more is scheduled
     assert batch(third) == [("a", 1)]
     _land(s, second, s_samples)
-    assert s.schedule().scheduled_requests == []
+    assert s.schedule().num_scheduled_tokens == {}
     _land(s, third, t_samples)
     assert a.status == RequestStatus.FINISHED_LENGTH and a.num_output_tokens == 3
     assert held_blocks(s) == 0
@@ -482,7 +470,62 @@ def test_async_token_of_request_preempted_in_flight_is_dropped():
     s.add_request(b)
     first, f_samples = _launch(s)  # a and b fill both blocks
     second, _ = _launch(s)  # a needs a second block: b (admitted last) is preempted
-    assert second.preempted_request_ids == ["b"] and b.num_output_placeholders == 0
+    assert second.preempted_req_ids == ["b"] and b.num_output_placeholders == 0
     _land(s, first, f_samples)
     assert a.output_token_ids == [TOKEN] and b.output_token_ids == []
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+
+
+# ---- the step as data ------------------------------------------------------------------------------
+
+def test_new_request_data_is_sent_once_then_block_deltas():
+    s = make_sched(block_size=4, max_batched=8)
+    a = make_req("a", 10, max_tokens=8)
+    s.add_request(a)
+    first = s.schedule()
+    assert [d.req_id for d in first.scheduled_new_reqs] == ["a"]
+    new = first.scheduled_new_reqs[0]
+    assert new.prompt_token_ids == a.prompt_token_ids and new.block_ids == a.block_ids[:2]
+    assert new.num_computed_tokens == 0 and new.output_token_ids == []
+    s.update_from_output(first, result(first, [[]]))
+    second = s.schedule()  # the rest of the prompt: one more block
+    assert second.scheduled_new_reqs == []
+    assert second.scheduled_cached_reqs.req_ids == ["a"]
+    assert second.scheduled_cached_reqs.new_block_ids == [a.block_ids[2:3]]
+    assert second.scheduled_cached_reqs.num_computed_tokens == [8]
+    s.update_from_output(second, result(second, [[TOKEN]]))
+    third = s.schedule()  # a decode inside the last block: no new block
+    assert third.scheduled_cached_reqs.new_block_ids == [[]]
+
+
+def test_resumed_request_is_sent_again_with_its_output_tokens():
+    s = make_sched(num_blocks=2, max_num_seqs=2)
+    a = make_req("a", 16, max_tokens=20, arrival=0.0)
+    b = make_req("b", 15, max_tokens=20, base=5000, arrival=1.0)
+    s.add_request(a)
+    s.add_request(b)
+    step(s)  # both prefilled; b sampled a token
+    out = step(s)  # a needs a second block: b is preempted
+    assert out.preempted_req_ids == ["b"]
+    s.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    resumed = s.schedule()
+    assert [d.req_id for d in resumed.scheduled_new_reqs] == ["b"]
+    assert resumed.scheduled_new_reqs[0].output_token_ids == b.output_token_ids == [TOKEN]
+    assert resumed.finished_req_ids == ["a"]
+
+
+def test_scheduler_output_survives_pickling():
+    import pickle
+    s = make_sched()
+    s.add_request(make_req("a", 20, temperature=0.7, seed=3))
+    out = s.schedule()
+    back = pickle.loads(pickle.dumps(out))
+    assert back == out and back.scheduled_new_reqs[0].sampling_params.temperature == 0.7
+
+
+def test_update_refuses_an_output_of_other_requests():
+    s = make_sched()
+    s.add_request(make_req("a", 4))
+    out = s.schedule()
+    with pytest.raises(ValueError, match="scheduled"):
+        s.update_from_output(out, ModelRunnerOutput(["b"], [[TOKEN]], {}, {}))

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from peregrine.engine.scheduler import QueueFullError
+from peregrine.engine.llm_engine import QueueFullError
 from peregrine.engine.stats import EngineStats
 from peregrine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from peregrine.sampling_params import RequestOutputKind, SamplingParams

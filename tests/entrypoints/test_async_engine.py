@@ -10,7 +10,7 @@ import pytest
 from fake_engine import FakeEngine
 from peregrine.engine.async_engine import (AsyncEngine, EngineDeadError, EngineRequest,
                                            RequestAbortedError)
-from peregrine.engine.scheduler import QueueFullError
+from peregrine.engine.llm_engine import QueueFullError
 from peregrine.sampling_params import RequestOutputKind, SamplingParams
 
 

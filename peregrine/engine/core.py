@@ -1,0 +1,205 @@
+"""EngineCore: the scheduler and the executor, stepping; what goes in and out of it is plain data.
+
+The core knows token ids only. Tokenizing, detokenizing, stop strings and user-facing outputs live
+in the front end (LLMEngine), which talks to the core directly or through a socket to another
+process (core_client.py).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from peregrine.config import EngineConfig
+from peregrine.engine.request import Request, RequestStatus
+from peregrine.engine.scheduler import Scheduler, SchedulerStats
+from peregrine.messages import EMPTY_RUNNER_OUTPUT, SchedulerOutput, TokenLogprobs
+from peregrine.sampling_params import SamplingParams
+
+logger = logging.getLogger("peregrine")
+
+
+@dataclass
+class EngineCoreRequest:
+    """One sequence to generate (a request with n > 1 sends n of these)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    max_tokens: int
+    seed: int
+    eos_token_ids: tuple[int, ...]
+    priority: int = 0
+    fork_of: str | None = None  # a sibling whose full prompt blocks it shares
+
+
+@dataclass
+class FinishedInfo:
+    status: RequestStatus
+    stop_reason: int | str | None
+    error: str | None
+
+
+@dataclass
+class EngineCoreOutputs:
+    """Everything one core step produced, batched: one message per step, not per request."""
+
+    req_ids: list[str] = field(default_factory=list)  # requests that got tokens
+    new_token_ids: list[list[int]] = field(default_factory=list)  # parallel to req_ids
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    finished: dict[str, FinishedInfo] = field(default_factory=dict)
+    # Requests scheduled for the first time: id -> (time, prefix-cache hit tokens).
+    first_scheduled: dict[str, tuple[float, int]] = field(default_factory=dict)
+    num_prompt_tokens: int = 0  # prompt tokens computed by the steps reported here
+    stats: SchedulerStats | None = None
+    step_time: float = 0.0  # host seconds of the core's step
+
+    def __bool__(self) -> bool:
+        return bool(self.req_ids or self.finished or self.first_scheduled or self.prompt_logprobs)
+
+
+class EngineCore:
+    """Owns the scheduler and the executor; one thread at a time may call it."""
+
+    def __init__(self, config: EngineConfig, executor_class: type | None = None) -> None:
+        from peregrine.executor import executor_class_for
+        self.config = config
+        self.executor = (executor_class or executor_class_for(config))(config)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks)
+        self.pipeline = StepPipeline(config)
+        self.timing: dict[str, float] = defaultdict(float)  # cumulative host seconds per phase
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, r: EngineCoreRequest) -> None:
+        """Queue a sequence; QueueFullError / ValueError leave the core unchanged."""
+        source = self.scheduler.get_request(r.fork_of) if r.fork_of is not None else None
+        req = Request(r.request_id, r.prompt_token_ids, r.sampling_params,
+                      arrival_time=r.arrival_time, priority=r.priority,
+                      eos_token_ids=r.eos_token_ids, max_tokens=r.max_tokens, seed=r.seed,
+                      fork_source=source)
+        self.scheduler.add_request(req)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Finish these sequences now and free their KV blocks; unknown ids are ignored."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.scheduler.take_finished()  # the front end already knows: nothing to report
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self.pipeline.busy
+
+    def reset_prefix_cache(self) -> int:
+        return self.scheduler.reset_prefix_cache()
+
+    def check_health(self) -> None:
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        """Schedule and launch one step; report what finished on the device since the last call."""
+        t0 = time.perf_counter()
+        out = EngineCoreOutputs()
+        sched = self.scheduler.schedule()
+        self.timing["schedule"] += time.perf_counter() - t0
+        now = time.monotonic()
+        for req in self.scheduler.requests_of(sched):
+            if req.scheduled_time is None:
+                req.scheduled_time = now
+                out.first_scheduled[req.request_id] = (now, max(req.num_cached_tokens, 0))
+        out.num_prompt_tokens = _prompt_tokens(sched, self.scheduler.requests_of(sched))
+        self.pipeline.run(self, sched, out)
+        for req in self.scheduler.take_finished():
+            out.finished[req.request_id] = FinishedInfo(req.status, req.stop_reason, req.error)
+        out.stats = self.scheduler.make_stats()
+        out.step_time = time.perf_counter() - t0
+        self.timing["step_total"] += out.step_time
+        return out
+
+    def launch(self, sched: SchedulerOutput):
+        """Queue the step on the workers; on failure its requests finish with the error."""
+        t0 = time.perf_counter()
+        try:
+            return self.executor.execute_model(sched)
+        except Exception as e:  # noqa: BLE001 - one bad batch must not kill the engine
+            self._fail(sched, e)
+            return None
+        finally:
+            self.timing["launch"] += time.perf_counter() - t0
+
+    def complete(self, sched: SchedulerOutput, future, out: EngineCoreOutputs,
+                 in_flight: bool) -> None:
+        """Wait for a launched step and apply its tokens."""
+        t0 = time.perf_counter()
+        try:
+            result = future.result() if future is not None else EMPTY_RUNNER_OUTPUT
+        except Exception as e:  # noqa: BLE001
+            self._fail(sched, e)
+            return
+        t1 = time.perf_counter()
+        self.timing["collect"] += t1 - t0
+        reqs = self.scheduler.requests_of(sched)
+        kept = {id(r) for r in self.scheduler.update_from_output(sched, result, in_flight)}
+        # NOTE: only tokens the scheduler kept count: a request preempted or aborted while its
+        # step was in flight drops that step's token (a recompute samples it again).
+        for req in reqs:
+            rid = req.request_id
+            if rid in result.prompt_logprobs and req.status != RequestStatus.FINISHED_ABORTED:
+                out.prompt_logprobs[rid] = result.prompt_logprobs[rid]
+            if id(req) not in kept:
+                continue
+            new = req.output_token_ids[req.num_reported_tokens:]
+            req.num_reported_tokens = req.num_output_tokens
+            out.req_ids.append(rid)
+            out.new_token_ids.append(new)
+            if rid in result.logprobs:
+                out.logprobs[rid] = result.logprobs[rid]
+        self.timing["update"] += time.perf_counter() - t1
+
+    def _fail(self, sched: SchedulerOutput, e: Exception) -> None:
+        logger.exception("model execution failed; failing the %d requests of this step",
+                         len(sched.num_scheduled_tokens))
+        self.scheduler.fail_step(sched, f"model execution failed: {type(e).__name__}: {e}")
+
+
+class StepPipeline:
+    """Where a launched step waits for its results: at once (sync) or one step later (async).
+
+    With async scheduling, step N+1 is scheduled and launched before step N is collected, so the
+    host's scheduling and output work overlaps the device's work on step N.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        default = config.device.startswith("cuda")
+        self.async_scheduling = default if config.async_scheduling is None else config.async_scheduling
+        self._inflight: tuple[SchedulerOutput, object] | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._inflight is not None
+
+    def run(self, core: EngineCore, sched: SchedulerOutput, out: EngineCoreOutputs) -> None:
+        future = core.launch(sched) if sched.total_num_scheduled_tokens else None
+        launched = future is not None
+        if launched and self.async_scheduling:
+            core.scheduler.mark_in_flight(sched)
+        if self._inflight is not None:
+            core.complete(*self._inflight, out, in_flight=True)
+            self._inflight = None
+        if launched and self.async_scheduling:
+            self._inflight = (sched, future)
+        elif launched or not sched.total_num_scheduled_tokens:
+            core.complete(sched, future, out, in_flight=False)
+
+
+def _prompt_tokens(sched: SchedulerOutput, reqs: list[Request]) -> int:
+    total = 0
+    for req in reqs:
+        n = sched.num_scheduled_tokens[req.request_id]
+        start = req.num_computed_tokens
+        total += max(0, min(req.num_prompt_tokens, start + n) - start)
+    return total
