@@ -19,7 +19,7 @@ _DEMO_MARKER = "peregrine-demo.txt"
 
 
 def _demo_config():
-    from peregrine.testing.checkpoints import BOS_ID, EOS_ID, PAD_ID, make_config
+    from peregrine.demo.checkpoint import BOS_ID, EOS_ID, PAD_ID, make_config
 
     return make_config(
         "LlamaForCausalLM", hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
@@ -30,7 +30,7 @@ def _demo_config():
 
 def build_demo_model(out_dir: str | Path) -> Path:
     """Write the demo checkpoint (bf16 weights, 2048-token BPE, chat template) to out_dir."""
-    from peregrine.testing.checkpoints import write_checkpoint
+    from peregrine.demo.checkpoint import write_checkpoint
 
     out = write_checkpoint(out_dir, _demo_config(), dtype=torch.bfloat16, seed=0,
                            tokenizer_vocab_size=DEMO_VOCAB_SIZE)

@@ -1,0 +1,44 @@
+"""Product code never imports the test helpers (peregrine.testing)."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import peregrine
+
+PACKAGE = Path(peregrine.__file__).parent
+
+
+def _imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_no_product_module_imports_peregrine_testing() -> None:
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if PACKAGE / "testing" in path.parents:
+            continue
+        bad = {m for m in _imported_modules(path)
+               if m == "peregrine.testing" or m.startswith("peregrine.testing.")}
+        if bad:
+            offenders.append(f"{path.relative_to(PACKAGE.parent)}: {sorted(bad)}")
+    assert offenders == []
+
+
+def test_building_the_demo_model_loads_no_test_helper(tmp_path: Path) -> None:
+    code = ("import sys; from peregrine.config import EngineArgs; import peregrine.demo as d; "
+            "d.build_demo_model(sys.argv[1]); "
+            "print(sorted(m for m in sys.modules if m.startswith('peregrine.testing')))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "demo")], check=True,
+                         capture_output=True, text=True).stdout
+    assert out.strip() == "[]"
+    assert (tmp_path / "demo" / "model.safetensors").is_file()
