@@ -4,7 +4,15 @@ from __future__ import annotations
 from peregrine.config import EngineConfig
 from peregrine.executor.base import Executor, StepFuture
 
-__all__ = ["Executor", "StepFuture", "executor_class_for"]
+__all__ = ["Executor", "StepFuture", "UniprocExecutor", "executor_class_for"]
+
+
+def __getattr__(name: str):
+    # NOTE: imported on first use: the workers pull in torch and the model code.
+    if name == "UniprocExecutor":
+        from peregrine.executor.uniproc import UniprocExecutor
+        return UniprocExecutor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def executor_class_for(config: EngineConfig) -> type[Executor]:

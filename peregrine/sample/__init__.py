@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from peregrine.sample.logprobs import LogprobsTensors, compute_token_logprobs
-from peregrine.sample.metadata import SamplingMetadata, build_sampling_metadata
+from peregrine.sample.metadata import SamplingMetadata, SamplingRows, build_sampling_metadata
 from peregrine.sample.sampler import Sampler, SamplerOutput
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "Sampler",
     "SamplerOutput",
     "SamplingMetadata",
+    "SamplingRows",
     "build_sampling_metadata",
     "compute_token_logprobs",
 ]

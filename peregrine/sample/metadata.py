@@ -1,19 +1,27 @@
-"""Per-step sampling tensors for a batch of requests, plus host-side flags that let the sampler skip stages."""
+"""Sampling metadata: per-row settings kept across steps, and each step's tensors built from them.
+
+`SamplingRows` holds the sampling settings of a persistent batch's rows as host arrays (set once when
+a request arrives), the device-side penalty state of the rows that use penalties, and each row's
+logit_bias and min_tokens bans. A step's `SamplingMetadata` is cut from those rows: the per-row
+tensors go to the device once per batch composition and are reused while it does not change; per
+step only the sampling step indices (and min_tokens bans, while a row is below its minimum) move.
+"""
 from __future__ import annotations
 
-import itertools
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from peregrine.engine.request import Request
+from peregrine.sample.penalties import PenaltyPool
+from peregrine.sampling_params import SamplingParams
 
 _U64 = (1 << 64) - 1
+_GREEDY_TEMPERATURE = 1e-5  # SamplingParams.is_greedy: temperature below this
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32,
+                 np.dtype(np.bool_): torch.bool}
 
 
 @dataclass
@@ -30,12 +38,14 @@ class SamplingMetadata:
     min_p: torch.Tensor  # (B,) float32 in [0, 1]; 0: disabled
     seeds: torch.Tensor  # (B,) int64: the request's seed, wrapped to 64 bits
     steps: torch.Tensor  # (B,) int64: output tokens so far; keys the random stream of this step
-    # Penalties: None unless some row uses them.
-    presence_penalties: torch.Tensor | None = None  # (B,) float32
-    frequency_penalties: torch.Tensor | None = None  # (B,) float32
-    repetition_penalties: torch.Tensor | None = None  # (B,) float32
-    prompt_token_mask: torch.Tensor | None = field(default=None, repr=False)  # (B, V) bool: in the prompt
-    output_token_counts: torch.Tensor | None = field(default=None, repr=False)  # (B, V) int32: output counts
+    # Penalties: None unless some row uses them; only the P rows that do are touched.
+    penalty_rows: torch.Tensor | None = None  # (P,) int64: rows of this batch
+    penalty_slots: torch.Tensor | None = None  # (P,) int64: their slots in the two pools below
+    presence_penalties: torch.Tensor | None = None  # (P,) float32
+    frequency_penalties: torch.Tensor | None = None  # (P,) float32
+    repetition_penalties: torch.Tensor | None = None  # (P,) float32
+    prompt_token_mask: torch.Tensor | None = field(default=None, repr=False)  # (N, V) bool pool
+    output_token_counts: torch.Tensor | None = field(default=None, repr=False)  # (N, V) int32 pool
     # min_tokens: (row, token) pairs whose logit is set to -inf this step. None when nothing is banned.
     banned_rows: torch.Tensor | None = None  # (N,) int64
     banned_tokens: torch.Tensor | None = None  # (N,) int64
@@ -57,10 +67,6 @@ class SamplingMetadata:
     any_logit_bias: bool = False
     max_num_logprobs: int | None = None  # K: largest `logprobs` in the batch; None: nobody asked
 
-    @property
-    def batch_size(self) -> int:
-        return int(self.temperature.shape[0])
-
 
 def seed_to_int64(seed: int) -> int:
     """Wrap any Python int seed to the signed 64-bit range (same bits modulo 2**64)."""
@@ -68,177 +74,218 @@ def seed_to_int64(seed: int) -> int:
     return s - (1 << 64) if s >= (1 << 63) else s
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    cpu = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        # NOTE: pinned + non_blocking keeps the copy off the host's critical path (no sync).
-        return cpu.pin_memory().to(device, non_blocking=True)
-    return cpu.to(device)
+def upload(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Device copies of small host arrays, sent in one copy that does not wait for queued work."""
+    offsets, total = [], 0
+    for a in arrays:
+        # NOTE: 8-byte aligned offsets, so every view keeps its dtype's alignment.
+        offsets.append(total)
+        total += -(-a.nbytes // 8) * 8
+    host = torch.empty(max(total, 8), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    buf = host.numpy()
+    for a, off in zip(arrays, offsets):
+        buf[off:off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    # NOTE: pinned + non_blocking: the copy is queued behind the running step, the host goes on.
+    dev = host.to(device, non_blocking=True) if device.type != "cpu" else host
+    return [dev[off:off + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
+            for a, off in zip(arrays, offsets)]
 
 
-def _token_rows(token_lists: list[list[int]], rows: list[int], device: torch.device,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flatten per-row token lists into (row index, token id) tensors on `device`."""
-    lengths = [len(t) for t in token_lists]
-    total = sum(lengths)
-    flat = np.empty((2, total), dtype=np.int64)  # (2, N): row index, token id
-    flat[0] = np.repeat(np.asarray(rows, dtype=np.int64), lengths)
-    flat[1] = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=total)
-    cpu = torch.from_numpy(flat)
-    out = cpu.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else cpu
-    return out[0], out[1]
+@dataclass
+class _Composition:
+    """The part of a step's metadata that depends only on which rows sample, in which order."""
+
+    key: tuple[int, bytes]
+    meta: SamplingMetadata  # steps and bans unset
+    min_token_rows: np.ndarray  # (R,) batch rows with min_tokens > 0
+    min_token_limits: np.ndarray  # (R,) their min_tokens
+    min_token_bans: list[np.ndarray]  # their banned token ids
 
 
-def _build_penalty_counts(requests: list[Request], rows: list[int], vocab_size: int,
-                          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, V) prompt-occurrence mask and output counts, filled only for `rows`."""
-    batch = len(requests)
-    # NOTE: one spare column V collects out-of-range ids, so nothing is filtered with a (syncing) mask.
-    prompt_mask = torch.zeros(batch, vocab_size + 1, dtype=torch.bool, device=device)  # (B, V+1)
-    counts = torch.zeros(batch, vocab_size + 1, dtype=torch.int32, device=device)  # (B, V+1)
-    if rows:
-        r, t = _token_rows([requests[i].prompt_token_ids for i in rows], rows, device)
-        prompt_mask.index_put_((r, t.clamp(0, vocab_size)), torch.ones((), dtype=torch.bool, device=device))
-        r, t = _token_rows([requests[i].output_token_ids for i in rows], rows, device)
-        counts.index_put_((r, t.clamp(0, vocab_size)), torch.ones((), dtype=torch.int32, device=device),
-                          accumulate=True)
-    return prompt_mask[:, :vocab_size], counts[:, :vocab_size]
+class SamplingRows:
+    """Sampling settings of up to `max_rows` persistent rows, and the step metadata cut from them."""
+
+    _ARRAYS = ("temperature", "greedy", "top_k", "top_p", "min_p", "presence", "frequency",
+               "repetition", "seed", "min_tokens", "num_logprobs", "penalty_slot", "has_bias")
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device | str) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        n = max_rows
+        # NOTE: greedy rows hold neutral values; their token is the argmax, whatever the filters say.
+        self.temperature = np.ones(n, np.float32)  # (R,)
+        self.greedy = np.zeros(n, np.bool_)  # (R,)
+        self.top_k = np.zeros(n, np.int64)  # (R,) clamped to V; 1 on greedy rows
+        self.top_p = np.ones(n, np.float32)  # (R,)
+        self.min_p = np.zeros(n, np.float32)  # (R,)
+        self.presence = np.zeros(n, np.float32)  # (R,)
+        self.frequency = np.zeros(n, np.float32)  # (R,)
+        self.repetition = np.ones(n, np.float32)  # (R,)
+        self.seed = np.zeros(n, np.int64)  # (R,)
+        self.min_tokens = np.zeros(n, np.int64)  # (R,)
+        self.num_logprobs = np.full(n, -1, np.int64)  # (R,) -1: no logprobs
+        self.penalty_slot = np.full(n, -1, np.int64)  # (R,) -1: no penalties
+        self.has_bias = np.zeros(n, np.bool_)  # (R,)
+        self.bans: list[np.ndarray | None] = [None] * n  # min_tokens: stop and eos ids
+        self.bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * n  # (tokens, values)
+        self.penalties = PenaltyPool(vocab_size, self.device)
+        self.version = 0  # bumped whenever a row changes: cached compositions are then stale
+        self._composition: _Composition | None = None
+
+    # ---- rows ---------------------------------------------------------------------------------
+    def add_row(self, row: int, params: SamplingParams, seed: int, eos_token_ids: Sequence[int],
+                prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
+        """Fill `row` for a request (output_token_ids: what it generated before, on a resume)."""
+        p, vocab = params, self.vocab_size
+        greedy = p.temperature < _GREEDY_TEMPERATURE
+        self.greedy[row] = greedy
+        self.temperature[row] = 1.0 if greedy else p.temperature
+        self.top_k[row] = 1 if greedy else min(p.top_k, vocab)
+        self.top_p[row] = 1.0 if greedy else p.top_p
+        self.min_p[row] = 0.0 if greedy else p.min_p
+        self.presence[row], self.frequency[row] = p.presence_penalty, p.frequency_penalty
+        self.repetition[row] = p.repetition_penalty
+        self.seed[row] = seed_to_int64(seed)
+        self.min_tokens[row] = p.min_tokens
+        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        has_penalty = (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                       or p.frequency_penalty != 0.0)
+        self.penalty_slot[row] = (self.penalties.acquire(prompt_token_ids, output_token_ids)
+                                  if has_penalty else -1)
+        bans = None
+        if p.min_tokens > 0:
+            banned = set(p.stop_token_ids or ())
+            if not p.ignore_eos:
+                banned.update(eos_token_ids)
+            bans = np.array(sorted(t for t in banned if 0 <= t < vocab), dtype=np.int64)
+        self.bans[row] = bans
+        bias = {t: v for t, v in (p.logit_bias or {}).items() if 0 <= t < vocab}
+        self.bias[row] = ((np.fromiter(bias.keys(), np.int64, len(bias)),
+                           np.fromiter(bias.values(), np.float32, len(bias))) if bias else None)
+        self.has_bias[row] = bool(bias)
+        self.version += 1
+
+    def remove_row(self, row: int) -> None:
+        """Forget `row` (its penalty slot is freed)."""
+        if self.penalty_slot[row] >= 0:
+            self.penalties.release(int(self.penalty_slot[row]))
+        self._clear(row)
+        self.version += 1
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Move the settings of `src` to the empty row `dst` (the penalty slot goes with them)."""
+        for name in self._ARRAYS:
+            arr = getattr(self, name)
+            arr[dst] = arr[src]
+        self.bans[dst], self.bias[dst] = self.bans[src], self.bias[src]
+        self._clear(src)
+        self.version += 1
+
+    def _clear(self, row: int) -> None:
+        self.penalty_slot[row] = -1
+        self.has_bias[row] = False
+        self.bans[row] = self.bias[row] = None
+
+    # ---- one step -----------------------------------------------------------------------------
+    def metadata(self, rows: np.ndarray, steps: np.ndarray) -> SamplingMetadata:
+        """The metadata of a step sampling `rows` (logits row b = rows[b]) at token index `steps`.
+
+        steps[b]: the number of output tokens before the one sampled now (keys the random stream
+        and min_tokens).
+        """
+        rows = np.asarray(rows, dtype=np.int64)
+        steps = np.asarray(steps, dtype=np.int64)
+        if rows.size == 0:
+            raise ValueError("sampling metadata needs at least one row")
+        if steps.shape != rows.shape:
+            raise ValueError(f"steps has {steps.size} entries for {rows.size} rows")
+        key = (self.version, rows.tobytes())
+        comp = self._composition
+        if comp is None or comp.key != key:
+            comp = self._composition = self._build_composition(key, rows)
+        arrays = [steps]
+        below = np.flatnonzero(steps[comp.min_token_rows] < comp.min_token_limits)
+        if below.size:
+            bans = [comp.min_token_bans[i] for i in below]
+            ban_rows = np.repeat(comp.min_token_rows[below], [b.size for b in bans])
+            arrays.append(np.stack([ban_rows, np.concatenate(bans)]))  # (2, N)
+        dev = upload(arrays, self.device)
+        meta = dataclasses.replace(comp.meta, steps=dev[0])
+        if below.size and dev[1].shape[1]:
+            meta.any_min_tokens = True
+            meta.banned_rows, meta.banned_tokens = dev[1][0], dev[1][1]
+        return meta
+
+    def record_sampled(self, meta: SamplingMetadata, sampled: torch.Tensor) -> None:
+        """Count the step's sampled tokens (B,) into the penalty rows' output counts, on the device."""
+        if meta.penalty_rows is not None:
+            self.penalties.record(meta.penalty_slots, sampled.index_select(0, meta.penalty_rows))
+
+    def _build_composition(self, key: tuple[int, bytes], rows: np.ndarray) -> _Composition:
+        greedy = self.greedy[rows]  # (B,)
+        sampled = ~greedy
+        top_k = self.top_k[rows]  # (B,)
+        sampled_top_k = top_k[sampled]
+        slots = self.penalty_slot[rows]  # (B,)
+        pen = np.flatnonzero(slots >= 0)  # (P,)
+        pen_src = rows[pen]
+        biased = np.flatnonzero(self.has_bias[rows])  # (M rows,)
+        arrays = [np.stack([top_k, self.seed[rows]]),
+                  np.stack([self.temperature[rows], self.top_p[rows], self.min_p[rows]]),
+                  greedy,
+                  np.stack([pen, slots[pen]]),
+                  np.stack([self.presence[pen_src], self.frequency[pen_src],
+                            self.repetition[pen_src]])]
+        if biased.size:
+            parts = [self.bias[r] for r in rows[biased]]
+            counts = [t.size for t, _ in parts]
+            arrays.append(np.stack([np.repeat(biased, counts), np.concatenate([t for t, _ in parts])]))
+            arrays.append(np.concatenate([v for _, v in parts]))
+        dev = upload(arrays, self.device)
+        logprobs = self.num_logprobs[rows]
+        meta = SamplingMetadata(
+            temperature=dev[1][0], greedy_mask=dev[2] if greedy.any() else None, top_k=dev[0][0],
+            top_p=dev[1][1], min_p=dev[1][2], seeds=dev[0][1], steps=dev[0][1],
+            all_greedy=not sampled.any(),
+            any_top_k=bool((sampled_top_k > 0).any()),
+            all_top_k=bool(sampled.any() and (sampled_top_k > 0).all()),
+            max_top_k=int(sampled_top_k.max(initial=0)),
+            any_top_p=bool((self.top_p[rows][sampled] < 1.0).any()),
+            any_min_p=bool((self.min_p[rows][sampled] > 0.0).any()),
+            max_num_logprobs=int(logprobs.max()) if (logprobs >= 0).any() else None)
+        if pen.size:
+            meta.any_penalties = True
+            meta.any_repetition_penalty = bool((self.repetition[pen_src] != 1.0).any())
+            meta.any_presence_frequency = bool(((self.presence[pen_src] != 0.0)
+                                                | (self.frequency[pen_src] != 0.0)).any())
+            meta.penalty_rows, meta.penalty_slots = dev[3][0], dev[3][1]
+            meta.presence_penalties, meta.frequency_penalties, meta.repetition_penalties = dev[4]
+            meta.prompt_token_mask = self.penalties.prompt_mask
+            meta.output_token_counts = self.penalties.counts
+        if biased.size and dev[6].numel():
+            meta.any_logit_bias = True
+            meta.bias_rows, meta.bias_tokens, meta.bias_values = dev[5][0], dev[5][1], dev[6]
+        mt = np.flatnonzero(self.min_tokens[rows] > 0)
+        return _Composition(key, meta, mt, self.min_tokens[rows[mt]],
+                            [self.bans[r] for r in rows[mt]])
 
 
-# Per-request values the step needs, each read by one C-level call per request.
-_PARAMS = attrgetter("sampling_params")
-_OUTPUT_IDS = attrgetter("output_token_ids")
-_SEED = attrgetter("seed")
-_BIAS = attrgetter("logit_bias")
-_ROW = attrgetter("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                  "repetition_penalty", "min_tokens", "logprobs")
-_TEMP, _TOP_K, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION, _MIN_TOKENS, _LOGPROBS = range(9)
-_GREEDY_TEMPERATURE = 1e-5  # SamplingParams.is_greedy: temperature below this
-
-
-def _has_penalty(row: tuple) -> bool:
-    return row[_REPETITION] != 1.0 or row[_PRESENCE] != 0.0 or row[_FREQUENCY] != 0.0
-
-
-def _seeds(requests: list[Request]) -> list[int]:
-    seeds = list(map(_SEED, requests))
-    if min(seeds) < -(1 << 63) or max(seeds) >= (1 << 63):
-        seeds = [seed_to_int64(s) for s in seeds]
-    return seeds
-
-
-def _banned_pairs(requests: list[Request], rows: list[int], vocab_size: int) -> tuple[list[int], list[int]]:
-    """(row, token) pairs min_tokens bans this step, for the (few) rows still below their min_tokens."""
-    banned_rows: list[int] = []
-    banned_tokens: list[int] = []
-    for row in rows:
-        req = requests[row]
-        p = req.sampling_params
-        banned = set(p.stop_token_ids or ())
-        if not p.ignore_eos:
-            banned.update(req.eos_token_ids)
-        banned = sorted(t for t in banned if 0 <= t < vocab_size)
-        banned_rows.extend([row] * len(banned))
-        banned_tokens.extend(banned)
-    return banned_rows, banned_tokens
-
-
-def build_sampling_metadata(requests: list[Request], vocab_size: int, device: torch.device | str,
+def build_sampling_metadata(requests: Sequence, vocab_size: int, device: torch.device | str,
                             steps: Sequence[int] | None = None) -> SamplingMetadata:
-    """Build the step's sampling tensors for `requests` (row b = requests[b]) on `device`.
+    """One-off metadata for request-like objects (row b = requests[b]), through `SamplingRows`.
 
-    steps: per row, the number of output tokens before the one sampled now (keys the random stream and
-    min_tokens); default len(req.output_token_ids), which lags by one while a token is still in flight.
+    Each object has sampling_params, seed, eos_token_ids, prompt_token_ids and output_token_ids.
+    steps: per row, the number of output tokens before the one sampled now (default: the length of
+    output_token_ids).
     """
-    device = torch.device(device)
     if not requests:
         raise ValueError("build_sampling_metadata needs at least one request")
-    batch = len(requests)
     if steps is None:
-        steps = list(map(len, map(_OUTPUT_IDS, requests)))
-    elif len(steps) != batch:
-        raise ValueError(f"steps has {len(steps)} entries for {batch} requests")
-    rows = list(map(_ROW, map(_PARAMS, requests)))  # one tuple of settings per request
-    # NOTE: the host flags depend only on the distinct settings: one row in the common uniform batch.
-    uniform = rows.count(rows[0]) == batch
-    distinct = [rows[0]] if uniform else list(dict.fromkeys(rows))
-    sampled = [r for r in distinct if r[_TEMP] >= _GREEDY_TEMPERATURE]
-    top_ks = [min(r[_TOP_K], vocab_size) for r in sampled]  # 0: no top-k
-    any_penalties = any(map(_has_penalty, distinct))
-    requested = [r[_LOGPROBS] for r in distinct if r[_LOGPROBS] is not None]
-
-    # NOTE: one buffer holds every per-row value: on CUDA it is allocated pinned and filled in place,
-    # then sent in one non-blocking copy (no sync); the tensors below are views of its device copy.
-    n_int, n_float = 3 * 8 * batch, 6 * 4 * batch
-    host = torch.empty(n_int + n_float + batch, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    buf = host.numpy()
-    ints = buf[:n_int].view(np.int64).reshape(3, batch)  # top_k, seed, step
-    floats = buf[n_int:n_int + n_float].view(np.float32).reshape(6, batch)  # temp, top_p, min_p, penalties
-    greedy = buf[n_int + n_float:].view(np.bool_)  # (B,)
-    ints[1] = _seeds(requests)
-    ints[2] = steps
-    # NOTE: greedy rows get neutral values; their token is the argmax, whatever the filters say.
-    if uniform:  # plain scalars, broadcast
-        r = rows[0]
-        greedy[:] = is_greedy = not sampled
-        ints[0] = 1 if is_greedy else min(r[_TOP_K], vocab_size)
-        floats[:3] = np.array([[1.0], [1.0], [0.0]] if is_greedy else [[r[_TEMP]], [r[_TOP_P]], [r[_MIN_P]]])
-        floats[3:] = np.array([[r[_PRESENCE]], [r[_FREQUENCY]], [r[_REPETITION]]])
-    else:
-        cols = list(zip(*rows))  # one tuple per field
-        greedy[:] = np.less(cols[_TEMP], _GREEDY_TEMPERATURE)
-        ints[0] = np.where(greedy, 1, np.minimum(cols[_TOP_K], vocab_size))
-        floats[0] = np.where(greedy, 1.0, cols[_TEMP])
-        floats[1] = np.where(greedy, 1.0, cols[_TOP_P])
-        floats[2] = np.where(greedy, 0.0, cols[_MIN_P])
-        floats[3], floats[4], floats[5] = cols[_PRESENCE], cols[_FREQUENCY], cols[_REPETITION]
-    dev = host.to(device, non_blocking=True) if device.type != "cpu" else host
-    top_k_t, seeds_t, steps_t = dev[:n_int].view(torch.int64).view(3, batch).unbind(0)
-    temp_t, top_p_t, min_p_t, presence_t, frequency_t, repetition_t = (
-        dev[n_int:n_int + n_float].view(torch.float32).view(6, batch).unbind(0))
-    meta = SamplingMetadata(
-        temperature=temp_t,
-        greedy_mask=dev[n_int + n_float:].view(torch.bool) if len(sampled) < len(distinct) else None,
-        top_k=top_k_t,
-        top_p=top_p_t,
-        min_p=min_p_t,
-        seeds=seeds_t,
-        steps=steps_t,
-        all_greedy=not sampled,
-        any_top_k=any(top_ks),
-        all_top_k=bool(top_ks) and all(top_ks),
-        max_top_k=max(top_ks, default=0),
-        any_top_p=any(r[_TOP_P] < 1.0 for r in sampled),
-        any_min_p=any(r[_MIN_P] > 0.0 for r in sampled),
-        any_penalties=any_penalties,
-        any_repetition_penalty=any(r[_REPETITION] != 1.0 for r in distinct),
-        any_presence_frequency=any(r[_PRESENCE] != 0.0 or r[_FREQUENCY] != 0.0 for r in distinct),
-        max_num_logprobs=max(requested, default=None),
-    )
-    if any_penalties:
-        meta.presence_penalties, meta.frequency_penalties = presence_t, frequency_t
-        meta.repetition_penalties = repetition_t
-        penalty_rows = [i for i, r in enumerate(rows) if _has_penalty(r)]
-        meta.prompt_token_mask, meta.output_token_counts = _build_penalty_counts(
-            requests, penalty_rows, vocab_size, device)
-    biases = list(map(_BIAS, map(_PARAMS, requests)))
-    if any(biases):
-        b_rows, b_tokens, b_values = [], [], []
-        for row, bias in enumerate(biases):
-            for tok, value in (bias or {}).items():
-                if 0 <= tok < vocab_size:
-                    b_rows.append(row)
-                    b_tokens.append(tok)
-                    b_values.append(float(value))
-        if b_rows:
-            meta.any_logit_bias = True
-            meta.bias_rows, meta.bias_tokens = _to_device([b_rows, b_tokens], torch.int64, device)
-            meta.bias_values = _to_device(b_values, torch.float32, device)
-    if max(r[_MIN_TOKENS] for r in distinct) > 0:
-        banned_rows, banned_tokens = _banned_pairs(
-            requests, [i for i, (r, n) in enumerate(zip(rows, steps)) if n < r[_MIN_TOKENS]], vocab_size)
-        if banned_rows:
-            meta.any_min_tokens = True
-            meta.banned_rows, meta.banned_tokens = _to_device([banned_rows, banned_tokens], torch.int64,
-                                                              device)
-    return meta
+        steps = [len(r.output_token_ids) for r in requests]
+    elif len(steps) != len(requests):
+        raise ValueError(f"steps has {len(steps)} entries for {len(requests)} requests")
+    rows = SamplingRows(len(requests), vocab_size, device)
+    for i, r in enumerate(requests):
+        rows.add_row(i, r.sampling_params, r.seed, r.eos_token_ids, r.prompt_token_ids,
+                     r.output_token_ids)
+    return rows.metadata(np.arange(len(requests)), np.asarray(steps, dtype=np.int64))

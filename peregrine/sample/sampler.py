@@ -37,6 +37,9 @@ class SamplerOutput(NamedTuple):
     logprob_token_ids: torch.Tensor | None  # (B, K+1) int64: sampled token, then the top-K
     logprobs: torch.Tensor | None  # (B, K+1) float32, of the raw (unpenalised, untempered) distribution
     ranks: torch.Tensor | None  # (B,) int64: rank of the sampled token in the raw distribution
+    # (B, V) float32: the distribution each row was drawn from (after penalties, temperature and
+    # the top-k/top-p/min-p filter; one-hot on greedy rows). Only with return_probs=True.
+    probs: torch.Tensor | None = None
 
 
 def _filter_thresholds(vals: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -78,12 +81,16 @@ class Sampler:
         self.use_kernel = use_kernel
         self._token_hash_cache: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """Sample one token per row; `logits` is not modified."""
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
+                 return_probs: bool = False) -> SamplerOutput:
+        """Sample one token per row; `logits` is not modified.
+
+        return_probs: also return the (B, V) distribution each row was sampled from.
+        """
         if logits.dim() != 2:
             raise ValueError(f"logits must be (B, V), got shape {tuple(logits.shape)}")
         if self._uses_kernel(logits):
-            sampled = self._sample_fused(logits, meta)
+            x, sampled = self._sample_fused(logits, meta)
             raw = logits  # compute_token_logprobs upcasts by itself
         else:
             raw = logits if logits.dtype == torch.float32 else logits.float()  # (B, V)
@@ -95,10 +102,11 @@ class Sampler:
                 sampled = self._sample(x, meta)  # (B,)
                 if greedy is not None:
                     sampled = torch.where(meta.greedy_mask, greedy, sampled)
+        probs = self._probs(x, meta, sampled) if return_probs else None
         if meta.max_num_logprobs is None:
-            return SamplerOutput(sampled, None, None, None)
+            return SamplerOutput(sampled, None, None, None, probs)
         lp = compute_token_logprobs(raw, sampled, meta.max_num_logprobs)
-        return SamplerOutput(sampled, lp.token_ids, lp.logprobs, lp.ranks)
+        return SamplerOutput(sampled, lp.token_ids, lp.logprobs, lp.ranks, probs)
 
     def warm_up(self, vocab_size: int, device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
         """Compile the fused kernel's variants (with and without a threshold) before the first step."""
@@ -133,15 +141,35 @@ class Sampler:
             x.index_put_((meta.banned_rows, meta.banned_tokens), x.new_full((), _NEG_INF))
         if not meta.any_penalties:
             return x
-        counts = meta.output_token_counts  # (B, V) int32
+        # NOTE: only the P rows with penalties are gathered; their state lives in persistent pools.
+        rows, slots = meta.penalty_rows, meta.penalty_slots  # (P,), (P,)
+        y = x.index_select(0, rows)  # (P, V)
+        counts = meta.output_token_counts.index_select(0, slots)  # (P, V) int32
         if meta.any_repetition_penalty:
-            seen = meta.prompt_token_mask | (counts > 0)  # (B, V)
-            r = meta.repetition_penalties.unsqueeze(-1)  # (B, 1)
-            x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+            seen = meta.prompt_token_mask.index_select(0, slots) | (counts > 0)  # (P, V)
+            r = meta.repetition_penalties.unsqueeze(-1)  # (P, 1)
+            y = torch.where(seen, torch.where(y > 0, y / r, y * r), y)
         if meta.any_presence_frequency:
-            x -= meta.frequency_penalties.unsqueeze(-1) * counts
-            x -= meta.presence_penalties.unsqueeze(-1) * (counts > 0)
-        return x
+            y -= meta.frequency_penalties.unsqueeze(-1) * counts
+            y -= meta.presence_penalties.unsqueeze(-1) * (counts > 0)
+        return x.index_copy_(0, rows, y)
+
+    def _probs(self, x: torch.Tensor, meta: SamplingMetadata, sampled: torch.Tensor) -> torch.Tensor:
+        """(B, V) float32: softmax of the tempered logits `x` over each row's kept tokens; one-hot
+        rows for greedy rows."""
+        x = x.float()  # (B, V)
+        onehot = torch.zeros_like(x).scatter_(-1, sampled.unsqueeze(-1), 1.0)  # (B, V)
+        if meta.all_greedy:
+            return onehot
+        thr = self._threshold(x, meta)  # (B,) or None
+        xt = x / meta.temperature.unsqueeze(-1)  # (B, V)
+        if thr is not None:
+            # NOTE: the same keep test as the draw (tokens below the threshold never win).
+            xt.masked_fill_(xt < thr.unsqueeze(-1), _NEG_INF)
+        probs = xt.softmax(dim=-1)  # (B, V)
+        if meta.greedy_mask is not None:
+            probs = torch.where(meta.greedy_mask.unsqueeze(-1), onehot, probs)
+        return probs
 
     def _token_hash_table(self, vocab: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """(V,) token hashes: int64 for the torch path, int32 bits for the kernel; built once per device."""
@@ -196,8 +224,10 @@ class Sampler:
             scores.masked_fill_(x < thr.unsqueeze(-1), _NEG_INF)
         return scores.argmax(dim=-1)
 
-    def _sample_fused(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Same tokens as the torch path; noise, temperature, mask and argmax in one Triton pass."""
+    def _sample_fused(self, logits: torch.Tensor, meta: SamplingMetadata
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(penalised logits, tokens): the torch path's tokens; noise, temperature, mask and argmax
+        in one Triton pass."""
         # NOTE: imported here: triton.jit reads TRITON_INTERPRET when the kernel module is imported.
         from peregrine.kernels.sampling import gumbel_argmax
 
@@ -205,15 +235,15 @@ class Sampler:
         if meta.any_min_tokens or meta.any_penalties or meta.any_logit_bias:
             x = self.apply_penalties(logits.float(), meta)  # (B, V) float32
         if meta.all_greedy:
-            return x.argmax(dim=-1)
+            return x, x.argmax(dim=-1)
         if self._is_compact(meta):
             sampled = self._sample_compact(x.float(), meta)  # (B,)
             if meta.greedy_mask is not None:
                 sampled = torch.where(meta.greedy_mask, x.argmax(dim=-1), sampled)
-            return sampled
+            return x, sampled
         thr = self._threshold(x, meta)  # (B,) or None
         temp = meta.temperature  # (B,)
         if meta.greedy_mask is not None:
             temp = temp.masked_fill(meta.greedy_mask, 0.0)  # the kernel's marker for an argmax row
         table = self._token_hash_table(x.shape[-1], x.device, torch.int32)  # (V,)
-        return gumbel_argmax(x, temp, meta.seeds, meta.steps, table, thr)
+        return x, gumbel_argmax(x, temp, meta.seeds, meta.steps, table, thr)

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from peregrine.attention.metadata import AttentionMetadata
+from peregrine.worker.step_buffers import StepBuffers
 
-if TYPE_CHECKING:
-    from peregrine.worker.model_runner import ModelRunner
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 logger = logging.getLogger("peregrine")
 
@@ -32,15 +32,16 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    """Captures model + LM head over the runner's fixed device buffers; replays for padded batches."""
+    """Captures model + LM head over fixed device step buffers; replays for padded batches."""
 
-    def __init__(self, runner: ModelRunner) -> None:
-        if runner.config.attention_backend != "triton":
-            raise ValueError("CUDA graphs need attention_backend='triton' (the torch backend reads "
-                             "host metadata); pass enforce_eager=True to run without graphs")
-        self.runner = runner
-        # NOTE: a decode batch of B sequences is B tokens, so B is capped by the token budget too.
-        self.sizes = capture_sizes(min(runner.max_num_reqs, runner.max_num_tokens))
+    def __init__(self, model: nn.Module, buffers: StepBuffers, kv_caches: KVCaches,
+                 max_batch_size: int, max_model_len: int) -> None:
+        """max_batch_size: the largest decode batch (at most max_num_seqs and the token budget)."""
+        self.model = model
+        self.buffers = buffers
+        self.kv_caches = kv_caches
+        self.max_model_len = max_model_len
+        self.sizes = capture_sizes(max_batch_size)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -56,16 +57,16 @@ class CudaGraphRunner:
         return next(s for s in self.sizes if s >= num_seqs)
 
     def _meta(self, bs: int) -> AttentionMetadata:
-        buf = self.runner.buffers
+        buf = self.buffers
         return AttentionMetadata(
             num_actual_tokens=bs, num_decodes=bs, num_decode_tokens=bs, max_query_len=1,
-            max_seq_len=self.runner.config.scheduler.max_model_len,
+            max_seq_len=self.max_model_len,
             query_start_loc=buf.d_query_start_loc[:bs + 1], seq_lens=buf.d_seq_lens[:bs],
             block_table=buf.d_block_table[:bs], slot_mapping=buf.d_slot_mapping[:bs])
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        r, buf = self.runner, self.runner.buffers
+        model, buf = self.model, self.buffers
         n = self.sizes[-1]
         buf.d_input_ids[:n].zero_()
         buf.d_positions[:n].zero_()
@@ -77,8 +78,8 @@ class CudaGraphRunner:
             meta = self._meta(bs)
 
             def fwd(bs=bs, meta=meta) -> torch.Tensor:
-                hidden = r.model(buf.d_input_ids[:bs], buf.d_positions[:bs], r.kv_caches, meta)
-                return r.model.compute_logits(hidden)  # (bs, V)
+                hidden = model(buf.d_input_ids[:bs], buf.d_positions[:bs], self.kv_caches, meta)
+                return model.compute_logits(hidden)  # (bs, V)
 
             fwd()  # warm-up: Triton compiles and autotunes outside the capture
             torch.cuda.synchronize()
@@ -119,11 +120,13 @@ class PiecewiseGraphs:
     tests use, where CUDA graphs do not exist).
     """
 
-    def __init__(self, runner: ModelRunner, sizes: list[int], capture: bool = True) -> None:
+    def __init__(self, model: nn.Module, buffers: StepBuffers, kv_caches: KVCaches,
+                 sizes: list[int], capture: bool = True) -> None:
         if not sizes:
             raise ValueError("PiecewiseGraphs needs at least one size")
-        self.runner = runner
-        self.model = runner.model
+        self.model = model
+        self.buffers = buffers
+        self.kv_caches = kv_caches
         self.layers = list(self.model.layers)
         self.sizes = sorted(sizes)
         n = self.sizes[-1]
@@ -152,7 +155,7 @@ class PiecewiseGraphs:
 
     def _piece(self, i: int, n: int) -> None:
         """Piece i over the first n (padded) tokens of the step buffers."""
-        buf = self.runner.buffers
+        buf = self.buffers
         if i == 0:
             x, residual = self.model.embed_tokens(buf.d_input_ids[:n]), None  # (n, hidden)
         else:
@@ -164,15 +167,14 @@ class PiecewiseGraphs:
         q, k, v, residual = self.layers[i].pre_attention(buf.d_positions[:n], x, residual)
         # NOTE: K/V go to the cache inside the graph (padding slots are -1): the eager part
         # between pieces is the attention kernels alone.
-        self.layers[i].self_attn.attn.store(k, v, self.runner.kv_caches[i],
-                                            buf.d_slot_mapping[:n])
+        self.layers[i].self_attn.attn.store(k, v, self.kv_caches[i], buf.d_slot_mapping[:n])
         self.q[:n].copy_(q)
         self.residual[:n].copy_(residual)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
         # NOTE: warm-up runs store K/V: with every slot -1 they write nothing.
-        self.runner.buffers.d_slot_mapping[:self.sizes[-1]].fill_(-1)
+        self.buffers.d_slot_mapping[:self.sizes[-1]].fill_(-1)
         for n in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
             for i in range(len(self.layers) + 1):
                 self._piece(i, n)  # warm-up: Triton compiles, cuBLAS picks, outside the capture
@@ -193,10 +195,10 @@ class PiecewiseGraphs:
         padded to padded(num_tokens) (padding slots are -1 in meta.slot_mapping)."""
         n = self.padded(num_tokens)
         if meta.slot_mapping.shape[0] != n or \
-                meta.slot_mapping.data_ptr() != self.runner.buffers.d_slot_mapping.data_ptr():
+                meta.slot_mapping.data_ptr() != self.buffers.d_slot_mapping.data_ptr():
             raise ValueError(f"slot_mapping must be the step buffer's first {n} (padded) rows")
         graphs = self.graphs.get(n)
-        kv = self.runner.kv_caches
+        kv = self.kv_caches
         for i, layer in enumerate(self.layers):
             if graphs is None:
                 self._piece(i, n)

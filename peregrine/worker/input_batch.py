@@ -1,101 +1,185 @@
-"""Persistent host-side step state: per-request block-table rows and pinned step buffers."""
+"""The persistent input batch: every request the worker holds, one preallocated row each.
+
+A request's full data arrives once (NewRequestData); after that the worker keeps its tokens, block
+table, progress and sampling settings here and appends the tokens it samples itself. Rows are
+filled on arrival, emptied on finish or preemption, and `condense` moves the last rows into the
+holes, so rows 0..num_reqs-1 are the live ones.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from peregrine.attention.metadata import AttentionMetadata
-from peregrine.engine.request import Request
+from peregrine.messages import NewRequestData
+from peregrine.sample.metadata import SamplingRows
+from peregrine.sampling_params import SamplingParams
 
 
-class BlockTableRows:
-    """One block-table row per live request; each step copies only the blocks added since the last."""
+@dataclass
+class RequestState:
+    """What the worker keeps per request besides its row's arrays."""
 
-    def __init__(self, max_reqs: int, max_blocks: int) -> None:
-        # NOTE: twice max_num_seqs rows: preempted/finished rows are released a step late.
-        n = 2 * max_reqs + 8
-        self.table = np.zeros((n, max_blocks), np.int32)  # (R, max_blocks)
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    eos_token_ids: tuple[int, ...]
+
+
+class InputBatch:
+    """Per-row host arrays for up to max_num_reqs requests, and their sampling settings."""
+
+    # Per-row arrays that move with a row on condense (token ids and block table separately).
+    _ROW_ARRAYS = ("num_tokens", "num_known_tokens", "num_prompt_tokens", "num_computed_tokens",
+                   "num_blocks", "prompt_logprobs", "pending_step", "pending_index", "generation")
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
+                 vocab_size: int, device: torch.device) -> None:
+        n = max_num_reqs
+        self.max_num_reqs = n
+        self.max_model_len = max_model_len
+        # NOTE: one spare column: the in-flight placeholder of a request at max_model_len stays in bounds.
+        self.token_ids = np.zeros((n, max_model_len + 1), np.int32)  # (R, L+1) prompt, then outputs
+        self.num_tokens = np.zeros(n, np.int64)  # (R,) prompt + outputs, in-flight ones included
+        self.num_known_tokens = np.zeros(n, np.int64)  # (R,) leading tokens whose value is on the host
+        self.num_prompt_tokens = np.zeros(n, np.int64)  # (R,)
+        self.num_computed_tokens = np.zeros(n, np.int64)  # (R,) where this step's chunk starts
+        self.block_table = np.zeros((n, max_blocks_per_req), np.int32)  # (R, max_blocks)
         self.num_blocks = np.zeros(n, np.int64)  # (R,)
-        self._row_of: dict[str, int] = {}
-        self._free = list(range(n - 1, -1, -1))
+        self.prompt_logprobs = np.full(n, -1, np.int64)  # (R,) top-k of prompt logprobs; -1: none
+        # Async scheduling: a row whose last token is still on the device says which launched step
+        # sampled it (-1: none) and its index in that step's sampled tensor.
+        self.pending_step = np.full(n, -1, np.int64)  # (R,)
+        self.pending_index = np.zeros(n, np.int64)  # (R,)
+        self.generation = np.zeros(n, np.int64)  # (R,) tells a resumed request from its old self
+        self._num_added = 0
+        self.sampling = SamplingRows(n, vocab_size, device)
+        self.states: list[RequestState | None] = [None] * n
+        self.row_of: dict[str, int] = {}
+        self._holes: set[int] = set()  # empty rows below self._end
+        self._end = 0  # one past the highest occupied row
 
-    def sync(self, req: Request) -> int:
-        """The request's row, with any newly allocated blocks appended."""
-        row = self._row_of.get(req.request_id)
-        if row is None:
-            if not self._free:
-                raise RuntimeError("no free block-table rows (more live requests than max_num_seqs?)")
-            row = self._free.pop()
-            self._row_of[req.request_id] = row
-            self.num_blocks[row] = 0
-        have, now = int(self.num_blocks[row]), len(req.block_ids)
-        if now > have:
-            self.table[row, have:now] = req.block_ids[have:now]
-            self.num_blocks[row] = now
+    @property
+    def num_reqs(self) -> int:
+        return len(self.row_of)
+
+    def add_request(self, new: NewRequestData) -> int:
+        """Put a new (or resumed) request in the lowest free row; returns the row."""
+        if new.req_id in self.row_of:
+            raise ValueError(f"request {new.req_id!r} is already in the batch")
+        num_prompt, num_out = len(new.prompt_token_ids), len(new.output_token_ids)
+        num_tokens = num_prompt + num_out
+        if num_prompt == 0 or num_tokens > self.max_model_len:
+            raise ValueError(f"request {new.req_id!r} has {num_tokens} tokens ({num_prompt} in the "
+                             f"prompt); the limit is max_model_len={self.max_model_len}")
+        if len(new.block_ids) > self.block_table.shape[1]:
+            raise ValueError(f"request {new.req_id!r} has {len(new.block_ids)} blocks, more than "
+                             f"{self.block_table.shape[1]} per request")
+        if self._holes:
+            row = min(self._holes)
+            self._holes.remove(row)
+        elif self._end < self.max_num_reqs:
+            row = self._end
+            self._end += 1
+        else:
+            raise RuntimeError(f"the input batch is full ({self.max_num_reqs} requests)")
+        self.token_ids[row, :num_prompt] = new.prompt_token_ids
+        self.token_ids[row, num_prompt:num_tokens] = new.output_token_ids
+        self.num_tokens[row] = self.num_known_tokens[row] = num_tokens
+        self.num_prompt_tokens[row] = num_prompt
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self.block_table[row, :len(new.block_ids)] = new.block_ids
+        self.num_blocks[row] = len(new.block_ids)
+        p = new.sampling_params
+        self.prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        self.pending_step[row] = -1
+        self._num_added += 1
+        self.generation[row] = self._num_added
+        self.sampling.add_row(row, p, new.seed, new.eos_token_ids, new.prompt_token_ids,
+                              new.output_token_ids)
+        self.states[row] = RequestState(new.req_id, list(new.prompt_token_ids), p, new.seed,
+                                        tuple(new.eos_token_ids))
+        self.row_of[new.req_id] = row
         return row
 
-    def release(self, request_id: str) -> None:
-        row = self._row_of.pop(request_id, None)
-        if row is not None:
-            self._free.append(row)
+    def remove_request(self, req_id: str) -> bool:
+        """Empty the request's row; False if the batch does not hold it."""
+        row = self.row_of.pop(req_id, None)
+        if row is None:
+            return False
+        self.states[row] = None
+        self.sampling.remove_row(row)
+        self.pending_step[row] = -1
+        self._holes.add(row)
+        return True
 
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        """Blocks allocated to the row's request since the last step."""
+        have, now = int(self.num_blocks[row]), int(self.num_blocks[row]) + len(block_ids)
+        if now > self.block_table.shape[1]:
+            raise ValueError(f"request {self.states[row].req_id!r} would hold {now} blocks, more than "
+                             f"{self.block_table.shape[1]} per request")
+        self.block_table[row, have:now] = block_ids
+        self.num_blocks[row] = now
 
-class StepBuffers:
-    """Preallocated pinned host buffers (numpy views) and their device twins for one step."""
+    def condense(self) -> None:
+        """Move the last occupied rows into the holes so that rows 0..num_reqs-1 are live."""
+        while self._holes:
+            last = self._end - 1
+            if last in self._holes:  # trailing hole: just shrink
+                self._holes.remove(last)
+                self._end = last
+                continue
+            dst = min(self._holes)
+            self._holes.remove(dst)
+            self._move(last, dst)
+            self._end = last
 
-    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device) -> None:
-        pin = device.type == "cuda"
+    def _move(self, src: int, dst: int) -> None:
+        n, nb = int(self.num_tokens[src]), int(self.num_blocks[src])
+        self.token_ids[dst, :n] = self.token_ids[src, :n]
+        self.block_table[dst, :nb] = self.block_table[src, :nb]
+        for name in self._ROW_ARRAYS:
+            arr = getattr(self, name)
+            arr[dst] = arr[src]
+        self.pending_step[src] = -1
+        self.sampling.move_row(src, dst)
+        state = self.states[src]
+        self.states[dst], self.states[src] = state, None
+        self.row_of[state.req_id] = dst
 
-        def host(*shape: int, dtype=torch.int64) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+    # ---- the tokens the worker sampled --------------------------------------------------------
+    def append_placeholders(self, rows: np.ndarray, step_id: int) -> np.ndarray:
+        """Reserve the next token of each row for a sample of launched step `step_id`; returns the
+        positions (the values arrive with `fill_sampled`)."""
+        pos = self.num_tokens[rows].copy()  # (S,)
+        self.token_ids[rows, pos] = 0
+        self.num_tokens[rows] = pos + 1
+        self.pending_step[rows] = step_id
+        self.pending_index[rows] = np.arange(rows.size)
+        return pos
 
-        def dev(*shape: int, dtype=torch.int64) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=device)
+    def fill_sampled(self, req_ids: list[str], generations: np.ndarray, positions: np.ndarray,
+                     token_ids: list[int], step_id: int) -> None:
+        """Write the host values of launched step `step_id`'s samples into their rows (requests
+        dropped since the launch are skipped: a resumed one holds its own tokens)."""
+        rows = np.fromiter((self.row_of.get(r, -1) for r in req_ids), np.int64, len(req_ids))
+        safe = np.maximum(rows, 0)
+        ok = (rows >= 0) & (self.generation[safe] == generations)
+        rows, pos = rows[ok], positions[ok]
+        self.token_ids[rows, pos] = np.asarray(token_ids, np.int32)[ok]
+        # NOTE: steps are collected in launch order, so the known tokens grow contiguously.
+        self.num_known_tokens[rows] = np.maximum(self.num_known_tokens[rows], pos + 1)
+        self.pending_step[rows[self.pending_step[rows] == step_id]] = -1
 
-        self.device = device
-        self.input_ids = host(max_tokens)
-        self.positions = host(max_tokens)
-        self.slot_mapping = host(max_tokens)
-        self.seq_lens = host(max_reqs, dtype=torch.int32)
-        self.query_start_loc = host(max_reqs + 1, dtype=torch.int32)
-        self.block_table = host(max_reqs, max_blocks, dtype=torch.int32)
-        self.input_ids_np = self.input_ids.numpy()
-        self.positions_np = self.positions.numpy()
-        self.slot_mapping_np = self.slot_mapping.numpy()
-        self.seq_lens_np = self.seq_lens.numpy()
-        self.query_start_loc_np = self.query_start_loc.numpy()
-        self.block_table_np = self.block_table.numpy()
-        # Device copies live at fixed addresses so CUDA graphs can replay on them.
-        self.d_input_ids = dev(max_tokens)
-        self.d_positions = dev(max_tokens)
-        self.d_slot_mapping = dev(max_tokens)
-        self.d_seq_lens = dev(max_reqs, dtype=torch.int32)
-        self.d_query_start_loc = dev(max_reqs + 1, dtype=torch.int32)
-        self.d_block_table = dev(max_reqs, max_blocks, dtype=torch.int32)
+    def output_token_ids(self, req_id: str) -> list[int]:
+        """The request's output tokens (an in-flight one reads 0 until its step is collected)."""
+        row = self.row_of[req_id]
+        return self.token_ids[row, self.num_prompt_tokens[row]:self.num_tokens[row]].tolist()
 
-    def to_device(self, t: int, b: int, width: int, pad_t: int | None = None,
-                  pad_b: int | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Copy the first t tokens / b sequences to the device; rows up to pad_t/pad_b are padding."""
-        pt, pb = pad_t or t, pad_b or b
-        if pt > t:
-            self.slot_mapping_np[t:pt] = -1  # padding tokens write nothing
-            self.input_ids_np[t:pt] = 0
-            self.positions_np[t:pt] = 0
-        if pb > b:
-            self.seq_lens_np[b:pb] = 0
-            self.query_start_loc_np[b + 1:pb + 1] = self.query_start_loc_np[b]
-        nb = self.device.type == "cuda"
-        self.d_input_ids[:pt].copy_(self.input_ids[:pt], non_blocking=nb)
-        self.d_positions[:pt].copy_(self.positions[:pt], non_blocking=nb)
-        self.d_slot_mapping[:pt].copy_(self.slot_mapping[:pt], non_blocking=nb)
-        self.d_seq_lens[:pb].copy_(self.seq_lens[:pb], non_blocking=nb)
-        self.d_query_start_loc[:pb + 1].copy_(self.query_start_loc[:pb + 1], non_blocking=nb)
-        # NOTE: whole rows, so source and destination are contiguous: a strided host source would
-        # go through a pageable temporary, and a pageable copy waits for the in-flight step.
-        self.d_block_table[:b].copy_(self.block_table[:b], non_blocking=nb)
-        meta = AttentionMetadata(
-            num_actual_tokens=t, num_decodes=0, num_decode_tokens=0, max_query_len=0, max_seq_len=0,
-            query_start_loc=self.d_query_start_loc[:pb + 1], seq_lens=self.d_seq_lens[:pb],
-            block_table=self.d_block_table[:pb], slot_mapping=self.d_slot_mapping[:pt],
-            query_start_loc_cpu=self.query_start_loc[:pb + 1], seq_lens_cpu=self.seq_lens[:pb])
-        return self.d_input_ids[:pt], self.d_positions[:pt], meta
+    def block_ids(self, req_id: str) -> list[int]:
+        """The request's KV block ids, in order."""
+        row = self.row_of[req_id]
+        return self.block_table[row, :self.num_blocks[row]].tolist()

@@ -2,14 +2,11 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
 from peregrine.config import EngineConfig, ModelConfig
-
-if TYPE_CHECKING:
-    from peregrine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("peregrine")
 GiB = 1 << 30
@@ -29,16 +26,20 @@ def allocate_kv_caches(mc: ModelConfig, num_blocks: int, block_size: int,
              torch.zeros(shape, dtype=mc.dtype, device=device)) for _ in range(mc.num_layers)]
 
 
-def determine_num_blocks(runner: ModelRunner, config: EngineConfig) -> int:
-    """Pool size: the override, else CPU memory budget, else profiled free GPU memory."""
+def determine_num_blocks(config: EngineConfig, device: torch.device,
+                         profile: Callable[[], None]) -> int:
+    """Pool size: the override, else CPU memory budget, else profiled free GPU memory.
+
+    profile: runs the worst-case step on `device` (with the model loaded and no KV cache yet).
+    """
     cc, mc = config.cache, config.model
     per_block = bytes_per_block(mc, cc.block_size)
     if cc.num_gpu_blocks_override is not None:
         num_blocks = cc.num_gpu_blocks_override
-    elif runner.device.type != "cuda":
+    elif device.type != "cuda":
         num_blocks = int(cc.cpu_kv_cache_gb * GiB) // per_block
     else:
-        num_blocks = _profile_gpu_blocks(runner, config, per_block)
+        num_blocks = _profile_gpu_blocks(device, config, per_block, profile)
     need = -(-mc.max_model_len // cc.block_size)
     tokens = num_blocks * cc.block_size
     logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens); max concurrency at "
@@ -47,7 +48,7 @@ def determine_num_blocks(runner: ModelRunner, config: EngineConfig) -> int:
     if num_blocks < 1:
         raise ValueError("no memory is left for the KV cache: lower max_num_batched_tokens or "
                          "raise gpu_memory_utilization / cpu_kv_cache_gb")
-    if runner.device.type == "cuda" and cc.num_gpu_blocks_override is None and num_blocks < need:
+    if device.type == "cuda" and cc.num_gpu_blocks_override is None and num_blocks < need:
         raise ValueError(
             f"the KV cache holds {tokens} tokens but one request of max_model_len={mc.max_model_len} "
             f"needs {need * cc.block_size}: lower --max-model-len or raise --gpu-memory-utilization")
@@ -55,14 +56,13 @@ def determine_num_blocks(runner: ModelRunner, config: EngineConfig) -> int:
 
 
 @torch.inference_mode()
-def _profile_gpu_blocks(runner: ModelRunner, config: EngineConfig, per_block: int) -> int:
+def _profile_gpu_blocks(dev: torch.device, config: EngineConfig, per_block: int,
+                        profile: Callable[[], None]) -> int:
     """(total x utilization - weights - peak activations - non-torch memory) / bytes per block."""
-    dev = runner.device
     torch.cuda.synchronize(dev)
     weights = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
-    from peregrine.worker.profile import profile_run
-    profile_run(runner)
+    profile()
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev)
     free, total = torch.cuda.mem_get_info(dev)

@@ -1,264 +1,215 @@
-"""ModelRunner: turns a SchedulerOutput into one flat forward pass, samples, and returns token ids."""
+"""ModelRunner: turns a SchedulerOutput into one flat forward pass, samples, and returns token ids.
+
+The runner keeps every request it was sent in a persistent InputBatch and appends the tokens it
+samples itself. With async scheduling a step may be launched before the previous one is collected:
+a decode whose input token that step is still sampling reads it from the step's device tensor.
+"""
 from __future__ import annotations
 
-import logging
-import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
-from peregrine.attention import get_attention_backend
-from peregrine.attention.metadata import AttentionMetadata
 from peregrine.config import EngineConfig
-from peregrine.engine.request import Request
-from peregrine.engine.scheduler import SchedulerOutput
+from peregrine.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from peregrine.sample.logprobs import compute_token_logprobs
-from peregrine.sample.metadata import build_sampling_metadata
 from peregrine.sample.sampler import Sampler
-from peregrine.worker.input_batch import BlockTableRows, StepBuffers
-from peregrine.worker.kv_memory import allocate_kv_caches, determine_num_blocks
-from peregrine.worker.loader import load_model, set_fused_kernels
-
-logger = logging.getLogger("peregrine")
-
-
-@dataclass
-class TokenLogprobs:
-    """Top-N logprobs of consecutive positions: ids[i][0] is the chosen token, ids[i][1:] the top-N."""
-
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]
+from peregrine.worker.cuda_graphs import CudaGraphRunner, KVCaches, PiecewiseGraphs
+from peregrine.worker.input_batch import InputBatch
+from peregrine.worker.step_buffers import StepBuffers
+from peregrine.worker.step_plan import StepPlan, plan_step
 
 
 @dataclass
-class ModelRunnerOutput:
-    sampled_token_ids: list[list[int]]  # parallel to SchedulerOutput.scheduled_requests
-    logprobs: dict[str, TokenLogprobs]  # request id -> logprobs of this step's sampled token
-    prompt_logprobs: dict[str, TokenLogprobs]  # request id -> logprobs of this chunk's prompt tokens
+class StepHandle:
+    """A launched step: what it scheduled and where its results will land."""
+
+    step_id: int
+    req_ids: list[str]  # the scheduler's order
+    sample_order: list[int]  # scheduler index of each sampled row, in sampler row order
+    sample_req_ids: list[str]  # the sampled rows' requests
+    sample_generations: np.ndarray  # (S,) their batch generations at launch
+    sample_positions: np.ndarray  # (S,) where their tokens go
+    num_logprobs: list[int]  # per sampled row: its `logprobs` (-1: none)
+    prompt_lp: list[tuple[str, int, int]]  # (request id, positions, top-k) per prompt-logprobs chunk
+    host: dict[str, torch.Tensor]  # device->host copies in flight (pinned on CUDA)
+    event: torch.cuda.Event | None  # recorded after the copies
 
 
 class ModelRunner:
-    """Owns the model, the KV cache pool and the preallocated step buffers on one device."""
+    """Owns prepare -> forward -> sample on one device: the input batch, step buffers, sampler."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
         self.config = config
-        mc = config.model
-        self.device = torch.device(config.device)
-        self.block_size = config.cache.block_size
-        self.vocab_size = mc.vocab_size
-        self.backend = get_attention_backend(config.attention_backend)
-        self.model = load_model(mc, self.backend, self.device)
-        if self.device.type == "cuda" and os.environ.get("PEREGRINE_FUSED_KERNELS", "1") != "0":
-            set_fused_kernels(self.model, True)
+        self.model = model
+        self.device = device
         sc = config.scheduler
+        self.block_size = config.cache.block_size
+        self.vocab_size = config.model.vocab_size
         self.max_num_tokens = sc.max_num_batched_tokens
         self.max_num_reqs = sc.max_num_seqs
         self.max_blocks_per_req = -(-sc.max_model_len // self.block_size)
-        self.rows = BlockTableRows(self.max_num_reqs, self.max_blocks_per_req)
+        self.batch = InputBatch(self.max_num_reqs, sc.max_model_len, self.max_blocks_per_req,
+                                self.vocab_size, device)
         self.buffers = StepBuffers(self.max_num_tokens, self.max_num_reqs, self.max_blocks_per_req,
-                                   self.device)
+                                   device)
         self.sampler = Sampler()
-        self.num_blocks = determine_num_blocks(self, config)
-        self.kv_caches = allocate_kv_caches(mc, self.num_blocks, self.block_size, self.device)
-        self.graphs = None
-        self.prefill_graphs = None
-        # Async scheduling: the previous step's sampled tokens (device) and each request's row.
-        self._prev_sampled: torch.Tensor | None = None
-        self._prev_rows: dict[str, int] = {}
-        self._inputs_copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        self.kv_caches: KVCaches = []
+        self.graphs: CudaGraphRunner | None = None
+        self.prefill_graphs: PiecewiseGraphs | None = None
+        self._num_launched = 0
+        self._in_flight: dict[int, torch.Tensor] = {}  # uncollected step id -> sampled (S,) tokens
+        self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
         self.timing: dict[str, float] = defaultdict(float)
-        if self.device.type == "cuda" and config.attention_backend == "triton":
-            from peregrine.kernels.decode_attention import precompile
-            attn = self.model.layers[0].self_attn
-            precompile(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.block_size,
-                       self.kv_caches[0][0].dtype, self.device)
-        if self.device.type == "cuda" and not config.enforce_eager and \
-                config.attention_backend == "triton":
-            from peregrine.worker.cuda_graphs import (CudaGraphRunner, PiecewiseGraphs,
-                                                      prefill_graph_sizes)
-            free_before = torch.cuda.mem_get_info(self.device)[0]
-            self.graphs = CudaGraphRunner(self)
-            sizes = prefill_graph_sizes(config.max_prefill_graph_tokens)
-            if sizes:
-                self.prefill_graphs = PiecewiseGraphs(self, sizes)
-            # NOTE: graph memory comes out of the (1 - gpu_memory_utilization) slack; say how much.
-            logger.info("CUDA graphs use %.2f GiB of GPU memory",
-                        (free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**30)
-        if self.device.type == "cuda":
-            # Compile the sampling kernel now, not inside the first (timed) steps.
-            self.sampler.warm_up(self.vocab_size, self.device)
+
+    def initialize_kv_cache(self, kv_caches: KVCaches) -> None:
+        """Use these per-layer (k_cache, v_cache) pools from now on."""
+        self.kv_caches = kv_caches
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> StepHandle:
-        """Queue one step's forward pass and sampling on the device; return without waiting.
-
-        Decodes whose input token was sampled by the previous, still running step read it from
-        that step's device tensor (async scheduling); everything else comes from the host.
-        """
-        for rid in out.finished_request_ids:
-            self.rows.release(rid)
-        for rid in out.preempted_request_ids:
-            self.rows.release(rid)
-        reqs = out.scheduled_requests
-        if not reqs:
-            return StepHandle(out, [], [], [], {}, None)
+    def execute_model(self, sched: SchedulerOutput) -> StepHandle:
+        """Queue one step's forward pass and sampling on the device; return without waiting."""
         t0 = time.perf_counter()
-        # NOTE: decodes (query length 1) go first: the attention backend splits the batch there.
-        order = sorted(range(len(reqs)), key=lambda i: out.num_scheduled_tokens[i] != 1)
-        batch = [reqs[i] for i in order]
-        starts = np.fromiter((out.num_computed_tokens[i] for i in order), np.int64, len(order))
-        q_lens = np.fromiter((out.num_scheduled_tokens[i] for i in order), np.int64, len(order))
-        step = self._prepare(batch, starts, q_lens)
+        self._update_states(sched)
+        if not sched.num_scheduled_tokens:
+            return StepHandle(-1, [], [], [], np.zeros(0, np.int64), np.zeros(0, np.int64), [], [],
+                              {}, None)
+        if not self.kv_caches:
+            raise RuntimeError("the KV cache is not allocated: call initialize_kv_cache first")
+        if self._inputs_copied is not None:
+            # The previous step's host->device copies must be done before the buffers are reused.
+            # NOTE: under the engine's protocol that step's predecessor is collected, so this
+            # event has already fired.
+            self._inputs_copied.synchronize()
+        plan = plan_step(self.batch, sched, self.buffers, self.block_size)
         t1 = time.perf_counter()
-        hidden, all_logits = self._forward(step)
+        hidden, all_logits = self._forward(plan)
         t2 = time.perf_counter()
-        handle = self._launch_sampling(out, batch, order, starts, q_lens, step, hidden, all_logits)
+        handle = self._launch_sampling(plan, hidden, all_logits)
         tm = self.timing
         tm["prepare"] += t1 - t0
         tm["forward_launch"] += t2 - t1
         tm["sample_launch"] += time.perf_counter() - t2
         tm["steps"] += 1
-        tm["decode_only_steps"] += step.num_decodes == step.num_seqs
+        tm["decode_only_steps"] += plan.num_decodes == plan.num_seqs
         return handle
 
-    def _prepare(self, batch: list[Request], starts: np.ndarray, q_lens: np.ndarray) -> _Step:
-        buf = self.buffers
-        if self._inputs_copied is not None:
-            # The previous step's host->device copies must be done before the buffers are reused.
-            self._inputs_copied.synchronize()
-        b = len(batch)
-        seq_lens = starts + q_lens  # (B,)
-        qsl = np.zeros(b + 1, np.int64)
-        np.cumsum(q_lens, out=qsl[1:])
-        t = int(qsl[-1])
-        num_decodes = int(np.searchsorted(q_lens != 1, True)) if b else 0
-        # Token ids: decodes take one token each, prefill chunks a slice of the request's tokens.
-        ids = buf.input_ids_np
-        pending_dst: list[int] = []  # batch rows whose input is the previous step's sample
-        if num_decodes:
-            known = [r.all_token_ids[s] if s < r.num_tokens else -1
-                     for r, s in zip(batch[:num_decodes], starts[:num_decodes].tolist())]
-            ids[:num_decodes] = known
-            if self._prev_sampled is not None:
-                pending_dst = [i for i, tok in enumerate(known) if tok < 0]
-        for i in range(num_decodes, b):
-            r = batch[i]
-            start = int(starts[i])
-            ids[qsl[i]:qsl[i + 1]] = r.all_token_ids[start:start + int(q_lens[i])]
-        rows = np.fromiter((self.rows.sync(r) for r in batch), np.int64, b)  # (B,)
-        positions = np.arange(t, dtype=np.int64) - np.repeat(qsl[:-1] - starts, q_lens)  # (T,)
-        tok_rows = np.repeat(rows, q_lens)  # (T,)
-        blocks = self.rows.table[tok_rows, positions // self.block_size]  # (T,)
-        buf.positions_np[:t] = positions
-        buf.slot_mapping_np[:t] = blocks * self.block_size + positions % self.block_size
-        width = int(self.rows.num_blocks[rows].max())
-        buf.block_table_np[:b, :width] = self.rows.table[rows, :width]
-        buf.seq_lens_np[:b] = seq_lens
-        buf.query_start_loc_np[:b + 1] = qsl
-        pending_src = [self._prev_rows[batch[i].request_id] for i in pending_dst]
-        return _Step(t, b, num_decodes, int(q_lens.max()), int(seq_lens.max()), width, qsl,
-                     pending_dst, pending_src)
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        """Apply the step's request changes to the persistent batch."""
+        batch = self.batch
+        for rid in sched.finished_req_ids:
+            batch.remove_request(rid)
+        for rid in sched.preempted_req_ids:
+            batch.remove_request(rid)
+        for new in sched.scheduled_new_reqs:
+            batch.remove_request(new.req_id)  # sent again: its new data replaces what we hold
+            batch.add_request(new)
+        cached = sched.scheduled_cached_reqs
+        for rid, blocks, computed in zip(cached.req_ids, cached.new_block_ids,
+                                         cached.num_computed_tokens):
+            row = batch.row_of.get(rid)
+            if row is None:
+                raise ValueError(f"cached request {rid!r} is unknown to the worker")
+            if blocks:
+                batch.append_blocks(row, blocks)
+            batch.num_computed_tokens[row] = computed
+        batch.condense()
 
-    def _forward(self, step: _Step) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(hidden (T, hidden), None) eagerly, or (None, logits (B, V)) from a CUDA graph."""
         buf = self.buffers
-        t, b = step.num_tokens, step.num_seqs
-        graph = (self.graphs is not None and step.num_decodes == b and self.graphs.can_run(b))
+        t, b = plan.num_tokens, plan.num_seqs
+        graph = self.graphs is not None and plan.num_decodes == b and self.graphs.can_run(b)
         pad = self.graphs.padded(b) if graph else None
         pieces = (not graph and self.prefill_graphs is not None
                   and self.prefill_graphs.can_run(t))
         pad_t = self.prefill_graphs.padded(t) if pieces else pad
-        input_ids, positions, meta = buf.to_device(t, b, step.width, pad_t=pad_t, pad_b=pad)
-        if step.pending_dst:
-            # In-flight samples of the previous step become this step's input ids, on the device.
-            dst = self._h2d(step.pending_dst)
-            src = self._h2d(step.pending_src)
-            buf.d_input_ids.index_copy_(0, dst, self._prev_sampled.index_select(0, src))
+        input_ids, positions, meta = buf.to_device(t, b, plan.width, pad_t=pad_t, pad_b=pad)
+        for step_id in np.unique(plan.pending_step).tolist():
+            # In-flight samples of a launched step become this step's input ids, on the device.
+            sampled = self._in_flight.get(step_id)
+            if sampled is None:
+                raise RuntimeError(f"step {step_id} is collected but its tokens are not on the host")
+            sel = plan.pending_step == step_id
+            dst, src = self._h2d(np.stack([plan.pending_dst[sel], plan.pending_src[sel]]))
+            buf.d_input_ids.index_copy_(0, dst, sampled.index_select(0, src))
         if self._inputs_copied is not None:
             self._inputs_copied.record()
         if graph:
             return None, self.graphs.replay(b)
-        meta.num_decodes = meta.num_decode_tokens = step.num_decodes
-        meta.max_query_len = step.max_query_len
-        meta.max_seq_len = step.max_seq_len
+        meta.num_decodes = meta.num_decode_tokens = plan.num_decodes
+        meta.max_query_len = plan.max_query_len
+        meta.max_seq_len = plan.max_seq_len
         if pieces:
             return self.prefill_graphs.run(t, meta), None
         return self.model(input_ids, positions, self.kv_caches, meta), None
 
-    def _launch_sampling(self, out: SchedulerOutput, batch: list[Request], order: list[int],
-                         starts: np.ndarray, q_lens: np.ndarray, step: _Step,
-                         hidden: torch.Tensor | None, all_logits: torch.Tensor | None) -> StepHandle:
-        sample_pos: list[int] = []  # batch index of each request that samples this step
-        prompt_lp: list[tuple[int, int, int]] = []  # (batch idx, first prompt position, count)
-        for i, r in enumerate(batch):
-            start, n = int(starts[i]), int(q_lens[i])
-            if r.sampling_params.prompt_logprobs is not None and start < r.num_prompt_tokens - 1:
-                prompt_lp.append((i, start, min(start + n, r.num_prompt_tokens - 1) - start))
-            if start + n >= r.num_tokens + r.num_output_placeholders:
-                sample_pos.append(i)
-        logits_idx = [int(step.qsl[i + 1]) - 1 for i in sample_pos]
-        for i, _, count in prompt_lp:
-            first = int(step.qsl[i])
-            logits_idx.extend(range(first, first + count))
-        if all_logits is not None and len(logits_idx) == all_logits.shape[0]:
-            logits = all_logits  # decode-only graph step where every row samples: (B, V)
-        elif all_logits is not None:  # decode-only graph step: one row per sequence
-            logits = all_logits.index_select(0, self._h2d(logits_idx))  # (S + P, V)
-        else:
-            logits = self.model.compute_logits(hidden.index_select(0, self._h2d(logits_idx)))
-        sampled_reqs = [batch[i] for i in sample_pos]
-        samples = [False] * len(batch)
-        for i in sample_pos:
-            samples[order[i]] = True
+    def _logits(self, plan: StepPlan, hidden: torch.Tensor | None,
+                all_logits: torch.Tensor | None) -> torch.Tensor:
+        """(S + P, V) logits of the sampled rows, then of the prompt-logprobs positions."""
+        idx = plan.logits_idx  # (S + P,)
+        if all_logits is not None:  # decode-only graph step: one row per sequence
+            if np.array_equal(idx, np.arange(all_logits.shape[0])):
+                return all_logits  # (B, V)
+            return all_logits.index_select(0, self._h2d(idx))
+        return self.model.compute_logits(hidden.index_select(0, self._h2d(idx)))
+
+    def _launch_sampling(self, plan: StepPlan, hidden: torch.Tensor | None,
+                         all_logits: torch.Tensor | None) -> StepHandle:
+        batch = self.batch
+        step_id = self._num_launched
+        self._num_launched += 1
+        logits = self._logits(plan, hidden, all_logits)  # (S + P, V)
+        s = plan.sample_idx.size
+        rows = plan.rows[plan.sample_idx]  # (S,)
         host: dict[str, torch.Tensor] = {}
-        sampled_dev = None
-        if sampled_reqs:
-            # The index of the token being sampled: with async scheduling the host's token lists
-            # lag by the in-flight step, so it comes from the chunk's end, not len(output).
-            steps = [int(starts[i] + q_lens[i]) - batch[i].num_prompt_tokens for i in sample_pos]
-            meta = build_sampling_metadata(sampled_reqs, self.vocab_size, self.device, steps=steps)
-            so = self.sampler(logits[: len(sampled_reqs)], meta)
-            sampled_dev = so.sampled_token_ids
-            host["sampled"] = self._to_host(sampled_dev)
+        positions = generations = np.zeros(0, np.int64)
+        if s:
+            meta = batch.sampling.metadata(rows, plan.sample_steps)
+            so = self.sampler(logits[:s], meta)
+            # NOTE: penalties count this step's tokens on the device: exact with a step in flight.
+            batch.sampling.record_sampled(meta, so.sampled_token_ids)
+            host["sampled"] = self._to_host(so.sampled_token_ids)
             if so.logprobs is not None:
                 host["lp_ids"] = self._to_host(so.logprob_token_ids)
                 host["lp_vals"] = self._to_host(so.logprobs)
                 host["lp_ranks"] = self._to_host(so.ranks)
-        if prompt_lp:
-            targets: list[int] = []
-            for i, first, count in prompt_lp:
-                targets.extend(batch[i].prompt_token_ids[first + 1:first + 1 + count])
-            k = max(batch[i].sampling_params.prompt_logprobs for i, _, _ in prompt_lp)
-            tgt = self._h2d(targets)
-            lp = compute_token_logprobs(logits[len(sampled_reqs):], tgt, k)
+            generations = batch.generation[rows].copy()
+            positions = batch.append_placeholders(rows, step_id)
+            self._in_flight[step_id] = so.sampled_token_ids
+        prompt_lp: list[tuple[str, int, int]] = []
+        if plan.prompt_idx.size:
+            ks = batch.prompt_logprobs[plan.rows[plan.prompt_idx]]  # (P rows,)
+            lp = compute_token_logprobs(logits[s:], self._h2d(plan.prompt_targets), int(ks.max()))
             host["plp_ids"] = self._to_host(lp.token_ids)
             host["plp_vals"] = self._to_host(lp.logprobs)
             host["plp_ranks"] = self._to_host(lp.ranks)
+            prompt_lp = [(plan.req_ids[i], c, k) for i, c, k in zip(
+                plan.order[plan.prompt_idx].tolist(), plan.prompt_counts.tolist(), ks.tolist())]
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        self._prev_sampled = sampled_dev
-        self._prev_rows = {r.request_id: j for j, r in enumerate(sampled_reqs)}
-        return StepHandle(out, sampled_reqs,
-                          [(batch[i], first, count) for i, first, count in prompt_lp],
-                          samples, host, event)
+        order = plan.order[plan.sample_idx].tolist()
+        return StepHandle(step_id, plan.req_ids, order, [plan.req_ids[i] for i in order],
+                          generations, positions, batch.sampling.num_logprobs[rows].tolist(),
+                          prompt_lp, host, event)
 
-    def _h2d(self, values: list[int]) -> torch.Tensor:
-        """An int64 device tensor from a Python list, without waiting for the in-flight step.
+    def _h2d(self, values: np.ndarray) -> torch.Tensor:
+        """An int64 device tensor from a host array, without waiting for the in-flight step.
 
         A copy from pageable memory would first wait for everything queued on the stream, so the
-        list goes through pinned memory (the caching host allocator keeps it until the copy ran).
+        array goes through pinned memory (the caching host allocator keeps it until the copy ran).
         """
+        cpu = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
         if self.device.type != "cuda":
-            return torch.tensor(values, dtype=torch.long)
-        host = torch.tensor(values, dtype=torch.long).pin_memory()
-        return host.to(self.device, non_blocking=True)
+            return cpu
+        return cpu.pin_memory().to(self.device, non_blocking=True)
 
     def _to_host(self, x: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":
@@ -266,74 +217,39 @@ class ModelRunner:
         dst = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
         return dst.copy_(x, non_blocking=True)
 
+    # ---- results --------------------------------------------------------------------------
     def collect(self, handle: StepHandle) -> ModelRunnerOutput:
         """Wait for a launched step and turn its device results into Python lists."""
         t0 = time.perf_counter()
         if handle.event is not None:
             handle.event.synchronize()  # the step's one device->host sync
         self.timing["wait"] += time.perf_counter() - t0
-        out = handle.sched
-        if not out.scheduled_requests:
-            return ModelRunnerOutput([], {}, {})
+        if not handle.req_ids:
+            return ModelRunnerOutput([], [], {}, {})
+        self._in_flight.pop(handle.step_id, None)
         host = handle.host
-        by_req: dict[str, list[int]] = {}
-        if "sampled" in host:
-            for r, tok in zip(handle.sampled_reqs, host["sampled"].tolist()):
-                by_req[r.request_id] = [tok]
+        sampled: list[list[int]] = [[] for _ in handle.req_ids]
         logprobs: dict[str, TokenLogprobs] = {}
+        if "sampled" in host:
+            tokens = host["sampled"].tolist()
+            self.batch.fill_sampled(handle.sample_req_ids, handle.sample_generations,
+                                    handle.sample_positions, tokens, handle.step_id)
+            for i, tok in zip(handle.sample_order, tokens):
+                sampled[i] = [tok]
         if "lp_ids" in host:
-            ids, lps, ranks = host["lp_ids"].tolist(), host["lp_vals"].tolist(), host["lp_ranks"].tolist()
-            for j, r in enumerate(handle.sampled_reqs):
-                k = r.sampling_params.logprobs
-                if k is not None:
-                    logprobs[r.request_id] = TokenLogprobs([ids[j][:k + 1]], [lps[j][:k + 1]], [ranks[j]])
+            ids, lps = host["lp_ids"].tolist(), host["lp_vals"].tolist()
+            ranks = host["lp_ranks"].tolist()
+            for j, (rid, k) in enumerate(zip(handle.sample_req_ids, handle.num_logprobs)):
+                if k >= 0:
+                    logprobs[rid] = TokenLogprobs([ids[j][:k + 1]], [lps[j][:k + 1]], [ranks[j]])
         prompt_logprobs: dict[str, TokenLogprobs] = {}
         if handle.prompt_lp:
             ids, lps = host["plp_ids"].tolist(), host["plp_vals"].tolist()
             ranks = host["plp_ranks"].tolist()
             off = 0
-            for r, _, count in handle.prompt_lp:
-                kk = r.sampling_params.prompt_logprobs + 1
-                prompt_logprobs[r.request_id] = TokenLogprobs(
-                    [x[:kk] for x in ids[off:off + count]], [x[:kk] for x in lps[off:off + count]],
-                    ranks[off:off + count])
+            for rid, count, k in handle.prompt_lp:
+                prompt_logprobs[rid] = TokenLogprobs(
+                    [x[:k + 1] for x in ids[off:off + count]],
+                    [x[:k + 1] for x in lps[off:off + count]], ranks[off:off + count])
                 off += count
-        sampled = [by_req.get(r.request_id, []) for r in out.scheduled_requests]
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
-
-
-@dataclass
-class StepHandle:
-    """A launched step: what it scheduled and where its results will land."""
-
-    sched: SchedulerOutput
-    sampled_reqs: list[Request]  # requests that sample, in sampler row order
-    prompt_lp: list[tuple[Request, int, int]]  # (request, first prompt position, count)
-    samples: list[bool]  # per scheduled request (scheduler order): samples a token this step
-    host: dict[str, torch.Tensor]  # device->host copies in flight (pinned on CUDA)
-    event: torch.cuda.Event | None  # recorded after the copies
-
-
-@dataclass
-class _Step:
-    num_tokens: int
-    num_seqs: int
-    num_decodes: int
-    max_query_len: int
-    max_seq_len: int
-    width: int  # block-table columns in use
-    qsl: np.ndarray  # (B + 1,) query start offsets
-    pending_dst: list[int]  # decode rows whose input token is still on the device
-    pending_src: list[int]  # their rows in the previous step's sampled tokens
-
-
-def build_attention_metadata(t: int, b: int, num_decodes: int, max_query_len: int,
-                             max_seq_len: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                             block_table: torch.Tensor, slot_mapping: torch.Tensor,
-                             qsl_cpu: torch.Tensor | None, seq_lens_cpu: torch.Tensor | None
-                             ) -> AttentionMetadata:
-    return AttentionMetadata(
-        num_actual_tokens=t, num_decodes=num_decodes, num_decode_tokens=num_decodes,
-        max_query_len=max_query_len, max_seq_len=max_seq_len, query_start_loc=query_start_loc,
-        seq_lens=seq_lens, block_table=block_table, slot_mapping=slot_mapping,
-        query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu)
+        return ModelRunnerOutput(handle.req_ids, sampled, logprobs, prompt_logprobs)

@@ -1,28 +1,26 @@
 """A worst-case forward + sampling pass, to measure peak activation memory before sizing the KV pool."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
+from torch import nn
 
+from peregrine.config import ModelConfig
 from peregrine.worker.kv_memory import allocate_kv_caches
-
-if TYPE_CHECKING:
-    from peregrine.worker.model_runner import ModelRunner
+from peregrine.worker.step_buffers import StepBuffers
 
 
 @torch.inference_mode()
-def profile_run(runner: ModelRunner) -> None:
-    """Run max_num_batched_tokens tokens split over up to max_num_seqs sequences, then sample all."""
-    t = runner.max_num_tokens
-    b = min(runner.max_num_reqs, t)
-    bs = runner.block_size
+def profile_run(model: nn.Module, buffers: StepBuffers, model_config: ModelConfig,
+                num_tokens: int, max_num_seqs: int, block_size: int) -> None:
+    """Run num_tokens tokens split over up to max_num_seqs sequences, then sample all of them."""
+    t = num_tokens
+    b = min(max_num_seqs, t)
     q_lens = np.full(b, t // b, np.int64)
     q_lens[: t % b] += 1
-    blocks_per_seq = -(-int(q_lens.max()) // bs)
-    caches = allocate_kv_caches(runner.config.model, b * blocks_per_seq, bs, runner.device)
-    buf = runner.buffers
+    blocks_per_seq = -(-int(q_lens.max()) // block_size)
+    caches = allocate_kv_caches(model_config, b * blocks_per_seq, block_size, buffers.device)
+    buf = buffers
     qsl = np.zeros(b + 1, np.int64)
     np.cumsum(q_lens, out=qsl[1:])
     positions = np.arange(t) - np.repeat(qsl[:-1], q_lens)
@@ -37,9 +35,8 @@ def profile_run(runner: ModelRunner) -> None:
     meta.num_decodes = meta.num_decode_tokens = 0
     meta.max_query_len = int(q_lens.max())
     meta.max_seq_len = int(q_lens.max())
-    hidden = runner.model(input_ids, pos, caches, meta)
-    logits = runner.model.compute_logits(hidden[:b])  # (B, V)
+    hidden = model(input_ids, pos, caches, meta)
+    logits = model.compute_logits(hidden[:b])  # (B, V)
     # Sorting for top-p is the sampler's largest buffer.
     torch.sort(logits, dim=-1, descending=True)
     del caches
-

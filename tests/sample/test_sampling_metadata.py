@@ -50,8 +50,10 @@ def test_penalty_counts_only_for_rows_that_use_penalties():
             make_request(prompt=[4], output=[5])]
     m = build_sampling_metadata(reqs, 8, "cpu")
     assert m.any_penalties and m.any_presence_frequency and not m.any_repetition_penalty
-    assert m.prompt_token_mask.tolist() == [[False, True, True] + [False] * 5, [False] * 8]
-    assert m.output_token_counts.tolist() == [[0, 0, 0, 2, 0, 0, 0, 1], [0] * 8]
+    assert m.penalty_rows.tolist() == [0] and m.frequency_penalties.tolist() == [0.5]
+    slots = m.penalty_slots
+    assert m.prompt_token_mask[slots].tolist() == [[False, True, True] + [False] * 5]
+    assert m.output_token_counts[slots].tolist() == [[0, 0, 0, 2, 0, 0, 0, 1]]
 
 
 def test_min_tokens_bans_listed_per_row():
@@ -94,9 +96,10 @@ def test_rows_are_the_same_alone_in_a_uniform_batch_and_in_a_mixed_batch():
             want = getattr(mixed, name)[i].item()
             assert getattr(alone, name).tolist() == [want] and getattr(uniform, name).tolist() == [want] * 3
     assert mixed.greedy_mask.tolist() == [False, True, False, False]
-    assert mixed.repetition_penalties.tolist() == pytest.approx([1.0, 1.0, 1.0, 1.3])
-    assert mixed.presence_penalties.tolist() == pytest.approx([0.0, 0.0, 0.0, 0.5])
-    assert mixed.frequency_penalties.tolist() == pytest.approx([0.0, 0.0, 0.0, -0.25])
+    assert mixed.penalty_rows.tolist() == [3]
+    assert mixed.repetition_penalties.tolist() == pytest.approx([1.3])
+    assert mixed.presence_penalties.tolist() == pytest.approx([0.5])
+    assert mixed.frequency_penalties.tolist() == pytest.approx([-0.25])
     assert mixed.temperature.tolist() == pytest.approx([0.6, 1.0, 1.0, 1.7])
 
 

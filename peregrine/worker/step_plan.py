@@ -1,0 +1,109 @@
+"""One step's flat inputs, computed with numpy over the persistent batch's rows.
+
+The step runs its requests decodes first (the attention backend splits the batch there); `order`
+maps each execution row back to its place in the scheduler's order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from peregrine.messages import SchedulerOutput
+from peregrine.worker.input_batch import InputBatch
+from peregrine.worker.step_buffers import StepBuffers
+
+
+@dataclass
+class StepPlan:
+    """Where each request sits in the step, which rows sample, and which logits are needed."""
+
+    req_ids: list[str]  # the scheduler's order
+    order: np.ndarray  # (B,) scheduler index of each execution row
+    rows: np.ndarray  # (B,) batch row of each execution row
+    num_tokens: int  # T
+    num_decodes: int
+    max_query_len: int
+    max_seq_len: int
+    width: int  # block-table columns in use
+    # Inputs sampled by a launched step that is not collected yet: flat token index, that step's
+    # id and the index in its sampled tensor.
+    pending_dst: np.ndarray  # (N,)
+    pending_step: np.ndarray  # (N,)
+    pending_src: np.ndarray  # (N,)
+    sample_idx: np.ndarray  # (S,) execution rows that sample a token
+    sample_steps: np.ndarray  # (S,) output tokens before the one sampled now
+    prompt_idx: np.ndarray  # (P,) execution rows with prompt logprobs in this chunk
+    prompt_counts: np.ndarray  # (P,) how many prompt positions each
+    prompt_targets: np.ndarray  # (sum counts,) the next prompt token of each position
+    logits_idx: np.ndarray  # (S + sum counts,) flat token indices: samples, then prompt positions
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.rows.size)
+
+
+def plan_step(batch: InputBatch, sched: SchedulerOutput, buf: StepBuffers,
+              block_size: int) -> StepPlan:
+    """Fill the host step buffers for `sched` and describe the step."""
+    req_ids = list(sched.num_scheduled_tokens)
+    b = len(req_ids)
+    n_sched = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, b)  # (B,)
+    missing = [r for r in req_ids if r not in batch.row_of]
+    if missing:
+        raise ValueError(f"scheduled requests the worker does not hold: {missing[:5]}")
+    rows_sched = np.fromiter(map(batch.row_of.__getitem__, req_ids), np.int64, b)  # (B,)
+    # NOTE: decodes (query length 1) go first: the attention backend splits the batch there.
+    order = np.argsort(n_sched != 1, kind="stable")  # (B,)
+    rows, q_lens = rows_sched[order], n_sched[order]  # (B,), (B,)
+    starts = batch.num_computed_tokens[rows]  # (B,)
+    seq_lens = starts + q_lens  # (B,)
+    num_tokens = batch.num_tokens[rows]  # (B,)
+    if (q_lens <= 0).any() or (seq_lens > num_tokens).any():
+        bad = int(np.flatnonzero((q_lens <= 0) | (seq_lens > num_tokens))[0])
+        raise ValueError(f"request {req_ids[order[bad]]!r}: {int(q_lens[bad])} tokens scheduled "
+                         f"from {int(starts[bad])}, but it has {int(num_tokens[bad])}")
+    qsl = np.zeros(b + 1, np.int64)  # (B + 1,)
+    np.cumsum(q_lens, out=qsl[1:])
+    t = int(qsl[-1])
+    num_decodes = int(np.searchsorted(q_lens != 1, True))
+    positions = np.arange(t, dtype=np.int64) - np.repeat(qsl[:-1] - starts, q_lens)  # (T,)
+    tok_rows = np.repeat(rows, q_lens)  # (T,)
+    buf.input_ids_np[:t] = batch.token_ids[tok_rows, positions]
+    blocks = batch.block_table[tok_rows, positions // block_size]  # (T,)
+    buf.positions_np[:t] = positions
+    buf.slot_mapping_np[:t] = blocks.astype(np.int64) * block_size + positions % block_size
+    width = int(batch.num_blocks[rows].max())
+    buf.block_table_np[:b, :width] = batch.block_table[rows, :width]
+    buf.seq_lens_np[:b] = seq_lens
+    buf.query_start_loc_np[:b + 1] = qsl
+
+    # Inputs whose value is still on the device: only a request's last token can be one.
+    known = batch.num_known_tokens[rows]  # (B,)
+    waiting = np.flatnonzero(seq_lens > known)  # (N,)
+    last = num_tokens[waiting] - 1  # (N,)
+    pending_step = batch.pending_step[rows[waiting]]  # (N,)
+    if (known[waiting] != last).any() or (pending_step < 0).any():
+        raise RuntimeError("a step's input token is neither on the host nor in flight")
+    pending_dst = qsl[waiting] + last - starts[waiting]  # (N,)
+    pending_src = batch.pending_index[rows[waiting]]  # (N,)
+
+    # A request samples once its chunk reaches its last token (an in-flight one included).
+    sample_idx = np.flatnonzero(seq_lens >= num_tokens)  # (S,)
+    sample_steps = num_tokens[sample_idx] - batch.num_prompt_tokens[rows[sample_idx]]  # (S,)
+
+    # Prompt logprobs: position p scores prompt token p + 1.
+    num_prompt = batch.num_prompt_tokens[rows]  # (B,)
+    prompt_idx = np.flatnonzero((batch.prompt_logprobs[rows] >= 0) & (starts < num_prompt - 1))
+    counts = np.minimum(seq_lens[prompt_idx], num_prompt[prompt_idx] - 1) - starts[prompt_idx]
+    first = np.zeros(prompt_idx.size, np.int64)  # (P,) offset of each row's first position
+    np.cumsum(counts[:-1], out=first[1:])
+    offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(first, counts)
+    prompt_tok = np.repeat(qsl[prompt_idx], counts) + offsets
+    prompt_pos = np.repeat(starts[prompt_idx], counts) + offsets
+    targets = batch.token_ids[np.repeat(rows[prompt_idx], counts), prompt_pos + 1].astype(np.int64)
+    logits_idx = np.concatenate([qsl[sample_idx + 1] - 1, prompt_tok])
+
+    return StepPlan(req_ids, order, rows, t, num_decodes, int(q_lens.max()), int(seq_lens.max()),
+                    width, pending_dst, pending_step, pending_src, sample_idx, sample_steps,
+                    prompt_idx, counts, targets, logits_idx)

@@ -1,0 +1,99 @@
+"""Worker: one device's share of the engine (later, one process per GPU runs one)."""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from peregrine.attention import get_attention_backend
+from peregrine.config import EngineConfig
+from peregrine.messages import ModelRunnerOutput, SchedulerOutput
+from peregrine.worker.cuda_graphs import CudaGraphRunner, PiecewiseGraphs, prefill_graph_sizes
+from peregrine.worker.kv_memory import allocate_kv_caches, determine_num_blocks
+from peregrine.worker.loader import load_model, set_fused_kernels
+from peregrine.worker.model_runner import ModelRunner, StepHandle
+from peregrine.worker.profile import profile_run
+
+logger = logging.getLogger("peregrine")
+
+
+class Worker:
+    """Owns the device: loads the model, sizes and allocates the KV cache, captures CUDA graphs.
+
+    Protocol: `determine_num_blocks()`, then `initialize_cache(num_blocks)` with the executor's
+    choice (the minimum over workers), then `execute_model` / `collect` once per step.
+    """
+
+    def __init__(self, config: EngineConfig, rank: int = 0, local_rank: int = 0,
+                 device: torch.device | str | None = None) -> None:
+        self.config = config
+        self.rank = rank
+        self.local_rank = local_rank
+        dev = torch.device(device if device is not None else config.device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", local_rank)
+        self.device = dev
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        self.model = load_model(config.model, get_attention_backend(config.attention_backend), dev)
+        if dev.type == "cuda" and os.environ.get("PEREGRINE_FUSED_KERNELS", "1") != "0":
+            set_fused_kernels(self.model, True)
+        self.model_runner = ModelRunner(config, self.model, dev)
+        self.num_blocks: int | None = None
+
+    def determine_num_blocks(self) -> int:
+        """How many KV blocks fit on this device (profiles a worst-case step on a GPU)."""
+        r, sc = self.model_runner, self.config.scheduler
+
+        def profile() -> None:
+            profile_run(self.model, r.buffers, self.config.model, sc.max_num_batched_tokens,
+                        sc.max_num_seqs, self.config.cache.block_size)
+
+        return determine_num_blocks(self.config, self.device, profile)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate `num_blocks` KV blocks per layer, capture CUDA graphs, warm up the sampler."""
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        cfg, r = self.config, self.model_runner
+        kv = allocate_kv_caches(cfg.model, num_blocks, cfg.cache.block_size, self.device)
+        r.initialize_kv_cache(kv)
+        self.num_blocks = num_blocks
+        if self.device.type != "cuda":
+            return
+        if cfg.attention_backend == "triton":
+            from peregrine.kernels.decode_attention import precompile
+            attn = self.model.layers[0].self_attn
+            precompile(attn.num_heads, attn.num_kv_heads, attn.head_dim, cfg.cache.block_size,
+                       kv[0][0].dtype, self.device)
+            if not cfg.enforce_eager:
+                self._capture_graphs()
+        # Compile the sampling kernel now, not inside the first (timed) steps.
+        r.sampler.warm_up(r.vocab_size, self.device)
+
+    def _capture_graphs(self) -> None:
+        r, sc = self.model_runner, self.config.scheduler
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        # NOTE: a decode batch of B sequences is B tokens, so B is capped by the token budget too.
+        r.graphs = CudaGraphRunner(self.model, r.buffers, r.kv_caches,
+                                   min(sc.max_num_seqs, sc.max_num_batched_tokens), sc.max_model_len)
+        sizes = prefill_graph_sizes(self.config.max_prefill_graph_tokens)
+        if sizes:
+            r.prefill_graphs = PiecewiseGraphs(self.model, r.buffers, r.kv_caches, sizes)
+        # NOTE: graph memory comes out of the (1 - gpu_memory_utilization) slack; say how much.
+        logger.info("CUDA graphs use %.2f GiB of GPU memory",
+                    (free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**30)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Launch one step; returns a handle for `collect` without waiting for the device."""
+        return self.model_runner.execute_model(scheduler_output)
+
+    def collect(self, handle: StepHandle) -> ModelRunnerOutput:
+        """Wait for a launched step and return its results."""
+        return self.model_runner.collect(handle)
+
+    def check_health(self) -> None:
+        """Raise if this worker cannot run steps."""
+        if not self.model_runner.kv_caches:
+            raise RuntimeError("the worker's KV cache is not allocated")
