@@ -8,6 +8,7 @@ from typing import Any
 
 from peregrine.config import EngineArgs
 from peregrine.engine.llm_engine import LLMEngine
+from peregrine.entrypoints.chat_utils import has_chat_template, render_chat
 from peregrine.outputs import RequestOutput
 from peregrine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -68,7 +69,7 @@ class LLM:
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("chat needs a tokenizer (the engine runs with skip_tokenizer_init=True)")
-        if chat_template is None and not getattr(tok, "chat_template", None):
+        if chat_template is None and not has_chat_template(tok):
             raise ValueError("the tokenizer has no chat template; pass chat_template=...")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [render_chat(tok, conv, add_generation_prompt, chat_template) for conv in convs]
@@ -98,15 +99,3 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[i] for i in ids]
-
-
-def render_chat(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                chat_template: str | None = None) -> list[int]:
-    """Token ids of a conversation rendered with the (given or the tokenizer's) chat template."""
-    for m in messages:
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ValueError("each chat message must be a dict with 'role' and 'content'")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template,
-                                         add_generation_prompt=add_generation_prompt)
-    # NOTE: the template already holds any special tokens (bos); do not add them twice.
-    return tokenizer.encode(text, add_special_tokens=False)

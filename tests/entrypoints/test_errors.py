@@ -73,6 +73,7 @@ def test_invalid_completion_parameters_are_400(server, body, param):
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, "messages"),
 ])
 def test_invalid_chat_parameters_are_400(server, body, param):
     r = httpx.post(server.base_url + "/v1/chat/completions", json={"model": MODEL, **body})

@@ -6,24 +6,30 @@ import contextlib
 import logging
 import socket
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import peregrine
 from peregrine.engine.async_engine import AsyncEngine, EngineDeadError
 from peregrine.entrypoints.openai.errors import (GuardMiddleware, bad_request, error_response,
-                                                 install_error_handlers)
+                                                 install_error_handlers, require_utf8_body)
 from peregrine.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    DetokenizeRequest, ModelCard, ModelList,
                                                    TokenizeRequest)
 from peregrine.entrypoints.openai.serving_chat import create_chat_completion, render_chat
-from peregrine.entrypoints.openai.serving_common import ServingContext, check_model
+from peregrine.entrypoints.openai.serving_common import (ServingContext, check_model,
+                                                         prompt_char_limit)
 from peregrine.entrypoints.openai.serving_completion import create_completion
 from peregrine.metrics import ServerMetrics, StatLogger
 
 logger = logging.getLogger(__name__)
+# NOTE: a few threads: templates and tokenization are short once prompts are bounded, and the
+# tokenizer releases the GIL; more threads would only compete with the engine thread.
+_PREPROCESS_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,10 @@ class ServerArgs:
     log_stats_interval: float = 5.0  # seconds between stat log lines; 0 disables them
     retry_after: int = 1  # Retry-After seconds on 429
     uvicorn_log_level: str = "warning"
+    # Chat templates sent in requests are Jinja programs with no time bound: refused unless trusted.
+    trust_request_chat_template: bool = False
+    # Longest text prompt, in characters (None: 16 per token of max_model_len, at least 16,384).
+    max_prompt_chars: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes < 1:
@@ -48,6 +58,8 @@ class ServerArgs:
             raise ValueError("log_stats_interval must be >= 0 (0 disables the log line)")
         if self.api_key == "":
             raise ValueError("api_key must not be empty")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
 
 
 def build_app(engine: AsyncEngine, args: ServerArgs | None = None) -> FastAPI:
@@ -55,7 +67,11 @@ def build_app(engine: AsyncEngine, args: ServerArgs | None = None) -> FastAPI:
     args = args or ServerArgs()
     engine.no_progress_timeout = args.health_no_progress_timeout
     mc = engine.config.model
-    ctx = ServingContext(engine, mc.served_model_name, mc.max_model_len, args.retry_after)
+    executor = ThreadPoolExecutor(_PREPROCESS_THREADS, thread_name_prefix="peregrine-preprocess")
+    ctx = ServingContext(engine, mc.served_model_name, mc.max_model_len, args.retry_after,
+                         max_prompt_chars=prompt_char_limit(mc.max_model_len, args.max_prompt_chars),
+                         trust_request_chat_template=args.trust_request_chat_template,
+                         executor=executor)
     metrics = ServerMetrics(ctx.model_name, lambda: engine.stats)
     engine.observers.append(metrics)
 
@@ -72,6 +88,7 @@ def build_app(engine: AsyncEngine, args: ServerArgs | None = None) -> FastAPI:
             if task is not None:
                 task.cancel()
             await engine.shutdown()
+            executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="Peregrine OpenAI-compatible server", version=peregrine.__version__,
                   lifespan=lifespan)
@@ -81,11 +98,14 @@ def build_app(engine: AsyncEngine, args: ServerArgs | None = None) -> FastAPI:
     app.add_middleware(GuardMiddleware, max_body_bytes=args.max_request_body_bytes,
                        api_key=args.api_key)
 
-    @app.post("/v1/completions")
+    # NOTE: every route with a JSON body refuses strings UTF-8 cannot encode before it runs.
+    utf8: dict[str, Any] = {"dependencies": [Depends(require_utf8_body)]}
+
+    @app.post("/v1/completions", **utf8)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await create_completion(ctx, body, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **utf8)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(ctx, body, raw)
 
@@ -94,7 +114,7 @@ def build_app(engine: AsyncEngine, args: ServerArgs | None = None) -> FastAPI:
         card = ModelCard(id=ctx.model_name, root=mc.model, max_model_len=ctx.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", **utf8)
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
         check_model(ctx, body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -102,21 +122,23 @@ def build_app(engine: AsyncEngine, args: ServerArgs | None = None) -> FastAPI:
         if body.messages is not None:
             if not body.messages:
                 raise bad_request("messages must not be empty", "messages")
-            ids = render_chat(ctx, body.messages, add_generation_prompt=body.add_generation_prompt)
+            ids = await render_chat(ctx, body.messages,
+                                    add_generation_prompt=body.add_generation_prompt,
+                                    chat_template=body.chat_template,
+                                    template_kwargs=body.chat_template_kwargs)
         else:
-            tok = ctx.require_tokenizer("tokenize")
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await ctx.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len})
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", **utf8)
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
         check_model(ctx, body.model)
         tok = ctx.require_tokenizer("detokenize")
-        vocab = mc.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
-        return JSONResponse({"prompt": tok.decode(body.tokens)})
+        try:
+            text = await ctx.run(_decode_in_vocab, tok, body.tokens, mc.vocab_size)
+        except ValueError as e:
+            raise bad_request(str(e), "tokens") from e
+        return JSONResponse({"prompt": text})
 
     @app.get("/version")
     async def version() -> JSONResponse:
@@ -136,6 +158,14 @@ def build_app(engine: AsyncEngine, args: ServerArgs | None = None) -> FastAPI:
         return Response(body, media_type=content_type)
 
     return app
+
+
+def _decode_in_vocab(tokenizer: Any, tokens: list[int], vocab_size: int) -> str:
+    """The text of token ids; ValueError for one outside the vocabulary."""
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    return tokenizer.decode(tokens)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -1,10 +1,11 @@
-"""Errors in OpenAI's shape {"error": {message, type, param, code}}, their FastAPI handlers, and the
-ASGI guard (request body limit, API key) that runs before any route."""
+"""Errors in OpenAI's shape {"error": {message, type, param, code}}, their FastAPI handlers, the
+ASGI guard (request body limit, API key) that runs before any route, and the UTF-8 body check."""
 from __future__ import annotations
 
 import hmac
 import json
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,6 +22,11 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "inval
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "is-instance"}
+# Paths that need the API key (when the server has one): the API and the tokenizer endpoints.
+_AUTH_PATHS = ("/v1", "/tokenize", "/detokenize")
+# NOTE: a lone surrogate reaches a parsed JSON string as a \uD800-\uDFFF escape, or as raw bytes
+# that are not strict UTF-8 (Python's json decodes bytes with "surrogatepass").
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
 
 class OpenAIError(Exception):
@@ -92,7 +98,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 class GuardMiddleware:
-    """Rejects oversized bodies (413) and, with an API key, unauthenticated /v1 calls (401).
+    """Rejects oversized bodies (413) and, with an API key, unauthenticated calls to /v1/*,
+    /tokenize and /detokenize (401).
 
     The body is read up front (bounded by `max_body_bytes`) and replayed to the app; after that
     `receive` passes through, so the app still sees the client's disconnect.
@@ -107,7 +114,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.api_key is not None and scope["path"].startswith("/v1") and not self._authorized(scope):
+        if self.api_key is not None and _needs_key(scope["path"]) and not self._authorized(scope):
             await _send_error(send, 401, "invalid or missing API key (send 'Authorization: Bearer "
                               "<key>')", "invalid_api_key")
             return
@@ -154,6 +161,61 @@ class GuardMiddleware:
                 if scheme.lower() == "bearer":
                     return hmac.compare_digest(token.strip().encode(), self.api_key.encode())
         return False
+
+
+def _needs_key(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in _AUTH_PATHS)
+
+
+def first_non_utf8(value: Any) -> tuple[str, ...] | None:
+    """Path to the first string in parsed JSON that UTF-8 cannot encode (a lone surrogate), or None."""
+    stack: list[tuple[tuple[str, ...], Any]] = [((), value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if not _encodable(v):
+                return path
+        elif isinstance(v, dict):
+            if not all(_encodable(k) for k in v):
+                return path
+            stack.extend(reversed([(path + (k,), item) for k, item in v.items()
+                                   if isinstance(item, (str, dict, list))]))
+        elif isinstance(v, list):
+            stack.extend(reversed([(path + (str(i),), item) for i, item in enumerate(v)
+                                   if isinstance(item, (str, dict, list))]))
+    return None
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _encodable(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+async def require_utf8_body(request: Request) -> None:
+    """Route dependency: 400 for a JSON body with a string that is not valid UTF-8, naming it."""
+    body = await request.body()
+    if not _SURROGATE_ESCAPE.search(body) and (body.isascii() or _is_utf8(body)):
+        return
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return  # NOTE: FastAPI answers malformed JSON itself
+    path = first_non_utf8(data)
+    if path is not None:
+        param = ".".join(path) or None
+        raise bad_request(f"{param or 'the request body'} is not valid UTF-8 (it holds a lone "
+                          "UTF-16 surrogate)", param)
 
 
 async def _send_error(send: Send, status: int, message: str, code: str) -> None:

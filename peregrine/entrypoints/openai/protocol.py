@@ -83,7 +83,10 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's extras: variables for the chat template; a template of the request's own (refused
+    # unless the server runs with --trust-request-chat-template, here or in chat_template_kwargs).
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -94,6 +97,8 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
 
 
 class DetokenizeRequest(OpenAIModel):

@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: messages rendered with the tokenizer's chat template."""
+"""POST /v1/chat/completions: messages rendered with the tokenizer's chat template (off the event
+loop, in the server's thread pool)."""
 from __future__ import annotations
 
 import time
@@ -9,6 +10,8 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from peregrine.engine.async_engine import EngineRequest, RequestStream
+from peregrine.entrypoints.chat_utils import (RESERVED_TEMPLATE_KWARGS, apply_chat_template,
+                                              has_chat_template)
 from peregrine.entrypoints.openai.errors import bad_request
 from peregrine.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                    ChatCompletionRequest, ChatCompletionResponse,
@@ -27,32 +30,57 @@ from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ServingContex
 from peregrine.outputs import CompletionOutput, PositionLogprobs
 
 
-def render_chat(ctx: ServingContext, messages: list[ChatMessage], *, add_generation_prompt: bool,
-                continue_final_message: bool = False,
-                template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Apply the chat template and tokenize (the template adds the special tokens itself)."""
+def request_template(ctx: ServingContext, chat_template: str | None,
+                     template_kwargs: dict[str, Any] | None) -> tuple[str | None, dict[str, Any]]:
+    """The request's own chat template (refused unless trusted) and its template variables."""
+    kwargs = dict(template_kwargs or {})
+    in_kwargs = kwargs.pop("chat_template", None)
+    for param, value in (("chat_template", chat_template),
+                         ("chat_template_kwargs.chat_template", in_kwargs)):
+        if value is None:
+            continue
+        if not ctx.trust_request_chat_template:
+            # NOTE: a template is a program (Jinja); an untrusted one can loop for as long as it likes.
+            raise bad_request(f"{param}: this server only renders its own chat template (start it "
+                              "with --trust-request-chat-template to accept templates sent in "
+                              "requests)", param)
+        if not isinstance(value, str):
+            raise bad_request(f"{param} must be a string", param)
+    reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {reserved[0]!r}",
+                          "chat_template_kwargs")
+    return (chat_template if chat_template is not None else in_kwargs), kwargs
+
+
+async def render_chat(ctx: ServingContext, messages: list[ChatMessage], *,
+                      add_generation_prompt: bool, continue_final_message: bool = False,
+                      chat_template: str | None = None,
+                      template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Apply the chat template and tokenize, both in the thread pool (the template adds the
+    special tokens itself)."""
     tok = ctx.require_tokenizer("chat")
-    if not getattr(tok, "chat_template", None):
+    template, kwargs = request_template(ctx, chat_template, template_kwargs)
+    if template is None and not has_chat_template(tok):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     dumped = []
     for m in messages:
-        d = m.model_dump()
         if isinstance(m.content, list):
             for part in m.content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise bad_request(f"unsupported content part type {part.get('type')!r} "
                                       "(only text)", "messages")
-        dumped.append(d)
-    if continue_final_message and dumped[-1]["role"] != "assistant":
-        raise bad_request("continue_final_message needs an assistant message last", "messages")
+        dumped.append(m.model_dump())
     try:
-        text = tok.apply_chat_template(
-            dumped, tokenize=False, add_generation_prompt=add_generation_prompt and not
-            continue_final_message, continue_final_message=continue_final_message,
-            **(template_kwargs or {}))
+        text = await ctx.run(apply_chat_template, tok, dumped,
+                             add_generation_prompt=add_generation_prompt,
+                             continue_final_message=continue_final_message,
+                             chat_template=template, template_kwargs=kwargs)
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from e
     except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception) are user errors
         raise bad_request(f"could not apply the chat template: {e}", "messages") from e
-    return tok.encode(text, add_special_tokens=False)
+    return await ctx.encode(text, add_special_tokens=False, param="messages")
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
@@ -67,9 +95,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     check_prompt_logprobs(req)
-    ids = render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
-                      continue_final_message=req.continue_final_message,
-                      template_kwargs=req.chat_template_kwargs)
+    ids = await render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
+                            continue_final_message=req.continue_final_message,
+                            chat_template=req.chat_template,
+                            template_kwargs=req.chat_template_kwargs)
     ids = truncate_prompt(ctx, ids, req.truncate_prompt_tokens)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(ctx, len(ids), requested, None, "messages")

@@ -1,11 +1,13 @@
-"""What completions and chat share: model check, length check, sampling params, adding requests,
-logprob formatting, SSE framing, disconnect handling."""
+"""What completions and chat share: the context (thread pool, prompt limits), model check, length
+check, sampling params, adding requests, logprob formatting, SSE framing, disconnect handling."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -13,7 +15,7 @@ from fastapi import Request
 
 from peregrine.engine.async_engine import (AsyncEngine, EngineDeadError, EngineRequest,
                                            RequestAbortedError, RequestStream)
-from peregrine.engine.scheduler import QueueFullError
+from peregrine.engine.llm_engine import QueueFullError
 from peregrine.entrypoints.openai.errors import OpenAIError, bad_request, error_body
 from peregrine.entrypoints.openai.protocol import PromptLogprob, SamplingRequest
 from peregrine.outputs import Logprob, PositionLogprobs, RequestOutput
@@ -23,6 +25,17 @@ T = TypeVar("T")
 # NOTE: JSON has no -inf; a token with zero probability is reported with this logprob instead.
 _MIN_LOGPROB = -9999.0
 _GEN_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# NOTE: a token is rarely longer than a handful of characters, so a text over this many characters
+# per token of max_model_len cannot fit the context in practice; the floor keeps small models usable.
+PROMPT_CHARS_PER_TOKEN = 16
+MIN_PROMPT_CHARS = 16 * 1024
+
+
+def prompt_char_limit(max_model_len: int, override: int | None = None) -> int:
+    """The most characters a text prompt may have before it is tokenized."""
+    if override is not None:
+        return override
+    return max(PROMPT_CHARS_PER_TOKEN * max_model_len, MIN_PROMPT_CHARS)
 
 
 @dataclass
@@ -33,6 +46,10 @@ class ServingContext:
     model_name: str
     max_model_len: int
     retry_after_s: int = 1
+    max_prompt_chars: int = MIN_PROMPT_CHARS
+    trust_request_chat_template: bool = False
+    # Templates and tokenization run here, never on the event loop (None: the loop's default pool).
+    executor: Executor | None = None
 
     @property
     def tokenizer(self) -> Any:
@@ -43,6 +60,26 @@ class ServingContext:
             raise bad_request(f"{what} needs a tokenizer, but the server runs without one "
                               "(skip_tokenizer_init); send token ids instead")
         return self.tokenizer
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run blocking work (a template, a tokenizer call) in the server's thread pool."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
+    def check_prompt_chars(self, text: str, param: str) -> None:
+        """400 for a text too long to ever fit max_model_len, before any tokenizer sees it."""
+        if len(text) > self.max_prompt_chars:
+            raise bad_request(f"the prompt has {len(text)} characters, more than this server's "
+                              f"limit of {self.max_prompt_chars} (--max-prompt-chars)", param)
+
+    async def encode(self, text: str, *, add_special_tokens: bool = True,
+                     param: str = "prompt") -> list[int]:
+        """Token ids of a text prompt: length-checked, then tokenized in the thread pool."""
+        self.check_prompt_chars(text, param)
+        tok = self.require_tokenizer("a text prompt")
+        # NOTE: encode without truncation or padding only reads the Rust tokenizer, so the pool's
+        # threads may share one copy (changing those settings would need exclusive access).
+        return await self.run(tok.encode, text, add_special_tokens=add_special_tokens)
 
 
 class ClientDisconnected(Exception):

@@ -46,7 +46,7 @@ class _Choice:
     started: bool = False  # streaming: the echoed prompt was sent
 
 
-def _parse_prompts(ctx: ServingContext, req: CompletionRequest) -> list[_Prompt]:
+async def _parse_prompts(ctx: ServingContext, req: CompletionRequest) -> list[_Prompt]:
     p = req.prompt
     if isinstance(p, str):
         items: list[str | list[int]] = [p]
@@ -56,11 +56,14 @@ def _parse_prompts(ctx: ServingContext, req: CompletionRequest) -> list[_Prompt]
         items = [p]  # one prompt of token ids
     else:
         items = list(p)
+    # NOTE: every text is length-checked before any is tokenized, so a refused batch costs nothing.
+    for item in items:
+        if isinstance(item, str):
+            ctx.check_prompt_chars(item, "prompt")
     prompts = []
     for item in items:
         if isinstance(item, str):
-            tok = ctx.require_tokenizer("a text prompt")
-            prompt = _Prompt(item, tok.encode(item))
+            prompt = _Prompt(item, await ctx.encode(item, param="prompt"))
         else:
             prompt = _Prompt(None, list(item))
         kept = truncate_prompt(ctx, prompt.token_ids, req.truncate_prompt_tokens)
@@ -80,7 +83,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
     if req.echo and req.logprobs is not None and req.stream:
         raise bad_request("echo with logprobs is only supported without streaming", "echo")
     check_prompt_logprobs(req)
-    prompts = _parse_prompts(ctx, req)
+    prompts = await _parse_prompts(ctx, req)
     request_id = random_id("cmpl")
     engine_reqs = []
     for i, prompt in enumerate(prompts):
