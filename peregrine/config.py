@@ -3,12 +3,15 @@ resolved, frozen sub-configs the engine runs on."""
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+
+from peregrine import envs
+from peregrine.attention.kv_dtype import check_kv_cache_dtype
+from peregrine.layers.quantization import QuantizationConfig, resolve_quantization
 
 _DTYPES = {
     "float32": torch.float32,
@@ -51,6 +54,8 @@ class EngineArgs:
     attention_backend: str | None = None  # torch | triton; None -> env or device default
     device: str = "auto"
     tensor_parallel_size: int = 1
+    quantization: str | None = None  # None: as the checkpoint's quantization_config says
+    kv_cache_dtype: str = "auto"  # auto: the model dtype
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model folder and validate every field."""
@@ -89,6 +94,9 @@ ENGINE_ARGS_HELP: dict[str, str] = {
                          "$PEREGRINE_ATTENTION_BACKEND)",
     "device": "auto, cpu or cuda[:N]",
     "tensor_parallel_size": "GPUs to split the model over (only 1 so far)",
+    "quantization": "quantization method (default: the checkpoint's quantization_config; "
+                    "must agree with it when both are given)",
+    "kv_cache_dtype": "KV cache element type: auto (the model dtype), float16, bfloat16, float32",
 }
 
 
@@ -116,6 +124,8 @@ class ModelConfig:
     head_dim: int
     eos_token_ids: tuple[int, ...]
     generation_config: dict[str, Any] = field(repr=False, hash=False, compare=False)
+    # The parsed quantization config (layers/quantization/), None when unquantized.
+    quantization: QuantizationConfig | None = field(default=None, compare=False)
 
     @classmethod
     def from_args(cls, args: EngineArgs, model_dir: str) -> ModelConfig:
@@ -161,6 +171,7 @@ class ModelConfig:
             num_layers=int(hf["num_hidden_layers"]), num_heads=num_heads,
             num_kv_heads=num_kv_heads, head_dim=head_dim, eos_token_ids=eos_ids,
             generation_config=gen_cfg,
+            quantization=resolve_quantization(hf, args.quantization),
         )
 
 
@@ -181,6 +192,7 @@ class CacheConfig:
     cpu_kv_cache_gb: float
     num_gpu_blocks_override: int | None
     enable_prefix_caching: bool
+    cache_dtype: str = "auto"  # the KV cache's element type (attention/kv_dtype.py)
 
 
 @dataclass(frozen=True)
@@ -239,12 +251,14 @@ class EngineConfig:
             raise _bad("max_num_batched_tokens", f"{max_batched} < max_model_len "
                        f"{model.max_model_len} with chunked prefill off")
         device = resolve_device(args.device)
-        backend = args.attention_backend or os.environ.get("PEREGRINE_ATTENTION_BACKEND") or (
+        backend = args.attention_backend or envs.attention_backend() or (
             "triton" if device.startswith("cuda") else "torch")
         if backend not in ("torch", "triton"):
             raise _bad("attention_backend", f"{backend!r} (expected torch or triton)")
+        check_kv_cache_dtype(args.kv_cache_dtype)
         cache = CacheConfig(args.block_size, args.gpu_memory_utilization, args.cpu_kv_cache_gb,
-                            args.num_gpu_blocks_override, args.enable_prefix_caching)
+                            args.num_gpu_blocks_override, args.enable_prefix_caching,
+                            args.kv_cache_dtype)
         sched = SchedulerConfig(args.max_num_seqs, max_batched, model.max_model_len,
                                 args.enable_chunked_prefill, args.scheduling_policy,
                                 args.max_queue_len)

@@ -5,41 +5,60 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from peregrine import envs
 from peregrine.attention.metadata import AttentionMetadata
 
 BACKEND_NAMES = ("torch", "triton")
 
 
 class AttentionBackend(ABC):
-    """Paged causal attention for one layer and one flat step batch (decodes first)."""
+    """Paged causal attention for one layer and one flat step batch (decodes first).
+
+    k_scale / v_scale: the cache holds k / k_scale and v / v_scale; attention reads them back
+    multiplied (1.0, the default, for 16/32-bit caches, costs nothing).
+    """
 
     name: str = "abstract"
 
+    def __init__(self) -> None:
+        # NOTE: read once: the shape checks cost host time on every layer of every step.
+        self.debug_checks = envs.debug_checks()
+
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, out: torch.Tensor | None = None,
-                window: int | None = None) -> torch.Tensor:
+                scale: float, out: torch.Tensor | None = None, window: int | None = None,
+                k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """Store k/v (T, Hkv, D) at meta.slot_mapping, then return attention of q (T, Hq, D),
         written into `out` (T, Hq, D) when given. Rows past meta.num_actual_tokens are zeros.
         k = v = None: the step's K/V are already stored (by store_kv). With a sliding window, a
-        query at position p sees keys p - window + 1 .. p."""
-        check_shapes(q, k, v, k_cache, v_cache, meta, out)
-        if window is not None and window < 1:
-            raise ValueError(f"sliding window must be >= 1, got {window}")
+        query at position p sees keys p - window + 1 .. p. Shapes are checked only with
+        PEREGRINE_DEBUG_CHECKS=1."""
+        if self.debug_checks:
+            check_shapes(q, k, v, k_cache, v_cache, meta, out)
+            if window is not None and window < 1:
+                raise ValueError(f"sliding window must be >= 1, got {window}")
         if k is not None:
-            self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k_cache, v_cache, meta, scale, out, window)
+            self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        return self.attend(q, k_cache, v_cache, meta, scale, out, window, k_scale, v_scale)
 
     @abstractmethod
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Write k/v (T, Hkv, D) into the paged caches at slot_mapping (T,); -1 writes nothing."""
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> None:
+        """Write k / k_scale, v / v_scale (T, Hkv, D) into the paged caches at slot_mapping (T,);
+        -1 writes nothing."""
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, out: torch.Tensor | None,
-               window: int | None) -> torch.Tensor:
+               window: int | None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """Attention of q (T, Hq, D) over the stored paged context (shapes already checked)."""
+
+
+def unscale_kv(k: torch.Tensor, v: torch.Tensor, k_scale: float, v_scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """k / k_scale, v / v_scale as the cache holds them (no copy for a scale of 1.0)."""
+    return (k if k_scale == 1.0 else k / k_scale), (v if v_scale == 1.0 else v / v_scale)
 
 
 def check_shapes(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from peregrine.attention.backend import AttentionBackend
+from peregrine.attention.backend import AttentionBackend, unscale_kv
 from peregrine.attention.metadata import AttentionMetadata
 from peregrine.kernels.reference import paged_attention_ref, store_kv_ref
 
@@ -14,12 +14,14 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> None:
+        k, v = unscale_kv(k, v, k_scale, v_scale)
         store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, out: torch.Tensor | None,
-               window: int | None) -> torch.Tensor:
+               window: int | None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         if out is None:
             out = torch.zeros_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
         else:
@@ -28,5 +30,7 @@ class TorchAttentionBackend(AttentionBackend):
         seq_lens = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens
         qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None \
             else meta.query_start_loc
-        return paged_attention_ref(q, k_cache, v_cache, meta.block_table, seq_lens, qsl, scale,
-                                   out=out, window=window)
+        # NOTE: q . (k_scale * k) = (k_scale * q) . k, and the softmax-weighted sum is linear in v.
+        out = paged_attention_ref(q, k_cache, v_cache, meta.block_table, seq_lens, qsl,
+                                  scale * k_scale, out=out, window=window)
+        return out if v_scale == 1.0 else out.mul_(v_scale)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from peregrine.attention.backend import AttentionBackend
+from peregrine.attention.backend import AttentionBackend, unscale_kv
 from peregrine.attention.metadata import AttentionMetadata
 from peregrine.kernels.decode_attention import paged_decode_attention
 from peregrine.kernels.extend_attention import extend_attention
@@ -19,13 +19,17 @@ class TritonAttentionBackend(AttentionBackend):
     fold_decodes_max = 8
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> None:
+        k, v = unscale_kv(k, v, k_scale, v_scale)
         store_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, out: torch.Tensor | None,
-               window: int | None) -> torch.Tensor:
+               window: int | None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         num_tokens = q.shape[0]
+        # NOTE: q . (k_scale * k) = (k_scale * q) . k: the K scale folds into the softmax scale.
+        scale = scale * k_scale
         num_decodes = meta.num_decodes
         if out is None:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
@@ -50,4 +54,4 @@ class TritonAttentionBackend(AttentionBackend):
             covered = num_decodes
         if covered < num_tokens:
             out[covered:].zero_()  # padding rows: defined values, nothing stored for them
-        return out
+        return out if v_scale == 1.0 else out.mul_(v_scale)

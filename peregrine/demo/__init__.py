@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from peregrine import envs
+
 logger = logging.getLogger(__name__)
 
 # NOTE: bump the version whenever the recipe below (or the tokenizer corpus) changes, so a cached
@@ -40,7 +42,7 @@ def build_demo_model(out_dir: str | Path) -> Path:
 
 def demo_cache_root() -> Path:
     """Folder that holds the demo model: $PEREGRINE_CACHE_DIR or ~/.cache/peregrine."""
-    env = os.environ.get("PEREGRINE_CACHE_DIR")
+    env = envs.cache_dir()
     return Path(env).expanduser() if env else Path.home() / ".cache" / "peregrine"
 
 

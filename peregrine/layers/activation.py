@@ -9,9 +9,9 @@ from torch import nn
 class SiluAndMul(nn.Module):
     """x (T, 2I) -> silu(x[:, :I]) * x[:, I:]  (T, I)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fused: bool = False) -> None:
         super().__init__()
-        self.use_fused = False
+        self.use_fused = fused  # the Triton kernel (chosen when the model is built)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_fused:

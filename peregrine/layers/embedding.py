@@ -17,12 +17,12 @@ def _vocab_range(vocab_size: int) -> tuple[int, int]:
 class VocabParallelEmbedding(nn.Module):
     """Each rank holds a contiguous slice of the vocabulary's rows."""
 
-    def __init__(self, vocab_size: int, hidden: int) -> None:
+    def __init__(self, vocab_size: int, hidden: int, *, dtype: torch.dtype) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.start, self.end = _vocab_range(vocab_size)
         rows = -(-vocab_size // tp_size())  # padded so every rank has the same shape
-        self.weight = nn.Parameter(torch.empty(rows, hidden), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(rows, hidden, dtype=dtype), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:

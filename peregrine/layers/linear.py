@@ -1,93 +1,106 @@
-"""Linear layers split for tensor parallelism (column- and row-parallel); world size 1 works as is."""
+"""Linear layers split for tensor parallelism (column- and row-parallel); world size 1 works as is.
+
+Each layer's parameters, checkpoint loading and matmul come from its `QuantMethod`
+(layers/quantization/): unquantized unless the model's quantization config says otherwise.
+"""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from peregrine.distributed import divide, tp_all_reduce, tp_rank, tp_size
+from peregrine.layers.quantization import (QuantizationConfig, UnquantizedLinearMethod,
+                                           linear_param, load_sharded)
 
 
-class _ShardedLinear(nn.Module):
-    """A linear layer holding this rank's shard of the weight: (out_per_rank, in_per_rank)."""
+class LinearBase(nn.Module):
+    """y = x W^T (+ b) over this rank's shard of W, through the layer's quant method.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    prefix: the layer's checkpoint module name (e.g. "model.layers.0.mlp.down_proj"); a merged
+    layer is loaded from the sibling modules in shard_names (e.g. q_proj, k_proj, v_proj).
+    """
+
+    shards_output = True  # column-parallel: outputs split over ranks; row-parallel: inputs
+
+    def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool, *,
+                 dtype: torch.dtype, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "", shard_names: Sequence[str] = ()) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.out_sizes = list(out_sizes)  # every merged projection's size over all ranks
+        self.shard_names = tuple(shard_names)
+        parent = prefix.rpartition(".")[0]
+        self.prefixes = ([f"{parent}.{s}".lstrip(".") for s in self.shard_names]
+                         if self.shard_names else [prefix])
+        method = quant_config.get_quant_method(self.prefixes) if quant_config else None
+        self.quant_method = method or UnquantizedLinearMethod()
+        if self.shards_output:
+            in_per_rank = in_features
+            out_per_rank = [divide(s, self.tp_size, "output size") for s in self.out_sizes]
+        else:
+            in_per_rank = divide(in_features, self.tp_size, "input size")
+            out_per_rank = list(self.out_sizes)
+        self.quant_method.create_weights(self, in_per_rank, out_per_rank, dtype)
+        self.bias = None
+        if bias:
+            # NOTE: a row-parallel bias is whole on every rank (added once, after the reduction).
+            self.bias = linear_param((sum(out_per_rank),), dtype,
+                                     output_dim=0 if self.shards_output else None, input_dim=None)
 
-    @staticmethod
-    def _check(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
-        if param.shape != loaded.shape:
-            raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(loaded.shape)} does not "
-                             f"match the model's {tuple(param.shape)}")
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None,
+                      name: str) -> None:
+        """Load checkpoint tensor `name` (merged projection `shard`, or None) into `param`."""
+        if param is self.bias:
+            load_sharded(self, param, loaded, shard, name)
+        else:
+            self.quant_method.load_weight(self, param, loaded, shard, name)
 
 
-class ColumnParallelLinear(_ShardedLinear):
+class ColumnParallelLinear(LinearBase):
     """y = x W^T with W split along the output dim; each rank keeps its slice of y."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        self.out_sizes = [out_features]
-        super().__init__(in_features, divide(out_features, tp_size(), "output size"), bias)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, **kw) -> None:
+        super().__init__(in_features, [out_features], bias, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-    def load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard: int, name: str) -> None:
-        """Copy this rank's slice of output shard `shard` of a checkpoint tensor into `param`."""
-        sizes = [s // tp_size() for s in self.out_sizes]
-        start = sum(sizes[:shard])
-        per_rank = sizes[shard]
-        full = self.out_sizes[shard]
-        if loaded.shape[0] != full or (param.dim() == 2 and loaded.shape[1] != param.shape[1]):
-            expect = (full,) + tuple(param.shape[1:])
-            raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(loaded.shape)} does not "
-                             f"match the model's {expect}")
-        piece = loaded.narrow(0, tp_rank() * per_rank, per_rank)
-        param.data.narrow(0, start, per_rank).copy_(piece)
+        return self.quant_method.apply(self, x, self.bias)  # (T, out_per_rank)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input fused into one GEMM (e.g. gate+up)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(out_sizes), bias)
-        self.out_sizes = list(out_sizes)
+    def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool = False,
+                 **kw) -> None:
+        LinearBase.__init__(self, in_features, out_sizes, bias, **kw)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q, k, v projections; each rank holds its q heads and its kv heads."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False) -> None:
+                 bias: bool = False, **kw) -> None:
         tp = tp_size()
         # NOTE: with more ranks than kv heads, kv heads are replicated (not supported yet).
         if num_kv_heads % tp:
             raise ValueError(f"num_key_value_heads ({num_kv_heads}) must be divisible by the "
                              f"tensor-parallel size ({tp})")
-        super().__init__(hidden, (num_heads + 2 * num_kv_heads) * head_dim, bias)
-        self.out_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        kw.setdefault("shard_names", ("q_proj", "k_proj", "v_proj"))
+        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        LinearBase.__init__(self, hidden, sizes, bias, **kw)
 
 
-class RowParallelLinear(_ShardedLinear):
+class RowParallelLinear(LinearBase):
     """y = x W^T with W split along the input dim; partial sums are all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(divide(in_features, tp_size(), "input size"), out_features, bias)
+    shards_output = False
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, **kw) -> None:
+        super().__init__(in_features, [out_features], bias, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: the bias is added once, after the reduction, not on every rank.
-        y = F.linear(x, self.weight)
+        y = self.quant_method.apply(self, x)  # (T, out) partial sum of this rank's inputs
         y = tp_all_reduce(y)
         return y + self.bias if self.bias is not None else y
-
-    def load_full(self, param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
-        if param is self.bias:
-            self._check(param, loaded, name)
-            param.data.copy_(loaded)
-            return
-        per_rank = param.shape[1]
-        if loaded.shape != (param.shape[0], per_rank * tp_size()):
-            raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(loaded.shape)} does not "
-                             f"match the model's {(param.shape[0], per_rank * tp_size())}")
-        param.data.copy_(loaded.narrow(1, tp_rank() * per_rank, per_rank))

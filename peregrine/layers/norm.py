@@ -8,11 +8,12 @@ from torch import nn
 class RMSNorm(nn.Module):
     """y = w * x / rms(x); with `residual`, x := x + residual first and the new residual is returned."""
 
-    def __init__(self, hidden: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden: int, eps: float = 1e-6, *, dtype: torch.dtype,
+                 fused: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype), requires_grad=False)
         self.eps = eps
-        self.use_fused = False  # set by the model runner where the Triton kernel measured faster
+        self.use_fused = fused  # the Triton kernel (chosen when the model is built)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.use_fused:

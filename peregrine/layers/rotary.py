@@ -46,7 +46,7 @@ class RotaryEmbedding(nn.Module):
     """Applies RoPE to q (T, Hq, D) and k (T, Hkv, D) at integer `positions` (T,)."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float,
-                 scaling: dict[str, Any] | None = None) -> None:
+                 scaling: dict[str, Any] | None = None, fused: bool = False) -> None:
         super().__init__()
         self.head_dim = head_dim
         inv = _inv_freq(head_dim, theta, scaling)  # (D/2,)
@@ -55,7 +55,7 @@ class RotaryEmbedding(nn.Module):
         # cos and sin halves side by side: (P, D)
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
                              persistent=False)
-        self.use_fused = False
+        self.use_fused = fused  # the Triton kernel (chosen when the model is built)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         if self.use_fused:

@@ -10,6 +10,9 @@ from safetensors import safe_open
 from torch import nn
 
 from peregrine.config import ModelConfig
+from peregrine.layers.kernel_config import KernelConfig
+from peregrine.layers.linear import LinearBase
+from peregrine.models.protocol import BuildOptions
 from peregrine.models.registry import build_model
 
 
@@ -41,19 +44,21 @@ def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(cfg: ModelConfig, backend, device: torch.device) -> nn.Module:
-    """Instantiate the registered architecture on `device` in `cfg.dtype` and load its weights."""
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(cfg.dtype)
-    try:
-        with torch.device(device):
-            model = build_model(cfg.architecture, cfg.hf_config, backend)
-    finally:
-        torch.set_default_dtype(default_dtype)
+def load_model(cfg: ModelConfig, backend, device: torch.device,
+               kernels: KernelConfig | None = None) -> nn.Module:
+    """Build the registered architecture on `device` in `cfg.dtype` with `kernels` (default:
+    KernelConfig.for_device(device)), quantized as cfg.quantization says, and load its weights."""
+    opts = BuildOptions(dtype=cfg.dtype, backend=backend, quant_config=cfg.quantization,
+                        kernels=kernels if kernels is not None else KernelConfig.for_device(device))
+    with torch.device(device):
+        model = build_model(cfg.architecture, cfg.hf_config, opts)
     if cfg.load_format == "dummy":
         init_dummy_weights(model, cfg.seed)
     else:
         model.load_weights(iterate_safetensors(cfg.model))
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.quant_method.process_weights_after_loading(module)
     return model.eval()
 
 
@@ -66,7 +71,11 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        if name.endswith("norm.weight"):
+        if not p.is_floating_point():  # packed quantized values: any bits will do
+            if gen is None:
+                gen = torch.Generator(device=p.device).manual_seed(seed)
+            p.random_(generator=gen)
+        elif name.endswith("norm.weight"):
             p.fill_(1.0)
         elif name.endswith("bias"):
             p.zero_()
@@ -78,7 +87,8 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
 
 
 def set_fused_kernels(model: nn.Module, enabled: bool) -> None:
-    """Route RMSNorm, RoPE and SiLU-and-mul through their Triton kernels (measured faster on GPU)."""
+    """Deprecated: pass `kernels=KernelConfig(fused=...)` to load_model (the default already
+    chooses the fused kernels on CUDA unless PEREGRINE_FUSED_KERNELS=0). Still switches them."""
     for module in model.modules():
         if hasattr(module, "use_fused"):
             module.use_fused = enabled

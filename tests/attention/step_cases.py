@@ -68,7 +68,7 @@ def make_step(prefix_lens: list[int], q_lens: list[int], num_q_heads: int = 4,
     qsl[1:] = torch.tensor(q_lens).cumsum(0)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
     meta = AttentionMetadata(
-        num_actual_tokens=num_actual, num_decodes=num_decodes, num_decode_tokens=num_decodes,
+        num_actual_tokens=num_actual, num_decodes=num_decodes,
         max_query_len=max(q_lens), max_seq_len=max(seq_lens), query_start_loc=qsl,
         seq_lens=seq_lens_t, block_table=block_table, slot_mapping=slot_mapping,
         query_start_loc_cpu=qsl.clone(), seq_lens_cpu=seq_lens_t.clone())

@@ -28,10 +28,11 @@ def test_triton_backend_generates_the_same_greedy_tokens_as_torch(pieces: bool) 
 
 
 @pytest.mark.parametrize("name", ["torch", "triton"])
-def test_backends_write_into_a_given_out_buffer(name: str) -> None:
+def test_backends_write_into_a_given_out_buffer(name: str, monkeypatch) -> None:
     """Piecewise CUDA graphs pass a fixed output buffer: the backend fills it (padding rows with
     zeros, whatever was there before) and returns it, with the same values as without it."""
     from step_cases import make_step
+    monkeypatch.setenv("PEREGRINE_DEBUG_CHECKS", "1")  # for the bad out buffer below
     backend = get_attention_backend(name)
     step = make_step(prefix_lens=[0, 30, 21, 0], q_lens=[1, 1, 13, 9], num_pad_tokens=3)
     want = backend.forward(step.q, step.k, step.v, step.k_cache, step.v_cache, step.meta, 0.125)
@@ -46,9 +47,10 @@ def test_backends_write_into_a_given_out_buffer(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["torch", "triton"])
-def test_store_first_then_attend_equals_the_one_call(name: str) -> None:
+def test_store_first_then_attend_equals_the_one_call(name: str, monkeypatch) -> None:
     """Piecewise graphs store K/V inside a graph and call attention with k = v = None."""
     from step_cases import make_step
+    monkeypatch.setenv("PEREGRINE_DEBUG_CHECKS", "1")  # for the lone v below
     backend = get_attention_backend(name)
     args = dict(prefix_lens=[0, 30, 21, 0], q_lens=[1, 1, 13, 9], num_pad_tokens=3)
     one, two = make_step(**args), make_step(**args)

@@ -65,11 +65,25 @@ def test_decode_only_batch() -> None:
     torch.testing.assert_close(_forward(step), naive_attention(step, SCALE), atol=1e-5, rtol=1e-5)
 
 
-def test_rejects_mismatched_shapes() -> None:
+def test_debug_checks_reject_mismatched_shapes(monkeypatch) -> None:
+    monkeypatch.setenv("PEREGRINE_DEBUG_CHECKS", "1")
     step = make_step(**MIXED)
     with pytest.raises(ValueError, match="slot_mapping"):
         get_attention_backend("torch").forward(step.q[:-1], step.k[:-1], step.v[:-1],
                                                step.k_cache, step.v_cache, step.meta, SCALE)
+
+
+def test_shape_checks_are_off_the_hot_path_by_default(monkeypatch) -> None:
+    import peregrine.attention.backend as backend_mod
+    monkeypatch.delenv("PEREGRINE_DEBUG_CHECKS", raising=False)
+    calls = []
+    monkeypatch.setattr(backend_mod, "check_shapes", lambda *a: calls.append(a))
+    step = make_step(**MIXED)
+    torch.testing.assert_close(_forward(step), naive_attention(step, SCALE), atol=1e-5, rtol=1e-5)
+    assert calls == []
+    monkeypatch.setenv("PEREGRINE_DEBUG_CHECKS", "1")
+    _forward(make_step(**MIXED))
+    assert len(calls) == 1
 
 
 def test_get_attention_backend_by_name() -> None:

@@ -134,7 +134,7 @@ def test_piecewise_graph_path_matches_transformers(mode: str, prefix_caching: bo
 @pytest.mark.parametrize("mode", ["plain", "chunked+preempt", "no-prefix-cache", "triton"])
 @pytest.mark.parametrize("arch", sorted(_WINDOWED))
 def test_sliding_window_matches_transformers(arch: str, mode: str) -> None:
-    from peregrine.models.llama import layer_windows
+    from peregrine.models.registry import model_class
     path = tiny_checkpoint(arch, **_WINDOWED[arch])
     args: dict = {}
     if mode == "chunked+preempt":
@@ -144,7 +144,8 @@ def test_sliding_window_matches_transformers(arch: str, mode: str) -> None:
     if mode == "triton":
         args.update(attention_backend="triton", max_num_batched_tokens=32)
     llm = LLM(path, dtype="float32", device="cpu", max_model_len=256, seed=0, **args)
-    windows = layer_windows(llm.engine.config.model.hf_config)
+    mc = llm.engine.config.model
+    windows = model_class(mc.architecture).layer_windows(mc.hf_config)
     assert windows == ([8, 8] if arch == "mistral" else [None, 8])
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
     outs = llm.generate(_prompts(llm.engine.config.model.vocab_size), params, use_tqdm=False)
@@ -159,15 +160,18 @@ def test_sliding_window_matches_transformers(arch: str, mode: str) -> None:
 
 
 def test_layer_windows_follow_the_config() -> None:
-    from peregrine.models.llama import layer_windows
+    from peregrine.models.registry import model_class
+    llama, mistral, qwen2, qwen3 = (model_class(a).layer_windows for a in (
+        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"))
     base = {"num_hidden_layers": 3}
-    assert layer_windows(dict(base, model_type="llama")) == [None] * 3
-    assert layer_windows(dict(base, model_type="mistral", sliding_window=None)) == [None] * 3
-    assert layer_windows(dict(base, model_type="mistral", sliding_window=4096)) == [4096] * 3
-    qwen = dict(base, model_type="qwen2", sliding_window=64, max_window_layers=2)
-    assert layer_windows(qwen) == [None] * 3  # use_sliding_window defaults to off
-    assert layer_windows(dict(qwen, use_sliding_window=True)) == [None, None, 64]
+    assert llama(dict(base, sliding_window=4096)) == [None] * 3
+    assert mistral(dict(base, sliding_window=None)) == [None] * 3
+    assert mistral(dict(base, sliding_window=4096)) == [4096] * 3
+    qwen = dict(base, sliding_window=64, max_window_layers=2)
+    assert qwen2(qwen) == qwen3(qwen) == [None] * 3  # use_sliding_window defaults to off
+    assert qwen2(dict(qwen, use_sliding_window=True)) == [None, None, 64]
+    assert qwen3(dict(qwen, use_sliding_window=True)) == [None, None, 64]
     types = ["sliding_attention", "full_attention", "sliding_attention"]
-    assert layer_windows(dict(base, sliding_window=32, layer_types=types)) == [32, None, 32]
+    assert llama(dict(base, sliding_window=32, layer_types=types)) == [32, None, 32]
     with pytest.raises(ValueError, match="layer_types"):
-        layer_windows(dict(base, sliding_window=32, layer_types=types[:2]))
+        llama(dict(base, sliding_window=32, layer_types=types[:2]))

@@ -1,0 +1,41 @@
+"""Every environment variable Peregrine reads, in one place (read when called, never cached)."""
+from __future__ import annotations
+
+import os
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def attention_backend() -> str | None:
+    """PEREGRINE_ATTENTION_BACKEND: torch | triton; None when unset (the device decides)."""
+    return os.environ.get("PEREGRINE_ATTENTION_BACKEND") or None
+
+
+def fused_kernels() -> bool:
+    """PEREGRINE_FUSED_KERNELS: Triton RMSNorm, RoPE and SiLU-and-mul on CUDA (default on; 0: off)."""
+    return _flag("PEREGRINE_FUSED_KERNELS", True)
+
+
+def debug_checks() -> bool:
+    """PEREGRINE_DEBUG_CHECKS: per-layer shape checks on the hot path (default off; 1: on)."""
+    return _flag("PEREGRINE_DEBUG_CHECKS", False)
+
+
+def cache_dir() -> str | None:
+    """PEREGRINE_CACHE_DIR: where the demo model is built (None: ~/.cache/peregrine)."""
+    return os.environ.get("PEREGRINE_CACHE_DIR") or None
+
+
+def api_key() -> str | None:
+    """PEREGRINE_API_KEY: the server's API key when --api-key is not given."""
+    return os.environ.get("PEREGRINE_API_KEY") or None
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET: Triton kernels run in the CPU interpreter (set by tests before import)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

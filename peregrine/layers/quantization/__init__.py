@@ -1,0 +1,67 @@
+"""Quantization methods by config.json `quant_method` name; see base.py for the interfaces.
+
+Adding a method is adding a file with a `QuantizationConfig` and its `QuantMethod`, plus one
+line in `_BUILTIN` (or a `register_quantization_config` call for a plug-in).
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from peregrine.layers.quantization.base import (QuantizationConfig, QuantMethod, linear_param,
+                                                load_sharded)
+from peregrine.layers.quantization.unquantized import UnquantizedLinearMethod
+
+__all__ = ["QuantMethod", "QuantizationConfig", "UnquantizedLinearMethod", "get_quantization_config",
+           "linear_param", "load_sharded", "quantization_methods", "register_quantization_config",
+           "resolve_quantization"]
+
+# quant_method -> "module:Class", imported on first use.
+_BUILTIN: dict[str, str] = {}
+_REGISTERED: dict[str, type[QuantizationConfig]] = {}
+
+
+def register_quantization_config(name: str
+                                 ) -> Callable[[type[QuantizationConfig]], type[QuantizationConfig]]:
+    """Class decorator: make `cls` the config of quant_method `name`."""
+    def wrap(cls: type[QuantizationConfig]) -> type[QuantizationConfig]:
+        if name in _BUILTIN or _REGISTERED.get(name, cls) is not cls:
+            raise ValueError(f"quantization method {name!r} is already registered")
+        cls.name = name
+        _REGISTERED[name] = cls
+        return cls
+    return wrap
+
+
+def quantization_methods() -> list[str]:
+    """Every known quant_method name."""
+    return sorted({*_BUILTIN, *_REGISTERED})
+
+
+def get_quantization_config(name: str) -> type[QuantizationConfig]:
+    """The config class registered for quant_method `name`; ValueError naming the known ones."""
+    if name in _REGISTERED:
+        return _REGISTERED[name]
+    if name in _BUILTIN:
+        module, cls_name = _BUILTIN[name].split(":")
+        cls = getattr(importlib.import_module(module), cls_name)
+        cls.name = name
+        return cls
+    known = ", ".join(quantization_methods()) or "none are available in this version"
+    raise ValueError(f"unknown quantization method {name!r} (known: {known})")
+
+
+def resolve_quantization(hf: dict[str, Any], requested: str | None) -> QuantizationConfig | None:
+    """The checkpoint's quantization (config.json `quantization_config`), checked against the
+    --quantization the user asked for; None for an unquantized model."""
+    cfg = hf.get("quantization_config")
+    if cfg is None:
+        return None if requested is None else get_quantization_config(requested).from_config({})
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("quant_method"), str):
+        raise ValueError("config.json: quantization_config has no 'quant_method'")
+    method = cfg["quant_method"]
+    if requested is not None and requested != method:
+        raise ValueError(f"invalid quantization: {requested!r} disagrees with the checkpoint, "
+                         f"which is quantized with {method!r}")
+    return get_quantization_config(method).from_config(cfg)

@@ -1,0 +1,131 @@
+"""The quantization interfaces: a `QuantizationConfig` (parsed from config.json) hands each linear
+layer a `QuantMethod`, which creates the layer's parameters, loads checkpoint tensors into them
+and applies the layer."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from peregrine.layers.linear import LinearBase
+
+
+def linear_param(shape: tuple[int, ...], dtype: torch.dtype, *, output_dim: int | None,
+                 input_dim: int | None, packed_dim: int | None = None,
+                 pack_factor: int = 1) -> nn.Parameter:
+    """An uninitialised parameter tagged with how checkpoint tensors map onto it.
+
+    output_dim / input_dim: which dim runs along the layer's outputs / inputs (None: the tensor is
+    the same on every rank, e.g. a row-parallel bias or a per-tensor scale). packed_dim: the dim
+    along which pack_factor logical values share one element (int4 packed 8 per int32), or along
+    which one element covers pack_factor inputs (a group-wise scale).
+    """
+    if pack_factor < 1 or (packed_dim is None) != (pack_factor == 1):
+        raise ValueError(f"packed_dim {packed_dim} and pack_factor {pack_factor} must come together")
+    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    param.output_dim = output_dim
+    param.input_dim = input_dim
+    param.packed_dim = packed_dim
+    param.pack_factor = pack_factor
+    return param
+
+
+def _mismatch(name: str, loaded: torch.Tensor, expect: tuple[int, ...]) -> ValueError:
+    return ValueError(f"tensor {name!r}: checkpoint shape {tuple(loaded.shape)} does not match "
+                      f"the model's {expect}")
+
+
+def load_sharded(layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor, shard: int | None,
+                 name: str) -> None:
+    """Copy this rank's part of checkpoint tensor `loaded` into `param`.
+
+    Column-parallel layers split along the param's output_dim, each merged projection (`shard`,
+    e.g. 0/1/2 for q/k/v) separately; row-parallel layers split along its input_dim. Packed
+    dims count elements, not logical values.
+    """
+    dim = param.output_dim if layer.shards_output else param.input_dim
+    merged = len(layer.out_sizes) > 1
+    if merged and shard is None and param.output_dim is not None:
+        raise ValueError(f"checkpoint tensor {name!r} must be split into its projections")
+    if dim is None:  # the same tensor on every rank
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise _mismatch(name, loaded, tuple(param.shape))
+        param.data.copy_(loaded)
+        return
+    tp, rank = layer.tp_size, layer.tp_rank
+    if layer.shards_output:
+        factor = param.pack_factor if param.packed_dim == dim else 1
+        sizes = []
+        for full in layer.out_sizes:
+            if (full // tp) % factor:
+                raise ValueError(f"tensor {name!r}: {full // tp} outputs per rank do not pack "
+                                 f"{factor} to an element")
+            sizes.append(full // tp // factor)
+        shard = shard or 0
+        start, per_rank = sum(sizes[:shard]), sizes[shard]
+    else:
+        start, per_rank = 0, param.shape[dim]
+    expect = list(param.shape)
+    expect[dim] = per_rank * tp
+    if tuple(loaded.shape) != tuple(expect):
+        raise _mismatch(name, loaded, tuple(expect))
+    param.data.narrow(dim, start, per_rank).copy_(loaded.narrow(dim, rank * per_rank, per_rank))
+
+
+class QuantMethod(ABC):
+    """How one linear layer holds, loads and applies its weight."""
+
+    @abstractmethod
+    def create_weights(self, layer: LinearBase, in_features: int, out_sizes: list[int],
+                       dtype: torch.dtype) -> None:
+        """Register the layer's weight parameters for this rank: in_features inputs, outputs in
+        out_sizes (one entry per merged projection); dtype is the model's activation dtype."""
+
+    def load_weight(self, layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor,
+                    shard: int | None, name: str) -> None:
+        """Load checkpoint tensor `name` (projection `shard` of a merged layer) into `param`."""
+        load_sharded(layer, param, loaded, shard, name)
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        """Repack or convert the loaded parameters (once, before the first forward)."""
+
+    @abstractmethod
+    def apply(self, layer: LinearBase, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        """y (T, out_per_rank) of x (T, in_per_rank), plus bias when given."""
+
+
+class QuantizationConfig(ABC):
+    """A checkpoint's quantization settings (config.json `quantization_config`)."""
+
+    name: ClassVar[str]  # the `quant_method` value it is registered under
+    # Checkpoint module names left unquantized: a full name, a suffix ("lm_head", "mlp.down_proj")
+    # or a prefix ("model.layers.0").
+    skip_modules: tuple[str, ...] = ()
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, cfg: dict[str, Any]) -> QuantizationConfig:
+        """Parse `quantization_config` ({} when only --quantization names the method)."""
+
+    @abstractmethod
+    def linear_method(self, prefixes: list[str]) -> QuantMethod:
+        """The method of a linear layer loaded from these checkpoint modules."""
+
+    def is_skipped(self, prefix: str) -> bool:
+        return any(prefix == s or prefix.endswith("." + s) or prefix.startswith(s + ".")
+                   for s in self.skip_modules)
+
+    def get_quant_method(self, prefixes: list[str]) -> QuantMethod | None:
+        """The layer's method, or None (unquantized) when its modules are skipped. A fused layer
+        (q/k/v, gate/up) is skipped as a whole or not at all."""
+        skipped = [self.is_skipped(p) for p in prefixes]
+        if skipped and all(skipped):
+            return None
+        if any(skipped):
+            raise ValueError(f"{self.name}: the fused modules {prefixes} are only partly skipped "
+                             "(quantize all of them or none)")
+        return self.linear_method(prefixes)

@@ -1,0 +1,251 @@
+"""The shared pre-norm decoder-only transformer (attention, gated MLP, causal LM, checkpoint
+loading). A family file subclasses `DecoderForCausalLM` and swaps parts or overrides hooks:
+`parts` (attention / MLP / norm classes), `layer_windows`, `rotary_embeddings`."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from peregrine.attention.metadata import AttentionMetadata
+from peregrine.distributed import divide, tp_size
+from peregrine.layers.activation import SiluAndMul
+from peregrine.layers.attention import Attention
+from peregrine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from peregrine.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                     RowParallelLinear)
+from peregrine.layers.norm import RMSNorm
+from peregrine.layers.rotary import RotaryEmbedding, rope_parameters
+from peregrine.models.protocol import BuildOptions, KVCache
+
+
+def head_dim_of(hf: dict[str, Any]) -> int:
+    return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+
+
+def _eps(hf: dict[str, Any]) -> float:
+    return hf.get("rms_norm_eps", 1e-6)
+
+
+class DecoderAttention(nn.Module):
+    """qkv projection, RoPE, paged attention, output projection (Llama's layout)."""
+
+    def __init__(self, hf: dict[str, Any], rope: RotaryEmbedding, opts: BuildOptions, prefix: str,
+                 window: int | None = None) -> None:
+        super().__init__()
+        hidden = hf["hidden_size"]
+        heads = hf["num_attention_heads"]
+        kv_heads = hf.get("num_key_value_heads") or heads
+        head_dim = head_dim_of(hf)
+        self.num_heads = divide(heads, tp_size(), "num_attention_heads")
+        self.num_kv_heads = divide(kv_heads, tp_size(), "num_key_value_heads")
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        linear = dict(dtype=opts.dtype, quant_config=opts.quant_config)
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads,
+                                          bias=self.qkv_bias(hf), prefix=f"{prefix}.qkv_proj",
+                                          **linear)
+        self.o_proj = RowParallelLinear(heads * head_dim, hidden, bias=self.o_bias(hf),
+                                        prefix=f"{prefix}.o_proj", **linear)
+        self.rotary_emb = rope
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5,
+                              opts.backend, sliding_window=window)
+
+    @staticmethod
+    def qkv_bias(hf: dict[str, Any]) -> bool:
+        return bool(hf.get("attention_bias", False))
+
+    @staticmethod
+    def o_bias(hf: dict[str, Any]) -> bool:
+        return bool(hf.get("attention_bias", False))
+
+    def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head q/k normalisation before RoPE (none here; Qwen3 overrides)."""
+        return q, k
+
+    def project(self, positions: torch.Tensor, x: torch.Tensor):
+        """q (T, Hq, D), k and v (T, Hkv, D) of x (T, hidden), with q/k norm and RoPE applied."""
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # (T, q_size + 2 kv_size)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)  # (T, Hq, D)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        q, k = self.qk_norm(q, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return q, k, v.reshape(t, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.project(positions, x)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))  # (T, hidden)
+
+
+class DecoderMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up in one GEMM."""
+
+    def __init__(self, hf: dict[str, Any], opts: BuildOptions, prefix: str) -> None:
+        super().__init__()
+        hidden, inter = hf["hidden_size"], hf["intermediate_size"]
+        bias = bool(hf.get("mlp_bias", False))
+        linear = dict(dtype=opts.dtype, quant_config=opts.quant_config)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [inter, inter], bias=bias, prefix=f"{prefix}.gate_up_proj",
+            shard_names=("gate_proj", "up_proj"), **linear)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=bias, prefix=f"{prefix}.down_proj",
+                                           **linear)
+        self.act = SiluAndMul(fused=opts.kernels.fused)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))  # (T, hidden)
+
+
+class DecoderParts(NamedTuple):
+    """The module classes a family builds its layers from."""
+
+    attention: type[nn.Module] = DecoderAttention
+    mlp: type[nn.Module] = DecoderMLP
+    norm: type[nn.Module] = RMSNorm  # norm(hidden, eps, dtype=, fused=)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hf: dict[str, Any], rope: RotaryEmbedding, opts: BuildOptions,
+                 prefix: str, window: int | None, parts: DecoderParts) -> None:
+        super().__init__()
+        hidden = hf["hidden_size"]
+        norm = dict(dtype=opts.dtype, fused=opts.kernels.fused)
+        self.self_attn = parts.attention(hf, rope, opts, f"{prefix}.self_attn", window)
+        self.mlp = parts.mlp(hf, opts, f"{prefix}.mlp")
+        self.input_layernorm = parts.norm(hidden, _eps(hf), **norm)
+        self.post_attention_layernorm = parts.norm(hidden, _eps(hf), **norm)
+
+    def forward(self, positions, x, residual, kv_cache, meta):
+        q, k, v, residual = self.pre_attention(positions, x, residual)
+        return self.post_attention(self.self_attn.attn(q, k, v, kv_cache, meta), residual)
+
+    # NOTE: the halves around attention are what piecewise CUDA graphs capture (cuda_graphs.py).
+    def pre_attention(self, positions: torch.Tensor, x: torch.Tensor,
+                      residual: torch.Tensor | None):
+        """Input norm (residual add included) and q/k/v: (q, k, v, residual)."""
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        return (*self.self_attn.project(positions, x), residual)
+
+    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor):
+        """Output projection, residual add and norm, MLP: (x, residual) for the next layer."""
+        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
+        return self.mlp(x), residual
+
+
+class DecoderForCausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and LM head (tied to the embedding when asked)."""
+
+    parts = DecoderParts()
+
+    def __init__(self, hf: dict[str, Any], opts: BuildOptions) -> None:
+        super().__init__()
+        self.hf = hf
+        hidden = hf["hidden_size"]
+        self.embed_tokens = VocabParallelEmbedding(hf["vocab_size"], hidden, dtype=opts.dtype)
+        ropes = self.rotary_embeddings(hf, opts)
+        self.layers = nn.ModuleList(
+            DecoderLayer(hf, rope, opts, f"model.layers.{i}", window, self.parts)
+            for i, (rope, window) in enumerate(zip(ropes, self.layer_windows(hf))))
+        self.norm = self.parts.norm(hidden, _eps(hf), dtype=opts.dtype, fused=opts.kernels.fused)
+        self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(hf["vocab_size"], hidden, dtype=opts.dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @classmethod
+    def rotary_embeddings(cls, hf: dict[str, Any], opts: BuildOptions) -> list[RotaryEmbedding]:
+        """Each layer's RoPE: one table shared by every layer here."""
+        theta, scaling = rope_parameters(hf)
+        max_pos = int(hf.get("max_position_embeddings") or 2048)
+        rope = RotaryEmbedding(head_dim_of(hf), max_pos, theta, scaling, fused=opts.kernels.fused)
+        return [rope] * hf["num_hidden_layers"]
+
+    @classmethod
+    def layer_windows(cls, hf: dict[str, Any]) -> list[int | None]:
+        """Each layer's sliding window (None: full attention), as transformers reads config.json:
+        `layer_types` when present, else the family's rule (`default_windows`)."""
+        n = hf["num_hidden_layers"]
+        window = hf.get("sliding_window")
+        if not window:
+            return [None] * n
+        types = hf.get("layer_types")
+        if types:
+            if len(types) != n:
+                raise ValueError(f"config.json: layer_types has {len(types)} entries for {n} layers")
+            return [int(window) if t == "sliding_attention" else None for t in types]
+        return cls.default_windows(hf, int(window), n)
+
+    @classmethod
+    def default_windows(cls, hf: dict[str, Any], window: int, n: int) -> list[int | None]:
+        """Windows without `layer_types`: none (Llama ignores sliding_window)."""
+        return [None] * n
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states (T, hidden) for the flat step batch."""
+        x = self.embed_tokens(input_ids)  # (T, hidden)
+        residual = None
+        for layer, cache in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)  # (N, V) float32
+
+    def skip_checkpoint_tensor(self, name: str) -> bool:
+        """Tensors the checkpoint may hold that the model does not load."""
+        return "rotary_emb.inv_freq" in name or (
+            self.tie_word_embeddings and name == "lm_head.weight")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load checkpoint tensors by Hugging Face name; errors name the offending tensor."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        modules = dict(self.named_modules())
+        # checkpoint module (e.g. layers.0.self_attn.k_proj) -> (merged module, shard index)
+        merged = {f"{path.rpartition('.')[0]}.{s}": (path, i) for path, m in modules.items()
+                  for i, s in enumerate(getattr(m, "shard_names", ()))}
+        expected = {n for n in params if not (self.tie_word_embeddings and n == "lm_head.weight")}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if self.skip_checkpoint_tensor(name):
+                continue
+            ours = name[len("model."):] if name.startswith("model.") else name
+            path, _, leaf = ours.rpartition(".")
+            path, shard = merged.get(path, (path, None))
+            key = f"{path}.{leaf}"
+            param = params.get(key)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
+                                 f"{type(self).__name__} (architecture {self.hf['architectures'][0]})")
+            module = modules[path]
+            if hasattr(module, "weight_loader"):
+                module.weight_loader(param, tensor, shard, name)
+            elif hasattr(module, "load_full"):
+                module.load_full(param, tensor, name)
+            else:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(tensor.shape)} does "
+                                     f"not match the model's {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            loaded.add(key if shard is None else f"{key}#{shard}")
+        missing = sorted(n for n in expected if n not in loaded
+                         and not _all_shards_loaded(n, loaded, modules))
+        if missing:
+            raise ValueError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}"
+                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+
+def _all_shards_loaded(name: str, loaded: set[str], modules: dict[str, nn.Module]) -> bool:
+    shards = getattr(modules.get(name.rpartition(".")[0]), "shard_names", ())
+    return bool(shards) and all(f"{name}#{i}" in loaded for i in range(len(shards)))

@@ -1,0 +1,99 @@
+"""What the engine relies on in a model: the contract CUDA graphs (worker/cuda_graphs.py), the
+piecewise graphs, memory profiling and the model runner call. Any registered architecture
+satisfies `CausalLM`; models/decoder.py is the shared implementation most families reuse.
+
+How it is built: `cls(hf_config, BuildOptions)` on the target device (models/registry.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+
+from peregrine.attention.metadata import AttentionMetadata
+from peregrine.layers.kernel_config import KernelConfig
+
+if TYPE_CHECKING:
+    from peregrine.attention.backend import AttentionBackend
+    from peregrine.layers.quantization import QuantizationConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each (blocks, block_size, Hkv, D)
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Everything a model's layers are built with besides config.json."""
+
+    dtype: torch.dtype  # parameters and activations
+    backend: AttentionBackend
+    quant_config: QuantizationConfig | None = None
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+
+
+@runtime_checkable
+class PagedAttention(Protocol):
+    """The `Attention` layer of one decoder layer (layers/attention.py)."""
+
+    num_heads: int  # q heads on this rank
+    num_kv_heads: int
+    head_dim: int
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                 kv_cache: KVCache, meta: AttentionMetadata,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """(T, Hq * D) attention; k = v = None when store() already wrote the step's K/V."""
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+              slot_mapping: torch.Tensor) -> None:
+        """Write k, v (T, Hkv, D) into the cache at slot_mapping (T,); -1 writes nothing."""
+
+
+@runtime_checkable
+class SelfAttention(Protocol):
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attn: PagedAttention
+
+
+@runtime_checkable
+class PiecewiseLayer(Protocol):
+    """A layer split at attention: piecewise graphs capture each half, attention runs between."""
+
+    self_attn: SelfAttention
+
+    def pre_attention(self, positions: torch.Tensor, hidden: torch.Tensor,
+                      residual: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, D), residual (T, hidden)); residual is None
+        for the first layer (hidden is then the embedding)."""
+
+    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) for the next layer from attention output (T, Hq * D)."""
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """embed_tokens → layers (pre_attention, attention, post_attention) → norm → compute_logits.
+
+    forward must equal running those pieces in that order: the piecewise graphs run them one by
+    one over fixed buffers, the decode graphs capture forward + compute_logits whole. Nothing in
+    them may read host state that changes between steps.
+    """
+
+    embed_tokens: torch.nn.Module  # (T,) ids -> (T, hidden); .weight gives device, dtype, hidden
+    layers: Sequence[PiecewiseLayer]
+    norm: torch.nn.Module  # norm(hidden, residual) -> (normed (T, hidden), residual)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states (T, hidden) of the flat step batch."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits (N, V) over the whole vocabulary from hidden (N, hidden)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill the parameters from checkpoint tensors named as in Hugging Face checkpoints."""
