@@ -4,9 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -14,19 +12,8 @@ from typing import Any
 import torch
 
 from peregrine.config import EngineArgs
+from peregrine.entrypoints.model_path import model_folder
 from peregrine.sampling_params import SamplingParams
-
-
-def model_folder(model: str) -> str:
-    """A model folder, or a config.json-style file turned into a weightless folder for dummy weights."""
-    p = Path(model)
-    if p.is_dir():
-        return str(p)
-    if p.is_file() and p.suffix == ".json":
-        d = Path(tempfile.mkdtemp(prefix="peregrine-bench-"))
-        shutil.copy(p, d / "config.json")
-        return str(d)
-    raise ValueError(f"--model {model!r} is neither a model folder nor a config .json file")
 
 
 def w1_requests(num: int, seed: int, min_in: int, max_in: int, min_out: int,

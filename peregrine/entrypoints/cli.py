@@ -6,25 +6,26 @@ import dataclasses
 import logging
 import sys
 import typing
+from collections.abc import Collection
+from typing import TypeVar
 
 from peregrine.config import ENGINE_ARGS_HELP, EngineArgs
 
+T = TypeVar("T")
 
-def add_engine_args(parser: argparse.ArgumentParser, skip: set[str] = frozenset()) -> None:
-    """One --flag per EngineArgs field; defaults come from the dataclass, nowhere else."""
-    hints = typing.get_type_hints(EngineArgs)
-    for f in dataclasses.fields(EngineArgs):
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, help_text: dict[str, str],
+                       skip: Collection[str] = frozenset()) -> None:
+    """One --flag per field of a flat dataclass; defaults come from the dataclass, nowhere else."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
         hint = hints[f.name]
-        doc = ENGINE_ARGS_HELP.get(f.name)
+        doc = help_text.get(f.name)
         if f.default is not None and doc is not None:
             doc += " (default: %(default)s)"
-        if hint is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=doc)
-            continue
         # Optional[X] -> X; a bare Literal[...] keeps its own values as choices.
         base = hint
         if typing.get_origin(hint) is not typing.Literal:
@@ -32,17 +33,26 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: set[str] = frozenset(
         if base is bool:  # Optional[bool]: --flag / --no-flag, unset means "decide automatically"
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=doc)
-            continue
-        if typing.get_origin(base) is typing.Literal:
+        elif typing.get_origin(base) is typing.Literal:
             parser.add_argument(flag, choices=typing.get_args(base), default=f.default, help=doc)
         else:
             parser.add_argument(flag, type=base if base in (int, float, str) else str,
                                 default=f.default, help=doc)
 
 
+def dataclass_from(ns: argparse.Namespace, cls: type[T]) -> T:
+    """The dataclass built from the parsed flags that add_dataclass_args added."""
+    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)
+                  if hasattr(ns, f.name)})
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: Collection[str] = frozenset()) -> None:
+    """One --flag per EngineArgs field."""
+    add_dataclass_args(parser, EngineArgs, ENGINE_ARGS_HELP, skip)
+
+
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(ns, f.name)}
-    return EngineArgs(**values)
+    return dataclass_from(ns, EngineArgs)
 
 
 def _generate(ns: argparse.Namespace) -> int:

@@ -6,39 +6,34 @@ import dataclasses
 import logging
 import os
 import sys
-import typing
 
 from peregrine.config import EngineArgs
-from peregrine.entrypoints.cli import add_engine_args, engine_args_from
+from peregrine.entrypoints.cli import (add_dataclass_args, add_engine_args, dataclass_from,
+                                       engine_args_from)
+from peregrine.entrypoints.model_path import model_folder
 from peregrine.entrypoints.openai.api_server import ServerArgs
+from peregrine.entrypoints.openai.serving_common import MIN_PROMPT_CHARS, PROMPT_CHARS_PER_TOKEN
 
 logger = logging.getLogger(__name__)
 
 _SERVER_HELP = {
     "host": "address to listen on",
     "port": "port to listen on (0: any free port)",
-    "api_key": "require 'Authorization: Bearer KEY' on /v1/* (default: $PEREGRINE_API_KEY)",
+    "api_key": "require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+               "(default: $PEREGRINE_API_KEY)",
     "max_request_body_bytes": "larger request bodies get 413",
     "health_no_progress_timeout": "/health answers 503 after this many seconds without "
                                   "engine progress while work is pending",
     "log_stats_interval": "seconds between stats log lines (0: off)",
     "retry_after": "Retry-After seconds sent with 429 (queue full)",
     "uvicorn_log_level": "uvicorn's log level",
+    "trust_request_chat_template": "accept chat templates sent in requests (chat_template, "
+                                   "chat_template_kwargs.chat_template); they are Jinja programs "
+                                   "that run without a time bound, so only for trusted clients",
+    "max_prompt_chars": "longest text prompt in characters, checked before tokenizing (default: "
+                        f"{PROMPT_CHARS_PER_TOKEN} per token of max_model_len, at least "
+                        f"{MIN_PROMPT_CHARS}; a longer text cannot fit the context in practice)",
 }
-
-
-def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type, help_text: dict[str, str]) -> None:
-    """One --flag per field of a flat dataclass; the default is the field's."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        hint = hints[f.name]
-        base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
-        kwargs: dict[str, typing.Any] = dict(default=f.default, help=help_text.get(f.name))
-        if base is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            kwargs["type"] = base if base in (int, float, str) else str
-        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -47,22 +42,20 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="local model folder, or a config .json (dummy weights, token-id "
                         "prompts only); default: the built-in demo model")
     add_engine_args(parser, skip={"model"})
-    _add_dataclass_args(parser, ServerArgs, _SERVER_HELP)
+    add_dataclass_args(parser, ServerArgs, _SERVER_HELP)
 
 
 def server_args_from(ns: argparse.Namespace) -> ServerArgs:
-    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ServerArgs)
-              if hasattr(ns, f.name)}
-    if values.get("api_key") is None and os.environ.get("PEREGRINE_API_KEY"):
-        values["api_key"] = os.environ["PEREGRINE_API_KEY"]
-    return ServerArgs(**values)
+    args = dataclass_from(ns, ServerArgs)
+    if args.api_key is None and os.environ.get("PEREGRINE_API_KEY"):
+        args = dataclasses.replace(args, api_key=os.environ["PEREGRINE_API_KEY"])
+    return args
 
 
 def resolve_model_arg(args: EngineArgs) -> EngineArgs:
     """A config .json instead of a folder: serve that architecture with dummy weights, no tokenizer."""
     if args.model is None or not args.model.endswith(".json") or not os.path.isfile(args.model):
         return args
-    from peregrine.bench.offline import model_folder
     folder = model_folder(args.model)
     load_format = "dummy" if args.load_format == "auto" else args.load_format
     logger.info("serving %s with %s weights and no tokenizer (token-id prompts only)",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 import signal
@@ -48,6 +49,43 @@ def test_issue_flags_parse_into_engine_and_server_args():
     assert (e.max_queue_len, e.enforce_eager, e.load_format) == (10, True, "dummy")
     assert (s.host, s.port, s.api_key, s.max_request_body_bytes) == ("0.0.0.0", 9000, "k", 100)
     assert s.health_no_progress_timeout == 5.0
+
+
+def test_security_flags_parse_into_server_args():
+    assert (ServerArgs().trust_request_chat_template, ServerArgs().max_prompt_chars) == (False, None)
+    s = server_args_from(_parse(["--trust-request-chat-template", "--max-prompt-chars", "1000"]))
+    assert (s.trust_request_chat_template, s.max_prompt_chars) == (True, 1000)
+    with pytest.raises(ValueError, match="max_prompt_chars"):
+        server_args_from(_parse(["--max-prompt-chars", "0"]))
+
+
+def test_help_documents_the_security_flags(capsys):
+    with pytest.raises(SystemExit):
+        serve_main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--trust-request-chat-template" in out and "without a time bound" in out
+    assert "--max-prompt-chars" in out and "16 per token of max_model_len" in out
+    assert "/tokenize and /detokenize" in out
+
+
+def test_serving_code_imports_no_benchmark_code():
+    # NOTE: cli.py may: it dispatches `peregrine bench ...` to the benchmarks.
+    package = REPO / "peregrine"
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        if package / "bench" in path.parents or path == package / "entrypoints" / "cli.py":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        if any(m == "peregrine.bench" or m.startswith("peregrine.bench.") for m in names):
+            offenders.append(str(path.relative_to(REPO)))
+    assert offenders == []
+    code = ("import sys, peregrine.entrypoints.serve; "
+            "print([m for m in sys.modules if m.startswith('peregrine.bench')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_no_model_means_the_demo_model():
