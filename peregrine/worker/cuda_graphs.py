@@ -59,7 +59,7 @@ class CudaGraphRunner:
     def _meta(self, bs: int) -> AttentionMetadata:
         buf = self.buffers
         return AttentionMetadata(
-            num_actual_tokens=bs, num_decodes=bs, num_decode_tokens=bs, max_query_len=1,
+            num_actual_tokens=bs, num_decodes=bs, max_query_len=1,
             max_seq_len=self.max_model_len,
             query_start_loc=buf.d_query_start_loc[:bs + 1], seq_lens=buf.d_seq_lens[:bs],
             block_table=buf.d_block_table[:bs], slot_mapping=buf.d_slot_mapping[:bs])

@@ -142,7 +142,7 @@ class ModelRunner:
             self._inputs_copied.record()
         if graph:
             return None, self.graphs.replay(b)
-        meta.num_decodes = meta.num_decode_tokens = plan.num_decodes
+        meta.num_decodes = plan.num_decodes
         meta.max_query_len = plan.max_query_len
         meta.max_seq_len = plan.max_seq_len
         if pieces:

@@ -32,7 +32,7 @@ def profile_run(model: nn.Module, buffers: StepBuffers, model_config: ModelConfi
     buf.seq_lens_np[:b] = q_lens
     buf.query_start_loc_np[: b + 1] = qsl
     input_ids, pos, meta = buf.to_device(t, b, width)
-    meta.num_decodes = meta.num_decode_tokens = 0
+    meta.num_decodes = 0
     meta.max_query_len = int(q_lens.max())
     meta.max_seq_len = int(q_lens.max())
     hidden = model(input_ids, pos, caches, meta)

@@ -60,7 +60,7 @@ class StepBuffers:
         # go through a pageable temporary, and a pageable copy waits for the in-flight step.
         self.d_block_table[:b].copy_(self.block_table[:b], non_blocking=nb)
         meta = AttentionMetadata(
-            num_actual_tokens=t, num_decodes=0, num_decode_tokens=0, max_query_len=0, max_seq_len=0,
+            num_actual_tokens=t, num_decodes=0, max_query_len=0, max_seq_len=0,
             query_start_loc=self.d_query_start_loc[:pb + 1], seq_lens=self.d_seq_lens[:pb],
             block_table=self.d_block_table[:pb], slot_mapping=self.d_slot_mapping[:pt],
             query_start_loc_cpu=self.query_start_loc[:pb + 1], seq_lens_cpu=self.seq_lens[:pb])

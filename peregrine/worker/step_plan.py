@@ -69,8 +69,13 @@ def plan_step(batch: InputBatch, sched: SchedulerOutput, buf: StepBuffers,
     num_decodes = int(np.searchsorted(q_lens != 1, True))
     positions = np.arange(t, dtype=np.int64) - np.repeat(qsl[:-1] - starts, q_lens)  # (T,)
     tok_rows = np.repeat(rows, q_lens)  # (T,)
+    block_idx = positions // block_size  # (T,)
+    if (block_idx >= batch.num_blocks[tok_rows]).any():
+        bad = tok_rows[np.flatnonzero(block_idx >= batch.num_blocks[tok_rows])[0]]
+        raise ValueError(f"request {batch.states[bad].req_id!r}: its tokens need more KV blocks "
+                         f"than the {int(batch.num_blocks[bad])} it was given")
     buf.input_ids_np[:t] = batch.token_ids[tok_rows, positions]
-    blocks = batch.block_table[tok_rows, positions // block_size]  # (T,)
+    blocks = batch.block_table[tok_rows, block_idx]  # (T,)
     buf.positions_np[:t] = positions
     buf.slot_mapping_np[:t] = blocks.astype(np.int64) * block_size + positions % block_size
     width = int(batch.num_blocks[rows].max())

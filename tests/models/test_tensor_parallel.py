@@ -22,7 +22,7 @@ def _logits(path: str) -> torch.Tensor:
     from peregrine.distributed import tp_size
     from peregrine.worker.kv_memory import allocate_kv_caches
     from peregrine.worker.loader import load_model
-    from peregrine.worker.model_runner import build_attention_metadata
+    from peregrine.attention.metadata import AttentionMetadata
     import dataclasses
 
     cfg = EngineArgs(model=path, dtype="float32", device="cpu").create_engine_config().model
@@ -32,8 +32,10 @@ def _logits(path: str) -> torch.Tensor:
     caches = allocate_kv_caches(local, 4, 16, torch.device("cpu"))
     qsl = torch.tensor([0, t], dtype=torch.int32)
     seq = torch.tensor([t], dtype=torch.int32)
-    meta = build_attention_metadata(t, 1, 0, t, t, qsl, seq, torch.zeros(1, 4, dtype=torch.int32),
-                                    torch.arange(t), qsl, seq)
+    meta = AttentionMetadata(
+        num_actual_tokens=t, num_decodes=0, max_query_len=t, max_seq_len=t,
+        query_start_loc=qsl, seq_lens=seq, block_table=torch.zeros(1, 4, dtype=torch.int32),
+        slot_mapping=torch.arange(t), query_start_loc_cpu=qsl, seq_lens_cpu=seq)
     with torch.inference_mode():
         hidden = model(torch.tensor(TOKENS), torch.arange(t), caches, meta)
         return model.compute_logits(hidden)  # (T, V)
