@@ -62,3 +62,34 @@ def test_kv_scale_of_attention_layer_reaches_the_backend() -> None:
     assert torch.equal(step.k_cache.flatten(0, 1)[step.meta.slot_mapping], step.k / 4.0)
     with pytest.raises(ValueError, match="k_scale"):
         Attention(4, 2, 64, SCALE, get_attention_backend("torch"), k_scale=0.0)
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kv_cache_is_refused_clearly(name: str) -> None:
+    from peregrine.config import EngineArgs
+    from peregrine.testing.checkpoints import tiny_checkpoint
+    with pytest.raises(ValueError, match="FP8 KV cache is not available in this version"):
+        EngineArgs(model=str(tiny_checkpoint("llama")), kv_cache_dtype=name).create_engine_config()
+
+
+def test_unknown_kv_cache_dtype_lists_the_choices() -> None:
+    from peregrine.config import EngineArgs
+    from peregrine.testing.checkpoints import tiny_checkpoint
+    with pytest.raises(ValueError, match=r"'int8'.*auto.*bfloat16"):
+        EngineArgs(model=str(tiny_checkpoint("llama")), kv_cache_dtype="int8").create_engine_config()
+
+
+@pytest.mark.parametrize("name, want", [("auto", torch.bfloat16), ("bfloat16", torch.bfloat16),
+                                        ("float16", torch.float16), ("float32", torch.float32)])
+def test_kv_cache_dtype_resolves_and_sizes_blocks(name: str, want: torch.dtype) -> None:
+    from peregrine.attention.kv_dtype import kv_cache_bytes_per_block, kv_cache_torch_dtype
+    from peregrine.config import EngineArgs
+    from peregrine.testing.checkpoints import tiny_checkpoint
+    cfg = EngineArgs(model=str(tiny_checkpoint("llama")), dtype="bfloat16", block_size=16,
+                     kv_cache_dtype=name).create_engine_config()
+    assert cfg.cache.cache_dtype == name
+    assert kv_cache_torch_dtype(cfg.cache, cfg.model) == want
+    mc = cfg.model
+    elem = torch.empty((), dtype=want).element_size()
+    assert kv_cache_bytes_per_block(cfg.cache, mc) == (
+        2 * mc.num_layers * 16 * mc.num_kv_heads * mc.head_dim * elem)

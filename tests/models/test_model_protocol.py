@@ -1,0 +1,99 @@
+"""Every registered architecture meets the model protocol that CUDA graphs rely on, is built in
+its dtype without touching torch's default, and takes its kernel choice at construction."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peregrine.attention import AttentionMetadata, get_attention_backend
+from peregrine.config import EngineArgs
+from peregrine.layers.kernel_config import KernelConfig
+from peregrine.models.protocol import CausalLM, PagedAttention, PiecewiseLayer, SelfAttention
+from peregrine.testing.checkpoints import ARCHS, tiny_checkpoint
+from peregrine.worker.loader import load_model
+
+TOKENS = [5, 17, 99, 230, 41, 8, 77]
+
+
+def _model(arch: str, dtype: str = "float32", kernels: KernelConfig | None = None):
+    cfg = EngineArgs(model=str(tiny_checkpoint(arch)), dtype=dtype,
+                     device="cpu").create_engine_config().model
+    return cfg, load_model(cfg, get_attention_backend("torch"), torch.device("cpu"), kernels)
+
+
+def _step(cfg, n: int):
+    shape = (4, 16, cfg.num_kv_heads, cfg.head_dim)
+    caches = [(torch.zeros(shape, dtype=cfg.dtype), torch.zeros(shape, dtype=cfg.dtype))
+              for _ in range(cfg.num_layers)]
+    qsl = torch.tensor([0, n], dtype=torch.int32)
+    seq = torch.tensor([n], dtype=torch.int32)
+    meta = AttentionMetadata(
+        num_actual_tokens=n, num_decodes=0, max_query_len=n, max_seq_len=n, query_start_loc=qsl,
+        seq_lens=seq, block_table=torch.arange(4, dtype=torch.int32)[None],
+        slot_mapping=torch.arange(n), query_start_loc_cpu=qsl, seq_lens_cpu=seq)
+    return caches, meta
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_registered_models_meet_the_protocol(arch: str) -> None:
+    _, model = _model(arch)
+    assert isinstance(model, CausalLM)
+    for layer in model.layers:
+        assert isinstance(layer, PiecewiseLayer)
+        assert isinstance(layer.self_attn, SelfAttention)
+        assert isinstance(layer.self_attn.attn, PagedAttention)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_forward_equals_the_pieces_graphs_run(arch: str) -> None:
+    """embed → (pre_attention, store, attention over the cache, post_attention) per layer → norm,
+    as the piecewise graphs call them, gives forward's hidden states exactly."""
+    cfg, model = _model(arch)
+    ids, pos = torch.tensor(TOKENS), torch.arange(len(TOKENS))
+    with torch.inference_mode():
+        caches, meta = _step(cfg, len(TOKENS))
+        want = model(ids, pos, caches, meta)
+        caches, meta = _step(cfg, len(TOKENS))
+        x, residual = model.embed_tokens(ids), None
+        for layer, cache in zip(model.layers, caches):
+            q, k, v, residual = layer.pre_attention(pos, x, residual)
+            layer.self_attn.attn.store(k, v, cache, meta.slot_mapping)
+            x, residual = layer.post_attention(layer.self_attn.attn(q, None, None, cache, meta),
+                                               residual)
+        got = model.norm(x, residual)[0]
+    assert torch.equal(got, want)
+
+
+def test_built_in_its_dtype_without_a_process_wide_default() -> None:
+    before = torch.get_default_dtype()
+    _, model = _model("qwen3", dtype="bfloat16")
+    assert torch.get_default_dtype() == before
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    rope = model.layers[0].self_attn.rotary_emb
+    assert rope.cos_sin_cache.dtype == torch.float32  # the table stays exact
+
+
+def _fused_flags(model) -> set[bool]:
+    return {m.use_fused for m in model.modules() if hasattr(m, "use_fused")}
+
+
+def test_kernels_are_chosen_when_the_model_is_built(monkeypatch) -> None:
+    assert _fused_flags(_model("qwen3")[1]) == {False}  # the CPU default
+    assert _fused_flags(_model("qwen3", kernels=KernelConfig(fused=True))[1]) == {True}
+    monkeypatch.delenv("PEREGRINE_FUSED_KERNELS", raising=False)
+    assert KernelConfig.for_device("cuda").fused and not KernelConfig.for_device("cpu").fused
+    monkeypatch.setenv("PEREGRINE_FUSED_KERNELS", "0")
+    assert not KernelConfig.for_device("cuda").fused
+
+
+def test_set_fused_kernels_still_switches_them() -> None:
+    from peregrine.worker.loader import set_fused_kernels
+    _, model = _model("llama")
+    set_fused_kernels(model, True)
+    assert _fused_flags(model) == {True}
+
+
+def test_unsupported_architecture_lists_the_supported_ones() -> None:
+    from peregrine.models.registry import model_class
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        model_class("GPT2LMHeadModel")

@@ -1,0 +1,23 @@
+"""Environment variables are read in peregrine/envs.py, with their defaults."""
+from __future__ import annotations
+
+from peregrine import envs
+
+
+def test_defaults(monkeypatch) -> None:
+    for name in ("PEREGRINE_ATTENTION_BACKEND", "PEREGRINE_FUSED_KERNELS", "PEREGRINE_DEBUG_CHECKS",
+                 "PEREGRINE_CACHE_DIR", "PEREGRINE_API_KEY", "TRITON_INTERPRET"):
+        monkeypatch.delenv(name, raising=False)
+    assert envs.attention_backend() is None and envs.cache_dir() is None
+    assert envs.api_key() is None
+    assert envs.fused_kernels() and not envs.debug_checks() and not envs.triton_interpret()
+
+
+def test_values_are_read_when_called(monkeypatch) -> None:
+    monkeypatch.setenv("PEREGRINE_ATTENTION_BACKEND", "torch")
+    monkeypatch.setenv("PEREGRINE_FUSED_KERNELS", "0")
+    monkeypatch.setenv("PEREGRINE_DEBUG_CHECKS", "1")
+    monkeypatch.setenv("PEREGRINE_API_KEY", "secret")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert envs.attention_backend() == "torch" and envs.api_key() == "secret"
+    assert not envs.fused_kernels() and envs.debug_checks() and envs.triton_interpret()
