@@ -21,8 +21,9 @@ def test_triton_backend_generates_the_same_greedy_tokens_as_torch(pieces: bool) 
         llm = LLM(attention_backend=backend, device="cpu", enforce_eager=True, block_size=16,
                   max_num_batched_tokens=16, dtype="float32")
         if pieces and backend == "triton":
-            runner = llm.engine.runner
-            runner.prefill_graphs = PiecewiseGraphs(runner, prefill_graph_sizes(16), capture=False)
+            runner = llm.engine.core_client.core.executor.worker.model_runner
+            runner.prefill_graphs = PiecewiseGraphs(runner.model, runner.buffers, runner.kv_caches,
+                                                    prefill_graph_sizes(16), capture=False)
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert tokens["triton"] == tokens["torch"]
 

@@ -38,7 +38,8 @@ def test_sharded_checkpoint_matches_single_file(tmp_path: Path) -> None:
                                          ("float16", torch.float16)])
 def test_dtype_is_applied(dtype: str, want: torch.dtype) -> None:
     llm = LLM(tiny_checkpoint("llama"), device="cpu", max_model_len=64, dtype=dtype)
-    assert next(llm.engine.runner.model.parameters()).dtype == want
+    model = llm.engine.core_client.core.executor.worker.model
+    assert next(model.parameters()).dtype == want
     assert len(llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 8
 
 

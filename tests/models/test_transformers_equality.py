@@ -114,9 +114,10 @@ def test_piecewise_graph_path_matches_transformers(mode: str, prefix_caching: bo
         args["num_gpu_blocks_override"] = 8
     path = tiny_checkpoint("qwen3")
     llm = LLM(path, dtype="float32", device="cpu", max_model_len=256, seed=0, **args)
-    runner = llm.engine.runner
+    runner = llm.engine.core_client.core.executor.worker.model_runner
     # NOTE: sizes up to 64: the 103-token first step of "whole" runs eagerly, the rest padded.
-    pw = PiecewiseGraphs(runner, prefill_graph_sizes(min(64, runner.max_num_tokens)), capture=False)
+    pw = PiecewiseGraphs(runner.model, runner.buffers, runner.kv_caches,
+                         prefill_graph_sizes(min(64, runner.max_num_tokens)), capture=False)
     used: list[int] = []
     run = pw.run
     pw.run = lambda n, meta: used.append(n) or run(n, meta)
