@@ -198,11 +198,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def precompile(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-               dtype: torch.dtype, device: torch.device) -> None:
+               dtype: torch.dtype, device: torch.device,
+               cache_dtype: torch.dtype | None = None) -> None:
     """Compile every merge variant (one per power-of-two split count) now, so that no batch
-    size met later compiles one on the request path."""
+    size met later compiles one on the request path. dtype: q's; cache_dtype: the KV cache's
+    (default: dtype)."""
     q = torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=device)
-    cache = torch.zeros(1, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    cache = torch.zeros(1, block_size, num_kv_heads, head_dim, dtype=cache_dtype or dtype,
+                        device=device)
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
     block_n = 16 if not is_gpu(q) else 32 if dtype == torch.float32 else 64
     splits = 1
