@@ -245,7 +245,8 @@ class SamplingRows:
         logprobs = self.num_logprobs[rows]
         meta = SamplingMetadata(
             temperature=dev[1][0], greedy_mask=dev[2] if greedy.any() else None, top_k=dev[0][0],
-            top_p=dev[1][1], min_p=dev[1][2], seeds=dev[0][1], steps=dev[0][1],
+            top_p=dev[1][1], min_p=dev[1][2], seeds=dev[0][1],
+            steps=None,  # set per step
             all_greedy=not sampled.any(),
             any_top_k=bool((sampled_top_k > 0).any()),
             all_top_k=bool(sampled.any() and (sampled_top_k > 0).all()),

@@ -64,8 +64,9 @@ class PenaltyPool:
 
     def record(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
         """counts[slots[i], token_ids[i]] += 1, on the device (no host sync)."""
-        ones = torch.ones((), dtype=torch.int32, device=self.device).expand(slots.shape[0])
-        self.counts.index_put_((slots, token_ids), ones, accumulate=True)
+        flat = slots * self.vocab_size + token_ids  # (P,)
+        ones = torch.ones((), dtype=torch.int32, device=self.device).expand(flat.shape[0])
+        self.counts.view(-1).index_add_(0, flat, ones)
 
     def _in_vocab(self, token_ids: Sequence[int]) -> np.ndarray:
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)  # (N,)

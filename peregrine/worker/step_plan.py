@@ -49,10 +49,10 @@ def plan_step(batch: InputBatch, sched: SchedulerOutput, buf: StepBuffers,
     req_ids = list(sched.num_scheduled_tokens)
     b = len(req_ids)
     n_sched = np.fromiter(sched.num_scheduled_tokens.values(), np.int64, b)  # (B,)
-    missing = [r for r in req_ids if r not in batch.row_of]
-    if missing:
-        raise ValueError(f"scheduled requests the worker does not hold: {missing[:5]}")
-    rows_sched = np.fromiter(map(batch.row_of.__getitem__, req_ids), np.int64, b)  # (B,)
+    try:
+        rows_sched = np.fromiter(map(batch.row_of.__getitem__, req_ids), np.int64, b)  # (B,)
+    except KeyError as e:
+        raise ValueError(f"scheduled request {e.args[0]!r} is unknown to the worker") from None
     # NOTE: decodes (query length 1) go first: the attention backend splits the batch there.
     order = np.argsort(n_sched != 1, kind="stable")  # (B,)
     rows, q_lens = rows_sched[order], n_sched[order]  # (B,), (B,)

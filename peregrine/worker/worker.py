@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from peregrine import envs
 from peregrine.attention import get_attention_backend
 from peregrine.config import EngineConfig
 from peregrine.messages import ModelRunnerOutput, SchedulerOutput
@@ -37,7 +37,7 @@ class Worker:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         self.model = load_model(config.model, get_attention_backend(config.attention_backend), dev)
-        if dev.type == "cuda" and os.environ.get("PEREGRINE_FUSED_KERNELS", "1") != "0":
+        if dev.type == "cuda" and envs.fused_kernels():
             set_fused_kernels(self.model, True)
         self.model_runner = ModelRunner(config, self.model, dev)
         self.num_blocks: int | None = None
