@@ -1,7 +1,7 @@
 """Attention metadata for one flat step batch, passed explicitly to every Attention layer."""
 from __future__ import annotations
 
-from dataclasses import InitVar, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -25,14 +25,6 @@ class AttentionMetadata:
     # Host copies (the torch backend and the prefill kernel's launch grid read these).
     query_start_loc_cpu: torch.Tensor | None = None  # (B + 1,) int32
     seq_lens_cpu: torch.Tensor | None = None  # (B,) int32
-    # NOTE: deprecated alias of num_decodes (a decode is one token), accepted until the worker
-    # stops passing it; it is not stored.
-    num_decode_tokens: InitVar[int | None] = None
-
-    def __post_init__(self, num_decode_tokens: int | None) -> None:
-        if num_decode_tokens is not None and num_decode_tokens != self.num_decodes:
-            raise ValueError(f"num_decode_tokens {num_decode_tokens} != num_decodes "
-                             f"{self.num_decodes}")
 
     @property
     def num_seqs(self) -> int:
@@ -42,15 +34,3 @@ class AttentionMetadata:
     def num_prefills(self) -> int:
         return self.num_seqs - self.num_decodes
 
-
-def _num_decode_tokens(meta: AttentionMetadata) -> int:
-    """Deprecated: num_decodes (each decode is one token)."""
-    return meta.num_decodes
-
-
-def _set_num_decode_tokens(meta: AttentionMetadata, value: int) -> None:
-    meta.num_decodes = value
-
-
-# NOTE: set after the dataclass is built so that the InitVar above keeps its None default.
-AttentionMetadata.num_decode_tokens = property(_num_decode_tokens, _set_num_decode_tokens)
