@@ -103,14 +103,16 @@ def test_unknown_cached_request_is_rejected() -> None:
         worker.execute_model(Step({"x": 1}, computed={"x": 3}).output())
 
 
-def test_repetition_penalty_is_exact_with_a_step_in_flight() -> None:
+@pytest.mark.parametrize("penalties", [dict(repetition_penalty=1.8),
+                                       dict(presence_penalty=1.5, frequency_penalty=0.5)])
+def test_penalties_are_exact_with_a_step_in_flight(penalties: dict) -> None:
     """Penalty counts are updated on the device after each sampling, so async steps see the
-    in-flight token; greedy + repetition_penalty equals transformers' generate."""
-    want, _, _ = hf_greedy(ARCH, tuple(PROMPT_B), 6, repetition_penalty=1.8)
+    in-flight token; greedy with penalties equals transformers' generate."""
+    want, _, _ = hf_greedy(ARCH, tuple(PROMPT_B), 6, **penalties)
     plain, _, _ = hf_greedy(ARCH, tuple(PROMPT_B), 6)
     assert want != plain, "the penalty does not change the greedy tokens: a weak test"
     for mode in (False, True):
-        r = new_req("p", PROMPT_B, [0, 1, 2, 3], repetition_penalty=1.8)
+        r = new_req("p", PROMPT_B, [0, 1, 2, 3], **penalties)
         steps = [Step({"p": 6}, new=[r])] + [Step({"p": 1}, computed={"p": 6 + i}) for i in range(5)]
         outs = run_steps(make_worker(ARCH), steps, mode)
         assert [t for o in outs for t in o.sampled_token_ids[0]] == want, mode

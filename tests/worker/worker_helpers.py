@@ -77,17 +77,25 @@ def run_steps(worker: Worker, steps: list[Step], async_scheduling: bool) -> list
 
 
 @functools.lru_cache(maxsize=None)
-def hf_greedy(arch: str, prompt: tuple[int, ...], num_tokens: int, repetition_penalty: float = 1.0
+def hf_greedy(arch: str, prompt: tuple[int, ...], num_tokens: int, repetition_penalty: float = 1.0,
+              presence_penalty: float = 0.0, frequency_penalty: float = 0.0
               ) -> tuple[list[int], list[torch.Tensor], torch.Tensor]:
     """transformers' greedy tokens, the raw log-softmax row of each, and the prompt's (P, V) rows."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
+
+    def presence_frequency(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = input_ids[:, len(prompt):]  # (1, N) generated so far
+        counts = torch.zeros_like(scores).scatter_add_(1, out, torch.ones_like(out, dtype=scores.dtype))
+        return scores - frequency_penalty * counts - presence_penalty * (counts > 0)
+
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint(arch), dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens,
                              do_sample=False, output_logits=True, return_dict_in_generate=True,
-                             pad_token_id=0, repetition_penalty=repetition_penalty)
+                             pad_token_id=0, repetition_penalty=repetition_penalty,
+                             logits_processor=LogitsProcessorList([presence_frequency]))
         prompt_rows = torch.log_softmax(model(ids).logits[0].float(), -1)  # (P, V)
     rows = [torch.log_softmax(x[0].float(), -1) for x in out.logits]
     return out.sequences[0, len(prompt):].tolist(), rows, prompt_rows
