@@ -6,24 +6,21 @@ from collections.abc import Callable
 
 import torch
 
+from peregrine.attention.kv_dtype import kv_cache_bytes_per_block
 from peregrine.config import EngineConfig, ModelConfig
 
 logger = logging.getLogger("peregrine")
 GiB = 1 << 30
 
 
-def bytes_per_block(mc: ModelConfig, block_size: int) -> int:
-    """K and V of every layer for block_size tokens."""
-    elem = torch.empty((), dtype=mc.dtype).element_size()
-    return 2 * mc.num_layers * block_size * mc.num_kv_heads * mc.head_dim * elem
-
-
-def allocate_kv_caches(mc: ModelConfig, num_blocks: int, block_size: int,
-                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (k_cache, v_cache) pair per layer, each (num_blocks, block_size, Hkv, D)."""
+def allocate_kv_caches(mc: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
+                       dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (k_cache, v_cache) pair per layer, each (num_blocks, block_size, Hkv, D), in `dtype`
+    (default: the model's)."""
     shape = (num_blocks, block_size, mc.num_kv_heads, mc.head_dim)
-    return [(torch.zeros(shape, dtype=mc.dtype, device=device),
-             torch.zeros(shape, dtype=mc.dtype, device=device)) for _ in range(mc.num_layers)]
+    dt = dtype or mc.dtype
+    return [(torch.zeros(shape, dtype=dt, device=device),
+             torch.zeros(shape, dtype=dt, device=device)) for _ in range(mc.num_layers)]
 
 
 def determine_num_blocks(config: EngineConfig, device: torch.device,
@@ -33,7 +30,7 @@ def determine_num_blocks(config: EngineConfig, device: torch.device,
     profile: runs the worst-case step on `device` (with the model loaded and no KV cache yet).
     """
     cc, mc = config.cache, config.model
-    per_block = bytes_per_block(mc, cc.block_size)
+    per_block = kv_cache_bytes_per_block(cc, mc)
     if cc.num_gpu_blocks_override is not None:
         num_blocks = cc.num_gpu_blocks_override
     elif device.type != "cuda":

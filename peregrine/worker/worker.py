@@ -7,6 +7,7 @@ import torch
 
 from peregrine import envs
 from peregrine.attention import get_attention_backend
+from peregrine.attention.kv_dtype import kv_cache_torch_dtype
 from peregrine.config import EngineConfig
 from peregrine.messages import ModelRunnerOutput, SchedulerOutput
 from peregrine.worker.cuda_graphs import CudaGraphRunner, PiecewiseGraphs, prefill_graph_sizes
@@ -57,7 +58,9 @@ class Worker:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         cfg, r = self.config, self.model_runner
-        kv = allocate_kv_caches(cfg.model, num_blocks, cfg.cache.block_size, self.device)
+        cache_dtype = kv_cache_torch_dtype(cfg.cache, cfg.model)
+        kv = allocate_kv_caches(cfg.model, num_blocks, cfg.cache.block_size, self.device,
+                                cache_dtype)
         r.initialize_kv_cache(kv)
         self.num_blocks = num_blocks
         if self.device.type != "cuda":
@@ -66,7 +69,7 @@ class Worker:
             from peregrine.kernels.decode_attention import precompile
             attn = self.model.layers[0].self_attn
             precompile(attn.num_heads, attn.num_kv_heads, attn.head_dim, cfg.cache.block_size,
-                       kv[0][0].dtype, self.device)
+                       cfg.model.dtype, self.device, cache_dtype)
             if not cfg.enforce_eager:
                 self._capture_graphs()
         # Compile the sampling kernel now, not inside the first (timed) steps.

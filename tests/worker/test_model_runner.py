@@ -128,3 +128,10 @@ def test_seeded_sampling_is_the_same_sync_and_async_with_penalties_and_min_token
         outs = run_steps(make_worker(ARCH), steps, mode)
         return [t for o in outs for toks in o.sampled_token_ids for t in toks]
     assert tokens(False) == tokens(True)
+
+
+def test_the_kv_cache_dtype_is_allocated_and_generates() -> None:
+    worker = make_worker(ARCH, kv_cache_dtype="bfloat16")
+    assert worker.model_runner.kv_caches[0][0].dtype == torch.bfloat16
+    out = run_steps(worker, [Step({"a": 11}, new=[new_req("a", PROMPT_A, [0, 1, 2])])], False)
+    assert len(out[0].sampled_token_ids[0]) == 1
