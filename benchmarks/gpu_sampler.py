@@ -1,15 +1,13 @@
-"""Time the sampler's pure-torch path against the fused Triton kernel on a GPU, and check they agree.
+"""Time the sampler's pure-torch path against the fused Triton kernel on a GPU.
 
 Usage (H200, < 60 s): python benchmarks/gpu_sampler.py [--batches 1,64,256] [--vocab 151936]
 CPU smoke run:
     TRITON_INTERPRET=1 python benchmarks/gpu_sampler.py --device cpu --batches 1,3 --vocab 3000 --iters 1
 
 Per (config, batch): host time of build_sampling_metadata (to CPU tensors), median sampler time and peak
-extra memory of each path, how many rows the kernel and the torch path disagree on (expected 0: same noise, same
-thresholds), the kernel's agreement with a CPU run of the first rows, whether a row sampled alone gets
-its in-batch token, and whether the kernel path or the metadata build syncs with the host. Also checks
-that the kernel's log(-log u) is bit-identical to torch's for all 2**23 uniforms. Writes
-$OUT/gpu_sampler.json when OUT is set; exits 1 when a check fails.
+extra memory of each path, and how many rows the two paths disagree on (expected 0: same noise, same
+thresholds). Writes $OUT/gpu_sampler.json when OUT is set. The kernel's correctness (same tokens as the
+torch formula, batch invariance, no host sync) is tested by python -m pytest -m gpu tests/gpu.
 """
 from __future__ import annotations
 
@@ -22,13 +20,10 @@ import time
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from peregrine.engine.request import Request  # noqa: E402
-from peregrine.kernels.sampling import _log  # noqa: E402
 from peregrine.sample import Sampler, build_sampling_metadata  # noqa: E402
 from peregrine.sampling_params import SamplingParams  # noqa: E402
 
@@ -88,38 +83,6 @@ def peak_mib(fn, device: torch.device) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def syncs(fn, device: torch.device) -> str | None:
-    """The error a host sync inside fn raises, or None."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fn()
-    except RuntimeError as e:
-        return str(e)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
-    return None
-
-
-@triton.jit
-def _noise_kernel(u_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    u = tl.load(u_ptr + offs, mask=offs < n, other=0.5)
-    tl.store(out_ptr + offs, _log(-_log(u, True), True), mask=offs < n)
-
-
-def noise_mismatches(device: torch.device) -> int:
-    """Uniforms (of all 2**23) whose log(-log u) differs between the kernel's GPU log and torch's."""
-    n = 1 << 23
-    u = torch.arange(n, device=device).to(torch.float32).add_(0.5).mul_(2.0 ** -23)  # every uniform
-    out = torch.empty_like(u)
-    _noise_kernel[(triton.cdiv(n, 1024),)](u, out, n, BLOCK=1024)
-    return int((out != u.log().neg().log()).sum())
-
-
 def check(name: str, params: list[dict], dtype: torch.dtype, batch: int, args, device: torch.device,
           samplers: dict[str, Sampler]) -> dict:
     reqs = make_requests(batch, params, args.prompt_len, args.output_len)
@@ -134,24 +97,11 @@ def check(name: str, params: list[dict], dtype: torch.dtype, batch: int, args, d
         tokens[path] = sampler(logits, meta).sampled_token_ids.cpu()  # warm-up (compile, hash tables)
         row[f"{path}_ms"] = time_ms(lambda: sampler(logits, meta), device, args.iters)
         row[f"{path}_peak_mib"] = peak_mib(lambda: sampler(logits, meta), device)
-    kernel = samplers["kernel"]
     row["kernel_vs_torch_mismatches"] = int((tokens["kernel"] != tokens["torch"]).sum())
-    n_cpu = min(batch, args.cpu_rows)
-    cpu_meta = build_sampling_metadata(reqs[:n_cpu], args.vocab, "cpu")
-    cpu_tokens = Sampler(use_kernel=False)(logits_cpu[:n_cpu], cpu_meta).sampled_token_ids
-    row["cpu_match"] = float((cpu_tokens == tokens["kernel"][:n_cpu]).float().mean())
-    alone = {i: int(kernel(logits[i:i + 1], build_sampling_metadata([reqs[i]], args.vocab, device))
-                    .sampled_token_ids[0]) for i in range(0, batch, max(1, batch // 4))}
-    row["alone_matches_batch"] = all(tok == int(tokens["kernel"][i]) for i, tok in alone.items())
-    err = syncs(lambda: kernel(logits, build_sampling_metadata(reqs, args.vocab, device)), device)
-    row["no_host_sync"] = err is None
-    if err:
-        print(f"  host sync in the metadata build or the kernel path: {err}")
     speedup = row["torch_ms"] / max(row["kernel_ms"], 1e-9)
     print(f"{name:19s} B={batch:<4d} meta {meta_ms:6.3f} ms | torch {row['torch_ms']:7.3f} ms "
           f"+{row['torch_peak_mib']:5.0f} MiB | kernel {row['kernel_ms']:7.3f} ms "
-          f"+{row['kernel_peak_mib']:5.0f} MiB | x{speedup:5.1f} | differ {row['kernel_vs_torch_mismatches']}"
-          f" | cpu {row['cpu_match']:5.0%} | alone {row['alone_matches_batch']} | no sync {row['no_host_sync']}")
+          f"+{row['kernel_peak_mib']:5.0f} MiB | x{speedup:5.1f} | differ {row['kernel_vs_torch_mismatches']}")
     return row
 
 
@@ -163,26 +113,16 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--output-len", type=int, default=100)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--cpu-rows", type=int, default=8)
     args = ap.parse_args()
     device = torch.device(args.device)
     start = time.perf_counter()
     samplers = {"torch": Sampler(use_kernel=False), "kernel": Sampler(use_kernel=True)}
-    noise_bad = noise_mismatches(device) if device.type == "cuda" else None
-    print(f"noise: {noise_bad} of 2**23 uniforms give a different log(-log u) in the kernel than in torch")
     rows = [check(name, params, dtype, int(b), args, device, samplers)
             for b in args.batches.split(",") for name, (params, dtype) in CONFIGS.items()]
-    # NOTE: the kernel and the torch path should agree on every row; tolerate 1% (an ulp-level tie), as
-    # for the CPU comparison, but the printout shows any disagreement.
-    failed = [f"{r['config']} B={r['batch']}" for r in rows
-              if not (r["no_host_sync"] and r["alone_matches_batch"] and r["cpu_match"] >= 0.99
-                      and r["kernel_vs_torch_mismatches"] <= 0.01 * r["batch"])]
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_sampler.json").write_text(
-            json.dumps(dict(noise_mismatches=noise_bad, rows=rows), indent=1))
+        Path(os.environ["OUT"], "gpu_sampler.json").write_text(json.dumps(dict(rows=rows), indent=1))
     print(f"total {time.perf_counter() - start:.1f} s")
-    print("FAILED: " + ", ".join(failed) if failed else "all checks passed")
-    return 1 if failed else 0
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# One device call: kernel checks, sampler check, engine equality, W2 latency and W1 throughput.
-# Usage: bash benchmarks/run_gpu_suite.sh [steps...]   (steps: kernels sampler engine enginefp32 w2 w2hf w1 w1prof w1hf serve ttft)
+# The GPU tests (kernels, sampler, engine equality), then W2 latency and W1 throughput, in one go.
+# Usage: bash benchmarks/run_gpu_suite.sh [steps...]
+#   steps: tests (all GPU tests) kernels sampler engine enginefp32 kernelbench samplerbench
+#          w2 w2hf w1 w1prof w1hf serve ttft
+# Logs, JUnit XML (tests) and JSON results go under $OUT (default /tmp/out).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -8,11 +11,15 @@ CFG="${CFG:-benchmarks/configs}"
 steps="${*:-kernels sampler engine w2 w1}"
 wheels() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"; }
 run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -40; echo "=== $name rc=${PIPESTATUS[0]}"; }
+gputest() { local name=$1 limit=$2; shift 2; run "$name" "$limit" python -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/$name.xml" "$@"; }
 for s in $steps; do
   case $s in
-    kernels) run kernels 240 python benchmarks/gpu_kernels.py ;;
-    sampler) run sampler 120 python benchmarks/gpu_sampler.py ;;
-    engine)  run engine 240 python benchmarks/gpu_engine_check.py ;;
+    tests)   gputest gpu_tests 900 tests/gpu ;;
+    kernels) gputest kernels 420 tests/gpu/test_gpu_attention_kernels.py tests/gpu/test_gpu_elementwise_kernels.py ;;
+    sampler) gputest sampler 180 tests/gpu/test_gpu_sampling_kernel.py ;;
+    engine)  gputest engine 480 tests/gpu/test_gpu_engine.py ;;
+    kernelbench)  run kernelbench 240 python benchmarks/gpu_kernels.py ;;
+    samplerbench) run samplerbench 120 python benchmarks/gpu_sampler.py ;;
     w2)      run w2 150 python -m peregrine.entrypoints.cli bench latency --model "$CFG/llama-3-8b.json" --output-json "$OUT/w2.json" ;;
     w2hf)    run w2hf 300 python -m peregrine.entrypoints.cli bench latency --model "$CFG/llama-3-8b.json" --iters 1 --compare-transformers --output-json "$OUT/w2hf.json" ;;
     w1)      run w1 200 python -m peregrine.entrypoints.cli bench throughput --model "$CFG/qwen3-0.6b.json" --output-json "$OUT/w1.json" ;;
@@ -24,11 +31,11 @@ for s in $steps; do
              run probe 300 python benchmarks/ttft_probe.py --out "$OUT/ttft_probe.json"
              run w4diag 300 python benchmarks/serve_workloads.py w4 --w4-prompts "${W4_PROMPTS:-60}" --w4-no-zero-hits --out-dir "$OUT/serve_diag"
              [ -n "${W4_EXTRA_ENV:-}" ] && run w4exp 200 env $W4_EXTRA_ENV python benchmarks/serve_workloads.py w4 --w4-caching on --w4-no-zero-hits --w4-prompts "${W4_PROMPTS:-60}" --out-dir "$OUT/serve_exp" ;;
-    enginefp32) run engine 150 python benchmarks/gpu_engine_check.py --fp32-only --quick ;;
+    enginefp32) gputest engine 300 tests/gpu/test_gpu_engine.py -k fp32 ;;
     w1hf)    run w1hf 400 python -m peregrine.entrypoints.cli bench throughput --model "$CFG/qwen3-0.6b.json" --compare-transformers --hf-requests 32 --output-json "$OUT/w1hf.json" ;;
   esac
 done
-# Everything under $OUT in one archive: the device tool brings back at most 8 files.
+# PACK=1: everything under $OUT in one archive (for a runner that brings back only a few files).
 if [ -n "${PACK:-}" ]; then
   (cd "$OUT" && tar czf /tmp/results.tgz . && find . -mindepth 1 -delete && mv /tmp/results.tgz results.tgz)
 fi
