@@ -93,3 +93,22 @@ def test_kv_cache_dtype_resolves_and_sizes_blocks(name: str, want: torch.dtype) 
     elem = torch.empty((), dtype=want).element_size()
     assert kv_cache_bytes_per_block(cfg.cache, mc) == (
         2 * mc.num_layers * 16 * mc.num_kv_heads * mc.head_dim * elem)
+
+
+def test_engine_allocates_and_runs_the_requested_kv_cache_dtype() -> None:
+    """The pool is allocated in the requested dtype (a float32 model with a bfloat16 cache runs);
+    float32 named explicitly equals auto for a float32 model."""
+    from peregrine import LLM, SamplingParams
+    from peregrine.testing.checkpoints import tiny_checkpoint
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[11, 42, 97, 130, 7, 300], [5, 17, 99]]
+    outs = {}
+    for name in ("auto", "float32", "bfloat16"):
+        llm = LLM(str(tiny_checkpoint("llama")), dtype="float32", device="cpu", max_model_len=64,
+                  kv_cache_dtype=name)
+        worker = llm.engine.core_client.core.executor.worker
+        want = torch.bfloat16 if name == "bfloat16" else torch.float32
+        assert {c.dtype for kv in worker.model_runner.kv_caches for c in kv} == {want}
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs["float32"] == outs["auto"]
+    assert [len(t) for t in outs["bfloat16"]] == [8, 8]
