@@ -201,7 +201,7 @@ class AsyncEngine:
     async def add_requests(self, requests: list[EngineRequest]) -> RequestStream:
         """Add requests atomically (all or none) and return their shared stream.
 
-        Raises ValueError (bad input), the scheduler's QueueFullError (a ValueError), or
+        Raises ValueError (bad input), QueueFullError (a ValueError), or
         EngineDeadError; nothing is left in the engine when it raises.
         """
         if self._dead_error is not None or self._thread is None:
@@ -323,7 +323,10 @@ class AsyncEngine:
         self._call_soon(_settle, item.ack, None)
 
     def _process_abort(self, request_ids: list[str]) -> None:
-        self.engine.abort_request(request_ids)
+        # NOTE: each aborted request's stream ends with its final output (finish_reason "abort"),
+        # so a consumer that did not abort it itself still sees the end.
+        finals = self.engine.abort_request(request_ids) or []
+        self._dispatch(finals, time.monotonic())
         aborted = [rid for rid in request_ids if self._streams.pop(rid, None) is not None]
         if aborted:
             self._call_soon(self._notify_aborted, aborted, time.monotonic())

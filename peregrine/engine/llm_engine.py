@@ -85,9 +85,12 @@ class LLMEngine:
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = self._validate_prompt(ids, params)
         limit = self.config.scheduler.max_queue_len
+        if limit is not None and params.n > limit:
+            raise ValueError(f"n={params.n} sequences can never wait in a queue of "
+                             f"max_queue_len={limit}")
         if limit is not None and len(self._unscheduled) + params.n > limit:
-            raise QueueFullError(f"{len(self._unscheduled)} requests are already waiting "
-                                 f"(max_queue_len={limit}); retry later")
+            raise QueueFullError(f"{len(self._unscheduled)} sequences are already waiting to "
+                                 f"start (max_queue_len={limit})")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = RequestGroup(request_id, text, ids, params, arrival)
         mc = self.config.model
@@ -135,10 +138,12 @@ class LLMEngine:
                              f"{len(ids) + max_tokens} exceed max_model_len={limit}")
         return max_tokens
 
-    def abort_request(self, request_ids: str | Iterable[str]) -> None:
-        """Stop requests now and free their KV blocks; unknown ids are ignored."""
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """Stop requests now and free their KV blocks; returns their final outputs
+        (finish_reason "abort"); unknown ids are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         seq_ids: list[str] = []
+        finals: list[RequestOutput] = []
         for rid in ids:
             group = self._groups.get(rid)
             if group is None:
@@ -147,9 +152,11 @@ class LLMEngine:
                 if not s.req.is_finished:
                     s.req.status = RequestStatus.FINISHED_ABORTED
                     seq_ids.append(s.req.request_id)
+            finals.append(group.make_output(force=True))
             self._retire(group)
         if seq_ids:
             self.core_client.abort_requests(seq_ids)
+        return finals
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)

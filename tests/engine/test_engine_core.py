@@ -77,7 +77,7 @@ def test_queue_limit_counts_requests_not_yet_started() -> None:
     with pytest.raises(QueueFullError, match="max_queue_len=2"):
         engine.add_request("c", _ids(4), sp)
     with pytest.raises(QueueFullError):
-        engine.add_request("n", _ids(4), SamplingParams(n=3, max_tokens=2))
+        engine.add_request("n", _ids(4), SamplingParams(n=2, max_tokens=2))
     engine.step()  # both start
     engine.add_request("c", _ids(4), sp)
     assert engine.get_num_unfinished_requests() == 3
