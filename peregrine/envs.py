@@ -17,7 +17,7 @@ def attention_backend() -> str | None:
 
 
 def fused_kernels() -> bool:
-    """PEREGRINE_FUSED_KERNELS: Triton RMSNorm, RoPE and SiLU-and-mul on CUDA (default on; 0: off)."""
+    """PEREGRINE_FUSED_KERNELS: Triton RMSNorm, RoPE, SiLU-and-mul on CUDA (default on; 0: off)."""
     return _flag("PEREGRINE_FUSED_KERNELS", True)
 
 

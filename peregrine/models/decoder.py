@@ -181,7 +181,8 @@ class DecoderForCausalLM(nn.Module):
         types = hf.get("layer_types")
         if types:
             if len(types) != n:
-                raise ValueError(f"config.json: layer_types has {len(types)} entries for {n} layers")
+                raise ValueError(f"config.json: layer_types has {len(types)} entries for {n} "
+                                 "layers")
             return [int(window) if t == "sliding_attention" else None for t in types]
         return cls.default_windows(hf, int(window), n)
 
@@ -226,8 +227,9 @@ class DecoderForCausalLM(nn.Module):
             key = f"{path}.{leaf}"
             param = params.get(key)
             if param is None:
+                arch = self.hf["architectures"][0]
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
-                                 f"{type(self).__name__} (architecture {self.hf['architectures'][0]})")
+                                 f"{type(self).__name__} (architecture {arch})")
             module = modules[path]
             if hasattr(module, "weight_loader"):
                 module.weight_loader(param, tensor, shard, name)
@@ -235,8 +237,8 @@ class DecoderForCausalLM(nn.Module):
                 module.load_full(param, tensor, name)
             else:
                 if param.shape != tensor.shape:
-                    raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(tensor.shape)} does "
-                                     f"not match the model's {tuple(param.shape)}")
+                    raise ValueError(f"tensor {name!r}: checkpoint shape {tuple(tensor.shape)} "
+                                     f"does not match the model's {tuple(param.shape)}")
                 param.data.copy_(tensor)
             loaded.add(key if shard is None else f"{key}#{shard}")
         missing = sorted(n for n in expected if n not in loaded

@@ -76,7 +76,8 @@ def test_unknown_kv_cache_dtype_lists_the_choices() -> None:
     from peregrine.config import EngineArgs
     from peregrine.testing.checkpoints import tiny_checkpoint
     with pytest.raises(ValueError, match=r"'int8'.*auto.*bfloat16"):
-        EngineArgs(model=str(tiny_checkpoint("llama")), kv_cache_dtype="int8").create_engine_config()
+        EngineArgs(model=str(tiny_checkpoint("llama")),
+                   kv_cache_dtype="int8").create_engine_config()
 
 
 @pytest.mark.parametrize("name, want", [("auto", torch.bfloat16), ("bfloat16", torch.bfloat16),

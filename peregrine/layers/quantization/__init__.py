@@ -13,19 +13,19 @@ from peregrine.layers.quantization.base import (QuantizationConfig, QuantMethod,
                                                 load_sharded)
 from peregrine.layers.quantization.unquantized import UnquantizedLinearMethod
 
-__all__ = ["QuantMethod", "QuantizationConfig", "UnquantizedLinearMethod", "get_quantization_config",
-           "linear_param", "load_sharded", "quantization_methods", "register_quantization_config",
+__all__ = ["QuantMethod", "QuantizationConfig", "UnquantizedLinearMethod",
+           "get_quantization_config", "linear_param", "load_sharded", "quantization_methods", "register_quantization_config",
            "resolve_quantization"]
 
+_ConfigClass = type[QuantizationConfig]
 # quant_method -> "module:Class", imported on first use.
 _BUILTIN: dict[str, str] = {}
-_REGISTERED: dict[str, type[QuantizationConfig]] = {}
+_REGISTERED: dict[str, _ConfigClass] = {}
 
 
-def register_quantization_config(name: str
-                                 ) -> Callable[[type[QuantizationConfig]], type[QuantizationConfig]]:
+def register_quantization_config(name: str) -> Callable[[_ConfigClass], _ConfigClass]:
     """Class decorator: make `cls` the config of quant_method `name`."""
-    def wrap(cls: type[QuantizationConfig]) -> type[QuantizationConfig]:
+    def wrap(cls: _ConfigClass) -> _ConfigClass:
         if name in _BUILTIN or _REGISTERED.get(name, cls) is not cls:
             raise ValueError(f"quantization method {name!r} is already registered")
         cls.name = name
@@ -39,7 +39,7 @@ def quantization_methods() -> list[str]:
     return sorted({*_BUILTIN, *_REGISTERED})
 
 
-def get_quantization_config(name: str) -> type[QuantizationConfig]:
+def get_quantization_config(name: str) -> _ConfigClass:
     """The config class registered for quant_method `name`; ValueError naming the known ones."""
     if name in _REGISTERED:
         return _REGISTERED[name]

@@ -24,7 +24,8 @@ def linear_param(shape: tuple[int, ...], dtype: torch.dtype, *, output_dim: int 
     which one element covers pack_factor inputs (a group-wise scale).
     """
     if pack_factor < 1 or (packed_dim is None) != (pack_factor == 1):
-        raise ValueError(f"packed_dim {packed_dim} and pack_factor {pack_factor} must come together")
+        raise ValueError(f"packed_dim {packed_dim} and pack_factor {pack_factor} must come "
+                         "together")
     param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     param.output_dim = output_dim
     param.input_dim = input_dim
