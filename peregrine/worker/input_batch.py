@@ -84,7 +84,10 @@ class InputBatch:
             row = self._end
             self._end += 1
         else:
-            raise RuntimeError(f"the input batch is full ({self.max_num_reqs} requests)")
+            # NOTE: finished and preempted ids arrive with the next step, even an empty one; a
+            # full batch means some never reached the worker.
+            raise RuntimeError(f"the input batch is full ({self.max_num_reqs} requests): were the "
+                               f"ids of finished or preempted requests not sent to the worker?")
         self.token_ids[row, :num_prompt] = new.prompt_token_ids
         self.token_ids[row, num_prompt:num_tokens] = new.output_token_ids
         self.num_tokens[row] = self.num_known_tokens[row] = num_tokens
