@@ -4,9 +4,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from peregrine.testing.checkpoints import tiny_checkpoint
 
 
+@pytest.mark.slow
 def test_generate_prints_completion_for_a_model_folder() -> None:
     path = str(tiny_checkpoint("llama"))
     proc = subprocess.run(

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import peregrine
 
 PACKAGE = Path(peregrine.__file__).parent
@@ -34,6 +36,7 @@ def test_no_product_module_imports_peregrine_testing() -> None:
     assert offenders == []
 
 
+@pytest.mark.slow
 def test_building_the_demo_model_loads_no_test_helper(tmp_path: Path) -> None:
     code = ("import sys; from peregrine.config import EngineArgs; import peregrine.demo as d; "
             "d.build_demo_model(sys.argv[1]); "

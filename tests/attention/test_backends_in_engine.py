@@ -7,6 +7,7 @@ from peregrine import LLM, SamplingParams
 from peregrine.attention import get_attention_backend
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pieces", [False, True], ids=["plain", "piecewise"])
 def test_triton_backend_generates_the_same_greedy_tokens_as_torch(pieces: bool) -> None:
     # NOTE: 16-token steps split the 24-token prompt into chunks (the second after a computed

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -114,10 +115,12 @@ EngineMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow])
 
 
+@pytest.mark.slow
 class TestEngineStateMachine(EngineMachine.TestCase):
     pass
 
 
+@pytest.mark.slow  # NOTE: reads what TestEngineStateMachine recorded, so runs with it
 def test_the_machine_exercised_preemption() -> None:
     """Runs after TestEngineStateMachine (file order): the small KV pool forced preemptions."""
     assert _SEEN.get("examples", 0) > 0

@@ -179,6 +179,7 @@ def test_skip_tokenizer_init_takes_token_ids() -> None:
         llm.generate(["text needs a tokenizer"], use_tqdm=False)
 
 
+@pytest.mark.slow
 def test_async_and_sync_scheduling_sample_the_same_tokens() -> None:
     # NOTE: the sampler's noise is keyed on the token's index, which async steps must not shift.
     sp = SamplingParams(temperature=1.0, top_p=0.95, seed=5, max_tokens=12, ignore_eos=True)

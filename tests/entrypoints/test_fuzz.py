@@ -9,6 +9,7 @@ import os
 import time
 
 import httpx
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -75,6 +76,7 @@ def _check_answer(resp: httpx.Response, body: dict) -> None:
 
 # NOTE: CI runs 150 fixed examples (derandomized, so a run is repeatable); for a longer, random
 # search set PEREGRINE_FUZZ_EXAMPLES=2000 PEREGRINE_FUZZ_RANDOM=1.
+@pytest.mark.slow
 @settings(max_examples=int(os.environ.get("PEREGRINE_FUZZ_EXAMPLES", "150")), deadline=None,
           derandomize=not os.environ.get("PEREGRINE_FUZZ_RANDOM"),
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

@@ -102,6 +102,7 @@ def test_bad_model_folder_exits_with_code_2(tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_peregrine_serve_runs_and_answers(tiny_model_path):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-c", "import sys; from peregrine.entrypoints.cli import main; "

@@ -141,6 +141,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_packed_int4_splits_over_two_ranks(tmp_path: Path, arch: str) -> None:
     """Column layers split their output-packed qweight, row layers their input-packed one."""

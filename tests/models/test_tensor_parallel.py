@@ -62,6 +62,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_two_way_tensor_parallel_matches_single_process(arch: str) -> None:
     path = str(tiny_checkpoint(arch))

@@ -132,7 +132,8 @@ def test_piecewise_graph_path_matches_transformers(mode: str, prefix_caching: bo
 
 
 
-@pytest.mark.parametrize("mode", ["plain", "chunked+preempt", "no-prefix-cache", "triton"])
+@pytest.mark.parametrize("mode", ["plain", "chunked+preempt", "no-prefix-cache",
+                                  pytest.param("triton", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("arch", sorted(_WINDOWED))
 def test_sliding_window_matches_transformers(arch: str, mode: str) -> None:
     from peregrine.models.registry import model_class
