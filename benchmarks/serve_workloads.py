@@ -89,10 +89,12 @@ def _warmup(port: int, out: Path) -> None:
 
 def run_w3(ns: argparse.Namespace, out: Path) -> dict[str, dict]:
     results = {}
-    with Server(ns.config, ns.port, out / "server-w3.log", ["--max-model-len", "1024"]):
+    extra = ["--max-model-len", "1024", *ns.server_args.split()]
+    with Server(ns.config, ns.port, out / f"server-w3{ns.tag}.log", extra):
         _warmup(ns.port, out)
         for rate in ns.rates.split(","):
-            results[f"w3_rate_{rate}"] = _bench(ns.port, out, f"w3_rate_{rate}", [
+            name = f"w3{ns.tag}_rate_{rate}"
+            results[name] = _bench(ns.port, out, name, [
                 "--dataset", "random", "--num-prompts", str(ns.num_prompts), "--request-rate",
                 rate, "--random-input-len", "200", "--random-output-len", "180",
                 "--random-range-ratio", "0.1", "--seed", "0"])
@@ -158,6 +160,9 @@ def main() -> int:
     p.add_argument("--w4-caching", default="on,off", help="W4 prefix caching settings to run")
     p.add_argument("--w4-no-zero-hits", action="store_true", help="skip W4's 0%%-hit runs")
     p.add_argument("--vocab-size", default="128000", help="prompt token ids are drawn below this")
+    p.add_argument("--server-args", default="", help="extra `peregrine serve` flags for W3 "
+                   "(e.g. \"--max-num-seqs 1024\")")
+    p.add_argument("--tag", default="", help="suffix of W3's result names (e.g. _seqs1024)")
     ns = p.parse_args()
     _VOCAB[0] = ns.vocab_size
     out = Path(ns.out_dir)
