@@ -11,8 +11,8 @@ W4: a 2,000-token prefix shared by all requests + a 100-token unique part: TTFT 
     python benchmarks/serve_workloads.py w4 --out-dir bench-results/serve
 
 Each run writes OUT_DIR/<name>.json (the bench summary) and prints one table at the end.
-Needs the `serve` extra (fastapi, uvicorn, pydantic, prometheus-client) on the GPU machine; the
-client side is stdlib only. Set PEREGRINE_BENCH_DTYPE=float32 for a CPU dry run on a tiny config.
+Needs the `serve` extra (fastapi, uvicorn, pydantic, prometheus-client) on the GPU machine that
+serves; the client side is stdlib only. Set PEREGRINE_BENCH_DTYPE=float32 for a CPU dry run on a tiny config.
 """
 from __future__ import annotations
 
