@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from peregrine import envs
 from peregrine.config import EngineArgs
 from peregrine.entrypoints.cli import (add_dataclass_args, add_engine_args, dataclass_from,
                                        engine_args_from)
@@ -47,8 +48,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 def server_args_from(ns: argparse.Namespace) -> ServerArgs:
     args = dataclass_from(ns, ServerArgs)
-    if args.api_key is None and os.environ.get("PEREGRINE_API_KEY"):
-        args = dataclasses.replace(args, api_key=os.environ["PEREGRINE_API_KEY"])
+    if args.api_key is None and envs.api_key():
+        args = dataclasses.replace(args, api_key=envs.api_key())
     return args
 
 
