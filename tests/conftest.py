@@ -30,7 +30,8 @@ def _needs_interpreter(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """gpu tests: selected only when -m names them, skipped without CUDA."""
+    """gpu tests: selected only when -m names them, skipped without CUDA; tests that need the
+    interpreter: skipped where the kernels are compiled."""
     markexpr = config.getoption("markexpr") or ""
     if "gpu" not in markexpr:
         # NOTE: the CPU tiers (`pytest`, `pytest -m "not slow"`) never try the GPU tests.
