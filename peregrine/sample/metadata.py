@@ -17,11 +17,10 @@ import torch
 
 from peregrine.sample.penalties import PenaltyPool
 from peregrine.sampling_params import SamplingParams
+from peregrine.transfer import upload
 
 _U64 = (1 << 64) - 1
 _GREEDY_TEMPERATURE = 1e-5  # SamplingParams.is_greedy: temperature below this
-_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32,
-                 np.dtype(np.bool_): torch.bool}
 
 
 @dataclass
@@ -72,23 +71,6 @@ def seed_to_int64(seed: int) -> int:
     """Wrap any Python int seed to the signed 64-bit range (same bits modulo 2**64)."""
     s = seed & _U64
     return s - (1 << 64) if s >= (1 << 63) else s
-
-
-def upload(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Device copies of small host arrays, sent in one copy that does not wait for queued work."""
-    offsets, total = [], 0
-    for a in arrays:
-        # NOTE: 8-byte aligned offsets, so every view keeps its dtype's alignment.
-        offsets.append(total)
-        total += -(-a.nbytes // 8) * 8
-    host = torch.empty(max(total, 8), dtype=torch.uint8, pin_memory=device.type == "cuda")
-    buf = host.numpy()
-    for a, off in zip(arrays, offsets):
-        buf[off:off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    # NOTE: pinned + non_blocking: the copy is queued behind the running step, the host goes on.
-    dev = host.to(device, non_blocking=True) if device.type != "cpu" else host
-    return [dev[off:off + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
-            for a, off in zip(arrays, offsets)]
 
 
 @dataclass

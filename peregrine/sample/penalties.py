@@ -11,14 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-
-def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A device copy of a host array that does not wait for the work already queued."""
-    cpu = torch.from_numpy(np.ascontiguousarray(values))
-    if device.type == "cuda":
-        # NOTE: a copy from pageable memory waits for the stream; pinned + non_blocking does not.
-        return cpu.pin_memory().to(device, non_blocking=True)
-    return cpu.to(device)
+from peregrine.transfer import to_device
 
 
 class PenaltyPool:

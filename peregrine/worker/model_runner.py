@@ -18,6 +18,7 @@ from peregrine.config import EngineConfig
 from peregrine.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from peregrine.sample.logprobs import compute_token_logprobs
 from peregrine.sample.sampler import Sampler
+from peregrine.transfer import to_device
 from peregrine.worker.cuda_graphs import CudaGraphRunner, KVCaches, PiecewiseGraphs
 from peregrine.worker.input_batch import InputBatch
 from peregrine.worker.step_buffers import StepBuffers
@@ -63,7 +64,6 @@ class ModelRunner:
         self.prefill_graphs: PiecewiseGraphs | None = None
         self._num_launched = 0
         self._in_flight: dict[int, torch.Tensor] = {}  # uncollected step id -> sampled (S,) tokens
-        self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
         self.timing: dict[str, float] = defaultdict(float)
 
     def initialize_kv_cache(self, kv_caches: KVCaches) -> None:
@@ -81,11 +81,6 @@ class ModelRunner:
                               {}, None)
         if not self.kv_caches:
             raise RuntimeError("the KV cache is not allocated: call initialize_kv_cache first")
-        if self._inputs_copied is not None:
-            # The previous step's host->device copies must be done before the buffers are reused.
-            # NOTE: under the engine's protocol that step's predecessor is collected, so this
-            # event has already fired.
-            self._inputs_copied.synchronize()
         plan = plan_step(self.batch, sched, self.buffers, self.block_size)
         t1 = time.perf_counter()
         hidden, all_logits = self._forward(plan)
@@ -136,10 +131,9 @@ class ModelRunner:
             if sampled is None:
                 raise RuntimeError(f"step {step_id} is collected but its tokens are not on the host")
             sel = plan.pending_step == step_id
-            dst, src = self._h2d(np.stack([plan.pending_dst[sel], plan.pending_src[sel]]))
+            dst, src = to_device(np.stack([plan.pending_dst[sel], plan.pending_src[sel]]),
+                                 self.device)
             buf.d_input_ids.index_copy_(0, dst, sampled.index_select(0, src))
-        if self._inputs_copied is not None:
-            self._inputs_copied.record()
         if graph:
             return None, self.graphs.replay(b)
         meta.num_decodes = plan.num_decodes
@@ -156,8 +150,8 @@ class ModelRunner:
         if all_logits is not None:  # decode-only graph step: one row per sequence
             if np.array_equal(idx, np.arange(all_logits.shape[0])):
                 return all_logits  # (B, V)
-            return all_logits.index_select(0, self._h2d(idx))
-        return self.model.compute_logits(hidden.index_select(0, self._h2d(idx)))
+            return all_logits.index_select(0, to_device(idx, self.device))
+        return self.model.compute_logits(hidden.index_select(0, to_device(idx, self.device)))
 
     def _launch_sampling(self, plan: StepPlan, hidden: torch.Tensor | None,
                          all_logits: torch.Tensor | None) -> StepHandle:
@@ -185,7 +179,8 @@ class ModelRunner:
         prompt_lp: list[tuple[str, int, int]] = []
         if plan.prompt_idx.size:
             ks = batch.prompt_logprobs[plan.rows[plan.prompt_idx]]  # (P rows,)
-            lp = compute_token_logprobs(logits[s:], self._h2d(plan.prompt_targets), int(ks.max()))
+            targets = to_device(plan.prompt_targets, self.device)  # (sum counts,)
+            lp = compute_token_logprobs(logits[s:], targets, int(ks.max()))
             host["plp_ids"] = self._to_host(lp.token_ids)
             host["plp_vals"] = self._to_host(lp.logprobs)
             host["plp_ranks"] = self._to_host(lp.ranks)
@@ -199,17 +194,6 @@ class ModelRunner:
         return StepHandle(step_id, plan.req_ids, order, [plan.req_ids[i] for i in order],
                           generations, positions, batch.sampling.num_logprobs[rows].tolist(),
                           prompt_lp, host, event)
-
-    def _h2d(self, values: np.ndarray) -> torch.Tensor:
-        """An int64 device tensor from a host array, without waiting for the in-flight step.
-
-        A copy from pageable memory would first wait for everything queued on the stream, so the
-        array goes through pinned memory (the caching host allocator keeps it until the copy ran).
-        """
-        cpu = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
-        if self.device.type != "cuda":
-            return cpu
-        return cpu.pin_memory().to(self.device, non_blocking=True)
 
     def _to_host(self, x: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":

@@ -1,36 +1,29 @@
-"""Preallocated step buffers: pinned host arrays (numpy views) and their device twins."""
+"""Preallocated step buffers: host arrays the step is planned in, and their device twins."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from peregrine.attention.metadata import AttentionMetadata
+from peregrine.transfer import copy_into
 
 
 class StepBuffers:
-    """Preallocated pinned host buffers (numpy views) and their device twins for one step."""
+    """Host numpy arrays for one step's inputs and fixed-address device copies of them."""
 
     def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device) -> None:
-        pin = device.type == "cuda"
-
-        def host(*shape: int, dtype=torch.int64) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
-
         def dev(*shape: int, dtype=torch.int64) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
         self.device = device
-        self.input_ids = host(max_tokens)
-        self.positions = host(max_tokens)
-        self.slot_mapping = host(max_tokens)
-        self.seq_lens = host(max_reqs, dtype=torch.int32)
-        self.query_start_loc = host(max_reqs + 1, dtype=torch.int32)
-        self.block_table = host(max_reqs, max_blocks, dtype=torch.int32)
-        self.input_ids_np = self.input_ids.numpy()
-        self.positions_np = self.positions.numpy()
-        self.slot_mapping_np = self.slot_mapping.numpy()
-        self.seq_lens_np = self.seq_lens.numpy()
-        self.query_start_loc_np = self.query_start_loc.numpy()
-        self.block_table_np = self.block_table.numpy()
+        # NOTE: plain (pageable) host arrays: to_device stages what a step uses in fresh pinned
+        # memory, so a step never waits for the previous one's copies before reusing them.
+        self.input_ids_np = np.zeros(max_tokens, np.int64)  # (T,)
+        self.positions_np = np.zeros(max_tokens, np.int64)  # (T,)
+        self.slot_mapping_np = np.zeros(max_tokens, np.int64)  # (T,)
+        self.seq_lens_np = np.zeros(max_reqs, np.int32)  # (B,)
+        self.query_start_loc_np = np.zeros(max_reqs + 1, np.int32)  # (B + 1,)
+        self.block_table_np = np.zeros((max_reqs, max_blocks), np.int32)  # (B, max_blocks)
         # Device copies live at fixed addresses so CUDA graphs can replay on them.
         self.d_input_ids = dev(max_tokens)
         self.d_positions = dev(max_tokens)
@@ -41,7 +34,8 @@ class StepBuffers:
 
     def to_device(self, t: int, b: int, width: int, pad_t: int | None = None,
                   pad_b: int | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Copy the first t tokens / b sequences to the device; rows up to pad_t/pad_b are padding."""
+        """Copy the first t tokens / b sequences (width block-table columns) to the device; rows
+        up to pad_t / pad_b are padding."""
         pt, pb = pad_t or t, pad_b or b
         if pt > t:
             self.slot_mapping_np[t:pt] = -1  # padding tokens write nothing
@@ -50,18 +44,16 @@ class StepBuffers:
         if pb > b:
             self.seq_lens_np[b:pb] = 0
             self.query_start_loc_np[b + 1:pb + 1] = self.query_start_loc_np[b]
-        nb = self.device.type == "cuda"
-        self.d_input_ids[:pt].copy_(self.input_ids[:pt], non_blocking=nb)
-        self.d_positions[:pt].copy_(self.positions[:pt], non_blocking=nb)
-        self.d_slot_mapping[:pt].copy_(self.slot_mapping[:pt], non_blocking=nb)
-        self.d_seq_lens[:pb].copy_(self.seq_lens[:pb], non_blocking=nb)
-        self.d_query_start_loc[:pb + 1].copy_(self.query_start_loc[:pb + 1], non_blocking=nb)
-        # NOTE: whole rows, so source and destination are contiguous: a strided host source would
-        # go through a pageable temporary, and a pageable copy waits for the in-flight step.
-        self.d_block_table[:b].copy_(self.block_table[:b], non_blocking=nb)
+        qsl = self.query_start_loc_np[:pb + 1].copy()  # (B + 1,)
+        seq_lens = self.seq_lens_np[:pb].copy()  # (B,)
+        copy_into(
+            [self.d_input_ids[:pt], self.d_positions[:pt], self.d_slot_mapping[:pt],
+             self.d_seq_lens[:pb], self.d_query_start_loc[:pb + 1], self.d_block_table[:b, :width]],
+            [self.input_ids_np[:pt], self.positions_np[:pt], self.slot_mapping_np[:pt], seq_lens,
+             qsl, self.block_table_np[:b, :width]])
         meta = AttentionMetadata(
             num_actual_tokens=t, num_decodes=0, max_query_len=0, max_seq_len=0,
             query_start_loc=self.d_query_start_loc[:pb + 1], seq_lens=self.d_seq_lens[:pb],
             block_table=self.d_block_table[:pb], slot_mapping=self.d_slot_mapping[:pt],
-            query_start_loc_cpu=self.query_start_loc[:pb + 1], seq_lens_cpu=self.seq_lens[:pb])
+            query_start_loc_cpu=torch.from_numpy(qsl), seq_lens_cpu=torch.from_numpy(seq_lens))
         return self.d_input_ids[:pt], self.d_positions[:pt], meta
