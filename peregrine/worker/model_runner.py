@@ -105,14 +105,15 @@ class ModelRunner:
             batch.remove_request(new.req_id)  # sent again: its new data replaces what we hold
             batch.add_request(new)
         cached = sched.scheduled_cached_reqs
-        for rid, blocks, computed in zip(cached.req_ids, cached.new_block_ids,
-                                         cached.num_computed_tokens):
-            row = batch.row_of.get(rid)
-            if row is None:
-                raise ValueError(f"cached request {rid!r} is unknown to the worker")
+        try:
+            rows = np.fromiter(map(batch.row_of.__getitem__, cached.req_ids), np.int64,
+                               cached.num_reqs)  # (C,)
+        except KeyError as e:
+            raise ValueError(f"cached request {e.args[0]!r} is unknown to the worker") from None
+        batch.num_computed_tokens[rows] = cached.num_computed_tokens
+        for row, blocks in zip(rows.tolist(), cached.new_block_ids):
             if blocks:
                 batch.append_blocks(row, blocks)
-            batch.num_computed_tokens[row] = computed
         batch.condense()
 
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
