@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from peregrine.bench.offline import model_folder  # noqa: E402
+from peregrine.bench.offline import host_timings, model_folder  # noqa: E402
 from peregrine.config import EngineArgs  # noqa: E402
 from peregrine.engine.llm_engine import LLMEngine  # noqa: E402
 from peregrine.sampling_params import SamplingParams  # noqa: E402
@@ -37,7 +37,7 @@ def _probe(engine: LLMEngine, rid: str, prompt: list[int]) -> dict:
     engine.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
     steps = []
     while True:
-        timings = (engine.timing, engine.runner.timing)
+        timings = tuple(host_timings(engine).values())
         before = [dict(t) for t in timings]
         ts = time.perf_counter()
         outs = engine.step()

@@ -38,15 +38,15 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     llm.generate(prompts[:4], [SamplingParams(max_tokens=8, ignore_eos=True)] * 4, use_tqdm=False)
     _sync()
     t0 = time.perf_counter()
-    llm.engine.timing.clear()
-    llm.engine.runner.timing.clear()
+    timings = host_timings(llm.engine)
+    for t in timings.values():
+        t.clear()
     if ns.torch_profile:
         _profile_steps(llm.engine, ns.torch_profile, ns.torch_profile_out)
     outs = llm.generate(prompts, params, use_tqdm=False)
     _sync()
     elapsed = time.perf_counter() - t0
-    profile = {**{f"engine_{k}": v for k, v in llm.engine.timing.items()},
-               **{f"runner_{k}": v for k, v in llm.engine.runner.timing.items()}}
+    profile = {f"{part}_{k}": v for part, t in timings.items() for k, v in t.items()}
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = sum(len(p) for p in prompts)
     result = {"engine": "peregrine", "workload": "W1", "requests": len(prompts),
@@ -59,6 +59,13 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     if ns.compare_transformers:
         result["transformers"] = _hf_continuous_batching(ns, prompts, out_lens)
     return result
+
+
+def host_timings(engine) -> dict[str, dict[str, float]]:
+    """Cumulative host seconds per phase of an in-process engine: front end, core, runner."""
+    core = engine.core_client.core
+    return {"engine": engine.timing, "core": core.timing,
+            "runner": core.executor.worker.model_runner.timing}
 
 
 def _profile_steps(engine, window: str, out_path: str | None) -> None:
@@ -148,7 +155,8 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
     decode = sorted(r[1] for r in runs)[len(runs) // 2]
     tps = (ns.output_len - 1) / decode
     mc = engine.config.model
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    model = engine.core_client.core.executor.worker.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * torch.empty((), dtype=mc.dtype).element_size()
     avg_ctx = ns.input_len + ns.output_len / 2
     bytes_per_token = weight_bytes + kv_per_token * avg_ctx

@@ -183,16 +183,21 @@ class StepPipeline:
         return self._inflight is not None
 
     def run(self, core: EngineCore, sched: SchedulerOutput, out: EngineCoreOutputs) -> None:
-        future = core.launch(sched) if sched.total_num_scheduled_tokens else None
-        launched = future is not None
-        if launched and self.async_scheduling:
+        has_tokens = sched.total_num_scheduled_tokens > 0
+        # NOTE: a step with no tokens still goes to the workers when it tells them to forget
+        # finished or preempted requests; otherwise their rows would stay taken.
+        future = None
+        if has_tokens or sched.finished_req_ids or sched.preempted_req_ids:
+            future = core.launch(sched)
+        pipelined = future is not None and has_tokens and self.async_scheduling
+        if pipelined:
             core.scheduler.mark_in_flight(sched)
         if self._inflight is not None:
             core.complete(*self._inflight, out, in_flight=True)
             self._inflight = None
-        if launched and self.async_scheduling:
+        if pipelined:
             self._inflight = (sched, future)
-        elif launched or not sched.total_num_scheduled_tokens:
+        elif future is not None or not has_tokens:
             core.complete(sched, future, out, in_flight=False)
 
 

@@ -20,10 +20,11 @@ come from the same torch code, and the kernel repeats the noise's integer and fl
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
+
+from peregrine import envs
 
 from peregrine.sample.logprobs import compute_token_logprobs
 from peregrine.sample.metadata import SamplingMetadata
@@ -64,7 +65,7 @@ def _filter_thresholds(vals: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
 
 
 def _kernel_usable_on_cpu() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return envs.triton_interpret()
 
 
 class Sampler:

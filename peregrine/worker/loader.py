@@ -85,10 +85,3 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
             # NOTE: drawn on the parameter's device: an 8B model takes seconds, not minutes.
             p.normal_(0.0, std, generator=gen)
 
-
-def set_fused_kernels(model: nn.Module, enabled: bool) -> None:
-    """Deprecated: pass `kernels=KernelConfig(fused=...)` to load_model (the default already
-    chooses the fused kernels on CUDA unless PEREGRINE_FUSED_KERNELS=0). Still switches them."""
-    for module in model.modules():
-        if hasattr(module, "use_fused"):
-            module.use_fused = enabled

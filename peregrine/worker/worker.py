@@ -5,14 +5,13 @@ import logging
 
 import torch
 
-from peregrine import envs
 from peregrine.attention import get_attention_backend
 from peregrine.attention.kv_dtype import kv_cache_torch_dtype
 from peregrine.config import EngineConfig
 from peregrine.messages import ModelRunnerOutput, SchedulerOutput
 from peregrine.worker.cuda_graphs import CudaGraphRunner, PiecewiseGraphs, prefill_graph_sizes
 from peregrine.worker.kv_memory import allocate_kv_caches, determine_num_blocks
-from peregrine.worker.loader import load_model, set_fused_kernels
+from peregrine.worker.loader import load_model
 from peregrine.worker.model_runner import ModelRunner, StepHandle
 from peregrine.worker.profile import profile_run
 
@@ -37,9 +36,8 @@ class Worker:
         self.device = dev
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
+        # NOTE: load_model chooses the fused kernels for the device when it builds the layers.
         self.model = load_model(config.model, get_attention_backend(config.attention_backend), dev)
-        if dev.type == "cuda" and envs.fused_kernels():
-            set_fused_kernels(self.model, True)
         self.model_runner = ModelRunner(config, self.model, dev)
         self.num_blocks: int | None = None
 

@@ -86,13 +86,6 @@ def test_kernels_are_chosen_when_the_model_is_built(monkeypatch) -> None:
     assert not KernelConfig.for_device("cuda").fused
 
 
-def test_set_fused_kernels_still_switches_them() -> None:
-    from peregrine.worker.loader import set_fused_kernels
-    _, model = _model("llama")
-    set_fused_kernels(model, True)
-    assert _fused_flags(model) == {True}
-
-
 def test_unsupported_architecture_lists_the_supported_ones() -> None:
     from peregrine.models.registry import model_class
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
