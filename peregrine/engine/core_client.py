@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import queue
+import threading
 import traceback
 from typing import Protocol
 
@@ -79,6 +81,48 @@ class InprocCoreClient:
         self.core.shutdown()
 
 
+class _PipeSender:
+    """Sends messages on a pipe from a thread of its own, batching what queued up meanwhile.
+
+    NOTE: neither side ever blocks on a full pipe while the other waits to send to it: each end
+    hands its sends to a thread like this and keeps reading.
+    """
+
+    def __init__(self, conn, name: str) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, msg: tuple) -> None:
+        self._queue.put(msg)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued, then stop."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stop = None in batch
+            batch = [m for m in batch if m is not None]
+            try:
+                if batch:
+                    self._conn.send(batch)
+            except (BrokenPipeError, OSError) as e:
+                self.error = e
+                return
+            if stop:
+                return
+
+
 class ProcessCoreClient:
     """The core in a child process, reached through two pipes (requests in, step outputs out)."""
 
@@ -93,27 +137,29 @@ class ProcessCoreClient:
         to_core_r.close()
         from_core_w.close()
         self._closed = False
+        self._sender = _PipeSender(self._to_core, "peregrine-core-sender")
         if not self._from_core.poll(_STARTUP_TIMEOUT_S):
             self.shutdown()
             raise EngineCoreDeadError("the engine core did not start in time")
-        kind, payload = self._recv()
+        (kind, payload), = self._recv()
         if kind != "ready":
             self.shutdown()
             raise ValueError(f"the engine core failed to start: {payload}")
 
-    def _recv(self):
+    def _dead(self) -> EngineCoreDeadError:
+        return EngineCoreDeadError(
+            f"the engine core process exited (exit code {self._proc.exitcode})")
+
+    def _recv(self) -> list[tuple]:
         try:
             return self._from_core.recv()
         except (EOFError, OSError) as e:
-            raise EngineCoreDeadError(
-                f"the engine core process exited (exit code {self._proc.exitcode})") from e
+            raise self._dead() from e
 
     def _send(self, msg: tuple) -> None:
-        try:
-            self._to_core.send(msg)
-        except (BrokenPipeError, OSError) as e:
-            raise EngineCoreDeadError(
-                f"the engine core process exited (exit code {self._proc.exitcode})") from e
+        if self._sender.error is not None:
+            raise self._dead() from self._sender.error
+        self._sender.put(msg)
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         # NOTE: fire and forget: a request the core refuses comes back finished with its error.
@@ -128,10 +174,10 @@ class ProcessCoreClient:
             return []
         outs: list[EngineCoreOutputs] = []
         while True:
-            kind, payload = self._recv()
-            if kind == "error":
-                raise EngineCoreDeadError(f"the engine core failed: {payload}")
-            outs.append(payload)
+            for kind, payload in self._recv():
+                if kind == "error":
+                    raise EngineCoreDeadError(f"the engine core failed: {payload}")
+                outs.append(payload)
             if not self._from_core.poll(0):
                 return outs
 
@@ -139,18 +185,15 @@ class ProcessCoreClient:
         self._send(("reset_prefix_cache", None))
 
     def check_health(self) -> None:
-        if not self._proc.is_alive():
-            raise EngineCoreDeadError(
-                f"the engine core process exited (exit code {self._proc.exitcode})")
+        if not self._proc.is_alive() or self._sender.error is not None:
+            raise self._dead()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._closed:
             return
         self._closed = True
-        try:
-            self._to_core.send(("shutdown", None))
-        except (BrokenPipeError, OSError):
-            pass
+        self._sender.put(("shutdown", None))
+        self._sender.close()
         self._proc.join(timeout)
         if self._proc.is_alive():
             self._proc.kill()
@@ -165,35 +208,34 @@ def run_engine_core(config: EngineConfig, inbox, outbox) -> None:
     try:
         core = EngineCore(config)
     except BaseException as e:  # noqa: BLE001 - the front end reports it
-        outbox.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        outbox.send([("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")])
         return
-    outbox.send(("ready", core.executor.num_blocks))
+    sender = _PipeSender(outbox, "peregrine-core-outputs")
+    sender.put(("ready", core.executor.num_blocks))
     parent = os.getppid()
     try:
-        while True:
+        while sender.error is None:
             if not core.has_work() and not inbox.poll(1.0):
                 if os.getppid() != parent:
                     return  # orphaned: the front end died without a shutdown
                 continue
             refused = EngineCoreOutputs()
             while inbox.poll():
-                kind, payload = inbox.recv()
-                if kind == "shutdown":
-                    return
-                _handle(core, kind, payload, refused)
+                for kind, payload in inbox.recv():
+                    if kind == "shutdown":
+                        return
+                    _handle(core, kind, payload, refused)
             out = core.step() if core.has_work() else EngineCoreOutputs()
             out.finished.update(refused.finished)
             if out:
-                outbox.send(("outputs", out))
+                sender.put(("outputs", out))
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return
     except BaseException as e:  # noqa: BLE001
         logger.exception("engine core died")
-        try:
-            outbox.send(("error", f"{type(e).__name__}: {e}"))
-        except (BrokenPipeError, OSError):
-            pass
+        sender.put(("error", f"{type(e).__name__}: {e}"))
     finally:
+        sender.close()
         core.shutdown()
 
 

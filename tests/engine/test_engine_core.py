@@ -81,3 +81,30 @@ def test_queue_limit_counts_requests_not_yet_started() -> None:
     engine.step()  # both start
     engine.add_request("c", _ids(4), sp)
     assert engine.get_num_unfinished_requests() == 3
+
+
+@pytest.mark.slow
+def test_a_burst_of_requests_does_not_deadlock_the_two_pipes() -> None:
+    import threading
+    engine = _engine(engine_core_process=True, max_num_seqs=256)
+    done: dict[str, int] = {}
+
+    def burst() -> None:
+        # NOTE: the adds fill the pipe to the core while its step outputs (with logprobs) fill the
+        # pipe back: with blocking sends on both sides, each would wait for the other forever.
+        sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+        for i in range(1500):
+            engine.add_request(f"burst-request-{i:06d}", _ids(100, i), sp)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = len(out.outputs[0].token_ids)
+
+    try:
+        t = threading.Thread(target=burst, daemon=True)
+        t.start()
+        t.join(240)
+        assert not t.is_alive(), "the front end and the core are stuck"
+        assert len(done) == 1500 and set(done.values()) == {8}
+    finally:
+        engine.shutdown()
