@@ -51,3 +51,22 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the request failed (finish_reason "error")
     extra: dict = field(default_factory=dict)
+
+
+def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """One delta output covering two consecutive delta outputs of the same request."""
+    outputs = []
+    for a, b in zip(first.outputs, then.outputs):
+        lps = None if a.logprobs is None and b.logprobs is None else \
+            (a.logprobs or []) + (b.logprobs or [])
+        outputs.append(CompletionOutput(
+            index=b.index, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
+            cumulative_logprob=b.cumulative_logprob, logprobs=lps,
+            finish_reason=b.finish_reason, stop_reason=b.stop_reason))
+    plp = None if first.prompt_logprobs is None and then.prompt_logprobs is None else \
+        (first.prompt_logprobs or []) + (then.prompt_logprobs or [])
+    return RequestOutput(
+        request_id=then.request_id, prompt=then.prompt, prompt_token_ids=then.prompt_token_ids,
+        outputs=outputs, finished=then.finished, prompt_logprobs=plp,
+        num_cached_tokens=then.num_cached_tokens, metrics=then.metrics,
+        error=then.error, extra={**first.extra, **then.extra})

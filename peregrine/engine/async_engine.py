@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from peregrine.engine.core_client import EngineCoreDeadError
 from peregrine.engine.stats import EngineStats
-from peregrine.outputs import RequestOutput
-from peregrine.sampling_params import SamplingParams
+from peregrine.outputs import RequestOutput, merge_outputs
+from peregrine.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from peregrine.config import EngineArgs
@@ -73,13 +73,19 @@ class RequestStream:
 
     Iteration ends when all of them finished. Exceptions delivered by the engine loop (engine dead,
     aborted by the server) are raised from `__anext__`. `abort()` aborts what is unfinished.
+    Outputs of a request that pile up before the consumer reads them are merged into one (deltas
+    concatenated, cumulative outputs replaced), so a slow reader costs per read, not per token.
     """
 
-    def __init__(self, engine: AsyncEngine, request_ids: list[str]) -> None:
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], delta: bool = True) -> None:
         self._engine = engine
         self.request_ids = list(request_ids)
         self._unfinished = set(request_ids)
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._delta = delta
+        self._items: list[RequestOutput | BaseException | None] = []  # None: merged away
+        self._head = 0
+        self._pending: dict[str, int] = {}  # request id -> index of its unread output
+        self._ready = asyncio.Event()
 
     @property
     def finished(self) -> bool:
@@ -91,10 +97,18 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if not self._unfinished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        while self._head == len(self._items):
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items[self._head]
+        self._head += 1
+        if self._head == len(self._items):
+            self._items.clear()
+            self._head = 0
         if isinstance(item, BaseException):
             self._unfinished.clear()
             raise item
+        self._pending.pop(item.request_id, None)
         if item.finished:
             self._unfinished.discard(item.request_id)
         return item
@@ -107,7 +121,15 @@ class RequestStream:
             self._engine.abort(ids)
 
     def _put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        if isinstance(item, RequestOutput):
+            at = self._pending.get(item.request_id)
+            if at is not None and at >= self._head:
+                unread = self._items[at]
+                self._items[at] = merge_outputs(unread, item) if self._delta else item
+                return
+            self._pending[item.request_id] = len(self._items)
+        self._items.append(item)
+        self._ready.set()
 
 
 class AsyncEngine:
@@ -207,7 +229,8 @@ class AsyncEngine:
         if self._dead_error is not None or self._thread is None:
             raise EngineDeadError("engine loop is not running")
         assert self._loop is not None
-        stream = RequestStream(self, [r.request_id for r in requests])
+        delta = all(r.params.output_kind == RequestOutputKind.DELTA for r in requests)
+        stream = RequestStream(self, [r.request_id for r in requests], delta)
         ack: asyncio.Future = self._loop.create_future()
         self._push(_Add(requests, stream, ack, time.monotonic()))
         try:

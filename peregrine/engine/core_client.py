@@ -131,7 +131,9 @@ class ProcessCoreClient:
         ctx = multiprocessing.get_context("spawn")
         to_core_r, self._to_core = ctx.Pipe(duplex=False)
         self._from_core, from_core_w = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=run_engine_core, args=(config, to_core_r, from_core_w),
+        level = logging.getLogger("peregrine").getEffectiveLevel()
+        self._proc = ctx.Process(target=run_engine_core,
+                                 args=(config, to_core_r, from_core_w, level),
                                  name="peregrine-engine-core", daemon=True)
         self._proc.start()
         to_core_r.close()
@@ -202,9 +204,11 @@ class ProcessCoreClient:
         self._from_core.close()
 
 
-def run_engine_core(config: EngineConfig, inbox, outbox) -> None:
+def run_engine_core(config: EngineConfig, inbox, outbox, log_level: int = logging.INFO) -> None:
     """The core process: build the core, then step while there is work, reading requests between
     steps; exits on `shutdown` or when the front end goes away."""
+    # NOTE: a spawned process starts with no logging set up; log as the front end does.
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         core = EngineCore(config)
     except BaseException as e:  # noqa: BLE001 - the front end reports it

@@ -38,14 +38,36 @@ def test_stream_yields_deltas_until_finished():
     async def fn(ae):
         return await _collect(await ae.add_request("r", [5, 6], _params(3)))
     outs = _run(fn)
-    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 1, 1]
+    # NOTE: deltas the reader has not taken yet are merged, so there may be fewer than three.
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == 3
+    assert all(o.outputs[0].token_ids for o in outs) and not any(o.finished for o in outs[:-1])
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+
+
+def test_unread_deltas_of_a_request_merge_in_order():
+    from peregrine.engine.async_engine import RequestStream
+    from peregrine.outputs import CompletionOutput, RequestOutput
+
+    def out(rid: str, toks: list[int], finished: bool = False) -> RequestOutput:
+        text = "".join(chr(97 + t) for t in toks)
+        return RequestOutput(rid, None, [1], [CompletionOutput(0, text, toks)], finished)
+
+    async def fn():
+        stream = RequestStream(None, ["a", "b"])  # type: ignore[arg-type]
+        for item in (out("a", [0]), out("b", [5]), out("a", [1, 2]), out("b", [6], True),
+                     out("a", [3], True)):
+            stream._put(item)
+        return [o async for o in stream]
+    outs = asyncio.run(fn())
+    assert [(o.request_id, o.outputs[0].token_ids, o.outputs[0].text, o.finished)
+            for o in outs] == [("a", [0, 1, 2, 3], "abcd", True), ("b", [5, 6], "fg", True)]
 
 
 def test_generate_helper_yields_all_outputs():
     async def fn(ae):
         return [o async for o in ae.generate([5], _params(2), "g")]
-    assert len(_run(fn)) == 2
+    outs = _run(fn)
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == 2 and outs[-1].finished
 
 
 def test_group_stream_ends_after_all_requests_finish():

@@ -82,8 +82,9 @@ def test_bench_against_a_live_server_writes_json(tmp_path, capsys, rate, dataset
     assert min(r["sent_ms"] for r in rows) == 0.0
     for r in rows:
         assert 0 < r["ttft_ms"] <= r["latency_ms"]
-        # NOTE: one streamed chunk per token here, so a request has output_len - 1 gaps.
-        assert len(r["itl_ms"]) == r["output_len"] - 1
+        # NOTE: at most one streamed chunk per token (tokens the client has not read yet are
+        # merged into one chunk), so a request has at most output_len - 1 gaps.
+        assert 0 <= len(r["itl_ms"]) <= r["output_len"] - 1
 
 
 def test_bench_counts_failures(tmp_path):
