@@ -265,6 +265,9 @@ class AsyncEngine:
     def _push(self, item: _Add | _Abort) -> None:
         self._inbox.append(item)
         self._wake.set()
+        wake_engine = getattr(self.engine, "wake", None)
+        if wake_engine is not None:
+            wake_engine()  # a step waiting on the core returns, so the inbox is read now
 
     # ----------------------------------------------------------------- engine thread
     def _run(self) -> None:

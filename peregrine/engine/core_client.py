@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import queue
+import socket
 import threading
 import traceback
 from typing import Protocol
@@ -36,6 +38,8 @@ class CoreClient(Protocol):
     def abort_requests(self, request_ids: list[str]) -> None: ...
 
     def get_outputs(self) -> list[EngineCoreOutputs]: ...
+
+    def wake(self) -> None: ...
 
     def reset_prefix_cache(self) -> None: ...
 
@@ -70,6 +74,9 @@ class InprocCoreClient:
 
     def get_outputs(self) -> list[EngineCoreOutputs]:
         return [self.core.step()] if self.core.has_work() else []
+
+    def wake(self) -> None:
+        """Nothing to do: get_outputs never waits here."""
 
     def reset_prefix_cache(self) -> None:
         self.core.reset_prefix_cache()
@@ -140,6 +147,11 @@ class ProcessCoreClient:
         from_core_w.close()
         self._closed = False
         self._sender = _PipeSender(self._to_core, "peregrine-core-sender")
+        # NOTE: wake() cuts get_outputs' wait short, so new requests go out at once, not after
+        # the core's next step.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         if not self._from_core.poll(_STARTUP_TIMEOUT_S):
             self.shutdown()
             raise EngineCoreDeadError("the engine core did not start in time")
@@ -170,9 +182,23 @@ class ProcessCoreClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         self._send(("abort", request_ids))
 
+    def wake(self) -> None:
+        """Make a get_outputs() waiting in another thread return now (thread-safe)."""
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already awake, or closed
+
     def get_outputs(self) -> list[EngineCoreOutputs]:
-        """Every step output that arrived (waits up to a short poll for the first)."""
-        if not self._from_core.poll(_POLL_S):
+        """Every step output that arrived (waits a short poll for the first, or until woken)."""
+        ready = multiprocessing.connection.wait([self._from_core, self._wake_r], _POLL_S)
+        if self._wake_r in ready:
+            try:
+                while self._wake_r.recv(4096):
+                    pass
+            except (BlockingIOError, OSError):
+                pass
+        if self._from_core not in ready:
             return []
         outs: list[EngineCoreOutputs] = []
         while True:
@@ -202,6 +228,8 @@ class ProcessCoreClient:
             self._proc.join(5.0)
         self._to_core.close()
         self._from_core.close()
+        self._wake_r.close()
+        self._wake_w.close()
 
 
 def run_engine_core(config: EngineConfig, inbox, outbox, log_level: int = logging.INFO) -> None:

@@ -271,6 +271,10 @@ class LLMEngine:
             self._seqs.pop(s.req.request_id, None)
             self._unscheduled.discard(s.req.request_id)
 
+    def wake(self) -> None:
+        """Cut short a step() that is waiting for the core (thread-safe; new work arrived)."""
+        self.core_client.wake()
+
     # ---- introspection --------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
         return self._stats
