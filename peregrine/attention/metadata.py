@@ -30,7 +30,3 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
 
-    @property
-    def num_prefills(self) -> int:
-        return self.num_seqs - self.num_decodes
-

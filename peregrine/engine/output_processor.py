@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+from peregrine.engine.detokenizer import decode_logprob_tokens
 from peregrine.engine.request import Request, RequestStatus
 from peregrine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from peregrine.sampling_params import RequestOutputKind, SamplingParams
@@ -10,18 +11,12 @@ from peregrine.sampling_params import RequestOutputKind, SamplingParams
 
 def to_position_logprobs(ids: list[int], lps: list[float], rank: int, tokenizer) -> PositionLogprobs:
     """{token: Logprob}: the chosen token with its rank, then the top-N with ranks 1..N."""
-    decoded = _decode_each(tokenizer, ids)
+    decoded = decode_logprob_tokens(tokenizer, ids) if tokenizer is not None else [None] * len(ids)
     entry: PositionLogprobs = {ids[0]: Logprob(lps[0], rank, decoded[0])}
     for j in range(1, len(ids)):
         if ids[j] not in entry:
             entry[ids[j]] = Logprob(lps[j], j, decoded[j])
     return entry
-
-
-def _decode_each(tokenizer, ids: list[int]) -> list[str | None]:
-    if tokenizer is None:
-        return [None] * len(ids)
-    return [tokenizer.decode([i]) for i in ids]
 
 
 class SequenceState:

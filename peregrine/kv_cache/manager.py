@@ -161,7 +161,3 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         """Forget every cached block hash; returns how many were dropped."""
         return self.pool.reset_prefix_cache()
-
-    def num_held_blocks(self, req: Request) -> int:
-        """How many blocks req holds."""
-        return len(self._blocks.get(req.request_id, ()))
