@@ -54,6 +54,7 @@ class EngineArgs:
     attention_backend: str | None = None  # torch | triton; None -> env or device default
     device: str = "auto"
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     quantization: str | None = None  # None: as the checkpoint's quantization_config says
     kv_cache_dtype: str = "auto"  # auto: the model dtype
 
@@ -93,7 +94,8 @@ ENGINE_ARGS_HELP: dict[str, str] = {
     "attention_backend": "torch (reference) or triton (default on CUDA; also "
                          "$PEREGRINE_ATTENTION_BACKEND)",
     "device": "auto, cpu or cuda[:N]",
-    "tensor_parallel_size": "GPUs to split the model over (only 1 so far)",
+    "tensor_parallel_size": "GPUs to split each layer over (only 1 so far)",
+    "pipeline_parallel_size": "stages to split the layers into, one GPU group each (only 1 so far)",
     "quantization": "quantization method (default: the checkpoint's quantization_config; "
                     "must agree with it when both are given)",
     "kv_cache_dtype": "KV cache element type: auto (the model dtype), float16, bfloat16, float32",
@@ -217,6 +219,12 @@ class EngineConfig:
     async_scheduling: bool | None = None
     max_prefill_graph_tokens: int = 0
     engine_core_process: bool = False
+    pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """Workers the executor runs: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
@@ -242,6 +250,8 @@ class EngineConfig:
             raise _bad("max_prefill_graph_tokens", "must be >= 0 (0 turns the graphs off)")
         if args.tensor_parallel_size != 1:
             raise _bad("tensor_parallel_size", "only 1 is supported so far")
+        if args.pipeline_parallel_size != 1:
+            raise _bad("pipeline_parallel_size", "only 1 is supported so far")
         max_batched = args.max_num_batched_tokens
         if max_batched is None:
             max_batched = 8192 if args.enable_chunked_prefill else max(8192, model.max_model_len)
@@ -265,7 +275,7 @@ class EngineConfig:
         return cls(model, cache, sched, device, backend, args.enforce_eager,
                    args.tensor_parallel_size, args.async_scheduling,
                    min(args.max_prefill_graph_tokens, max_batched),
-                   bool(args.engine_core_process))
+                   bool(args.engine_core_process), args.pipeline_parallel_size)
 
 
 def resolve_device(device: str) -> str:

@@ -28,7 +28,7 @@ class Executor(ABC):
 
     @property
     def world_size(self) -> int:
-        return self.config.tensor_parallel_size
+        return self.config.world_size
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepFuture:

@@ -28,9 +28,9 @@ class UniprocExecutor(Executor):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        if config.tensor_parallel_size != 1:
-            raise ValueError(f"UniprocExecutor runs one worker, not tensor_parallel_size="
-                             f"{config.tensor_parallel_size}")
+        if config.world_size != 1:
+            raise ValueError(f"UniprocExecutor runs one worker, not {config.world_size} "
+                             f"(tensor_parallel_size x pipeline_parallel_size)")
         self.worker: Worker | None = Worker(config, rank=0, local_rank=0)
         # NOTE: the minimum over workers; one here.
         self.num_blocks = min([self.worker.determine_num_blocks()])
