@@ -257,3 +257,12 @@ def test_prefill_graph_tokens_are_validated_and_capped_by_the_token_budget() -> 
     sizes = prefill_graph_sizes(cfg.max_prefill_graph_tokens)
     assert sizes[0] == 8 and sizes[-1] == 300 and sizes == sorted(set(sizes))
     assert prefill_graph_sizes(0) == []
+
+
+@pytest.mark.parametrize("field", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_parallel_sizes_other_than_one_are_refused_by_name(field: str) -> None:
+    from peregrine.config import EngineArgs
+    path = str(tiny_checkpoint("qwen3"))
+    with pytest.raises(ValueError, match=f"invalid {field}"):
+        EngineArgs(model=path, **{field: 2}).create_engine_config()
+    assert EngineArgs(model=path).create_engine_config().world_size == 1
