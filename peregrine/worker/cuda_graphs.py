@@ -31,11 +31,27 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def decode_graph_bytes(max_batch_size: int, vocab_size: int, dtype: torch.dtype) -> int:
+    """GPU memory the decode graphs keep for logits, from shapes (activations not counted)."""
+    n, v = max_batch_size, vocab_size
+    # NOTE: the shared float32 buffer (the largest graph's output), the next graph's float32
+    # logits before they are copied into it, and (below float32) the LM head's matmul output;
+    # the temporaries of every graph alias each other in the one memory pool.
+    matmul = 0 if dtype == torch.float32 else n * v * dtype.itemsize
+    return n * v * 4 * 2 + matmul
+
+
 class CudaGraphRunner:
-    """Captures model + LM head over fixed device step buffers; replays for padded batches."""
+    """Captures model + LM head over fixed device step buffers; replays for padded batches.
+
+    Every graph writes its logits into the first rows of one shared (max size, V) buffer, and
+    all graphs share one memory pool, captured largest first, so their temporaries alias.
+
+    With capture=False the same steps run eagerly on the same buffers (the CPU path tests use).
+    """
 
     def __init__(self, model: nn.Module, buffers: StepBuffers, kv_caches: KVCaches,
-                 max_batch_size: int, max_model_len: int) -> None:
+                 max_batch_size: int, max_model_len: int, capture: bool = True) -> None:
         """max_batch_size: the largest decode batch (at most max_num_seqs and the token budget)."""
         self.model = model
         self.buffers = buffers
@@ -43,12 +59,26 @@ class CudaGraphRunner:
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_batch_size)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.logits: torch.Tensor | None = None  # (max size, V) float32, shared by every graph
         self.pool = None
+        self.memory_bytes = 0  # GPU memory the captured graphs keep (pool and logits buffer)
+        if not capture:
+            with torch.inference_mode():
+                self._reset_buffers()
+                self.logits = self._run(self.sizes[-1])
+            return
+        dev = buffers.d_input_ids.device
         t0 = time.perf_counter()
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved(dev)
         self._capture_all()
-        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs),
-                    self.sizes, time.perf_counter() - t0)
+        # NOTE: empty_cache drops the warm-ups' blocks; the graphs' pool stays while they live.
+        torch.cuda.empty_cache()
+        self.memory_bytes = torch.cuda.memory_reserved(dev) - reserved
+        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s, %.2f GiB",
+                    len(self.graphs), self.sizes, time.perf_counter() - t0,
+                    self.memory_bytes / 2**30)
 
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
@@ -64,38 +94,56 @@ class CudaGraphRunner:
             query_start_loc=buf.d_query_start_loc[:bs + 1], seq_lens=buf.d_seq_lens[:bs],
             block_table=buf.d_block_table[:bs], slot_mapping=buf.d_slot_mapping[:bs])
 
-    @torch.inference_mode()
-    def _capture_all(self) -> None:
-        model, buf = self.model, self.buffers
-        n = self.sizes[-1]
+    def _reset_buffers(self) -> None:
+        """A harmless decode batch of the largest size: ids 0, length 1, no K/V written."""
+        buf, n = self.buffers, self.sizes[-1]
         buf.d_input_ids[:n].zero_()
         buf.d_positions[:n].zero_()
         buf.d_slot_mapping[:n].fill_(-1)
         buf.d_seq_lens[:n].fill_(1)
         buf.d_query_start_loc[:n + 1].copy_(torch.arange(n + 1, dtype=torch.int32))
         buf.d_block_table[:n].zero_()
+
+    def _run(self, bs: int) -> torch.Tensor:
+        """Logits (bs, V) of the first bs rows of the step buffers: rows [:bs] of the shared
+        buffer once it exists, else a fresh tensor (the largest size's, which becomes it)."""
+        buf = self.buffers
+        hidden = self.model(buf.d_input_ids[:bs], buf.d_positions[:bs], self.kv_caches,
+                            self._meta(bs))  # (bs, hidden)
+        logits = self.model.compute_logits(hidden)  # (bs, V) float32
+        if self.logits is None:
+            return logits
+        return self.logits[:bs].copy_(logits)  # (bs, V)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        self._reset_buffers()
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-            meta = self._meta(bs)
-
-            def fwd(bs=bs, meta=meta) -> torch.Tensor:
-                hidden = model(buf.d_input_ids[:bs], buf.d_positions[:bs], self.kv_caches, meta)
-                return model.compute_logits(hidden)  # (bs, V)
-
-            fwd()  # warm-up: Triton compiles and autotunes outside the capture
+            self._run(bs)  # warm-up: Triton compiles and autotunes outside the capture
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                self.logits[bs] = fwd()
+                out = self._run(bs)  # (bs, V)
+            if self.logits is None:
+                # NOTE: the largest graph's own output is the shared buffer; holding it keeps
+                # its block out of the pool, so no later graph's temporaries can alias it.
+                self.logits = out
             if self.pool is None:
                 self.pool = g.pool()
             self.graphs[bs] = g
         torch.cuda.synchronize()
 
     def replay(self, num_seqs: int) -> torch.Tensor:
-        """Logits (B, V) of a decode-only step whose inputs are already in the device buffers."""
+        """Logits (B, V) of a decode-only step whose inputs are already in the device buffers.
+
+        A view of the shared buffer: the next replay (of any size) overwrites it, so it must be
+        consumed by work queued on the same stream before that replay is launched."""
         bs = self.padded(num_seqs)
-        self.graphs[bs].replay()
-        return self.logits[bs][:num_seqs]
+        if self.graphs:
+            self.graphs[bs].replay()
+        else:
+            self._run(bs)
+        return self.logits[:num_seqs]
 
 
 def prefill_graph_sizes(max_tokens: int) -> list[int]:
@@ -118,10 +166,14 @@ class PiecewiseGraphs:
 
     With capture=False the pieces run eagerly on the same buffers and padding (the CPU path
     tests use, where CUDA graphs do not exist).
+
+    pool: a memory pool to capture into (the decode graphs'): every piece's temporaries are dead
+    once it ends, and no two graphs ever run at once on the one stream, so they may alias.
     """
 
     def __init__(self, model: nn.Module, buffers: StepBuffers, kv_caches: KVCaches,
-                 sizes: list[int], capture: bool = True) -> None:
+                 sizes: list[int], capture: bool = True,
+                 pool: tuple[int, int] | None = None) -> None:
         if not sizes:
             raise ValueError("PiecewiseGraphs needs at least one size")
         self.model = model
@@ -139,7 +191,7 @@ class PiecewiseGraphs:
         self.residual = torch.zeros(n, hidden, dtype=dt, device=dev)
         self.hidden = torch.zeros(n, hidden, dtype=dt, device=dev)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self.pool = None
+        self.pool = pool
         if capture:
             t0 = time.perf_counter()
             self._capture_all()

@@ -24,10 +24,11 @@ def allocate_kv_caches(mc: ModelConfig, num_blocks: int, block_size: int, device
 
 
 def determine_num_blocks(config: EngineConfig, device: torch.device,
-                         profile: Callable[[], None]) -> int:
+                         profile: Callable[[], None], reserve_bytes: int = 0) -> int:
     """Pool size: the override, else CPU memory budget, else profiled free GPU memory.
 
     profile: runs the worst-case step on `device` (with the model loaded and no KV cache yet).
+    reserve_bytes: GPU memory allocated after the KV cache (CUDA graphs), left out of its budget.
     """
     cc, mc = config.cache, config.model
     per_block = kv_cache_bytes_per_block(cc, mc)
@@ -36,7 +37,7 @@ def determine_num_blocks(config: EngineConfig, device: torch.device,
     elif device.type != "cuda":
         num_blocks = int(cc.cpu_kv_cache_gb * GiB) // per_block
     else:
-        num_blocks = _profile_gpu_blocks(device, config, per_block, profile)
+        num_blocks = _profile_gpu_blocks(device, config, per_block, profile, reserve_bytes)
     need = -(-mc.max_model_len // cc.block_size)
     tokens = num_blocks * cc.block_size
     logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens); max concurrency at "
@@ -54,8 +55,9 @@ def determine_num_blocks(config: EngineConfig, device: torch.device,
 
 @torch.inference_mode()
 def _profile_gpu_blocks(dev: torch.device, config: EngineConfig, per_block: int,
-                        profile: Callable[[], None]) -> int:
-    """(total x utilization - weights - peak activations - non-torch memory) / bytes per block."""
+                        profile: Callable[[], None], reserve: int = 0) -> int:
+    """(total x utilization - weights - peak activations - non-torch memory - reserve) / bytes
+    per block."""
     torch.cuda.synchronize(dev)
     weights = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
@@ -64,9 +66,10 @@ def _profile_gpu_blocks(dev: torch.device, config: EngineConfig, per_block: int,
     peak = torch.cuda.max_memory_allocated(dev)
     free, total = torch.cuda.mem_get_info(dev)
     non_torch = max(0, (total - free) - torch.cuda.memory_reserved(dev))
-    budget = total * config.cache.gpu_memory_utilization - peak - non_torch
+    budget = total * config.cache.gpu_memory_utilization - peak - non_torch - reserve
     logger.info("GPU memory: total %.2f GiB, weights %.2f GiB, peak activations %.2f GiB, "
-                "non-torch %.2f GiB, KV budget %.2f GiB", total / GiB, weights / GiB,
-                (peak - weights) / GiB, non_torch / GiB, max(budget, 0) / GiB)
+                "non-torch %.2f GiB, CUDA graphs (reserved) %.2f GiB, KV budget %.2f GiB",
+                total / GiB, weights / GiB, (peak - weights) / GiB, non_torch / GiB,
+                reserve / GiB, max(budget, 0) / GiB)
     torch.cuda.empty_cache()
     return max(0, int(budget) // per_block)

@@ -9,7 +9,8 @@ from peregrine.attention import get_attention_backend
 from peregrine.attention.kv_dtype import kv_cache_torch_dtype
 from peregrine.config import EngineConfig
 from peregrine.messages import ModelRunnerOutput, SchedulerOutput
-from peregrine.worker.cuda_graphs import CudaGraphRunner, PiecewiseGraphs, prefill_graph_sizes
+from peregrine.worker.cuda_graphs import (CudaGraphRunner, PiecewiseGraphs, decode_graph_bytes,
+                                          prefill_graph_sizes)
 from peregrine.worker.kv_memory import allocate_kv_caches, determine_num_blocks
 from peregrine.worker.loader import load_model
 from peregrine.worker.model_runner import ModelRunner, StepHandle
@@ -49,7 +50,25 @@ class Worker:
             profile_run(self.model, r.buffers, self.config.model, sc.max_num_batched_tokens,
                         sc.max_num_seqs, self.config.cache.block_size)
 
-        return determine_num_blocks(self.config, self.device, profile)
+        return determine_num_blocks(self.config, self.device, profile, self._graph_reserve())
+
+    def _captures_graphs(self) -> bool:
+        """Whether initialize_cache will capture CUDA graphs."""
+        cfg = self.config
+        return (self.device.type == "cuda" and cfg.attention_backend == "triton"
+                and not cfg.enforce_eager)
+
+    def _decode_graph_batch(self) -> int:
+        # NOTE: a decode batch of B sequences is B tokens, so B is capped by the token budget too.
+        sc = self.config.scheduler
+        return min(sc.max_num_seqs, sc.max_num_batched_tokens)
+
+    def _graph_reserve(self) -> int:
+        """Bytes the KV sizing leaves for the decode graphs' logits (captured after sizing)."""
+        if not self._captures_graphs():
+            return 0
+        return decode_graph_bytes(self._decode_graph_batch(), self.config.model.vocab_size,
+                                  self.config.model.dtype)
 
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate `num_blocks` KV blocks per layer, capture CUDA graphs, warm up the sampler."""
@@ -68,23 +87,26 @@ class Worker:
             attn = self.model.layers[0].self_attn
             precompile(attn.num_heads, attn.num_kv_heads, attn.head_dim, cfg.cache.block_size,
                        cfg.model.dtype, self.device, cache_dtype)
-            if not cfg.enforce_eager:
-                self._capture_graphs()
+        if self._captures_graphs():
+            self._capture_graphs()
         # Compile the sampling kernel now, not inside the first (timed) steps.
         r.sampler.warm_up(r.vocab_size, self.device)
 
     def _capture_graphs(self) -> None:
         r, sc = self.model_runner, self.config.scheduler
         free_before = torch.cuda.mem_get_info(self.device)[0]
-        # NOTE: a decode batch of B sequences is B tokens, so B is capped by the token budget too.
-        r.graphs = CudaGraphRunner(self.model, r.buffers, r.kv_caches,
-                                   min(sc.max_num_seqs, sc.max_num_batched_tokens), sc.max_model_len)
+        r.graphs = CudaGraphRunner(self.model, r.buffers, r.kv_caches, self._decode_graph_batch(),
+                                   sc.max_model_len)
         sizes = prefill_graph_sizes(self.config.max_prefill_graph_tokens)
         if sizes:
-            r.prefill_graphs = PiecewiseGraphs(self.model, r.buffers, r.kv_caches, sizes)
-        # NOTE: graph memory comes out of the (1 - gpu_memory_utilization) slack; say how much.
-        logger.info("CUDA graphs use %.2f GiB of GPU memory",
-                    (free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**30)
+            r.prefill_graphs = PiecewiseGraphs(self.model, r.buffers, r.kv_caches, sizes,
+                                               pool=r.graphs.pool)
+        # NOTE: the KV sizing reserved only the decode graphs' logits; the rest comes out of the
+        # (1 - gpu_memory_utilization) slack. Say how much.
+        logger.info("CUDA graphs use %.2f GiB of GPU memory (decode graphs %.2f GiB; %.2f GiB was "
+                    "reserved when sizing the KV cache)",
+                    (free_before - torch.cuda.mem_get_info(self.device)[0]) / 2**30,
+                    r.graphs.memory_bytes / 2**30, self._graph_reserve() / 2**30)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepHandle:
         """Launch one step; returns a handle for `collect` without waiting for the device."""
