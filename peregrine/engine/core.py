@@ -107,11 +107,12 @@ class EngineCore:
         sched = self.scheduler.schedule()
         self.timing["schedule"] += time.perf_counter() - t0
         now = time.monotonic()
-        for req in self.scheduler.requests_of(sched):
+        reqs = self.scheduler.requests_of(sched)
+        for req in reqs:
             if req.scheduled_time is None:
                 req.scheduled_time = now
                 out.first_scheduled[req.request_id] = (now, max(req.num_cached_tokens, 0))
-        out.num_prompt_tokens = _prompt_tokens(sched, self.scheduler.requests_of(sched))
+        out.num_prompt_tokens = _prompt_tokens(sched, reqs)
         self.pipeline.run(self, sched, out)
         for req in self.scheduler.take_finished():
             out.finished[req.request_id] = FinishedInfo(req.status, req.stop_reason, req.error)
@@ -144,20 +145,24 @@ class EngineCore:
         self.timing["collect"] += t1 - t0
         reqs = self.scheduler.requests_of(sched)
         kept = {id(r) for r in self.scheduler.update_from_output(sched, result, in_flight)}
+        if result.prompt_logprobs:  # NOTE: rare; most steps skip this loop over the batch
+            for req in reqs:
+                rid = req.request_id
+                if rid in result.prompt_logprobs and req.status != RequestStatus.FINISHED_ABORTED:
+                    out.prompt_logprobs[rid] = result.prompt_logprobs[rid]
         # NOTE: only tokens the scheduler kept count: a request preempted or aborted while its
         # step was in flight drops that step's token (a recompute samples it again).
+        req_ids, new_token_ids, logprobs = out.req_ids, out.new_token_ids, result.logprobs
         for req in reqs:
-            rid = req.request_id
-            if rid in result.prompt_logprobs and req.status != RequestStatus.FINISHED_ABORTED:
-                out.prompt_logprobs[rid] = result.prompt_logprobs[rid]
             if id(req) not in kept:
                 continue
-            new = req.output_token_ids[req.num_reported_tokens:]
-            req.num_reported_tokens = req.num_output_tokens
-            out.req_ids.append(rid)
-            out.new_token_ids.append(new)
-            if rid in result.logprobs:
-                out.logprobs[rid] = result.logprobs[rid]
+            rid = req.request_id
+            output_ids = req.output_token_ids
+            req_ids.append(rid)
+            new_token_ids.append(output_ids[req.num_reported_tokens:])
+            req.num_reported_tokens = len(output_ids)
+            if rid in logprobs:
+                out.logprobs[rid] = logprobs[rid]
         self.timing["update"] += time.perf_counter() - t1
 
     def _fail(self, sched: SchedulerOutput, e: Exception) -> None:
@@ -202,9 +207,11 @@ class StepPipeline:
 
 
 def _prompt_tokens(sched: SchedulerOutput, reqs: list[Request]) -> int:
+    counts = sched.num_scheduled_tokens
     total = 0
     for req in reqs:
-        n = sched.num_scheduled_tokens[req.request_id]
         start = req.num_computed_tokens
-        total += max(0, min(req.num_prompt_tokens, start + n) - start)
+        num_prompt = len(req.prompt_token_ids)
+        if start < num_prompt:  # NOTE: decodes (past the prompt) add nothing: skip the lookup
+            total += min(num_prompt, start + counts[req.request_id]) - start
     return total

@@ -180,10 +180,11 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         for group in touched.values():
             out = group.make_output()
+            # NOTE: no output means a FINAL_ONLY group that has not finished.
             if out is not None:
                 outputs.append(out)
-            if group.finished:
-                self._retire(group)
+                if out.finished:
+                    self._retire(group)
         self.timing["process"] += time.perf_counter() - t1
         self.timing["step_total"] += time.perf_counter() - t0
         return outputs
@@ -205,13 +206,14 @@ class LLMEngine:
                 for ids, lps, rank in zip(plp.token_ids, plp.logprobs, plp.ranks):
                     group.prompt_logprobs.append(to_position_logprobs(ids, lps, rank, self.tokenizer))
                 touched[group.request_id] = group
+        seqs, finished = self._seqs, out.finished
         for sid, new in zip(out.req_ids, out.new_token_ids):
-            entry = self._seqs.get(sid)
+            entry = seqs.get(sid)
             if entry is None or entry[1].req.is_finished:
                 continue  # aborted, or stopped by a stop string while this step ran
             group, seq = entry
             try:
-                if self._on_new_tokens(seq, new, out, out.finished.get(sid)):
+                if self._on_new_tokens(seq, new, out, finished.get(sid)):
                     stop_ids.append(sid)
             except Exception as e:  # noqa: BLE001 - fail only this request
                 logger.exception("output processing failed for %s", sid)
@@ -244,8 +246,7 @@ class LLMEngine:
         """Append tokens, logprobs and text; True when a stop string ended the sequence."""
         req = seq.req
         self._generation_tokens_total += len(new)
-        for token in new:
-            req.append_output_token(token)
+        req.append_output_tokens(new)
         lp = out.logprobs.get(req.request_id)
         if lp is not None and seq.logprobs is not None:
             for ids, lps, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):

@@ -19,6 +19,12 @@ def to_position_logprobs(ids: list[int], lps: list[float], rank: int, tokenizer)
     return entry
 
 
+# NOTE: module names for the enum members read on every output (an Enum class lookup is slow).
+_FINAL_ONLY = RequestOutputKind.FINAL_ONLY
+_DELTA = RequestOutputKind.DELTA
+_ERROR = RequestStatus.FINISHED_ERROR
+
+
 class SequenceState:
     """Text, logprobs and what was already reported for one of a group's n sequences."""
 
@@ -53,7 +59,10 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
-        return all(s.req.is_finished for s in self.seqs)
+        for s in self.seqs:  # NOTE: a plain loop: this runs for every touched group every step
+            if not s.req.is_finished:
+                return False
+        return True
 
     def note_scheduled(self, now: float) -> None:
         if self.metrics.first_scheduled_time is None:
@@ -69,16 +78,20 @@ class RequestGroup:
         """The output to report now, per the output kind (None: nothing to report yet)."""
         kind = self.params.output_kind
         finished = self.finished
-        if kind == RequestOutputKind.FINAL_ONLY and not finished and not force:
+        if kind is _FINAL_ONLY and not finished and not force:
             return None
         if finished and self.metrics.finished_time is None:
             self.metrics.finished_time = time.monotonic()
-        delta = kind == RequestOutputKind.DELTA
+        delta = kind is _DELTA
         outputs = [self._completion(i, s, delta) for i, s in enumerate(self.seqs)]
         plp = self.prompt_logprobs
         if plp is not None and delta:
             plp, self.sent_prompt_logprobs = plp[self.sent_prompt_logprobs:], len(plp)
-        error = next((s.req.error for s in self.seqs if s.req.status == RequestStatus.FINISHED_ERROR), None)
+        error = None
+        for s in self.seqs:
+            if s.req.status is _ERROR:
+                error = s.req.error
+                break
         first = self.seqs[0].req
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
@@ -88,16 +101,16 @@ class RequestGroup:
     @staticmethod
     def _completion(index: int, s: SequenceState, delta: bool) -> CompletionOutput:
         req = s.req
-        tokens, text, lps = req.output_token_ids, s.text, s.logprobs
+        lps = s.logprobs
         if delta:
-            tokens = tokens[s.sent_tokens:]
+            tokens = req.output_token_ids[s.sent_tokens:]
             # NOTE: the detokenizer holds back a possible stop-string prefix until it is resolved.
             text = s.detok.get_delta_text(final=req.is_finished) if s.detok is not None else ""
-            lps = lps[s.sent_logprobs:] if lps is not None else None
-            s.sent_tokens = req.num_output_tokens
-            s.sent_logprobs = len(s.logprobs) if s.logprobs is not None else 0
+            s.sent_tokens = len(req.output_token_ids)
+            if lps is not None:
+                lps, s.sent_logprobs = lps[s.sent_logprobs:], len(lps)
         else:
-            tokens = list(tokens)
+            tokens, text = list(req.output_token_ids), s.text
         return CompletionOutput(index=index, text=text, token_ids=tokens,
                                 cumulative_logprob=s.cumulative_logprob, logprobs=lps,
                                 finish_reason=req.status.finish_reason, stop_reason=req.stop_reason)

@@ -35,6 +35,7 @@ _FINISH_REASON = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
+_FIRST_FINISHED = int(RequestStatus.FINISHED_STOPPED)
 
 
 class Request:
@@ -86,11 +87,16 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        # NOTE: compares plain ints: this runs for every request on every step.
+        return self.status >= _FIRST_FINISHED
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def append_output_tokens(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "

@@ -152,23 +152,27 @@ class Scheduler:
         """The step as data: full data for requests the workers lack, block deltas for the rest."""
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
-        for req in scheduled:
+        sent_blocks = self._sent_blocks
+        counts: dict[str, int] = {}
+        total = 0
+        for req, n in scheduled.items():
             rid = req.request_id
-            sent = self._sent_blocks.get(rid)
-            self._sent_blocks[rid] = len(req.block_ids)
+            counts[rid] = n
+            total += n
+            block_ids = req.block_ids
+            sent = sent_blocks.get(rid)
+            sent_blocks[rid] = len(block_ids)
             if sent is None:
                 new_reqs.append(NewRequestData(
                     rid, req.prompt_token_ids, req.sampling_params, req.seed, req.eos_token_ids,
-                    list(req.block_ids), req.num_computed_tokens, list(req.output_token_ids)))
+                    list(block_ids), req.num_computed_tokens, list(req.output_token_ids)))
             else:
                 cached.req_ids.append(rid)
-                cached.new_block_ids.append(req.block_ids[sent:])
+                cached.new_block_ids.append(block_ids[sent:])
                 cached.num_computed_tokens.append(req.num_computed_tokens)
         # NOTE: running requests come first and the workers know them all; admitted ones (new or
         # resumed after preemption) follow, so the batch order is cached requests, then new ones.
-        counts = {r.request_id: n for r, n in scheduled.items()}
-        return SchedulerOutput(new_reqs, cached, counts, sum(counts.values()), preempted_ids,
-                               finished_ids)
+        return SchedulerOutput(new_reqs, cached, counts, total, preempted_ids, finished_ids)
 
     def take_finished(self) -> list[Request]:
         """Requests finished (any reason) since the last call."""
@@ -182,10 +186,12 @@ class Scheduler:
     def _num_new_tokens(self, req: Request) -> int:
         """Tokens of a running request still to compute, counting in-flight samples as known."""
         pending = req.num_output_placeholders
-        if pending and (req.num_output_tokens + pending >= req.max_tokens or
-                        req.num_tokens + pending >= self.config.max_model_len):
+        num_tokens = len(req.all_token_ids)
+        max_model_len = self.config.max_model_len
+        if pending and (len(req.output_token_ids) + pending >= req.max_tokens or
+                        num_tokens + pending >= max_model_len):
             return 0  # the in-flight token is its last one: nothing more to schedule
-        return min(req.num_tokens + pending, self.config.max_model_len) - req.num_computed_tokens
+        return min(num_tokens + pending, max_model_len) - req.num_computed_tokens
 
     def mark_in_flight(self, out: SchedulerOutput) -> None:
         """Async scheduling: count a launched step as computed before its results come back.
@@ -193,11 +199,12 @@ class Scheduler:
         A request whose chunk reaches its last known token samples one; until
         update_from_output(..., in_flight=True) delivers it, that token is a placeholder.
         """
+        counts, running = out.num_scheduled_tokens, RequestStatus.RUNNING
         for req in self._steps.get(id(out), ()):
-            if req.status != RequestStatus.RUNNING:
+            if req.status != running:
                 continue
-            num = out.num_scheduled_tokens[req.request_id]
-            if req.num_computed_tokens + num >= req.num_tokens + req.num_output_placeholders:
+            num = counts[req.request_id]
+            if req.num_computed_tokens + num >= len(req.all_token_ids) + req.num_output_placeholders:
                 req.num_output_placeholders += 1
             req.num_computed_tokens += num
 
@@ -213,16 +220,19 @@ class Scheduler:
             raise ValueError(f"the step's output names {len(result.req_ids)} requests, not the "
                              f"{len(reqs)} it scheduled in that order")
         changed, self._errored = self._errored, []
+        counts = out.num_scheduled_tokens
+        cache_computed_blocks = self.kv.cache_computed_blocks
+        running = RequestStatus.RUNNING
         for req, tokens in zip(reqs, result.sampled_token_ids):
-            if req.status != RequestStatus.RUNNING:
+            if req.status != running:
                 continue  # aborted (or otherwise finished) since schedule(); its blocks are gone
             if in_flight:
                 # NOTE: mark_in_flight already advanced num_computed_tokens at launch.
                 req.num_output_placeholders -= len(tokens)
             else:
-                req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
+                req.num_computed_tokens += counts[req.request_id]
                 assert req.num_computed_tokens <= req.num_tokens, f"{req} computed past its tokens"
-            self.kv.cache_computed_blocks(req)
+            cache_computed_blocks(req)
             if not tokens:
                 continue  # a prefill chunk that did not reach the end of the known tokens
             assert in_flight or req.num_computed_tokens == req.num_tokens, \
@@ -339,14 +349,15 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params
-        reached_min = req.num_output_tokens >= sp.min_tokens
+        num_output = len(req.output_token_ids)
+        reached_min = num_output >= sp.min_tokens
         if reached_min and not sp.ignore_eos and token in req.eos_token_ids:
             req.stop_reason = None
             return RequestStatus.FINISHED_STOPPED
         if reached_min and token in sp.stop_token_ids:
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if num_output >= req.max_tokens or len(req.all_token_ids) >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -80,6 +80,9 @@ class KVCacheManager:
         be given at admission (request holds no blocks and has num_computed_tokens == 0).
         """
         held = self._blocks.get(req.request_id)
+        if (computed_blocks is None and held and
+                req.num_computed_tokens + num_new_tokens <= len(held) * self.block_size):
+            return True  # NOTE: the common decode: its held blocks have room, nothing changes
         computed = computed_blocks.blocks if computed_blocks is not None else []
         num_computed = req.num_computed_tokens
         if computed_blocks is not None:
@@ -113,10 +116,11 @@ class KVCacheManager:
         """Make req's full blocks whose KV is computed (num_computed_tokens) findable by hash."""
         if not self.enable_caching:
             return
-        held = self._blocks.get(req.request_id)
-        if not held:
+        start = self._num_cached.get(req.request_id)
+        # NOTE: most steps fill no new block (a decode adds one token); checked before any work.
+        if start is None or req.num_computed_tokens < (start + 1) * self.block_size:
             return
-        start = self._num_cached[req.request_id]
+        held = self._blocks[req.request_id]
         # NOTE: with async scheduling num_computed_tokens may run ahead of the known token ids.
         num_full = min(min(req.num_computed_tokens, req.num_tokens) // self.block_size, len(held))
         if num_full <= start:
