@@ -74,7 +74,7 @@ class EngineCore:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> None:
-        """Queue a sequence; QueueFullError / ValueError leave the core unchanged."""
+        """Queue a sequence; a ValueError (e.g. an id in use) leaves the core unchanged."""
         source = self.scheduler.get_request(r.fork_of) if r.fork_of is not None else None
         req = Request(r.request_id, r.prompt_token_ids, r.sampling_params,
                       arrival_time=r.arrival_time, priority=r.priority,
