@@ -3,20 +3,17 @@ tensor-parallel sharded tensors) and matmuls give the logits of the equivalent u
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fake_methods  # noqa: F401  (registers fake_transposed and fake_int4)
 from peregrine.config import EngineArgs
 from peregrine.layers.quantization import UnquantizedLinearMethod, quantization_methods
 from peregrine.testing.checkpoints import tiny_checkpoint
+from peregrine.testing.gloo import run_on_gloo_ranks
 
 TOKENS = [5, 17, 99, 230, 41, 8, 77, 301, 12, 64, 150, 9]
 WORLD = 2
@@ -122,31 +119,10 @@ def test_requested_method_on_a_plain_checkpoint_is_applied(tmp_path: Path) -> No
                                _logits(str(path)), rtol=1e-5, atol=1e-5)
 
 
-def _worker(rank: int, port: int, path: str, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    from peregrine.distributed import init_tensor_parallel
-    init_tensor_parallel()
-    logits = _logits(path)
-    if rank == 0:
-        out["logits"] = logits.clone()
-    # NOTE: both ranks leave together, then skip gloo's C++ teardown (see test_tensor_parallel).
-    dist.barrier()
-    os._exit(0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_packed_int4_splits_over_two_ranks(tmp_path: Path, arch: str) -> None:
     """Column layers split their output-packed qweight, row layers their input-packed one."""
     path = str(_quantized(tmp_path, arch, "fake_int4"))
     want = _logits(path)
-    out = mp.get_context("spawn").Manager().dict()
-    mp.start_processes(_worker, args=(_free_port(), path, out), nprocs=WORLD, start_method="spawn")
-    torch.testing.assert_close(out["logits"], want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(run_on_gloo_ranks(_logits, WORLD, path), want, rtol=1e-4, atol=1e-4)

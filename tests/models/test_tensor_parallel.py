@@ -1,15 +1,12 @@
 """Tensor-parallel layers: a model split over 2 CPU processes (gloo) gives the unsplit model's logits."""
 from __future__ import annotations
 
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from peregrine.testing.checkpoints import tiny_checkpoint
+from peregrine.testing.gloo import run_on_gloo_ranks
 
 WORLD = 2
 TOKENS = [5, 17, 99, 230, 41, 8, 77, 301, 12, 64, 150, 9]
@@ -41,35 +38,11 @@ def _logits(path: str) -> torch.Tensor:
         return model.compute_logits(hidden)  # (T, V)
 
 
-def _worker(rank: int, port: int, path: str, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    from peregrine.distributed import init_tensor_parallel, tp_size
-    init_tensor_parallel()
-    assert tp_size() == WORLD
-    logits = _logits(path)
-    if rank == 0:
-        out["logits"] = logits.clone()
-    # NOTE: both ranks leave together, then exit without running gloo's C++ teardown, which can
-    # abort ("terminate called without an active exception") when the peer is already gone.
-    dist.barrier()
-    os._exit(0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_two_way_tensor_parallel_matches_single_process(arch: str) -> None:
     path = str(tiny_checkpoint(arch))
     want = _logits(path)
-    manager = mp.get_context("spawn").Manager()
-    out = manager.dict()
-    mp.start_processes(_worker, args=(_free_port(), path, out), nprocs=WORLD, start_method="spawn")
-    got = out["logits"]
+    got = run_on_gloo_ranks(_logits, WORLD, path)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
