@@ -11,6 +11,9 @@ MAX_LOGPROBS = 20  # top-N logprobs per position, as in OpenAI's API
 # NOTE: stop strings are matched on every decode step; these bound that work and the hold-back.
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
+# NOTE: OpenAI allows [0, 2]; vLLM has no bound. Past ~100 the distribution is uniform anyway, and
+# a bound keeps 1 / temperature and logits / temperature far from overflow and underflow.
+MAX_TEMPERATURE = 100.0
 
 
 class RequestOutputKind(enum.Enum):
@@ -72,8 +75,8 @@ class SamplingParams:
                 raise bad(name, f"must be a finite number, got {value!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0.0:
-            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:

@@ -63,7 +63,7 @@ def _check_answer(resp: httpx.Response, body: dict) -> None:
         assert set(err) == {"message", "type", "param", "code"} and err["message"], resp.text
         return
     assert resp.status_code == 200, resp.text
-    # NOTE: pydantic's lax mode reads stream=1 or "true" as true, as vLLM's server does.
+    # NOTE: booleans and integers are strict, so stream=1 or "true" is a 400 (vLLM reads it as true).
     if resp.headers.get("content-type", "").startswith("text/event-stream"):
         events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
         assert events and events[-1] == "[DONE]", resp.text[-300:]

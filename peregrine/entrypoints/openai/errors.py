@@ -1,5 +1,6 @@
-"""Errors in OpenAI's shape {"error": {message, type, param, code}}, their FastAPI handlers, the
-ASGI guard (request body limit, API key) that runs before any route, and the UTF-8 body check."""
+"""Errors in OpenAI's shape {"error": {message, type, param, code}}, their FastAPI handlers (and
+how /openapi.json describes them), the ASGI guard (request body limit, API key) that runs before
+any route, and the UTF-8 body check."""
 from __future__ import annotations
 
 import hmac
@@ -14,6 +15,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from peregrine.entrypoints.openai.protocol import ErrorResponse
+
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
@@ -27,6 +30,11 @@ _AUTH_PATHS = ("/v1", "/tokenize", "/detokenize")
 # NOTE: a lone surrogate reaches a parsed JSON string as a \uD800-\uDFFF escape, or as raw bytes
 # that are not strict UTF-8 (Python's json decodes bytes with "surrogatepass").
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+# Routes whose 200 is not JSON: path -> (media type or None for no body, description).
+_PLAIN_ROUTES: dict[str, tuple[str | None, str]] = {
+    "/health": (None, "The engine is healthy (empty body)."),
+    "/metrics": ("text/plain", "Prometheus metrics in the text exposition format."),
+}
 
 
 class OpenAIError(Exception):
@@ -76,7 +84,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Map every error (ours, validation, routing, unexpected) to the OpenAI shape."""
+    """Map every error (ours, validation, routing, unexpected) to the OpenAI shape, and make
+    /openapi.json say so."""
+    document_errors(app)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -95,6 +105,45 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error", exc_info=exc)
         return error_response(500, f"internal server error: {type(exc).__name__}")
+
+
+def document_errors(app: FastAPI) -> None:
+    """Fix the generated OpenAPI schema once, when first served: 400 in OpenAI's error shape
+    where FastAPI documents its 422, and no JSON claim for /health and /metrics."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            _patch_schema(generate())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _patch_schema(schema: dict[str, Any]) -> None:
+    schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+    error_schema = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(error_schema.pop("$defs", {}))
+    schemas["ErrorResponse"] = error_schema
+    error_json = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    for path, ops in schema.get("paths", {}).items():
+        for op in ops.values():
+            responses = op.setdefault("responses", {})
+            if responses.pop("422", None) is not None:
+                responses["400"] = {"description": "Invalid request (OpenAI's error shape; "
+                                    "`param` names the field).", "content": error_json}
+            if path in _PLAIN_ROUTES:
+                media_type, description = _PLAIN_ROUTES[path]
+                ok: dict[str, Any] = {"description": description}
+                if media_type is not None:
+                    ok["content"] = {media_type: {"schema": {"type": "string"}}}
+                responses["200"] = ok
+        if path == "/health":
+            for op in ops.values():
+                op["responses"]["503"] = {"description": "The engine is dead or stuck.",
+                                          "content": error_json}
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
 
 
 class GuardMiddleware:

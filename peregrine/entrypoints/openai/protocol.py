@@ -5,10 +5,16 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+from peregrine.sampling_params import MAX_TEMPERATURE
 
 # NOTE: OpenAI caps top_logprobs at 20; the same cap bounds the work one request can ask for.
 MAX_LOGPROBS = 20
+# NOTE: n sequences per prompt. Each may run to max_model_len (chat's default max_tokens is the
+# rest of the context), so one request may want n * max_model_len KV tokens; the scheduler runs
+# what does not fit in turn (preempting by recompute), so a large n is slow, never stuck.
+MAX_N = 16
 
 
 def random_id(prefix: str) -> str:
@@ -18,12 +24,14 @@ def random_id(prefix: str) -> str:
 class OpenAIModel(BaseModel):
     # NOTE: unknown fields are ignored (clients send vendor extras); fields we know but do not
     # support are declared and rejected explicitly in the handlers.
-    model_config = ConfigDict(extra="ignore")
+    # NOTE: booleans and integers are strict ("stream": "yes" or "n": "2" is a 400, not a guess);
+    # floats refuse NaN and infinity.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's extra: usage in every chunk (with include_usage)
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's extra: usage in every chunk (with include_usage)
 
     @property
     def usage_every_chunk(self) -> bool:
@@ -34,39 +42,39 @@ class SamplingRequest(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0)
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: StrictInt | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    stream: bool = False
+    seed: StrictInt | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = Field(0, ge=0)
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    priority: int = 0
+    priority: StrictInt = 0
     user: str | None = None
     # vLLM's extras: keep only the last k prompt tokens (-1: the last max_model_len - 1 ones);
     # logprobs of the prompt's tokens (and the top-k at each position), non-streaming only.
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # Known OpenAI fields we do not implement: accepted only at their no-op values.
-    best_of: int | None = None
+    best_of: StrictInt | None = None
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
     suffix: str | None = None
 
 
@@ -78,11 +86,11 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     # vLLM's extras: variables for the chat template; a template of the request's own (refused
     # unless the server runs with --trust-request-chat-template, here or in chat_template_kwargs).
     chat_template_kwargs: dict[str, Any] | None = None
@@ -95,8 +103,8 @@ class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
 

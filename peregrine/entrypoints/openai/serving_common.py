@@ -6,6 +6,7 @@ import asyncio
 import functools
 import json
 import math
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ _GEN_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_pen
 # per token of max_model_len cannot fit the context in practice; the floor keeps small models usable.
 PROMPT_CHARS_PER_TOKEN = 16
 MIN_PROMPT_CHARS = 16 * 1024
+# NOTE: ASCII digits only: int() also takes "٣", "1_000" and " 5 ", which no token id is spelled as.
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,12}")
 
 
 def prompt_char_limit(max_model_len: int, override: int | None = None) -> int:
@@ -138,10 +141,10 @@ def _logit_bias(ctx: ServingContext, bias: dict[str, float] | None) -> dict[int,
     vocab = ctx.engine.config.model.vocab_size
     out: dict[int, float] = {}
     for key, value in bias.items():
-        try:
-            tok = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            raise bad_request(f"logit_bias keys must be token ids in ASCII digits, got {key[:32]!r}",
+                              "logit_bias")
+        tok = int(key)
         if not 0 <= tok < vocab:
             raise bad_request(f"logit_bias token id {tok} is outside the vocabulary [0, {vocab})",
                               "logit_bias")
@@ -151,12 +154,23 @@ def _logit_bias(ctx: ServingContext, bias: dict[str, float] | None) -> dict[int,
     return out
 
 
+def _stop_token_ids(ctx: ServingContext, ids: list[int] | None) -> list[int] | None:
+    """stop_token_ids, each checked to lie in the vocabulary."""
+    vocab = ctx.engine.config.model.vocab_size
+    bad = next((t for t in ids or () if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})",
+                          "stop_token_ids")
+    return ids
+
+
 def build_sampling_params(ctx: ServingContext, req: SamplingRequest, *, max_tokens: int,
                           logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from the request; generation_config.json fills what the user left unset."""
     kwargs: dict[str, Any] = dict(
         n=req.n, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        stop=req.stop, stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos,
+        stop=req.stop, stop_token_ids=_stop_token_ids(ctx, req.stop_token_ids), seed=req.seed,
+        ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, max_tokens=max_tokens, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, output_kind=RequestOutputKind.DELTA,
