@@ -34,6 +34,16 @@ _SERVER_HELP = {
     "max_prompt_chars": "longest text prompt in characters, checked before tokenizing (default: "
                         f"{PROMPT_CHARS_PER_TOKEN} per token of max_model_len, at least "
                         f"{MIN_PROMPT_CHARS}; a longer text cannot fit the context in practice)",
+    "shutdown_timeout": "on SIGTERM/SIGINT stop accepting, let open requests run this many "
+                        "seconds, then abort the rest (streams end with an error event and "
+                        "[DONE], others get 503); a second signal aborts at once",
+    "max_connections": "open connections beyond this get 503, /health included (default: the "
+                       "open-file limit less a reserve of 64)",
+    "keep_alive_timeout": "seconds an idle keep-alive connection stays open",
+    "request_read_timeout": "seconds a connection has to send a whole request (headers and "
+                            "body) after it opens or after its last response; then it is closed",
+    "max_header_bytes": "most bytes of an unfinished request head (request line and headers) "
+                        "buffered; beyond that 400",
 }
 
 

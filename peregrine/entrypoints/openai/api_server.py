@@ -5,7 +5,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -14,9 +14,10 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import peregrine
-from peregrine.engine.async_engine import AsyncEngine, EngineDeadError
-from peregrine.entrypoints.openai.errors import (GuardMiddleware, bad_request, error_response,
-                                                 install_error_handlers, require_utf8_body)
+from peregrine.engine.async_engine import AsyncEngine, EngineDeadError, RequestAbortedError
+from peregrine.entrypoints.openai.errors import (GuardMiddleware, OpenAIError, bad_request,
+                                                 error_response, install_error_handlers,
+                                                 require_utf8_body)
 from peregrine.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    DetokenizeRequest, ModelCard, ModelList,
                                                    TokenizeRequest)
@@ -24,12 +25,17 @@ from peregrine.entrypoints.openai.serving_chat import create_chat_completion, re
 from peregrine.entrypoints.openai.serving_common import (ServingContext, check_model,
                                                          prompt_char_limit)
 from peregrine.entrypoints.openai.serving_completion import create_completion
+from peregrine.entrypoints.openai.uvicorn_server import (FLUSH_GRACE_S, DrainingServer,
+                                                         h11_with_read_timeout,
+                                                         install_accept_error_filter)
 from peregrine.metrics import ServerMetrics, StatLogger
 
 logger = logging.getLogger(__name__)
 # NOTE: a few threads: templates and tokenization are short once prompts are bounded, and the
 # tokenizer releases the GIL; more threads would only compete with the engine thread.
 _PREPROCESS_THREADS = 4
+# NOTE: files the process needs besides client sockets (model files, pipes, logs, the listener).
+_FD_RESERVE = 64
 
 
 @dataclass(frozen=True)
@@ -48,8 +54,25 @@ class ServerArgs:
     trust_request_chat_template: bool = False
     # Longest text prompt, in characters (None: 16 per token of max_model_len, at least 16,384).
     max_prompt_chars: int | None = None
+    # On SIGTERM/SIGINT: seconds open requests may still run before they are aborted.
+    shutdown_timeout: float = 30.0
+    # Open connections beyond this get 503 (uvicorn's limit_concurrency). None: the open-file
+    # limit less a reserve, so the cap refuses cleanly before accept() fails with EMFILE.
+    max_connections: int | None = None
+    keep_alive_timeout: float = 5.0  # idle keep-alive connections close after this
+    # A request's headers and body must arrive within this many seconds (slowloris).
+    request_read_timeout: float = 30.0
+    max_header_bytes: int = 16 * 1024  # h11's max incomplete event size: beyond it, 400
 
     def __post_init__(self) -> None:
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.keep_alive_timeout <= 0 or self.request_read_timeout <= 0:
+            raise ValueError("keep_alive_timeout and request_read_timeout must be > 0 seconds")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes must be >= 1024, got {self.max_header_bytes}")
         if self.max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
         if self.health_no_progress_timeout <= 0:
@@ -93,6 +116,7 @@ def build_app(engine: AsyncEngine, args: ServerArgs | None = None) -> FastAPI:
     app = FastAPI(title="Peregrine OpenAI-compatible server", version=peregrine.__version__,
                   lifespan=lifespan)
     app.state.ctx = ctx
+    app.state.draining = False  # set when shutdown starts: new generation requests get 503
     app.state.metrics = metrics
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, max_body_bytes=args.max_request_body_bytes,
@@ -103,11 +127,11 @@ def build_app(engine: AsyncEngine, args: ServerArgs | None = None) -> FastAPI:
 
     @app.post("/v1/completions", **utf8)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await create_completion(ctx, body, raw)
+        return await _unless_draining(raw.app, create_completion, ctx, body, raw)
 
     @app.post("/v1/chat/completions", **utf8)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await create_chat_completion(ctx, body, raw)
+        return await _unless_draining(raw.app, create_chat_completion, ctx, body, raw)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -146,6 +170,8 @@ def build_app(engine: AsyncEngine, args: ServerArgs | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if app.state.draining:
+            return error_response(503, _SHUTTING_DOWN, code="server_shutting_down")
         try:
             engine.check_health()
         except EngineDeadError as e:
@@ -158,6 +184,23 @@ def build_app(engine: AsyncEngine, args: ServerArgs | None = None) -> FastAPI:
         return Response(body, media_type=content_type)
 
     return app
+
+
+_SHUTTING_DOWN = "server is shutting down"
+
+
+async def _unless_draining(app: FastAPI, handler: Callable[..., Awaitable[Response]],
+                           *args: Any) -> Response:
+    """Run a generation handler; 503 once shutdown has begun, also for a request it aborts."""
+    if app.state.draining:
+        raise OpenAIError(503, _SHUTTING_DOWN, code="server_shutting_down")
+    try:
+        return await handler(*args)
+    except OpenAIError as e:
+        # NOTE: serving_common reports an aborted request as 500; during shutdown it is a 503.
+        if app.state.draining and isinstance(e.__cause__, (RequestAbortedError, EngineDeadError)):
+            raise OpenAIError(503, _SHUTTING_DOWN, code="server_shutting_down") from e
+        raise
 
 
 def _decode_in_vocab(tokenizer: Any, tokens: list[int], vocab_size: int) -> str:
@@ -177,12 +220,24 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_uvicorn_server(app: FastAPI, args: ServerArgs):
-    """A uvicorn.Server for the app (call `.run(sockets=[...])` or `.serve()`)."""
+def make_uvicorn_server(app: FastAPI, args: ServerArgs) -> DrainingServer:
+    """A uvicorn server for the app (call `.run(sockets=[...])` or `.serve()`); see
+    DrainingServer for what happens on SIGTERM/SIGINT."""
     import uvicorn
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_keep_alive=5, access_log=False)
-    return uvicorn.Server(config)
+                            access_log=False, http=h11_with_read_timeout(args.request_read_timeout),
+                            timeout_keep_alive=args.keep_alive_timeout,
+                            limit_concurrency=connection_cap(args.max_connections),
+                            h11_max_incomplete_event_size=args.max_header_bytes,
+                            # NOTE: a backstop only; DrainingServer aborts at shutdown_timeout.
+                            timeout_graceful_shutdown=args.shutdown_timeout + FLUSH_GRACE_S)
+
+    def on_drain() -> None:
+        app.state.draining = True
+        logger.info("shutting down: waiting up to %.0fs for open requests", args.shutdown_timeout)
+
+    return DrainingServer(config, drain_timeout=args.shutdown_timeout, on_drain=on_drain,
+                          abort=app.state.ctx.engine.shutdown)
 
 
 def run_server(engine: AsyncEngine, args: ServerArgs) -> None:
@@ -190,6 +245,7 @@ def run_server(engine: AsyncEngine, args: ServerArgs) -> None:
     app = build_app(engine, args)
     server = make_uvicorn_server(app, args)
     sock = bind_socket(args.host, args.port)
+    install_accept_error_filter()
     logger.info("serving %s on http://%s:%d", engine.config.model.served_model_name,
                 args.host, sock.getsockname()[1])
     try:
@@ -197,3 +253,17 @@ def run_server(engine: AsyncEngine, args: ServerArgs) -> None:
     except KeyboardInterrupt:
         pass  # NOTE: uvicorn re-raises SIGINT after its graceful shutdown
     logger.info("server stopped")
+
+
+def connection_cap(max_connections: int | None) -> int | None:
+    """The connection cap: the flag, else the open-file limit less _FD_RESERVE (None: no limit)."""
+    if max_connections is not None:
+        return max_connections
+    try:
+        import resource
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return None
+    if soft == resource.RLIM_INFINITY:
+        return None
+    return max(16, soft - _FD_RESERVE)
