@@ -33,6 +33,10 @@ class RequestAbortedError(RuntimeError):
     """The request was aborted by the server (shutdown or a failed step) before it finished."""
 
 
+class ServerShuttingDownError(RequestAbortedError):
+    """The request was still running when the server shut down."""
+
+
 class RequestObserver(Protocol):
     """Hooks called on the event loop (metrics); they must be cheap and must not raise."""
 
@@ -312,7 +316,7 @@ class AsyncEngine:
             self._fail_all(EngineDeadError(f"engine loop died: {e!r}"), abort_in_engine=False)
             self._reject_inbox(EngineDeadError(f"engine loop died: {e!r}"))
             return
-        self._fail_all(RequestAbortedError("server is shutting down"))
+        self._fail_all(ServerShuttingDownError("server is shutting down"))
         self._reject_inbox(EngineDeadError("engine is shut down"))
         shutdown = getattr(self.engine, "shutdown", None)
         if shutdown is not None:

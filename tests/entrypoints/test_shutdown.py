@@ -102,6 +102,7 @@ def test_sigterm_aborts_open_requests_after_the_timeout_and_exits():
             assert events[-1] == "[DONE]"
             err = json.loads(events[-2])["error"]
             assert err["message"] == "server is shutting down"
+            assert err["code"] == "server_shutting_down"
             assert len(events) > 3  # tokens flowed during the drain
         assert plain[0].status_code == 503
         assert plain[0].json()["error"]["code"] == "server_shutting_down"

@@ -14,7 +14,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import peregrine
-from peregrine.engine.async_engine import AsyncEngine, EngineDeadError, RequestAbortedError
+from peregrine.engine.async_engine import AsyncEngine, EngineDeadError
 from peregrine.entrypoints.openai.errors import (GuardMiddleware, OpenAIError, bad_request,
                                                  error_response, install_error_handlers,
                                                  require_utf8_body)
@@ -191,16 +191,11 @@ _SHUTTING_DOWN = "server is shutting down"
 
 async def _unless_draining(app: FastAPI, handler: Callable[..., Awaitable[Response]],
                            *args: Any) -> Response:
-    """Run a generation handler; 503 once shutdown has begun, also for a request it aborts."""
+    """Run a generation handler, or answer 503 once shutdown has begun (a request the shutdown
+    aborts gets its 503 from serving_common.stream_failure)."""
     if app.state.draining:
         raise OpenAIError(503, _SHUTTING_DOWN, code="server_shutting_down")
-    try:
-        return await handler(*args)
-    except OpenAIError as e:
-        # NOTE: serving_common reports an aborted request as 500; during shutdown it is a 503.
-        if app.state.draining and isinstance(e.__cause__, (RequestAbortedError, EngineDeadError)):
-            raise OpenAIError(503, _SHUTTING_DOWN, code="server_shutting_down") from e
-        raise
+    return await handler(*args)
 
 
 def _decode_in_vocab(tokenizer: Any, tokens: list[int], vocab_size: int) -> str:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from peregrine.engine.async_engine import (AsyncEngine, EngineDeadError, EngineRequest,
-                                           RequestAbortedError, RequestStream)
+                                           RequestAbortedError, RequestStream, ServerShuttingDownError)
 from peregrine.engine.llm_engine import QueueFullError
 from peregrine.entrypoints.openai.errors import OpenAIError, bad_request, error_body
 from peregrine.entrypoints.openai.protocol import PromptLogprob, SamplingRequest
@@ -206,6 +206,8 @@ def stream_failure(e: BaseException) -> OpenAIError:
     """The error to report for an exception raised while a stream was being read."""
     if isinstance(e, EngineDeadError):
         return OpenAIError(503, str(e), code="engine_dead")
+    if isinstance(e, ServerShuttingDownError):
+        return OpenAIError(503, str(e), code="server_shutting_down")
     if isinstance(e, RequestAbortedError):
         return OpenAIError(500, str(e), code="aborted")
     return OpenAIError(500, f"internal error: {type(e).__name__}: {e}")
