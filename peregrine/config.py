@@ -28,6 +28,8 @@ class EngineArgs:
 
     model: str | None = None  # None -> the built-in demo model
     tokenizer: str | None = None
+    revision: str | None = None  # of a Hugging Face model id: a branch, tag or commit
+    download_dir: str | None = None  # where hub downloads go (default: the Hugging Face cache)
     served_model_name: str | None = None
     dtype: str = "auto"
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
@@ -65,8 +67,10 @@ class EngineArgs:
 
 # One line of --help per EngineArgs field (the CLI's flags are generated from the fields).
 ENGINE_ARGS_HELP: dict[str, str] = {
-    "model": "local Hugging Face model folder (default: the built-in demo model)",
-    "tokenizer": "tokenizer folder (default: the model folder)",
+    "model": "local model folder or Hugging Face model id (default: the built-in demo model)",
+    "tokenizer": "tokenizer folder or Hugging Face id (default: the model's)",
+    "revision": "branch, tag or commit of a Hugging Face model id (default: main)",
+    "download_dir": "where models fetched from the Hugging Face Hub are kept (default: its cache)",
     "served_model_name": "model name in the API (default: the model path)",
     "dtype": "weights and activations: auto (the checkpoint's), float32, float16, bfloat16",
     "load_format": "auto / safetensors: read the checkpoint; dummy: random weights",
@@ -165,7 +169,7 @@ class ModelConfig:
         if args.load_format not in ("auto", "safetensors", "dummy"):
             raise _bad("load_format", f"{args.load_format!r} (expected auto, safetensors or dummy)")
         return cls(
-            model=str(path), tokenizer=args.tokenizer or str(path),
+            model=str(path), tokenizer=_tokenizer_path(args, path),
             served_model_name=args.served_model_name or (args.model or "peregrine-demo"),
             architecture=archs[0], hf_config=hf, dtype=dtype, max_model_len=int(max_len),
             load_format=args.load_format, skip_tokenizer_init=args.skip_tokenizer_init,
@@ -175,6 +179,14 @@ class ModelConfig:
             generation_config=gen_cfg,
             quantization=resolve_quantization(hf, args.quantization),
         )
+
+
+def _tokenizer_path(args: EngineArgs, model_dir: Path) -> str:
+    """The tokenizer's folder: the model's, or --tokenizer as a folder or a hub id."""
+    if args.tokenizer is None or args.skip_tokenizer_init:
+        return args.tokenizer or str(model_dir)
+    from peregrine.hub import resolve_model_path
+    return resolve_model_path(args.tokenizer, None, args.download_dir)
 
 
 def _resolve_dtype(dtype: str, hf: dict[str, Any]) -> torch.dtype:
@@ -232,9 +244,8 @@ class EngineConfig:
             from peregrine.demo import demo_model_path
             model_dir = str(demo_model_path())
         else:
-            model_dir = args.model
-        if not Path(model_dir).is_dir():
-            raise ValueError(f"model {model_dir!r} is not a local folder (no model hub is used)")
+            from peregrine.hub import resolve_model_path
+            model_dir = resolve_model_path(args.model, args.revision, args.download_dir)
         model = ModelConfig.from_args(args, model_dir)
         if args.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise _bad("block_size", f"{args.block_size} (expected a power of two up to 128)")

@@ -26,7 +26,7 @@ def test_generate_reports_bad_model_folder_clearly(tmp_path) -> None:
         [sys.executable, "-m", "peregrine.entrypoints.cli", "generate", "--model",
          str(tmp_path / "missing"), "x"], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 2
-    assert "is not a local folder" in proc.stderr
+    assert "is neither a local folder nor a Hugging Face model id" in proc.stderr
 
 
 def test_every_engine_flag_has_help_text() -> None:

@@ -50,8 +50,10 @@ _SERVER_HELP = {
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Add `serve`'s arguments: MODEL, every EngineArgs flag, every ServerArgs flag."""
     parser.add_argument("model", nargs="?", default=None,
-                        help="local model folder, or a config .json (dummy weights, token-id "
-                        "prompts only); default: the built-in demo model")
+                        help="local model folder, Hugging Face model id, or a config .json "
+                        "(dummy weights, token-id prompts only); default: the built-in demo model")
+    parser.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                        help="the same as the positional MODEL (as in vLLM)")
     add_engine_args(parser, skip={"model"})
     add_dataclass_args(parser, ServerArgs, _SERVER_HELP)
 
@@ -82,6 +84,10 @@ def serve_main(argv: list[str] | None = None) -> int:
                                      description="Run the OpenAI-compatible server.")
     add_serve_args(parser)
     ns = parser.parse_args(argv)
+    if ns.model_option is not None:
+        if ns.model is not None and ns.model != ns.model_option:
+            parser.error(f"two models given: {ns.model!r} and --model {ns.model_option!r}")
+        ns.model = ns.model_option
     try:
         engine_args = resolve_model_arg(engine_args_from(ns))
         server_args = server_args_from(ns)

@@ -34,7 +34,7 @@ def test_defaults_come_from_the_dataclasses():
     assert server_args_from(ns) == ServerArgs()
 
 
-def test_issue_flags_parse_into_engine_and_server_args():
+def test_engine_and_server_flags_parse_into_their_dataclasses():
     ns = _parse(["/models/x", "--host", "0.0.0.0", "--port", "9000", "--api-key", "k",
                  "--served-model-name", "m", "--max-model-len", "512", "--max-num-seqs", "8",
                  "--max-num-batched-tokens", "1024", "--gpu-memory-utilization", "0.5",
@@ -100,6 +100,14 @@ def test_api_key_falls_back_to_the_environment(monkeypatch):
 def test_bad_model_folder_exits_with_code_2(tmp_path, capsys):
     assert serve_main([str(tmp_path / "missing"), "--device", "cpu"]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_model_flag_is_the_positional_model(tmp_path, capsys):
+    code = serve_main(["--model", str(tmp_path / "missing"), "--port", "0"])
+    assert code == 2 and "missing" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serve_main([str(tmp_path / "a"), "--model", str(tmp_path / "b")])
+    assert "two models given" in capsys.readouterr().err
 
 
 @pytest.mark.slow
