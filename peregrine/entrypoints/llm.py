@@ -35,11 +35,12 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generate completions for every prompt; outputs come back in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and
-                                        isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt: a string or one list of token ids
-        prompts = list(prompts)
+        """Generate completions for every prompt; outputs come back in prompt order.
+
+        A prompt is a string, a list of token ids, or vLLM's dict form (`{"prompt": text}` or
+        `{"prompt_token_ids": ids}`); `prompts` is one prompt or a list of them.
+        """
+        prompts = _normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
@@ -99,3 +100,31 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [done[i] for i in ids]
+
+
+def _normalize_prompts(prompts: Any) -> list[str | list[int]]:
+    """One prompt or a list of them, as strings or token-id lists; anything else is a TypeError."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and
+                                            isinstance(prompts[0], int)):
+        prompts = [prompts]  # one prompt
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a prompt or a list of prompts, not "
+                        f"{type(prompts).__name__}")
+    return [_one_prompt(p) for p in prompts]
+
+
+def _one_prompt(p: Any) -> str | list[int]:
+    if isinstance(p, str):
+        return p
+    if isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return p
+    if isinstance(p, dict):
+        keys = set(p)
+        if keys == {"prompt"} and isinstance(p["prompt"], str):
+            return p["prompt"]
+        if keys == {"prompt_token_ids"}:
+            return _one_prompt(list(p["prompt_token_ids"]))
+        raise TypeError(f"a prompt dict takes exactly one of 'prompt' (text) or "
+                        f"'prompt_token_ids'; got keys {sorted(keys)}")
+    raise TypeError(f"a prompt is a string, a list of token ids or a prompt dict, not "
+                    f"{type(p).__name__}")
