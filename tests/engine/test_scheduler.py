@@ -462,12 +462,18 @@ def test_async_schedules_decode_of_in_flight_token():
     assert held_blocks(s) == 0
 
 
-def test_async_token_of_request_preempted_in_flight_is_dropped():
+def _two_requests_for_two_blocks() -> tuple[Scheduler, Request, Request]:
+    """a and b fill the whole two-block pool; when a needs a second block, b is preempted."""
     s = make_sched(num_blocks=2, max_num_seqs=2)
     a = make_req("a", 16, max_tokens=20, arrival=0.0)
     b = make_req("b", 15, max_tokens=20, base=5000, arrival=1.0)
     s.add_request(a)
     s.add_request(b)
+    return s, a, b
+
+
+def test_async_token_of_request_preempted_in_flight_is_dropped():
+    s, a, b = _two_requests_for_two_blocks()
     first, f_samples = _launch(s)  # a and b fill both blocks
     second, _ = _launch(s)  # a needs a second block: b (admitted last) is preempted
     assert second.preempted_req_ids == ["b"] and b.num_output_placeholders == 0
@@ -499,11 +505,7 @@ def test_new_request_data_is_sent_once_then_block_deltas():
 
 
 def test_resumed_request_is_sent_again_with_its_output_tokens():
-    s = make_sched(num_blocks=2, max_num_seqs=2)
-    a = make_req("a", 16, max_tokens=20, arrival=0.0)
-    b = make_req("b", 15, max_tokens=20, base=5000, arrival=1.0)
-    s.add_request(a)
-    s.add_request(b)
+    s, a, b = _two_requests_for_two_blocks()
     step(s)  # both prefilled; b sampled a token
     out = step(s)  # a needs a second block: b is preempted
     assert out.preempted_req_ids == ["b"]

@@ -14,6 +14,7 @@ from peregrine.config import EngineArgs
 from peregrine.layers.quantization import UnquantizedLinearMethod, quantization_methods
 from peregrine.testing.checkpoints import tiny_checkpoint
 from peregrine.testing.gloo import run_on_gloo_ranks
+from peregrine.testing.steps import one_prefill
 
 TOKENS = [5, 17, 99, 230, 41, 8, 77, 301, 12, 64, 150, 9]
 WORLD = 2
@@ -21,24 +22,16 @@ WORLD = 2
 
 def _logits(path: str, **engine_args) -> torch.Tensor:
     """Logits of one prefill through the torch backend (tensor-parallel when a group is set)."""
-    from peregrine.attention import AttentionMetadata, get_attention_backend
-    from peregrine.distributed import tp_size
+    from peregrine.attention import get_attention_backend
     from peregrine.worker.loader import load_model
 
     cfg = EngineArgs(model=path, dtype="float32", device="cpu",
                      **engine_args).create_engine_config().model
     model = load_model(cfg, get_attention_backend("torch"), torch.device("cpu"))
-    t = len(TOKENS)
-    shape = (4, 16, cfg.num_kv_heads // tp_size(), cfg.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
-    qsl = torch.tensor([0, t], dtype=torch.int32)
-    seq = torch.tensor([t], dtype=torch.int32)
-    meta = AttentionMetadata(
-        num_actual_tokens=t, num_decodes=0, max_query_len=t, max_seq_len=t, query_start_loc=qsl,
-        seq_lens=seq, block_table=torch.arange(4, dtype=torch.int32)[None],
-        slot_mapping=torch.arange(t), query_start_loc_cpu=qsl, seq_lens_cpu=seq)
+    caches, meta = one_prefill(cfg, len(TOKENS))
     with torch.inference_mode():
-        return model.compute_logits(model(torch.tensor(TOKENS), torch.arange(t), caches, meta))
+        hidden = model(torch.tensor(TOKENS), torch.arange(len(TOKENS)), caches, meta)
+        return model.compute_logits(hidden)
 
 
 def _quantized(tmp_path: Path, arch: str, method: str, skip: tuple[str, ...] = ()) -> Path:

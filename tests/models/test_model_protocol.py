@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peregrine.attention import AttentionMetadata, get_attention_backend
+from peregrine.attention import get_attention_backend
 from peregrine.config import EngineArgs
 from peregrine.layers.kernel_config import KernelConfig
 from peregrine.models.protocol import CausalLM, PagedAttention, PiecewiseLayer, SelfAttention
 from peregrine.testing.checkpoints import ARCHS, tiny_checkpoint
+from peregrine.testing.steps import one_prefill
 from peregrine.worker.loader import load_model
 
 TOKENS = [5, 17, 99, 230, 41, 8, 77]
@@ -19,19 +20,6 @@ def _model(arch: str, dtype: str = "float32", kernels: KernelConfig | None = Non
     cfg = EngineArgs(model=str(tiny_checkpoint(arch)), dtype=dtype,
                      device="cpu").create_engine_config().model
     return cfg, load_model(cfg, get_attention_backend("torch"), torch.device("cpu"), kernels)
-
-
-def _step(cfg, n: int):
-    shape = (4, 16, cfg.num_kv_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape, dtype=cfg.dtype), torch.zeros(shape, dtype=cfg.dtype))
-              for _ in range(cfg.num_layers)]
-    qsl = torch.tensor([0, n], dtype=torch.int32)
-    seq = torch.tensor([n], dtype=torch.int32)
-    meta = AttentionMetadata(
-        num_actual_tokens=n, num_decodes=0, max_query_len=n, max_seq_len=n, query_start_loc=qsl,
-        seq_lens=seq, block_table=torch.arange(4, dtype=torch.int32)[None],
-        slot_mapping=torch.arange(n), query_start_loc_cpu=qsl, seq_lens_cpu=seq)
-    return caches, meta
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -51,9 +39,9 @@ def test_forward_equals_the_pieces_graphs_run(arch: str) -> None:
     cfg, model = _model(arch)
     ids, pos = torch.tensor(TOKENS), torch.arange(len(TOKENS))
     with torch.inference_mode():
-        caches, meta = _step(cfg, len(TOKENS))
+        caches, meta = one_prefill(cfg, len(TOKENS))
         want = model(ids, pos, caches, meta)
-        caches, meta = _step(cfg, len(TOKENS))
+        caches, meta = one_prefill(cfg, len(TOKENS))
         x, residual = model.embed_tokens(ids), None
         for layer, cache in zip(model.layers, caches):
             q, k, v, residual = layer.pre_attention(pos, x, residual)
