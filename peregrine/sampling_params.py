@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 
@@ -11,6 +12,11 @@ MAX_LOGPROBS = 20  # top-N logprobs per position, as in OpenAI's API
 # NOTE: stop strings are matched on every decode step; these bound that work and the hold-back.
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
+# NOTE: every bad word becomes up to two token sequences matched against the recent output on
+# every step; these bound that work and the device ring of recent tokens (see sample/constraints.py).
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256
+MAX_BAD_WORD_TOKENS = 64  # tokens in one tokenized bad word (checked where it is tokenized)
 # NOTE: OpenAI allows [0, 2]; vLLM has no bound. Past ~100 the distribution is uniform anyway, and
 # a bound keeps 1 / temperature and logits / temperature far from overflow and underflow.
 MAX_TEMPERATURE = 100.0
@@ -47,9 +53,15 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # token id -> added to that token's logit before sampling, in [-100, 100] (as in OpenAI's API)
     logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled (non-empty; each in [0, vocab), checked by the engine).
+    allowed_token_ids: list[int] | None = None
+    # Words that must not be generated: the front end tokenizes each one as-is and after a space.
+    bad_words: list[str] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled from generation_config.json for fields the user did not set; see `with_defaults`.
     _user_set: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
+    # The token sequences of `bad_words`, filled by the front end (`with_bad_word_tokens`).
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +70,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, tuple):
+            self.bad_words = list(self.bad_words)
         self._validate()
 
     def _validate(self) -> None:
@@ -122,6 +138,36 @@ class SamplingParams:
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                         not -100.0 <= value <= 100.0:
                     raise bad("logit_bias", f"values must be numbers in [-100, 100], got {value!r}")
+        self._validate_token_constraints(bad)
+
+    def _validate_token_constraints(self, bad: Callable[[str, str], ValueError]) -> None:
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, list) or not allowed:
+                raise bad("allowed_token_ids", f"must be a non-empty list of token ids, got {allowed!r}")
+            for tok in allowed:
+                if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                    raise bad("allowed_token_ids", f"must hold token ids >= 0, got {tok!r}")
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, list) or any(not isinstance(w, str) for w in words):
+                raise bad("bad_words", f"must be a list of strings, got {words!r}")
+            if any(not w for w in words):
+                raise bad("bad_words", "must not contain empty strings")
+            if len(words) > MAX_BAD_WORDS:
+                raise bad("bad_words", f"may hold at most {MAX_BAD_WORDS} words, got {len(words)}")
+            longest = max((len(w) for w in words), default=0)
+            if longest > MAX_BAD_WORD_CHARS:
+                raise bad("bad_words", f"entries must be at most {MAX_BAD_WORD_CHARS} characters, got "
+                          f"one of {longest}")
+        seqs = self._bad_words_token_ids
+        if seqs is not None:
+            if not isinstance(seqs, list) or any(
+                    not isinstance(q, list) or not q or len(q) > MAX_BAD_WORD_TOKENS
+                    or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in q)
+                    for q in seqs):
+                raise bad("bad_words", f"token sequences must be lists of 1 to {MAX_BAD_WORD_TOKENS} "
+                          f"token ids >= 0, got {seqs!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -141,6 +187,23 @@ class SamplingParams:
             return self
         import dataclasses
         return dataclasses.replace(self, **updates)
+
+    def with_bad_word_tokens(self, encode: Callable[[str], list[int]]) -> SamplingParams:
+        """A copy holding the token sequences of `bad_words`: each word encoded as-is and after a
+        space (`encode` adds no special tokens); duplicates once."""
+        seqs: list[list[int]] = []
+        for word in self.bad_words or ():
+            for text in (word, " " + word):
+                ids = list(encode(text))
+                if not ids:
+                    raise ValueError(f"bad_words: {text!r} encodes to no tokens")
+                if len(ids) > MAX_BAD_WORD_TOKENS:
+                    raise ValueError(f"bad_words: {word!r} encodes to {len(ids)} tokens, more than "
+                                     f"{MAX_BAD_WORD_TOKENS}")
+                if ids not in seqs:
+                    seqs.append(ids)
+        import dataclasses
+        return dataclasses.replace(self, _bad_words_token_ids=seqs if self.bad_words else None)
 
     def clone(self) -> SamplingParams:
         import copy

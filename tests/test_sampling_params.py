@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from peregrine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
+from peregrine.sampling_params import (MAX_BAD_WORD_CHARS, MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS,
+                                       MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams)
 
 _BAD = [
     ("n", 0), ("n", 1.5),
@@ -23,6 +24,11 @@ _BAD = [
     ("stop", ["x" * (MAX_STOP_STRING_CHARS + 1)]),
     ("stop_token_ids", [1, -1]), ("stop_token_ids", ["2"]),
     ("seed", 1.5), ("seed", "7"),
+    ("allowed_token_ids", []), ("allowed_token_ids", [1, -1]), ("allowed_token_ids", [True]),
+    ("allowed_token_ids", ["3"]), ("allowed_token_ids", 5), ("allowed_token_ids", {1: 2}),
+    ("bad_words", "word"), ("bad_words", ["ok", ""]), ("bad_words", ["ok", 3]),
+    ("bad_words", [f"w{i}" for i in range(MAX_BAD_WORDS + 1)]),
+    ("bad_words", ["x" * (MAX_BAD_WORD_CHARS + 1)]),
 ]
 
 
@@ -77,3 +83,25 @@ def test_generation_do_sample_false_means_greedy_unless_user_set_temperature():
 def test_stop_strings_at_the_limits_are_accepted():
     stop = ["x" * MAX_STOP_STRING_CHARS] + [f"s{i}" for i in range(MAX_STOP_STRINGS - 1)]
     assert len(SamplingParams(stop=stop).stop) == MAX_STOP_STRINGS
+
+
+def test_allowed_token_ids_and_bad_words_accept_tuples_as_lists():
+    p = SamplingParams(allowed_token_ids=(3, 1), bad_words=("a", "b c"))
+    assert p.allowed_token_ids == [3, 1] and p.bad_words == ["a", "b c"]
+
+
+def test_bad_words_are_encoded_as_is_and_after_a_space_once_each():
+    encode = {"ab": [1, 2], " ab": [7, 2], "c": [3], " c": [3]}.__getitem__
+    p = SamplingParams(bad_words=["ab", "c"]).with_bad_word_tokens(encode)
+    assert p._bad_words_token_ids == [[1, 2], [7, 2], [3]]
+    assert p.bad_words == ["ab", "c"]
+
+
+def test_params_without_bad_words_hold_no_token_sequences():
+    assert SamplingParams().with_bad_word_tokens(lambda s: [1])._bad_words_token_ids is None
+
+
+@pytest.mark.parametrize("ids", [[], list(range(MAX_BAD_WORD_TOKENS + 1))])
+def test_a_bad_word_with_no_or_too_many_tokens_is_rejected(ids):
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=["w"]).with_bad_word_tokens(lambda s: ids)
