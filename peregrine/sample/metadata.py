@@ -1,8 +1,9 @@
 """Sampling metadata: per-row settings kept across steps, and each step's tensors built from them.
 
 `SamplingRows` holds the sampling settings of a persistent batch's rows as host arrays (set once when
-a request arrives), the device-side penalty state of the rows that use penalties, and each row's
-logit_bias and min_tokens bans. A step's `SamplingMetadata` is cut from those rows: the per-row
+a request arrives), the device-side penalty state of the rows that use penalties, the allowed-token
+masks and recent output tokens of rows with allowed_token_ids or bad_words (constraints.py), and
+each row's logit_bias, bad-word token sequences and min_tokens bans. A step's `SamplingMetadata` is cut from those rows: the per-row
 tensors go to the device once per batch composition and are reused while it does not change; per
 step only the sampling step indices (and min_tokens bans, while a row is below its minimum) move.
 """
@@ -15,8 +16,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from peregrine.sample.constraints import AllowedTokenPool, RecentTokenPool
 from peregrine.sample.penalties import PenaltyPool
-from peregrine.sampling_params import SamplingParams
+from peregrine.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 from peregrine.transfer import upload
 
 _U64 = (1 << 64) - 1
@@ -52,6 +54,18 @@ class SamplingMetadata:
     bias_rows: torch.Tensor | None = None  # (M,) int64
     bias_tokens: torch.Tensor | None = None  # (M,) int64
     bias_values: torch.Tensor | None = None  # (M,) float32
+    # allowed_token_ids: rows whose tokens outside their mask get -inf. None when no row has a list.
+    allowed_rows: torch.Tensor | None = None  # (A,) int64: rows of this batch
+    allowed_slots: torch.Tensor | None = None  # (A,) int64: their slots in the pool below
+    allowed_mask: torch.Tensor | None = field(default=None, repr=False)  # (N, V) bool pool
+    # bad_words: one entry per token sequence of the rows that have some. None when no row has any.
+    bad_word_rows: torch.Tensor | None = None  # (Q,) int64: rows of this batch
+    bad_word_slots: torch.Tensor | None = None  # (Q,) int64: their slots in the window pool
+    bad_word_prefixes: torch.Tensor | None = None  # (Q, K) int64: all tokens but the last; -1 pads
+    bad_word_last: torch.Tensor | None = None  # (Q,) int64: the token banned when the prefix matches
+    recent_rows: torch.Tensor | None = None  # (R,) int64: rows whose window takes this step's token
+    recent_slots: torch.Tensor | None = None  # (R,) int64
+    recent_tokens: torch.Tensor | None = field(default=None, repr=False)  # (N, W) int64 pool
     # Host-side flags: read by the sampler without touching the device.
     all_greedy: bool = False
     any_top_k: bool = False
@@ -64,7 +78,15 @@ class SamplingMetadata:
     any_presence_frequency: bool = False
     any_min_tokens: bool = False
     any_logit_bias: bool = False
+    any_allowed_tokens: bool = False
+    any_bad_words: bool = False
     max_num_logprobs: int | None = None  # K: largest `logprobs` in the batch; None: nobody asked
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether some row's logits are masked, biased or penalised before the draw."""
+        return (self.any_allowed_tokens or self.any_bad_words or self.any_logit_bias
+                or self.any_min_tokens or self.any_penalties)
 
 
 def seed_to_int64(seed: int) -> int:
@@ -88,7 +110,8 @@ class SamplingRows:
     """Sampling settings of up to `max_rows` persistent rows, and the step metadata cut from them."""
 
     _ARRAYS = ("temperature", "greedy", "top_k", "top_p", "min_p", "presence", "frequency",
-               "repetition", "seed", "min_tokens", "num_logprobs", "penalty_slot", "has_bias")
+               "repetition", "seed", "min_tokens", "num_logprobs", "penalty_slot", "has_bias", "allowed_slot",
+               "recent_slot")
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device | str) -> None:
         self.vocab_size = vocab_size
@@ -110,7 +133,15 @@ class SamplingRows:
         self.has_bias = np.zeros(n, np.bool_)  # (R,)
         self.bans: list[np.ndarray | None] = [None] * n  # min_tokens: stop and eos ids
         self.bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * n  # (tokens, values)
+        self.allowed_slot = np.full(n, -1, np.int64)  # (R,) -1: no allowed_token_ids
+        self.recent_slot = np.full(n, -1, np.int64)  # (R,) -1: no bad words
+        # bad_words: per row, (prefixes (n, W) right-aligned with -1 padding, last tokens (n,),
+        # longest prefix); W = the window's width.
+        self.bad_words: list[tuple[np.ndarray, np.ndarray, int] | None] = [None] * n
         self.penalties = PenaltyPool(vocab_size, self.device)
+        self.allowed = AllowedTokenPool(vocab_size, self.device)
+        # NOTE: the window holds a sequence's prefix at most: every bad word's tokens but the last.
+        self.recent = RecentTokenPool(MAX_BAD_WORD_TOKENS - 1, self.device)
         self.version = 0  # bumped whenever a row changes: cached compositions are then stale
         self._composition: _Composition | None = None
 
@@ -145,28 +176,59 @@ class SamplingRows:
         self.bias[row] = ((np.fromiter(bias.keys(), np.int64, len(bias)),
                            np.fromiter(bias.values(), np.float32, len(bias))) if bias else None)
         self.has_bias[row] = bool(bias)
+        self.allowed_slot[row] = (self.allowed.acquire(p.allowed_token_ids)
+                                  if p.allowed_token_ids else -1)
+        seqs = self._bad_word_sequences(p)
+        self.bad_words[row] = seqs
+        self.recent_slot[row] = self.recent.acquire(output_token_ids) if seqs else -1
         self.version += 1
+
+    def _bad_word_sequences(self, p: SamplingParams) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """The bad words' token sequences that lie in the vocabulary (others can never appear), as
+        right-aligned prefixes and last tokens."""
+        if not p.bad_words:
+            return None
+        seqs = p._bad_words_token_ids
+        if seqs is None:
+            raise ValueError("bad_words reached the sampler untokenized: the front end fills "
+                             "their token sequences (SamplingParams.with_bad_word_tokens)")
+        width = self.recent.width
+        if any(not q or len(q) > width + 1 for q in seqs):
+            raise ValueError(f"bad word token sequences must hold 1 to {width + 1} tokens")
+        seqs = [q for q in seqs if max(q) < self.vocab_size]
+        if not seqs:
+            return None
+        prefixes = np.full((len(seqs), width), -1, np.int64)  # (n, W)
+        for i, q in enumerate(seqs):
+            prefixes[i, width - len(q) + 1:] = q[:-1]
+        last = np.array([q[-1] for q in seqs], np.int64)  # (n,)
+        return prefixes, last, max(len(q) for q in seqs) - 1
 
     def remove_row(self, row: int) -> None:
         """Forget `row` (its penalty slot is freed)."""
         if self.penalty_slot[row] >= 0:
             self.penalties.release(int(self.penalty_slot[row]))
+        if self.allowed_slot[row] >= 0:
+            self.allowed.release(int(self.allowed_slot[row]))
+        if self.recent_slot[row] >= 0:
+            self.recent.release(int(self.recent_slot[row]))
         self._clear(row)
         self.version += 1
 
     def move_row(self, src: int, dst: int) -> None:
-        """Move the settings of `src` to the empty row `dst` (the penalty slot goes with them)."""
+        """Move the settings of `src` to the empty row `dst` (the device slots go with them)."""
         for name in self._ARRAYS:
             arr = getattr(self, name)
             arr[dst] = arr[src]
         self.bans[dst], self.bias[dst] = self.bans[src], self.bias[src]
+        self.bad_words[dst] = self.bad_words[src]
         self._clear(src)
         self.version += 1
 
     def _clear(self, row: int) -> None:
-        self.penalty_slot[row] = -1
+        self.penalty_slot[row] = self.allowed_slot[row] = self.recent_slot[row] = -1
         self.has_bias[row] = False
-        self.bans[row] = self.bias[row] = None
+        self.bans[row] = self.bias[row] = self.bad_words[row] = None
 
     # ---- one step -----------------------------------------------------------------------------
     def metadata(self, rows: np.ndarray, steps: np.ndarray) -> SamplingMetadata:
@@ -199,9 +261,12 @@ class SamplingRows:
         return meta
 
     def record_sampled(self, meta: SamplingMetadata, sampled: torch.Tensor) -> None:
-        """Count the step's sampled tokens (B,) into the penalty rows' output counts, on the device."""
+        """Count the step's sampled tokens (B,) into the penalty rows' output counts and shift them
+        into the bad-word rows' recent-token windows, on the device."""
         if meta.penalty_rows is not None:
             self.penalties.record(meta.penalty_slots, sampled.index_select(0, meta.penalty_rows))
+        if meta.recent_rows is not None:
+            self.recent.record(meta.recent_slots, sampled.index_select(0, meta.recent_rows))
 
     def _build_composition(self, key: tuple[int, bytes], rows: np.ndarray) -> _Composition:
         greedy = self.greedy[rows]  # (B,)
@@ -223,6 +288,13 @@ class SamplingRows:
             counts = [t.size for t, _ in parts]
             arrays.append(np.stack([np.repeat(biased, counts), np.concatenate([t for t, _ in parts])]))
             arrays.append(np.concatenate([v for _, v in parts]))
+        n_fixed = len(arrays)
+        allowed = np.flatnonzero(self.allowed_slot[rows] >= 0)  # (A,)
+        if allowed.size:
+            arrays.append(np.stack([allowed, self.allowed_slot[rows[allowed]]]))
+        bad = np.flatnonzero(self.recent_slot[rows] >= 0)  # (R,)
+        if bad.size:
+            arrays.extend(self._bad_word_arrays(rows, bad))
         dev = upload(arrays, self.device)
         logprobs = self.num_logprobs[rows]
         meta = SamplingMetadata(
@@ -248,9 +320,33 @@ class SamplingRows:
         if biased.size and dev[6].numel():
             meta.any_logit_bias = True
             meta.bias_rows, meta.bias_tokens, meta.bias_values = dev[5][0], dev[5][1], dev[6]
+        extra = iter(dev[n_fixed:])
+        if allowed.size:
+            meta.any_allowed_tokens = True
+            meta.allowed_rows, meta.allowed_slots = next(extra)
+            meta.allowed_mask = self.allowed.mask
+        if bad.size:
+            meta.any_bad_words = True
+            meta.recent_rows, meta.recent_slots = next(extra)
+            (meta.bad_word_rows, meta.bad_word_slots, meta.bad_word_last) = next(extra)
+            meta.bad_word_prefixes = next(extra)
+            meta.recent_tokens = self.recent.tokens
         mt = np.flatnonzero(self.min_tokens[rows] > 0)
         return _Composition(key, meta, mt, self.min_tokens[rows[mt]],
                             [self.bans[r] for r in rows[mt]])
+
+
+    def _bad_word_arrays(self, rows: np.ndarray, bad: np.ndarray) -> list[np.ndarray]:
+        """(2, R) rows and window slots; (3, Q) row, slot and last token per sequence; (Q, K)
+        prefixes, K the longest prefix in the batch."""
+        slots = self.recent_slot[rows[bad]]  # (R,)
+        parts = [self.bad_words[r] for r in rows[bad]]
+        counts = [last.size for _, last, _ in parts]
+        k = max(n for _, _, n in parts)
+        prefixes = np.concatenate([pre for pre, _, _ in parts])[:, self.recent.width - k:]  # (Q, K)
+        per_seq = np.stack([np.repeat(bad, counts), np.repeat(slots, counts),
+                            np.concatenate([last for _, last, _ in parts])])  # (3, Q)
+        return [np.stack([bad, slots]), per_seq, np.ascontiguousarray(prefixes)]
 
 
 def build_sampling_metadata(requests: Sequence, vocab_size: int, device: torch.device | str,

@@ -1,6 +1,6 @@
 """Batched sampler on the logits' device: penalties, temperature, top-k/top-p/min-p, seeded draws.
 
-Stage order: logit_bias -> min_tokens -> repetition penalty -> presence/frequency penalties -> (greedy rows: argmax) ->
+Stage order: allowed_token_ids -> bad_words -> logit_bias -> min_tokens -> repetition penalty -> presence/frequency penalties -> (greedy rows: argmax) ->
 temperature -> top-k -> top-p -> min-p -> draw. No host<->device syncs and no loops over rows.
 
 Filtering keeps, per row, every token whose tempered logit is >= one threshold (the largest of the top-k,
@@ -26,6 +26,7 @@ import torch
 
 from peregrine import envs
 
+from peregrine.sample.constraints import apply_allowed_tokens, apply_bad_words
 from peregrine.sample.logprobs import compute_token_logprobs
 from peregrine.sample.metadata import SamplingMetadata
 from peregrine.sample.noise import as_int32_bits, log_exponentials, row_keys, token_hashes
@@ -131,11 +132,16 @@ class Sampler:
 
     @staticmethod
     def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """logit_bias, min_tokens bans, then repetition, presence and frequency penalties; returns
-        a new tensor if any."""
-        if not (meta.any_min_tokens or meta.any_penalties or meta.any_logit_bias):
+        """allowed_token_ids and bad_words bans, logit_bias, min_tokens bans, then repetition,
+        presence and frequency penalties; returns a new tensor if any."""
+        if not meta.changes_logits:
             return logits
         x = logits.clone()  # (B, V)
+        if meta.any_allowed_tokens:
+            apply_allowed_tokens(x, meta.allowed_rows, meta.allowed_slots, meta.allowed_mask)
+        if meta.any_bad_words:
+            apply_bad_words(x, meta.bad_word_rows, meta.bad_word_slots, meta.bad_word_prefixes,
+                            meta.bad_word_last, meta.recent_tokens)
         if meta.any_logit_bias:
             x.index_put_((meta.bias_rows, meta.bias_tokens), meta.bias_values, accumulate=True)
         if meta.any_min_tokens:
@@ -233,7 +239,7 @@ class Sampler:
         from peregrine.kernels.sampling import gumbel_argmax
 
         x = logits  # (B, V), any float dtype: the kernel upcasts as it loads
-        if meta.any_min_tokens or meta.any_penalties or meta.any_logit_bias:
+        if meta.changes_logits:
             x = self.apply_penalties(logits.float(), meta)  # (B, V) float32
         if meta.all_greedy:
             return x, x.argmax(dim=-1)
