@@ -5,21 +5,22 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from peregrine import envs
-from peregrine.attention.kv_dtype import check_kv_cache_dtype
-from peregrine.layers.quantization import QuantizationConfig, resolve_quantization
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+if TYPE_CHECKING:
+    import torch
+
+    from peregrine.layers.quantization import QuantizationConfig
+
+# NOTE: torch is imported inside the functions that need it, so that `peregrine --help` (whose
+# flags come from EngineArgs) starts without importing torch.
+_DTYPE_NAMES = {"float32": "float32", "float": "float32", "float16": "float16",
+                "half": "float16", "bfloat16": "bfloat16"}
+# A Hugging Face tokenizer folder holds at least one of these vocabulary files (or a *.tiktoken).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,8 @@ class EngineArgs:
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_gb: float = 1.0
+    gpu_memory_utilization: float | None = None  # None: 0.9 on CUDA; refused on the CPU
+    cpu_kv_cache_gb: float | None = None  # None: sized from the model (worker/kv_memory.py)
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
@@ -78,8 +79,11 @@ ENGINE_ARGS_HELP: dict[str, str] = {
     "seed": "seed of the sampler (requests without their own seed) and of dummy weights",
     "max_model_len": "longest prompt + output in tokens (default: the model's limit)",
     "block_size": "tokens per KV cache block (a power of two)",
-    "gpu_memory_utilization": "fraction of GPU memory for weights, activations and the KV cache",
-    "cpu_kv_cache_gb": "KV cache size on the CPU, in GiB",
+    "gpu_memory_utilization": "fraction of GPU memory for weights, activations and the KV cache "
+                              f"(default: {DEFAULT_GPU_MEMORY_UTILIZATION}; CUDA only)",
+    "cpu_kv_cache_gb": "KV cache size on the CPU, in GiB (default: enough for max_num_seqs "
+                       "sequences of max_model_len tokens, at most a quarter of the available "
+                       "memory)",
     "num_gpu_blocks_override": "use this many KV cache blocks instead of profiling",
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
     "max_num_seqs": "most requests running at once",
@@ -95,8 +99,9 @@ ENGINE_ARGS_HELP: dict[str, str] = {
     "async_scheduling": "launch step N+1 while step N runs (default: on with CUDA)",
     "engine_core_process": "run the scheduler and the model in their own process, apart from "
                            "the API server (default: on for the server with CUDA)",
-    "attention_backend": "torch (reference) or triton (default on CUDA; also "
-                         "$PEREGRINE_ATTENTION_BACKEND)",
+    "attention_backend": "torch (reference; the default on the CPU) or triton (the default on "
+                         "CUDA; on the CPU only with TRITON_INTERPRET=1); also "
+                         "$PEREGRINE_ATTENTION_BACKEND",
     "device": "auto, cpu or cuda[:N]",
     "tensor_parallel_size": "GPUs to split each layer over (only 1 so far)",
     "pipeline_parallel_size": "stages to split the layers into, one GPU group each (only 1 so far)",
@@ -135,10 +140,12 @@ class ModelConfig:
 
     @classmethod
     def from_args(cls, args: EngineArgs, model_dir: str) -> ModelConfig:
+        from peregrine.layers.quantization import resolve_quantization
         path = Path(model_dir)
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
-            raise ValueError(f"model folder {model_dir!r} has no config.json")
+            raise ValueError(f"model folder {model_dir!r} has no config.json (a Hugging Face "
+                             "model folder holds config.json and its weights)")
         hf = json.loads(cfg_path.read_text())
         archs = hf.get("architectures") or []
         if not archs:
@@ -183,27 +190,43 @@ class ModelConfig:
 
 def _tokenizer_path(args: EngineArgs, model_dir: Path) -> str:
     """The tokenizer's folder: the model's, or --tokenizer as a folder or a hub id."""
-    if args.tokenizer is None or args.skip_tokenizer_init:
+    if args.skip_tokenizer_init:
         return args.tokenizer or str(model_dir)
-    from peregrine.hub import resolve_model_path
-    return resolve_model_path(args.tokenizer, None, args.download_dir)
+    if args.tokenizer is None:
+        folder = str(model_dir)
+    else:
+        from peregrine.hub import resolve_model_path
+        folder = resolve_model_path(args.tokenizer, None, args.download_dir)
+    check_tokenizer_folder(folder, given=args.tokenizer is not None)
+    return folder
+
+
+def check_tokenizer_folder(folder: str, given: bool = False) -> None:
+    """A one-line ValueError when `folder` holds none of a Hugging Face tokenizer's files."""
+    if any((Path(folder) / name).is_file() for name in TOKENIZER_FILES) or any(
+            Path(folder).glob("*.tiktoken")):
+        return
+    what = "tokenizer folder" if given else "model folder"
+    raise ValueError(f"{what} {folder!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, "
+                     "...): pass --tokenizer with a folder or Hugging Face id that has them, or "
+                     "--skip-tokenizer-init to send token ids and get token ids back")
 
 
 def _resolve_dtype(dtype: str, hf: dict[str, Any]) -> torch.dtype:
+    import torch
     if dtype == "auto":
-        name = hf.get("torch_dtype") or hf.get("dtype") or "float32"
-        resolved = _DTYPES.get(str(name).replace("torch.", ""), torch.float32)
-        return resolved
-    if dtype not in _DTYPES:
+        name = str(hf.get("torch_dtype") or hf.get("dtype") or "float32").replace("torch.", "")
+        return getattr(torch, _DTYPE_NAMES.get(name, "float32"))
+    if dtype not in _DTYPE_NAMES:
         raise _bad("dtype", f"{dtype!r} (expected auto, float32, float16 or bfloat16)")
-    return _DTYPES[dtype]
+    return getattr(torch, _DTYPE_NAMES[dtype])
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int
     gpu_memory_utilization: float
-    cpu_kv_cache_gb: float
+    cpu_kv_cache_gb: float | None  # None: sized from the model (worker/kv_memory.py)
     num_gpu_blocks_override: int | None
     enable_prefix_caching: bool
     cache_dtype: str = "auto"  # the KV cache's element type (attention/kv_dtype.py)
@@ -249,8 +272,11 @@ class EngineConfig:
         model = ModelConfig.from_args(args, model_dir)
         if args.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise _bad("block_size", f"{args.block_size} (expected a power of two up to 128)")
-        if not 0.0 < args.gpu_memory_utilization <= 1.0:
-            raise _bad("gpu_memory_utilization", f"{args.gpu_memory_utilization} not in (0, 1]")
+        gpu_util = args.gpu_memory_utilization
+        if gpu_util is not None and not 0.0 < gpu_util <= 1.0:
+            raise _bad("gpu_memory_utilization", f"{gpu_util} not in (0, 1]")
+        if args.cpu_kv_cache_gb is not None and not args.cpu_kv_cache_gb > 0:
+            raise _bad("cpu_kv_cache_gb", f"must be > 0, got {args.cpu_kv_cache_gb}")
         if args.num_gpu_blocks_override is not None and args.num_gpu_blocks_override < 1:
             raise _bad("num_gpu_blocks_override", "must be >= 1")
         if args.max_num_seqs < 1:
@@ -272,12 +298,24 @@ class EngineConfig:
             raise _bad("max_num_batched_tokens", f"{max_batched} < max_model_len "
                        f"{model.max_model_len} with chunked prefill off")
         device = resolve_device(args.device)
+        on_cuda = device.startswith("cuda")
+        if gpu_util is not None and not on_cuda:
+            raise _bad("gpu_memory_utilization", f"{gpu_util} was given but the engine runs on "
+                       f"{device!r}, where it has no meaning; size the CPU KV cache with "
+                       "cpu_kv_cache_gb instead (default: from the model)")
         backend = args.attention_backend or envs.attention_backend() or (
-            "triton" if device.startswith("cuda") else "torch")
+            "triton" if on_cuda else "torch")
         if backend not in ("torch", "triton"):
             raise _bad("attention_backend", f"{backend!r} (expected torch or triton)")
+        if backend == "triton" and not on_cuda and not envs.triton_interpret():
+            raise _bad("attention_backend", f"triton on {device!r} needs CUDA (Triton compiles "
+                       "its kernels for the GPU): use the torch backend on the CPU, or set "
+                       "TRITON_INTERPRET=1 to run the kernels in Triton's (slow) interpreter")
+        from peregrine.attention.kv_dtype import check_kv_cache_dtype
         check_kv_cache_dtype(args.kv_cache_dtype)
-        cache = CacheConfig(args.block_size, args.gpu_memory_utilization, args.cpu_kv_cache_gb,
+        cache = CacheConfig(args.block_size,
+                            DEFAULT_GPU_MEMORY_UTILIZATION if gpu_util is None else gpu_util,
+                            args.cpu_kv_cache_gb,
                             args.num_gpu_blocks_override, args.enable_prefix_caching,
                             args.kv_cache_dtype)
         sched = SchedulerConfig(args.max_num_seqs, max_batched, model.max_model_len,
@@ -290,6 +328,8 @@ class EngineConfig:
 
 
 def resolve_device(device: str) -> str:
+    """auto -> cuda when available, else cpu; a CUDA device without CUDA is refused."""
+    import torch
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():

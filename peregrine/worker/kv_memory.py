@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import logging
+import math
+import mmap
+import os
 from collections.abc import Callable
 
 import torch
@@ -11,6 +14,8 @@ from peregrine.config import EngineConfig, ModelConfig
 
 logger = logging.getLogger("peregrine")
 GiB = 1 << 30
+# The default CPU KV pool takes at most this share of the memory available when it is sized.
+CPU_KV_MEMORY_FRACTION = 0.25
 
 
 def allocate_kv_caches(mc: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
@@ -19,13 +24,69 @@ def allocate_kv_caches(mc: ModelConfig, num_blocks: int, block_size: int, device
     (default: the model's)."""
     shape = (num_blocks, block_size, mc.num_kv_heads, mc.head_dim)
     dt = dtype or mc.dtype
+    if device.type == "cpu":
+        return [(_untouched_zeros(shape, dt), _untouched_zeros(shape, dt))
+                for _ in range(mc.num_layers)]
     return [(torch.zeros(shape, dtype=dt, device=device),
              torch.zeros(shape, dtype=dt, device=device)) for _ in range(mc.num_layers)]
 
 
+def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros in an anonymous memory mapping.
+
+    NOTE: the OS maps a page of the mapping on its first write, so KV blocks no request has used
+    yet cost no resident memory (torch.zeros would write every page up front).
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes)  # the tensor keeps the mapping alive
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def available_memory_bytes() -> int:
+    """Memory the OS can still give this process: MemAvailable, or the cgroup's remaining limit
+    when lower; the physical memory where /proc is missing."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            found.append(max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    if not found:
+        found.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return min(found)
+
+
+def cpu_num_blocks(config: EngineConfig, per_block: int, available: int | None = None) -> int:
+    """The CPU pool: cpu_kv_cache_gb when given; else blocks for max_num_seqs sequences of
+    max_model_len tokens, capped at CPU_KV_MEMORY_FRACTION of `available` bytes (default: the
+    memory available now) but never below one full-length sequence."""
+    cc, sc = config.cache, config.scheduler
+    if cc.cpu_kv_cache_gb is not None:
+        return int(cc.cpu_kv_cache_gb * GiB) // per_block
+    per_seq = -(-sc.max_model_len // cc.block_size)
+    wanted = per_seq * sc.max_num_seqs
+    avail = available_memory_bytes() if available is None else available
+    cap = int(avail * CPU_KV_MEMORY_FRACTION) // per_block
+    return min(wanted, max(per_seq, cap))
+
+
 def determine_num_blocks(config: EngineConfig, device: torch.device,
                          profile: Callable[[], None], reserve_bytes: int = 0) -> int:
-    """Pool size: the override, else CPU memory budget, else profiled free GPU memory.
+    """Pool size: the override, else the CPU sizing (cpu_num_blocks), else profiled free GPU
+    memory.
 
     profile: runs the worst-case step on `device` (with the model loaded and no KV cache yet).
     reserve_bytes: GPU memory allocated after the KV cache (CUDA graphs), left out of its budget.
@@ -35,7 +96,7 @@ def determine_num_blocks(config: EngineConfig, device: torch.device,
     if cc.num_gpu_blocks_override is not None:
         num_blocks = cc.num_gpu_blocks_override
     elif device.type != "cuda":
-        num_blocks = int(cc.cpu_kv_cache_gb * GiB) // per_block
+        num_blocks = cpu_num_blocks(config, per_block)
     else:
         num_blocks = _profile_gpu_blocks(device, config, per_block, profile, reserve_bytes)
     need = -(-mc.max_model_len // cc.block_size)
@@ -45,7 +106,7 @@ def determine_num_blocks(config: EngineConfig, device: torch.device,
                 tokens, mc.max_model_len, num_blocks / need)
     if num_blocks < 1:
         raise ValueError("no memory is left for the KV cache: lower max_num_batched_tokens or "
-                         "raise gpu_memory_utilization / cpu_kv_cache_gb")
+                         "raise gpu_memory_utilization (CUDA) / cpu_kv_cache_gb (CPU)")
     if device.type == "cuda" and cc.num_gpu_blocks_override is None and num_blocks < need:
         raise ValueError(
             f"the KV cache holds {tokens} tokens but one request of max_model_len={mc.max_model_len} "
