@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from peregrine.layers.quantization.base import QuantMethod
+from peregrine.layers.quantization.base import QuantMethod, linear_param, load_sharded
 
 if TYPE_CHECKING:
     from peregrine.layers.linear import LinearBase
@@ -184,3 +184,19 @@ def check_groups(method: str, layer: LinearBase, in_features: int, group_size: i
                  and not layer.shards_output else "")
         raise ValueError(f"{method}: {in_features} inputs{where} of {'/'.join(layer.prefixes)} "
                          f"are not a multiple of group_size {group_size}")
+
+
+def load_g_idx(layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor, shard: int | None,
+               name: str) -> None:
+    """Load an act-order g_idx; the projections of a fused layer share their input, so their
+    g_idx must agree (one per input row is all the kernel reads)."""
+    if not getattr(layer, "wna16_g_idx_loaded", False):
+        load_sharded(layer, param, loaded, shard, name)
+        layer.wna16_g_idx_loaded = True
+        return
+    other = linear_param(tuple(param.shape), param.dtype, output_dim=param.output_dim,
+                         input_dim=param.input_dim)
+    load_sharded(layer, other, loaded, shard, name)
+    if not torch.equal(other.data, param.data):
+        raise ValueError(f"tensor {name!r}: the act-order g_idx differs between the fused "
+                         f"projections of {'/'.join(layer.prefixes)}, which share one input")
