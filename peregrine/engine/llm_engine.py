@@ -84,6 +84,12 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = self._validate_prompt(ids, params)
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer (the engine runs with "
+                                 "skip_tokenizer_init=True)")
+            params = params.with_bad_word_tokens(
+                lambda w: self.tokenizer.encode(w, add_special_tokens=False))
         limit = self.config.scheduler.max_queue_len
         if limit is not None and params.n > limit:
             raise ValueError(f"n={params.n} sequences can never wait in a queue of "
@@ -129,6 +135,10 @@ class LLMEngine:
         if out_of_vocab:
             raise ValueError(f"logit_bias token id {out_of_vocab[0]} is outside the vocabulary "
                              f"[0, {vocab})")
+        out_of_vocab = [t for t in (params.allowed_token_ids or ()) if t >= vocab]
+        if out_of_vocab:
+            raise ValueError(f"allowed_token_ids token id {out_of_vocab[0]} is outside the "
+                             f"vocabulary [0, {vocab})")
         if len(ids) >= limit:
             raise ValueError(f"the prompt has {len(ids)} tokens, which leaves no room to generate "
                              f"within max_model_len={limit}")
