@@ -1,7 +1,12 @@
-"""`peregrine bench throughput` (W1) and `peregrine bench latency` (W2), optionally beside transformers."""
+"""`peregrine bench throughput` (W1) and `peregrine bench latency` (W2), optionally beside transformers.
+
+NOTE: torch is imported inside the functions that run a benchmark, so building the parser (and
+`--help`) stays cheap.
+"""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -9,18 +14,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from peregrine.config import EngineArgs
+from peregrine.entrypoints.cli import add_engine_args, engine_args_from
 from peregrine.entrypoints.model_path import model_folder
 from peregrine.sampling_params import SamplingParams
 
 
-def w1_requests(num: int, seed: int, min_in: int, max_in: int, min_out: int,
-                max_out: int) -> tuple[list[list[int]], list[int]]:
+# Prompt token ids are drawn from [0, 10000] (fewer for a smaller vocabulary).
+MAX_PROMPT_TOKEN_ID = 10000
+
+
+def _max_token_id(vocab_size: int) -> int:
+    return min(MAX_PROMPT_TOKEN_ID, vocab_size - 1)
+
+
+def w1_requests(num: int, seed: int, min_in: int, max_in: int, min_out: int, max_out: int,
+                max_token_id: int = MAX_PROMPT_TOKEN_ID) -> tuple[list[list[int]], list[int]]:
     """W1: all prompts first, then all output lengths, from Python's random after seed()."""
     random.seed(seed)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(min_in, max_in))]
+    prompts = [[random.randint(0, max_token_id) for _ in range(random.randint(min_in, max_in))]
                for _ in range(num)]
     out_lens = [random.randint(min_out, max_out) for _ in range(num)]
     return prompts, out_lens
@@ -28,10 +40,11 @@ def w1_requests(num: int, seed: int, min_in: int, max_in: int, min_out: int,
 
 def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     from peregrine.entrypoints.llm import LLM
-    prompts, out_lens = w1_requests(ns.num_prompts, ns.seed, ns.min_input, ns.max_input,
-                                    ns.min_output, ns.max_output)
     args = _engine_args(ns, max_model_len=ns.max_input + ns.max_output)
     llm = LLM(**args)
+    prompts, out_lens = w1_requests(ns.num_prompts, ns.seed, ns.min_input, ns.max_input,
+                                    ns.min_output, ns.max_output,
+                                    _max_token_id(llm.engine.config.model.vocab_size))
     params = [SamplingParams(temperature=ns.temperature, max_tokens=n, ignore_eos=True, seed=i)
               for i, n in enumerate(out_lens)]
     # Warm-up: a few short requests so compilation and autotuning stay out of the timing.
@@ -70,6 +83,7 @@ def host_timings(engine) -> dict[str, dict[str, float]]:
 
 def _profile_steps(engine, window: str, out_path: str | None) -> None:
     """Wrap engine.step so that steps [a, b) run under torch.profiler; print the top kernels."""
+    import torch
     a, b = (int(x) for x in window.split(":"))
     original = engine.step
     state = {"n": 0, "prof": None}
@@ -99,10 +113,11 @@ def _profile_steps(engine, window: str, out_path: str | None) -> None:
 
 def _hf_continuous_batching(ns, prompts, out_lens) -> dict[str, Any]:
     """transformers' generate_batch with paged attention on the first --hf-requests requests."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.generation import GenerationConfig
     n = min(ns.hf_requests, len(prompts))
-    cfg = AutoConfig.from_pretrained(model_folder(ns.model))
+    cfg = AutoConfig.from_pretrained(_model_dir(ns))
     res: dict[str, Any] = {"engine": "transformers generate_batch", "requests": n}
     for impl in ("paged|sdpa", "sdpa_paged"):
         try:
@@ -131,11 +146,14 @@ def _hf_continuous_batching(ns, prompts, out_lens) -> dict[str, Any]:
 
 
 def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
     from peregrine.engine.llm_engine import LLMEngine
     args = _engine_args(ns, max_model_len=ns.input_len + ns.output_len + 16)
     engine = LLMEngine.from_engine_args(EngineArgs(**args))
     random.seed(ns.seed)
-    prompt = [random.randint(0, 10000) for _ in range(ns.input_len)]
+    top = _max_token_id(engine.config.model.vocab_size)
+    prompt = [random.randint(0, top) for _ in range(ns.input_len)]
     params = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True)
     runs = []
     for it in range(ns.warmup + ns.iters):
@@ -172,8 +190,9 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def _hf_generate_latency(ns, prompt) -> dict[str, Any]:
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    cfg = AutoConfig.from_pretrained(model_folder(ns.model))
+    cfg = AutoConfig.from_pretrained(_model_dir(ns))
     with torch.device("cuda"):  # random init on the GPU: seconds, not minutes
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     ids = torch.tensor([prompt], device="cuda")
@@ -188,58 +207,94 @@ def _hf_generate_latency(ns, prompt) -> dict[str, Any]:
             "tokens_per_s": ns.output_len / elapsed}
 
 
+def _model_dir(ns: argparse.Namespace) -> str:
+    """--model as a folder: a config .json becomes a weightless folder (removed at exit), a hub
+    id its local snapshot."""
+    if ns.model.endswith(".json"):
+        return model_folder(ns.model)
+    from peregrine.hub import resolve_model_path
+    return resolve_model_path(ns.model, ns.revision, ns.download_dir)
+
+
 def _engine_args(ns: argparse.Namespace, max_model_len: int) -> dict[str, Any]:
-    args = dict(model=model_folder(ns.model), load_format=ns.load_format, dtype=ns.dtype,
-                skip_tokenizer_init=True, max_model_len=max_model_len, seed=ns.seed,
-                enforce_eager=ns.enforce_eager, enable_prefix_caching=not ns.no_prefix_caching)
-    for key in ("max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-                "attention_backend", "num_gpu_blocks_override"):
-        if getattr(ns, key, None) is not None:
-            args[key] = getattr(ns, key)
+    """The engine flags as LLM's keyword arguments: token-id prompts, the workload's length."""
+    args = dataclasses.asdict(engine_args_from(ns))
+    args.update(model=_model_dir(ns), skip_tokenizer_init=True, max_model_len=max_model_len)
     return args
 
 
 def _sync() -> None:
+    import torch
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
+# Engine flags a benchmark sets itself (the workload's lengths, token-id prompts, in process).
+_ENGINE_ARGS_SET_BY_BENCH = frozenset({"model", "max_model_len", "skip_tokenizer_init", "tokenizer",
+                                       "served_model_name", "engine_core_process"})
+
+
+def add_cli_args(p: argparse.ArgumentParser, kind: str) -> None:
+    """The flags of `peregrine bench throughput` / `latency`: the engine's, then the workload's."""
+    if kind not in ("throughput", "latency"):
+        raise ValueError(f"unknown offline benchmark {kind!r} (expected throughput or latency)")
+    p.add_argument("--model", required=True,
+                   help="model folder, Hugging Face id, or a config .json served with dummy "
+                   "weights (e.g. benchmarks/configs/qwen3-0.6b.json)")
+    add_engine_args(p, skip=_ENGINE_ARGS_SET_BY_BENCH)
+    # NOTE: benchmarks measure the serving configuration: random weights in bfloat16.
+    p.set_defaults(load_format="dummy", dtype="bfloat16")
+    p.add_argument("--compare-transformers", action=argparse.BooleanOptionalAction, default=False,
+                   help="also run transformers on the same requests, on CUDA "
+                   "(default: %(default)s)")
+    p.add_argument("--output-json", default=None,
+                   help="write the result as JSON to this file (default: %(default)s, print only)")
+    if kind == "throughput":
+        p.add_argument("--num-prompts", type=int, default=256,
+                       help="requests (default: %(default)s)")
+        p.add_argument("--min-input", type=int, default=100,
+                       help="shortest prompt in tokens (default: %(default)s)")
+        p.add_argument("--max-input", type=int, default=1024,
+                       help="longest prompt in tokens (default: %(default)s)")
+        p.add_argument("--min-output", type=int, default=100,
+                       help="shortest output in tokens (default: %(default)s)")
+        p.add_argument("--max-output", type=int, default=1024,
+                       help="longest output in tokens (default: %(default)s)")
+        p.add_argument("--temperature", type=float, default=0.6,
+                       help="sampling temperature (default: %(default)s)")
+        p.add_argument("--hf-requests", type=int, default=32,
+                       help="requests run by transformers with --compare-transformers "
+                       "(default: %(default)s)")
+        p.add_argument("--torch-profile", default=None, metavar="A:B",
+                       help="run engine steps A..B-1 under torch.profiler and print the top "
+                       "kernels (default: %(default)s, no profile)")
+        p.add_argument("--torch-profile-out", default=None,
+                       help="also write the profile tables to this file (default: %(default)s)")
+    else:
+        p.add_argument("--input-len", type=int, default=128,
+                       help="prompt tokens (default: %(default)s)")
+        p.add_argument("--output-len", type=int, default=256,
+                       help="output tokens (default: %(default)s)")
+        p.add_argument("--warmup", type=int, default=1,
+                       help="untimed runs first (default: %(default)s)")
+        p.add_argument("--iters", type=int, default=3,
+                       help="timed runs; the medians are reported (default: %(default)s)")
+
+
 def build_parser(kind: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"peregrine bench {kind}")
-    p.add_argument("--model", required=True, help="model folder, or a config .json (dummy weights)")
-    p.add_argument("--load-format", default="dummy")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--attention-backend", default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=None)
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--compare-transformers", action="store_true")
-    p.add_argument("--output-json", default=None)
-    if kind == "throughput":
-        p.add_argument("--num-prompts", type=int, default=256)
-        p.add_argument("--min-input", type=int, default=100)
-        p.add_argument("--max-input", type=int, default=1024)
-        p.add_argument("--min-output", type=int, default=100)
-        p.add_argument("--max-output", type=int, default=1024)
-        p.add_argument("--temperature", type=float, default=0.6)
-        p.add_argument("--hf-requests", type=int, default=32)
-        p.add_argument("--torch-profile", default=None, help="profile engine steps A:B")
-        p.add_argument("--torch-profile-out", default=None)
-    else:
-        p.add_argument("--input-len", type=int, default=128)
-        p.add_argument("--output-len", type=int, default=256)
-        p.add_argument("--warmup", type=int, default=1)
-        p.add_argument("--iters", type=int, default=3)
+    add_cli_args(p, kind)
     return p
 
 
-def main(kind: str, argv: list[str]) -> int:
-    ns = build_parser(kind).parse_args(argv)
-    result = run_throughput(ns) if kind == "throughput" else run_latency(ns)
+def run(kind: str, ns: argparse.Namespace) -> int:
+    """Run the parsed benchmark, print its table (and JSON); returns the exit code."""
+    import torch
+    try:
+        result = run_throughput(ns) if kind == "throughput" else run_latency(ns)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     result["torch"] = torch.__version__
     try:
         import triton
@@ -252,6 +307,11 @@ def main(kind: str, argv: list[str]) -> int:
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps(result, indent=2))
     return 0
+
+
+def main(kind: str, argv: list[str]) -> int:
+    """Entry point of `peregrine bench throughput|latency`; returns the exit code."""
+    return run(kind, build_parser(kind).parse_args(argv))
 
 
 def _print_table(result: dict[str, Any]) -> None:

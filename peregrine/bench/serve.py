@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import statistics
 import sys
 import time
@@ -215,31 +216,84 @@ def format_summary(s: dict[str, Any]) -> str:
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     """The flags of `peregrine bench serve`."""
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--model", default=None, help="default: the first id from /v1/models")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--dataset", choices=DATASETS, default="random")
-    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="the server's address (default: %(default)s)")
+    p.add_argument("--model", default=None,
+                   help="model name sent with each request (default: the first id from "
+                   "/v1/models)")
+    p.add_argument("--api-key", default=None,
+                   help="sent as 'Authorization: Bearer KEY' (default: %(default)s)")
+    p.add_argument("--dataset", choices=DATASETS, default="random",
+                   help="random: random lengths; prefix-shared: one shared prefix, unique "
+                   "suffixes (default: %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=1000,
+                   help="requests to send (default: %(default)s)")
     p.add_argument("--request-rate", type=float, default=math.inf,
-                   help="requests/s with Poisson arrivals (default inf: all at once)")
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--random-input-len", type=int, default=200)
-    p.add_argument("--random-output-len", type=int, default=180)
+                   help="requests/s with Poisson arrivals; inf sends all at once "
+                   "(default: %(default)s)")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight at once (default: %(default)s, no limit)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the prompts and the arrival times (default: %(default)s)")
+    p.add_argument("--random-input-len", type=int, default=200,
+                   help="random: mean prompt tokens (default: %(default)s)")
+    p.add_argument("--random-output-len", type=int, default=180,
+                   help="random: mean output tokens (default: %(default)s)")
     p.add_argument("--random-range-ratio", type=float, default=0.1,
-                   help="lengths uniform in [L*(1-r), L*(1+r)]")
-    p.add_argument("--prefix-len", type=int, default=2000, help="prefix-shared: shared tokens")
-    p.add_argument("--suffix-len", type=int, default=100, help="prefix-shared: unique tokens")
-    p.add_argument("--output-len", type=int, default=180, help="prefix-shared: output tokens")
-    p.add_argument("--vocab-size", type=int, default=32000,
-                   help="token ids are drawn from [--min-token-id, vocab-size)")
-    p.add_argument("--min-token-id", type=int, default=10)
-    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="let requests stop at eos (default: exactly the requested lengths)")
-    p.add_argument("--label", default=None, help="free text stored in the JSON")
-    p.add_argument("--result-file", default=None, help="write the summary (and config) as JSON")
-    p.add_argument("--save-detailed", action="store_true",
-                   help="also write every request's send time, TTFT, ITLs and error to the JSON")
+                   help="random: lengths uniform in [L*(1-r), L*(1+r)] (default: %(default)s)")
+    p.add_argument("--prefix-len", type=int, default=2000,
+                   help="prefix-shared: shared tokens (default: %(default)s)")
+    p.add_argument("--suffix-len", type=int, default=100,
+                   help="prefix-shared: unique tokens per request (default: %(default)s)")
+    p.add_argument("--output-len", type=int, default=180,
+                   help="prefix-shared: output tokens (default: %(default)s)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="token ids are drawn from [--min-token-id, vocab-size) (default: "
+                   "the served model's vocabulary size, asked from the server)")
+    p.add_argument("--min-token-id", type=int, default=10,
+                   help="smallest token id drawn, to keep clear of special tokens "
+                   "(default: %(default)s)")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate exactly the requested lengths; --no-ignore-eos lets requests "
+                   "stop at eos (default: %(default)s)")
+    p.add_argument("--label", default=None,
+                   help="free text stored in the JSON (default: %(default)s)")
+    p.add_argument("--result-file", default=None,
+                   help="write the summary (and config) as JSON (default: %(default)s)")
+    p.add_argument("--save-detailed", action=argparse.BooleanOptionalAction, default=False,
+                   help="also write every request's send time, TTFT, ITLs and error to the JSON "
+                   "(default: %(default)s)")
+
+
+async def served_vocab_size(base_url: str, model: str | None = None,
+                            api_key: str | None = None) -> int:
+    """The served model's vocabulary size: `vocab_size` on its /v1/models card when the server
+    gives one, else read from the 400 that /v1/completions answers for an out-of-vocabulary
+    stop_token_ids entry (the request is refused before any generation)."""
+    ep = Endpoint.parse(base_url)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    cards = (await get_json(ep, "/v1/models", headers)).get("data") or []
+    card = next((c for c in cards if model is None or c.get("id") == model), None)
+    if card is None:
+        raise ValueError(f"the server at {base_url} serves no model {model!r}")
+    if isinstance(card.get("vocab_size"), int):
+        return card["vocab_size"]
+    probe = {"model": card["id"], "prompt": [0], "max_tokens": 1,
+             "stop_token_ids": [_PROBE_TOKEN_ID]}
+    try:
+        async for _ in request(ep, "POST", "/v1/completions", probe, headers):
+            pass
+    except HTTPError as e:
+        found = _VOCAB_IN_ERROR.search(e.body)
+        if found:
+            return int(found.group(1))
+    raise ValueError(f"could not learn the vocabulary size from the server at {base_url}: "
+                     "pass --vocab-size")
+
+
+# A token id no vocabulary reaches (int32's largest), and the server's words for refusing it.
+_PROBE_TOKEN_ID = 2**31 - 1
+_VOCAB_IN_ERROR = re.compile(r"outside the vocabulary \[0, (\d+)\)")
 
 
 def build_requests(ns: argparse.Namespace) -> list[BenchRequest]:
@@ -256,8 +310,14 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `peregrine bench serve`; returns the exit code."""
     parser = argparse.ArgumentParser(prog="peregrine bench serve", description=__doc__)
     add_cli_args(parser)
-    ns = parser.parse_args(argv)
+    return run(parser.parse_args(argv))
+
+
+def run(ns: argparse.Namespace) -> int:
+    """Run the parsed serving benchmark, print its summary (and JSON); returns the exit code."""
     try:
+        if ns.vocab_size is None:
+            ns.vocab_size = asyncio.run(served_vocab_size(ns.base_url, ns.model, ns.api_key))
         reqs = build_requests(ns)
         summary, results = asyncio.run(run_benchmark(
             ns.base_url, ns.model, reqs, request_rate=ns.request_rate,

@@ -96,3 +96,30 @@ def test_bench_counts_failures(tmp_path):
     assert code == 1
     summary = json.loads((tmp_path / "r.json").read_text())["summary"]
     assert summary["failed_requests"] == 3 and "400" in summary["errors"][0]
+
+
+def test_vocab_size_is_read_from_the_server_when_not_given(tmp_path):
+    engine = FakeEngine(max_model_len=256)
+    out = tmp_path / "r.json"
+    with RunningServer(engine) as s:
+        code = main(["--base-url", s.base_url, "--num-prompts", "3", "--random-input-len", "8",
+                     "--random-output-len", "3", "--result-file", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["vocab_size"] == engine.config.model.vocab_size != 32000
+    assert data["summary"]["successful_requests"] == 3
+
+
+def test_vocab_size_from_the_model_card_wins(monkeypatch):
+    import asyncio
+
+    from peregrine.bench import serve as bench_serve
+
+    async def card(ep, path, headers=None):
+        assert path == "/v1/models"
+        return {"data": [{"id": "other", "vocab_size": 7}, {"id": "m", "vocab_size": 1234}]}
+
+    monkeypatch.setattr(bench_serve, "get_json", card)
+    assert asyncio.run(bench_serve.served_vocab_size("http://127.0.0.1:1", "m")) == 1234
+    with pytest.raises(ValueError, match="serves no model 'x'"):
+        asyncio.run(bench_serve.served_vocab_size("http://127.0.0.1:1", "x"))
