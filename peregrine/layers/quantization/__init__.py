@@ -19,7 +19,11 @@ __all__ = ["QuantMethod", "QuantizationConfig", "UnquantizedLinearMethod",
 
 _ConfigClass = type[QuantizationConfig]
 # quant_method -> "module:Class", imported on first use.
-_BUILTIN: dict[str, str] = {}
+_BUILTIN: dict[str, str] = {
+    "fp8": "peregrine.layers.quantization.fp8:Fp8Config",
+    "compressed-tensors":
+        "peregrine.layers.quantization.compressed_tensors:CompressedTensorsConfig",
+}
 _REGISTERED: dict[str, _ConfigClass] = {}
 
 

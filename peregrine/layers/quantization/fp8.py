@@ -1,0 +1,226 @@
+"""FP8 (e4m3) W8A8: Hugging Face `fp8` checkpoints (128x128 block scales or per-tensor scales)
+and online FP8 (`--quantization fp8` on a 16-bit checkpoint: per-channel scales computed at load).
+
+Activations are quantized per token at run time (or with a static per-tensor `input_scale`).
+On GPUs with FP8 tensor cores (compute capability 8.9+) the matmul is `torch._scaled_mm` with
+row-wise scales (per-channel weights) or the block-scaled Triton GEMM (kernels/fp8_quant.py);
+elsewhere, the CPU included, the same quantized values are dequantized and multiplied in float32.
+"""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from peregrine.kernels.fp8_quant import (FP8_DTYPE, FP8_MAX, per_token_group_quant,
+                                         quantize_with_scale, w8a8_block_fp8_matmul,
+                                         w8a8_block_matmul_ref)
+from peregrine.layers.quantization.base import (QuantizationConfig, QuantMethod, linear_param,
+                                                load_sharded)
+
+if TYPE_CHECKING:
+    from peregrine.layers.linear import LinearBase
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_tensor_cores(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def fp8_gemm_supported(x: torch.Tensor) -> bool:
+    """Whether x's device has FP8 tensor cores (Ada / Hopper and later) and x is 16-bit."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and _fp8_tensor_cores(x.device.index if x.device.index is not None
+                                  else torch.cuda.current_device()))
+
+
+def quantize_input(x: torch.Tensor, dtype: torch.dtype,
+                   input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> q (M, K) in dtype and its (M, 1) fp32 scales: per token, or the static
+    per-tensor input_scale (shape (1, 1)) when given."""
+    if input_scale is None:
+        return per_token_group_quant(x, dtype)
+    return quantize_with_scale(x, input_scale, dtype), input_scale.expand(x.shape[0], 1)
+
+
+def apply_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     input_scale: torch.Tensor | None,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """y (M, N) = quant(x) @ weight^T with weight (N, K) fp8 and weight_scale (1, N) fp32."""
+    x = x.contiguous()  # (M, K)
+    xq, xs = quantize_input(x, FP8_DTYPE, input_scale)  # (M, K) fp8, (M, 1) fp32
+    n, k = weight.shape
+    if fp8_gemm_supported(x) and k % 16 == 0 and n % 16 == 0 and x.shape[0] > 0:
+        # NOTE: row-wise scaling wants fp32 scales (M, 1) and (1, N) and a bf16 output.
+        y = torch._scaled_mm(xq, weight.t(), scale_a=xs.contiguous(), scale_b=weight_scale,
+                             out_dtype=torch.bfloat16)  # (M, N)
+        y = y.to(x.dtype)
+    else:
+        y = ((xq.float() * xs) @ (weight.float() * weight_scale.t()).t()).to(x.dtype)  # (M, N)
+    return y if bias is None else y + bias
+
+
+class W8A8Method(QuantMethod):
+    """8-bit weights with per-channel or per-tensor scales, 8-bit activations (per token, or a
+    static per-tensor input_scale). After loading: layer.weight (N, K), layer.weight_scale (1, N)
+    fp32 and layer.input_scale (1, 1) fp32 or None. Subclasses pick the 8-bit type and matmul."""
+
+    weight_dtype: torch.dtype
+
+    def __init__(self, weight_strategy: str = "channel", static_input: bool = False) -> None:
+        if weight_strategy not in ("channel", "tensor"):
+            raise ValueError(f"W8A8 weight scales per {weight_strategy!r} are not supported "
+                             "(channel, tensor)")
+        self.weight_strategy = weight_strategy
+        self.static_input = static_input
+
+    def create_weights(self, layer: LinearBase, in_features: int, out_sizes: list[int],
+                       dtype: torch.dtype) -> None:
+        layer.weight = linear_param((sum(out_sizes), in_features), self.weight_dtype,
+                                    output_dim=0, input_dim=1)
+        if self.weight_strategy == "channel":
+            layer.weight_scale = linear_param((sum(out_sizes), 1), torch.float32, output_dim=0,
+                                              input_dim=None)
+        else:
+            layer.weight_scale = _per_shard_scalar(len(out_sizes))
+        layer.input_scale = _per_shard_scalar(len(out_sizes)) if self.static_input else None
+
+    def load_weight(self, layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor,
+                    shard: int | None, name: str) -> None:
+        if getattr(param, "per_shard_scalar", False):
+            if loaded.numel() != 1:
+                raise ValueError(f"tensor {name!r}: a per-tensor scale must hold one value, got "
+                                 f"shape {tuple(loaded.shape)}")
+            param.data[shard or 0] = loaded.reshape(()).float()
+            return
+        load_sharded(layer, param, loaded, shard, name)
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        scale = layer.weight_scale.data
+        if self.weight_strategy == "tensor":  # one scale per merged projection -> per channel
+            sizes = torch.tensor([s // (1 if not layer.shards_output else layer.tp_size)
+                                  for s in layer.out_sizes], device=scale.device)
+            scale = scale.repeat_interleave(sizes)
+        layer.weight_scale = nn.Parameter(scale.reshape(1, -1).float().contiguous(),
+                                          requires_grad=False)  # (1, N)
+        if layer.input_scale is not None:
+            # NOTE: fused projections share one input; the largest scale covers all of them.
+            layer.input_scale = nn.Parameter(layer.input_scale.data.max().reshape(1, 1),
+                                             requires_grad=False)
+
+
+def _per_shard_scalar(num_shards: int) -> nn.Parameter:
+    """One fp32 scale per merged projection, the same on every rank."""
+    param = linear_param((num_shards,), torch.float32, output_dim=None, input_dim=None)
+    param.data.fill_(1.0)
+    param.per_shard_scalar = True
+    return param
+
+
+class Fp8W8A8Method(W8A8Method):
+    """FP8 weights with per-channel or per-tensor scales, FP8 activations."""
+
+    weight_dtype = FP8_DTYPE
+
+    def apply(self, layer: LinearBase, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        return apply_fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, bias)
+
+
+class Fp8OnlineMethod(Fp8W8A8Method):
+    """A 16-bit checkpoint quantized at load: per-channel FP8 weights, per-token activations."""
+
+    def create_weights(self, layer: LinearBase, in_features: int, out_sizes: list[int],
+                       dtype: torch.dtype) -> None:
+        layer.weight = linear_param((sum(out_sizes), in_features), dtype, output_dim=0,
+                                    input_dim=1)
+        layer.input_scale = None
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        w = layer.weight.data  # (N, K) in the model dtype
+        scale = (w.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)  # (N, 1)
+        layer.weight = nn.Parameter(quantize_with_scale(w, scale, FP8_DTYPE), requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale.reshape(1, -1).contiguous(), requires_grad=False)
+
+
+class Fp8BlockMethod(QuantMethod):
+    """FP8 weights with one scale per (bn x bk) block, activations quantized per token and group
+    of bk inputs (DeepSeek-V3 / Qwen FP8 checkpoints). scale_name: the checkpoint's tensor name
+    for the block scales (`weight_scale_inv` in Hugging Face fp8, `weight_scale` elsewhere)."""
+
+    def __init__(self, block: tuple[int, int], scale_name: str = "weight_scale_inv") -> None:
+        self.block = block
+        self.scale_name = scale_name
+
+    def create_weights(self, layer: LinearBase, in_features: int, out_sizes: list[int],
+                       dtype: torch.dtype) -> None:
+        bn, bk = self.block
+        out = sum(out_sizes)
+        if layer.shards_output and (len(out_sizes) > 1 or layer.tp_size > 1) and \
+                any(s % bn for s in out_sizes):
+            raise ValueError(f"fp8 weight_block_size {list(self.block)}: output sizes "
+                             f"{out_sizes} per rank are not multiples of {bn}")
+        if not layer.shards_output and layer.tp_size > 1 and in_features % bk:
+            raise ValueError(f"fp8 weight_block_size {list(self.block)}: {in_features} inputs "
+                             f"per rank are not a multiple of {bk}")
+        layer.weight = linear_param((out, in_features), FP8_DTYPE, output_dim=0, input_dim=1)
+        packed_dim, factor = (0, bn) if layer.shards_output else (1, bk)
+        shape = (-(-out // bn), -(-in_features // bk))
+        scale = linear_param(shape, torch.float32, output_dim=0, input_dim=1,
+                             packed_dim=packed_dim if factor > 1 else None, pack_factor=factor)
+        setattr(layer, self.scale_name, scale)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        x = x.contiguous()  # (M, K)
+        scale = getattr(layer, self.scale_name)  # (N / bn, K / bk)
+        xq, xs = per_token_group_quant(x, FP8_DTYPE, self.block[1])  # (M, K), (M, K / bk)
+        if fp8_gemm_supported(x):
+            y = w8a8_block_fp8_matmul(xq, xs, layer.weight, scale, self.block, x.dtype)
+        else:
+            y = w8a8_block_matmul_ref(xq, xs, layer.weight, scale, self.block, x.dtype)
+        return y if bias is None else y + bias  # (M, N)
+
+
+class Fp8Config(QuantizationConfig):
+    """quant_method "fp8": a checkpoint's `quantization_config`, or {} for online FP8."""
+
+    def __init__(self, *, online: bool, static_input: bool = False,
+                 block: tuple[int, int] | None = None, skip: tuple[str, ...] = ()) -> None:
+        self.online = online
+        self.static_input = static_input
+        self.block = block
+        self.skip_modules = skip
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> Fp8Config:
+        if not cfg:  # --quantization fp8 on a 16-bit checkpoint
+            return cls(online=True)
+        fmt = cfg.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"fp8: fmt {fmt!r} is not supported (e4m3)")
+        scheme = cfg.get("activation_scheme", "dynamic")
+        if scheme not in ("dynamic", "static"):
+            raise ValueError(f"fp8: activation_scheme {scheme!r} is not supported "
+                             "(dynamic, static)")
+        block = cfg.get("weight_block_size")
+        if block is not None:
+            if not (isinstance(block, list) and len(block) == 2
+                    and all(isinstance(b, int) and b > 0 for b in block)):
+                raise ValueError(f"fp8: weight_block_size must be two positive integers, got "
+                                 f"{block!r}")
+            if scheme == "static":
+                raise ValueError("fp8: block-wise weights (weight_block_size) with static "
+                                 "activation scales are not supported")
+            block = (block[0], block[1])
+        skip = [*(cfg.get("modules_to_not_convert") or ()), *(cfg.get("ignored_layers") or ())]
+        return cls(online=False, static_input=scheme == "static", block=block, skip=tuple(skip))
+
+    def linear_method(self, prefixes: list[str]) -> QuantMethod:
+        if self.online:
+            return Fp8OnlineMethod()
+        if self.block is not None:
+            return Fp8BlockMethod(self.block)
+        return Fp8W8A8Method("tensor", static_input=self.static_input)
