@@ -101,9 +101,10 @@ def determine_num_blocks(config: EngineConfig, device: torch.device,
         num_blocks = _profile_gpu_blocks(device, config, per_block, profile, reserve_bytes)
     need = -(-mc.max_model_len // cc.block_size)
     tokens = num_blocks * cc.block_size
-    logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %d tokens); max concurrency at "
+    logger.info("KV cache: %d blocks of %d tokens (%.2f GiB%s, %d tokens); max concurrency at "
                 "max_model_len=%d: %.2fx", num_blocks, cc.block_size, num_blocks * per_block / GiB,
-                tokens, mc.max_model_len, num_blocks / need)
+                "" if device.type == "cuda" else ", taken as blocks are first written", tokens,
+                mc.max_model_len, num_blocks / need)
     if num_blocks < 1:
         raise ValueError("no memory is left for the KV cache: lower max_num_batched_tokens or "
                          "raise gpu_memory_utilization (CUDA) / cpu_kv_cache_gb (CPU)")
