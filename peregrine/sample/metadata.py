@@ -3,9 +3,10 @@
 `SamplingRows` holds the sampling settings of a persistent batch's rows as host arrays (set once when
 a request arrives), the device-side penalty state of the rows that use penalties, the allowed-token
 masks and recent output tokens of rows with allowed_token_ids or bad_words (constraints.py), and
-each row's logit_bias, bad-word token sequences and min_tokens bans. A step's `SamplingMetadata` is cut from those rows: the per-row
-tensors go to the device once per batch composition and are reused while it does not change; per
-step only the sampling step indices (and min_tokens bans, while a row is below its minimum) move.
+each row's logit_bias, bad-word token sequences and min_tokens bans. A step's `SamplingMetadata` is
+cut from those rows: the per-row tensors go to the device once per batch composition and are reused
+while it does not change; per step only the sampling step indices (and min_tokens bans, while a
+row is below its minimum) move.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Batched sampler on the logits' device: penalties, temperature, top-k/top-p/min-p, seeded draws.
 
-Stage order: allowed_token_ids -> bad_words -> logit_bias -> min_tokens -> repetition penalty -> presence/frequency penalties -> (greedy rows: argmax) ->
-temperature -> top-k -> top-p -> min-p -> draw. No host<->device syncs and no loops over rows.
+Stage order: allowed_token_ids -> bad_words -> logit_bias -> min_tokens -> repetition penalty ->
+presence/frequency penalties -> (greedy rows: argmax) -> temperature -> top-k -> top-p -> min-p ->
+draw. No host<->device syncs and no loops over rows.
 
 Filtering keeps, per row, every token whose tempered logit is >= one threshold (the largest of the top-k,
 top-p and min-p cut-offs). The kept set is therefore a function of the values alone, whichever code path

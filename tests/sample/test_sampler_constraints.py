@@ -237,3 +237,17 @@ def test_allowed_token_pool_masks_ignore_ids_outside_the_vocabulary():
     pool.release(s)
     t = pool.acquire([2])  # a reused slot starts empty
     assert t == s and pool.mask[t].tolist() == [False, False, True, False, False]
+
+
+def test_fused_kernel_applies_allowed_tokens_and_bad_words_like_the_torch_path():
+    logits = torch.randn(4, 64, generator=rng(9))
+    reqs = [make_request(seed=s, output=[5, 6], temperature=t) for s, t in
+            ((0, 0.0), (1, 0.7), (2, 1.0), (3, 1.3))]
+    for i, req in enumerate(reqs):
+        req.sampling_params = _params(allowed=list(range(i, 64, 2)) if i % 2 else None,
+                                      bad=[[6, int(logits[i].argmax())], [int(logits[i].argmax()) ^ 1]],
+                                      temperature=req.sampling_params.temperature)
+    got = sample(logits, reqs, Sampler(use_kernel=True)).sampled_token_ids
+    want = sample(logits, reqs, Sampler(use_kernel=False)).sampled_token_ids
+    assert torch.equal(got, want)
+    assert all(int(t) != int(logits[i].argmax()) for i, t in enumerate(got))

@@ -6,6 +6,7 @@ import pytest
 import torch
 from worker_helpers import Step, new_req
 
+from peregrine.sample import Sampler
 from peregrine.worker.input_batch import InputBatch
 from peregrine.worker.step_buffers import StepBuffers
 from peregrine.worker.step_plan import plan_step
@@ -35,6 +36,30 @@ def test_rows_fill_holes_and_condense_moves_the_last_rows_down() -> None:
     # Sampling settings (and the penalty slot) moved with the row.
     assert batch.sampling.repetition[2] == pytest.approx(4.0) and batch.sampling.penalty_slot[2] >= 0
     assert batch.sampling.penalty_slot[3] == -1 and batch.sampling.penalties.num_used == 2
+
+
+def test_constraint_slots_move_with_the_row_and_are_freed_with_it() -> None:
+    batch = _batch()
+    batch.add_request(new_req("a", [1], [0], allowed_token_ids=[3]))
+    batch.add_request(new_req("b", [1], [1], output=[4, 5], allowed_token_ids=[2, 6, 9],
+                              bad_words=["w"], _bad_words_token_ids=[[5, 6]]))
+    rows = batch.sampling
+    slot_allowed, slot_recent = rows.allowed_slot[1], rows.recent_slot[1]
+    batch.remove_request("a")
+    batch.condense()
+    assert batch.row_of == {"b": 0}
+    assert (rows.allowed_slot[0], rows.recent_slot[0]) == (slot_allowed, slot_recent)
+    assert rows.allowed_slot[1] == rows.recent_slot[1] == -1 and rows.bad_words[1] is None
+    assert rows.allowed.mask[slot_allowed].nonzero().flatten().tolist() == [2, 6, 9]
+    assert rows.recent.tokens[slot_recent, -2:].tolist() == [4, 5]
+    # The moved row still bans 6 after its 5.
+    logits = torch.zeros(1, 100)
+    out = Sampler.apply_penalties(logits, rows.metadata(np.array([0]), np.array([2])))
+    assert torch.isinf(out[0]).sum() == 98 and out[0, 6] == float("-inf")
+    assert out[0, 2] == out[0, 9] == 0.0
+    batch.remove_request("b")
+    assert len(rows.allowed._free) == rows.allowed.capacity
+    assert len(rows.recent._free) == rows.recent.capacity
 
 
 def test_a_full_batch_and_bad_requests_raise() -> None:
