@@ -18,7 +18,8 @@ from peregrine.entrypoints.openai.serving_common import MIN_PROMPT_CHARS, PROMPT
 logger = logging.getLogger(__name__)
 
 _SERVER_HELP = {
-    "host": "address to listen on",
+    "host": "address to listen on; the default answers this machine only, 0.0.0.0 (or ::) "
+            "listens on every interface",
     "port": "port to listen on (0: any free port)",
     "api_key": "require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
                "(default: $PEREGRINE_API_KEY)",
@@ -44,6 +45,9 @@ _SERVER_HELP = {
                             "body) after it opens or after its last response; then it is closed",
     "max_header_bytes": "most bytes of an unfinished request head (request line and headers) "
                         "buffered; beyond that 400",
+    "relax_openai_limits": "accept what the engine accepts instead of OpenAI's documented limits "
+                           "(temperature up to 100 instead of 2, up to 64 stop strings instead "
+                           "of 4)",
 }
 
 
@@ -91,13 +95,25 @@ def serve_main(argv: list[str] | None = None) -> int:
     try:
         engine_args = resolve_model_arg(engine_args_from(ns))
         server_args = server_args_from(ns)
-        from peregrine.engine.async_engine import AsyncEngine
-        engine = AsyncEngine.from_engine_args(engine_args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from peregrine.entrypoints.openai.api_server import run_server
-    run_server(engine, server_args)
+    from peregrine.entrypoints.openai.api_server import listen_or_explain, run_server
+    # NOTE: the port is taken (bound and listening) before the model loads, so a busy port is
+    # a one-line error in a second, not after minutes of loading.
+    try:
+        sock = listen_or_explain(server_args.host, server_args.port)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    try:
+        from peregrine.engine.async_engine import AsyncEngine
+        engine = AsyncEngine.from_engine_args(engine_args)
+    except ValueError as e:
+        sock.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    run_server(engine, server_args, sock)
     return 0
 
 

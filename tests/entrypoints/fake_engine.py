@@ -60,6 +60,7 @@ class FakeEngine:
         self.fail_next_steps = 0  # step() raises this many times
         self.stall = threading.Event()  # while set, step() blocks
         self.thread_ids: set[int] = set()  # threads that called into the engine
+        self.received: list[SamplingParams] = []  # the params of every request added, in order
 
     def _touch(self) -> None:
         self.thread_ids.add(threading.get_ident())
@@ -78,6 +79,7 @@ class FakeEngine:
         limit = self.config.scheduler.max_queue_len
         if limit is not None and len(self.waiting) >= limit:
             raise QueueFullError(f"{len(self.waiting)} requests are already waiting")
+        self.received.append(params)
         now = time.monotonic() if arrival_time is None else arrival_time
         self.waiting.append(_Req(request_id, ids, params, RequestMetrics(arrival_time=now),
                                  [_Seq() for _ in range(params.n)]))

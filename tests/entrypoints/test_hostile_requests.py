@@ -81,6 +81,11 @@ def _post(server, path: str, body: dict | str, **kwargs: Any) -> httpx.Response:
     return httpx.post(server.base_url + path, json=body, timeout=10, **kwargs)
 
 
+def _max_tokens(path: str, n: int) -> dict:
+    """{"max_tokens": n} for the generation routes; /tokenize refuses the field."""
+    return {"max_tokens": n} if path.startswith("/v1/") else {}
+
+
 def _error(resp: httpx.Response, status: int, param: str | None) -> dict:
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
@@ -109,7 +114,8 @@ def _health_while(server, pending: Future, bound_s: float = 2.0) -> float:
 ])
 def test_request_chat_template_is_refused_quickly_by_default(server, path, extra, param):
     t0 = time.monotonic()
-    err = _error(_post(server, path, {"messages": CHAT, "max_tokens": 2, **extra}), 400, param)
+    err = _error(_post(server, path, {"messages": CHAT, **_max_tokens(path, 2), **extra}), 400,
+                 param)
     assert time.monotonic() - t0 < 2.0
     assert "--trust-request-chat-template" in err["message"]
 
@@ -179,7 +185,7 @@ def test_prompt_char_limit_is_16_per_token_with_a_floor():
 def test_prompt_over_the_char_limit_is_refused_before_tokenizing(server, watched, path, body,
                                                                  param):
     tok = watched(gated="encode")
-    err = _error(_post(server, path, {"max_tokens": 2, **body}), 400, param)
+    err = _error(_post(server, path, {**_max_tokens(path, 2), **body}), 400, param)
     assert str(LIMIT) in err["message"] and "--max-prompt-chars" in err["message"]
     assert tok.threads == []
 

@@ -270,3 +270,31 @@ def test_priority_needs_the_priority_policy(client):
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
                                   extra_body={"priority": 0})
     assert r.usage.completion_tokens == 2
+
+
+def _token_texts(real_server, ids: list[int]) -> list[str]:
+    url = real_server.base_url + "/detokenize"
+    return [httpx.post(url, json={"tokens": [t]}).json()["prompt"] for t in ids]
+
+
+def test_allowed_token_ids_restrict_every_output_token(client, real_server):
+    allowed = [40, 41, 42]
+    texts = set(_token_texts(real_server, allowed))
+    assert len(texts) == len(allowed)  # NOTE: so each output token's text names its id
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7, n=3, logprobs=0)
+    restricted = client.completions.create(**kw, extra_body={"ignore_eos": True,
+                                                              "allowed_token_ids": allowed})
+    for choice in restricted.choices:
+        assert len(choice.logprobs.tokens) == 8 and set(choice.logprobs.tokens) <= texts
+    free = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert any(not set(c.logprobs.tokens) <= texts for c in free.choices)
+
+
+def test_bad_words_keep_a_one_token_word_out_of_greedy_output(client, real_server):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0)
+    first = client.completions.create(**kw).choices[0].logprobs.tokens[0]
+    word_ids = httpx.post(real_server.base_url + "/tokenize",
+                          json={"prompt": first, "add_special_tokens": False}).json()["tokens"]
+    assert len(word_ids) == 1  # NOTE: a one-token word is banned wherever it would appear
+    banned = client.completions.create(**kw, extra_body={"bad_words": [first]}).choices[0]
+    assert first not in banned.logprobs.tokens

@@ -1,5 +1,6 @@
 """/openapi.json says what the server answers: 400 in OpenAI's error shape for invalid bodies,
-text for /metrics, no body for /health."""
+404/429/503 where they happen, unknown fields refused, text for /metrics, no body for /health
+and /ping, the model card route."""
 from __future__ import annotations
 
 import httpx
@@ -62,4 +63,43 @@ def test_health_is_documented_without_a_json_body(server, schema):
     assert "content" not in responses["200"]
     assert responses["503"]["content"] == {"application/json": {"schema": _ERROR_REF}}
     r = httpx.get(server.base_url + "/health")
+    assert r.status_code == 200 and r.content == b""
+
+
+@pytest.mark.parametrize("path,status", [
+    ("/v1/completions", "404"), ("/v1/completions", "429"), ("/v1/completions", "503"),
+    ("/v1/chat/completions", "404"), ("/v1/chat/completions", "429"),
+    ("/v1/chat/completions", "503"), ("/tokenize", "404"), ("/detokenize", "404"),
+])
+def test_generation_and_tokenizer_errors_are_documented(schema, path, status):
+    assert schema["paths"][path]["post"]["responses"][status]["content"] == \
+        {"application/json": {"schema": _ERROR_REF}}
+
+
+def test_unknown_request_fields_are_documented_as_refused(server, schema):
+    schemas = schema["components"]["schemas"]
+    for name in ("CompletionRequest", "ChatCompletionRequest", "StreamOptions",
+                 "TokenizeRequest", "DetokenizeRequest"):
+        assert schemas[name]["additionalProperties"] is False, name
+    r = httpx.post(server.base_url + "/v1/completions",
+                   json={"model": MODEL, "prompt": "hi", "guided_json": {}})
+    assert str(r.status_code) in schema["paths"]["/v1/completions"]["post"]["responses"]
+
+
+def test_model_card_route_is_documented_with_its_404(server, schema):
+    op = schema["paths"]["/v1/models/{model_id}"]["get"]
+    assert op["responses"]["200"]["content"]["application/json"]["schema"] == \
+        {"$ref": "#/components/schemas/ModelCard"}
+    assert op["responses"]["404"]["content"] == {"application/json": {"schema": _ERROR_REF}}
+    assert "400" not in op["responses"] and "422" not in op["responses"]
+    r = httpx.get(server.base_url + "/v1/models/nope")
+    assert str(r.status_code) in op["responses"]
+
+
+@pytest.mark.parametrize("method", ["get", "post"])
+def test_ping_is_documented_like_health(server, schema, method):
+    responses = schema["paths"]["/ping"][method]["responses"]
+    assert "content" not in responses["200"]
+    assert responses["503"]["content"] == {"application/json": {"schema": _ERROR_REF}}
+    r = httpx.request(method.upper(), server.base_url + "/ping")
     assert r.status_code == 200 and r.content == b""

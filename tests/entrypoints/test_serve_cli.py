@@ -6,6 +6,7 @@ import ast
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -68,6 +69,58 @@ def test_help_documents_the_security_flags(capsys):
     assert "/tokenize and /detokenize" in out
 
 
+def test_help_documents_the_host_default_and_the_openai_limits_flag(capsys):
+    with pytest.raises(SystemExit):
+        serve_main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    host_help = out[out.rindex("--host HOST"):out.rindex("--port PORT")]  # the help, not usage
+    assert "this machine only" in host_help and "0.0.0.0" in host_help
+    assert "(default: 127.0.0.1)" in host_help
+    assert "--relax-openai-limits" in out and "temperature up to 100 instead of 2" in out
+
+
+def test_relax_openai_limits_flag_parses_into_server_args():
+    assert ServerArgs().relax_openai_limits is False
+    assert server_args_from(_parse(["--relax-openai-limits"])).relax_openai_limits is True
+
+
+@pytest.fixture()
+def busy_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_busy_port_is_one_line_and_a_nonzero_exit_before_the_model_loads(busy_port, capsys,
+                                                                         monkeypatch):
+    from peregrine.engine.async_engine import AsyncEngine
+    loads = []
+    monkeypatch.setattr(AsyncEngine, "from_engine_args",
+                        classmethod(lambda cls, args: loads.append(args)))
+    code = serve_main(["--host", "127.0.0.1", "--port", str(busy_port), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code != 0 and loads == []
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    assert f"127.0.0.1:{busy_port}" in err and "already in use" in err and "--port" in err
+
+
+def test_listen_or_explain_holds_the_port(busy_port):
+    from peregrine.entrypoints.openai.api_server import listen_or_explain
+    sock = listen_or_explain("127.0.0.1", 0)
+    try:
+        port = sock.getsockname()[1]
+        # NOTE: the port is ours from now on: nobody else can bind it, SO_REUSEADDR or not.
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}: it is already"):
+            listen_or_explain("127.0.0.1", port)
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # it accepts connections into its backlog before the server runs
+    finally:
+        sock.close()
+    with pytest.raises(ValueError, match="already in use"):
+        listen_or_explain("127.0.0.1", busy_port)
+
+
 def test_serving_code_imports_no_benchmark_code():
     # NOTE: cli.py may: it dispatches `peregrine bench ...` to the benchmarks.
     package = REPO / "peregrine"
@@ -98,7 +151,7 @@ def test_api_key_falls_back_to_the_environment(monkeypatch):
 
 
 def test_bad_model_folder_exits_with_code_2(tmp_path, capsys):
-    assert serve_main([str(tmp_path / "missing"), "--device", "cpu"]) == 2
+    assert serve_main([str(tmp_path / "missing"), "--device", "cpu", "--port", "0"]) == 2
     assert "error:" in capsys.readouterr().err
 
 

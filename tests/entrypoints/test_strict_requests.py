@@ -80,10 +80,6 @@ def test_temperature_over_the_cap_is_400_saying_the_cap(server, value):
     _still_serving(server.base_url)
 
 
-def test_temperature_at_the_cap_is_served(server):
-    assert _post(server, _COMPLETIONS, temperature=MAX_TEMPERATURE).status_code == 200
-
-
 def test_sampling_params_refuse_temperature_over_the_cap():
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=MAX_TEMPERATURE * 2)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,10 +18,10 @@ import peregrine
 from peregrine.engine.async_engine import AsyncEngine, EngineDeadError
 from peregrine.entrypoints.openai.errors import (GuardMiddleware, OpenAIError, bad_request,
                                                  error_response, install_error_handlers,
-                                                 require_utf8_body)
+                                                 require_json_body)
 from peregrine.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                   DetokenizeRequest, ModelCard, ModelList,
-                                                   TokenizeRequest)
+                                                   DetokenizeRequest, ErrorResponse, ModelCard,
+                                                   ModelList, TokenizeRequest)
 from peregrine.entrypoints.openai.serving_chat import create_chat_completion, render_chat
 from peregrine.entrypoints.openai.serving_common import (ServingContext, check_model,
                                                          prompt_char_limit)
@@ -36,13 +37,28 @@ logger = logging.getLogger(__name__)
 _PREPROCESS_THREADS = 4
 # NOTE: files the process needs besides client sockets (model files, pipes, logs, the listener).
 _FD_RESERVE = 64
+# NOTE: uvicorn's own default backlog; the socket listens as soon as it is bound (bind_socket).
+_LISTEN_BACKLOG = 2048
+
+
+def _errors(described: dict[int, str]) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for error statuses, each in OpenAI's error shape."""
+    return {status: {"model": ErrorResponse, "description": text}
+            for status, text in described.items()}
+
+
+_MODEL_NOT_FOUND = "The model named in the request is not served here (`model_not_found`)."
+_GENERATION_ERRORS = _errors({
+    404: _MODEL_NOT_FOUND,
+    429: "The waiting queue is full (`queue_full`; see Retry-After).",
+    503: "The engine is dead or the server is shutting down."})
 
 
 @dataclass(frozen=True)
 class ServerArgs:
     """Server knobs (the engine's are EngineArgs); CLI flags are generated from these fields."""
 
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # this machine only; "0.0.0.0" (or "::") listens on every interface
     port: int = 8000
     api_key: str | None = None  # None: no auth; else required as "Authorization: Bearer" on /v1
     max_request_body_bytes: int = 8 * 1024 * 1024
@@ -63,6 +79,8 @@ class ServerArgs:
     # A request's headers and body must arrive within this many seconds (slowloris).
     request_read_timeout: float = 30.0
     max_header_bytes: int = 16 * 1024  # h11's max incomplete event size: beyond it, 400
+    # OpenAI's limits (temperature <= 2, at most 4 stop strings) unless relaxed to the engine's.
+    relax_openai_limits: bool = False
 
     def __post_init__(self) -> None:
         if self.shutdown_timeout < 0:
@@ -94,7 +112,7 @@ def build_app(engine: AsyncEngine, args: ServerArgs | None = None) -> FastAPI:
     ctx = ServingContext(engine, mc.served_model_name, mc.max_model_len, args.retry_after,
                          max_prompt_chars=prompt_char_limit(mc.max_model_len, args.max_prompt_chars),
                          trust_request_chat_template=args.trust_request_chat_template,
-                         executor=executor)
+                         relax_openai_limits=args.relax_openai_limits, executor=executor)
     metrics = ServerMetrics(ctx.model_name, lambda: engine.stats)
     engine.observers.append(metrics)
 
@@ -113,8 +131,10 @@ def build_app(engine: AsyncEngine, args: ServerArgs | None = None) -> FastAPI:
             await engine.shutdown()
             executor.shutdown(wait=False, cancel_futures=True)
 
+    # NOTE: FastAPI's /docs and /redoc pages load their JavaScript and CSS from a CDN, so they
+    # are blank on a machine without internet access; they are off, /openapi.json stays.
     app = FastAPI(title="Peregrine OpenAI-compatible server", version=peregrine.__version__,
-                  lifespan=lifespan)
+                  lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
     app.state.draining = False  # set when shutdown starts: new generation requests get 503
     app.state.metrics = metrics
@@ -122,23 +142,33 @@ def build_app(engine: AsyncEngine, args: ServerArgs | None = None) -> FastAPI:
     app.add_middleware(GuardMiddleware, max_body_bytes=args.max_request_body_bytes,
                        api_key=args.api_key)
 
-    # NOTE: every route with a JSON body refuses strings UTF-8 cannot encode before it runs.
-    utf8: dict[str, Any] = {"dependencies": [Depends(require_utf8_body)]}
+    # NOTE: every route with a JSON body refuses other content types, and strings UTF-8 cannot
+    # encode, before it runs.
+    json_body: dict[str, Any] = {"dependencies": [Depends(require_json_body)]}
 
-    @app.post("/v1/completions", **utf8)
+    @app.post("/v1/completions", responses=_GENERATION_ERRORS, **json_body)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await _unless_draining(raw.app, create_completion, ctx, body, raw)
 
-    @app.post("/v1/chat/completions", **utf8)
+    @app.post("/v1/chat/completions", responses=_GENERATION_ERRORS, **json_body)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await _unless_draining(raw.app, create_chat_completion, ctx, body, raw)
 
+    def model_card() -> ModelCard:
+        return ModelCard(id=ctx.model_name, root=mc.model, max_model_len=ctx.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        card = ModelCard(id=ctx.model_name, root=mc.model, max_model_len=ctx.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        return JSONResponse(ModelList(data=[model_card()]).model_dump())
 
-    @app.post("/tokenize", **utf8)
+    # NOTE: `:path` because Hugging Face ids ("org/name") are served names too.
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard,
+             responses=_errors({404: "No model of that id is served here (`model_not_found`)."}))
+    async def retrieve_model(model_id: str) -> JSONResponse:
+        check_model(ctx, model_id)
+        return JSONResponse(model_card().model_dump())
+
+    @app.post("/tokenize", responses=_errors({404: _MODEL_NOT_FOUND}), **json_body)
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
         check_model(ctx, body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -154,7 +184,7 @@ def build_app(engine: AsyncEngine, args: ServerArgs | None = None) -> FastAPI:
             ids = await ctx.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len})
 
-    @app.post("/detokenize", **utf8)
+    @app.post("/detokenize", responses=_errors({404: _MODEL_NOT_FOUND}), **json_body)
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
         check_model(ctx, body.model)
         tok = ctx.require_tokenizer("detokenize")
@@ -168,7 +198,10 @@ def build_app(engine: AsyncEngine, args: ServerArgs | None = None) -> FastAPI:
     async def version() -> JSONResponse:
         return JSONResponse({"version": peregrine.__version__})
 
+    # NOTE: vLLM and SageMaker probe /ping (GET or POST); it answers as /health does.
     @app.get("/health")
+    @app.get("/ping")
+    @app.post("/ping")
     async def health() -> Response:
         if app.state.draining:
             return error_response(503, _SHUTTING_DOWN, code="server_shutting_down")
@@ -207,12 +240,30 @@ def _decode_in_vocab(tokenizer: Any, tokens: list[int], vocab_size: int) -> str:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening-ready TCP socket (port 0: the OS picks a free one)."""
+    """A TCP socket bound to host:port and listening (port 0: the OS picks a free one); OSError
+    when the address is taken or cannot be used."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        # NOTE: listen now, not when uvicorn starts: with SO_REUSEADDR, Linux lets a second
+        # socket bind a port nobody listens on yet, so only listening makes the port ours.
+        sock.listen(_LISTEN_BACKLOG)
+    except BaseException:
+        sock.close()
+        raise
     return sock
+
+
+def listen_or_explain(host: str, port: int) -> socket.socket:
+    """bind_socket, with a one-line ValueError saying why the address cannot be used."""
+    try:
+        return bind_socket(host, port)
+    except OSError as e:
+        why = "it is already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+        raise ValueError(f"cannot listen on {host}:{port}: {why} (choose another --port or "
+                         "--host)") from None
 
 
 def make_uvicorn_server(app: FastAPI, args: ServerArgs) -> DrainingServer:
@@ -235,11 +286,12 @@ def make_uvicorn_server(app: FastAPI, args: ServerArgs) -> DrainingServer:
                           abort=app.state.ctx.engine.shutdown)
 
 
-def run_server(engine: AsyncEngine, args: ServerArgs) -> None:
-    """Serve until interrupted (blocking)."""
+def run_server(engine: AsyncEngine, args: ServerArgs, sock: socket.socket | None = None) -> None:
+    """Serve until interrupted (blocking), on `sock` (from bind_socket) or on args.host:port."""
     app = build_app(engine, args)
     server = make_uvicorn_server(app, args)
-    sock = bind_socket(args.host, args.port)
+    if sock is None:
+        sock = bind_socket(args.host, args.port)
     install_accept_error_filter()
     logger.info("serving %s on http://%s:%d", engine.config.model.served_model_name,
                 args.host, sock.getsockname()[1])

@@ -1,6 +1,6 @@
 """Errors in OpenAI's shape {"error": {message, type, param, code}}, their FastAPI handlers (and
 how /openapi.json describes them), the ASGI guard (request body limit, API key) that runs before
-any route, and the UTF-8 body check."""
+any route, and the JSON body check (content type, UTF-8)."""
 from __future__ import annotations
 
 import hmac
@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from peregrine.entrypoints.openai.protocol import ErrorResponse
+from peregrine.entrypoints.openai.protocol import UNSUPPORTED_FIELDS, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +24,7 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "inval
           500: "server_error", 503: "service_unavailable"}
 
 
+_MAX_NAME_CHARS = 100  # of an unknown field's name, when an error message repeats it
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "is-instance"}
 # Paths that need the API key (when the server has one): the API and the tokenizer endpoints.
 _AUTH_PATHS = ("/v1", "/tokenize", "/detokenize")
@@ -33,6 +34,7 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 # Routes whose 200 is not JSON: path -> (media type or None for no body, description).
 _PLAIN_ROUTES: dict[str, tuple[str | None, str]] = {
     "/health": (None, "The engine is healthy (empty body)."),
+    "/ping": (None, "The engine is healthy (empty body; vLLM's and SageMaker's name for /health)."),
     "/metrics": ("text/plain", "Prometheus metrics in the text exposition format."),
 }
 
@@ -67,20 +69,46 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param=param, code="invalid_value")
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    if not errors:
-        return "invalid request", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+def unsupported_value(message: str, param: str) -> OpenAIError:
+    """400 for a known field at a value this server does not implement."""
+    return OpenAIError(400, message, param=param, code="unsupported_value")
+
+
+def _error_param(error: Any) -> str | None:
+    loc = [str(p) for p in error.get("loc", ()) if p != "body"]
     # NOTE: union members show up in loc as type names ("str", "list[int]"); keep field names.
     loc = [p for p in loc if p not in _TYPE_TAGS and not any(c in p for c in "[]-")]
+    return ".".join(loc) or None
+
+
+def _unknown_field_message(param: str) -> str:
+    """The message for a field the request model does not declare (OpenAI's wording for unknown
+    ones; the reason for the ones OpenAI or vLLM define that this server does not implement)."""
+    reason = UNSUPPORTED_FIELDS.get(param)
+    if reason is None:
+        return f"Unrecognized request argument supplied: {param}"
+    return f"{param} is not supported: {reason}"
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
+    """(message, param, code) of the first problem, unknown fields first: they are the cause."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None, "invalid_value"
+    # NOTE: an unknown key is named as sent (any characters, even none), only shortened.
+    unknown = [".".join(str(p) for p in e.get("loc", ()) if p != "body")[:_MAX_NAME_CHARS]
+               for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:
+        order = {name: i for i, name in enumerate(UNSUPPORTED_FIELDS)}
+        param = min(unknown, key=lambda p: order.get(p, len(order)))
+        return _unknown_field_message(param), param, "unsupported_parameter"
+    first = errors[0]
     if first.get("type") == "json_invalid":
-        return f"request body is not valid JSON: {first.get('msg')}", None
-    param = ".".join(loc) or None
+        return f"request body is not valid JSON: {first.get('msg')}", None, "invalid_value"
+    param = _error_param(first)
     where = f"{param}: " if param else ""
     extra = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
-    return f"{where}{first.get('msg', 'invalid value')}{extra}", param
+    return f"{where}{first.get('msg', 'invalid value')}{extra}", param, "invalid_value"
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -94,8 +122,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return error_response(400, message, param, "invalid_value")
+        message, param, code = _validation_message(exc)
+        return error_response(400, message, param, code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -129,7 +157,8 @@ def _patch_schema(schema: dict[str, Any]) -> None:
     for path, ops in schema.get("paths", {}).items():
         for op in ops.values():
             responses = op.setdefault("responses", {})
-            if responses.pop("422", None) is not None:
+            # NOTE: only a body can fail validation here (path parameters are plain strings).
+            if responses.pop("422", None) is not None and "requestBody" in op:
                 responses["400"] = {"description": "Invalid request (OpenAI's error shape; "
                                     "`param` names the field).", "content": error_json}
             if path in _PLAIN_ROUTES:
@@ -138,7 +167,7 @@ def _patch_schema(schema: dict[str, Any]) -> None:
                 if media_type is not None:
                     ok["content"] = {media_type: {"schema": {"type": "string"}}}
                 responses["200"] = ok
-        if path == "/health":
+        if path in ("/health", "/ping"):
             for op in ops.values():
                 op["responses"]["503"] = {"description": "The engine is dead or stuck.",
                                           "content": error_json}
@@ -251,8 +280,23 @@ def _encodable(s: str) -> bool:
     return True
 
 
-async def require_utf8_body(request: Request) -> None:
-    """Route dependency: 400 for a JSON body with a string that is not valid UTF-8, naming it."""
+def _is_json_media_type(content_type: str | None) -> bool:
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/")
+                                           and media.endswith("+json"))
+
+
+async def require_json_body(request: Request) -> None:
+    """Route dependency: 400 unless the body is sent as JSON (Content-Type: application/json),
+    and 400 naming the field for a string in it that is not valid UTF-8."""
+    # NOTE: without the header FastAPI would leave the body unparsed and answer a puzzling "Input
+    # should be a valid dictionary"; it keeps the check because a browser may send a
+    # header-less POST cross-site without a CORS preflight, so the server keeps refusing it.
+    if not _is_json_media_type(request.headers.get("content-type")):
+        raise OpenAIError(400, "the request body must be JSON, sent with the header "
+                          "'Content-Type: application/json' (got "
+                          f"{_shown_content_type(request.headers.get('content-type'))})",
+                          code="invalid_content_type")
     body = await request.body()
     if not _SURROGATE_ESCAPE.search(body) and (body.isascii() or _is_utf8(body)):
         return
@@ -265,6 +309,12 @@ async def require_utf8_body(request: Request) -> None:
         param = ".".join(path) or None
         raise bad_request(f"{param or 'the request body'} is not valid UTF-8 (it holds a lone "
                           "UTF-16 surrogate)", param)
+
+
+def _shown_content_type(value: str | None) -> str:
+    if value is None:
+        return "no Content-Type header"
+    return f"Content-Type {value[:64]!r}"
 
 
 async def _send_error(send: Send, status: int, message: str, code: str) -> None:

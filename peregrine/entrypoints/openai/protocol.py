@@ -7,14 +7,47 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from peregrine.sampling_params import MAX_TEMPERATURE
-
 # NOTE: OpenAI caps top_logprobs at 20; the same cap bounds the work one request can ask for.
 MAX_LOGPROBS = 20
 # NOTE: n sequences per prompt. Each may run to max_model_len (chat's default max_tokens is the
 # rest of the context), so one request may want n * max_model_len KV tokens; the scheduler runs
 # what does not fit in turn (preempting by recompute), so a large n is slow, never stuck.
 MAX_N = 16
+# OpenAI's documented limits, held by the server unless it runs with --relax-openai-limits (then
+# the engine's own bounds in sampling_params.py hold, as they do for the offline LLM).
+OPENAI_MAX_TEMPERATURE = 2.0
+OPENAI_MAX_STOP_STRINGS = 4
+
+_STRUCTURED = "structured output (guided decoding) is not implemented by this server"
+_TOOLS = "tool calling is not implemented by this server yet"
+_BEAM = "beam search is not implemented by this server"
+# Fields OpenAI or vLLM define that this server does not honour: each is refused by name, with
+# the reason (see errors.py), instead of being dropped. Anything else unknown is refused as
+# OpenAI does ("Unrecognized request argument supplied"). The order is the order of report.
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    "tools": _TOOLS,
+    "tool_choice": "tool_choice is only valid together with tools, and " + _TOOLS,
+    "parallel_tool_calls": _TOOLS,
+    "functions": "legacy function calling is not implemented (and " + _TOOLS + ")",
+    "function_call": "legacy function calling is not implemented (and " + _TOOLS + ")",
+    "guided_json": _STRUCTURED,
+    "guided_choice": _STRUCTURED,
+    "guided_regex": _STRUCTURED,
+    "guided_grammar": _STRUCTURED,
+    "guided_decoding_backend": _STRUCTURED,
+    "guided_whitespace_pattern": _STRUCTURED,
+    "structural_tag": _STRUCTURED,
+    "structured_outputs": _STRUCTURED,
+    "use_beam_search": _BEAM,
+    "length_penalty": _BEAM,
+    "audio": "audio output is not implemented; this server generates text only",
+    "prediction": "predicted outputs are not implemented by this server",
+    "web_search_options": "web search is not implemented by this server",
+    "reasoning_effort": "reasoning controls are not implemented by this server",
+    "logits_processors": "logits processors cannot be sent in requests",
+    "prompt_embeds": "prompt embeddings are not implemented by this server",
+    "mm_processor_kwargs": "multimodal input is not implemented by this server",
+}
 
 
 def random_id(prefix: str) -> str:
@@ -22,11 +55,13 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIModel(BaseModel):
-    # NOTE: unknown fields are ignored (clients send vendor extras); fields we know but do not
-    # support are declared and rejected explicitly in the handlers.
+    # NOTE: unknown fields are a 400 naming them, as in OpenAI's API: a field dropped in silence
+    # would answer 200 for something the server never did (UNSUPPORTED_FIELDS says why for the
+    # ones OpenAI and vLLM define). Known fields accepted only at some values are declared here
+    # and checked in serving_common.check_request.
     # NOTE: booleans and integers are strict ("stream": "yes" or "n": "2" is a 400, not a guess);
     # floats refuse NaN and infinity.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIModel):
@@ -44,7 +79,8 @@ class SamplingRequest(OpenAIModel):
     model: str | None = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     max_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
+    # NOTE: the upper bound depends on --relax-openai-limits (serving_common.check_request).
+    temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -61,14 +97,23 @@ class SamplingRequest(OpenAIModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     priority: StrictInt = 0
+    # OpenAI's metadata fields: accepted and ignored (nothing is stored, there are no tiers).
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: StrictBool | None = None
+    service_tier: str | None = None
     # vLLM's extras: keep only the last k prompt tokens (-1: the last max_model_len - 1 ones);
     # logprobs of the prompt's tokens (and the top-k at each position), non-streaming only.
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
-    # Known OpenAI fields we do not implement: accepted only at their no-op values.
+    # vLLM's extras: only these token ids may be sampled; words that must not be generated.
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] | None = None
+    # Known fields we do not implement: accepted only at their no-op values (best_of == n,
+    # response_format {"type": "text"}).
     best_of: StrictInt | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -95,8 +140,7 @@ class ChatCompletionRequest(SamplingRequest):
     # unless the server runs with --trust-request-chat-template, here or in chat_template_kwargs).
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None  # accepted only as ["text"]
 
 
 class TokenizeRequest(OpenAIModel):

@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from peregrine.engine.async_engine import EngineRequest, RequestStream
 from peregrine.entrypoints.chat_utils import (RESERVED_TEMPLATE_KWARGS, apply_chat_template,
                                               has_chat_template)
-from peregrine.entrypoints.openai.errors import bad_request
+from peregrine.entrypoints.openai.errors import bad_request, unsupported_value
 from peregrine.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                    ChatCompletionRequest, ChatCompletionResponse,
                                                    ChatLogprobs, ChatMessage, ChatResponseMessage,
@@ -22,7 +22,7 @@ from peregrine.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChu
 from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ServingContext, TokenText,
                                                          add_requests, build_sampling_params,
                                                          check_model, clamp_logprob,
-                                                         output_error, reject_unsupported,
+                                                         output_error, check_request,
                                                          resolve_max_tokens, respond, sse,
                                                          top_entries, truncate_prompt,
                                                          check_prompt_logprobs,
@@ -87,11 +87,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                                  raw: Request) -> Response:
     """Handle one /v1/chat/completions call."""
     check_model(ctx, req.model)
-    reject_unsupported(req)
-    if req.tools:
-        raise bad_request("tools are not supported", "tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("response_format other than text is not supported", "response_format")
+    check_request(ctx, req)
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise unsupported_value(f"modalities {req.modalities!r:.64} are not supported: this "
+                                'server generates text only (only ["text"])', "modalities")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     check_prompt_logprobs(req)

@@ -17,10 +17,14 @@ from fastapi import Request
 from peregrine.engine.async_engine import (AsyncEngine, EngineDeadError, EngineRequest,
                                            RequestAbortedError, RequestStream, ServerShuttingDownError)
 from peregrine.engine.llm_engine import QueueFullError
-from peregrine.entrypoints.openai.errors import OpenAIError, bad_request, error_body
-from peregrine.entrypoints.openai.protocol import PromptLogprob, SamplingRequest
+from peregrine.entrypoints.openai.errors import (OpenAIError, bad_request, error_body,
+                                                 unsupported_value)
+from peregrine.entrypoints.openai.protocol import (OPENAI_MAX_STOP_STRINGS,
+                                                   OPENAI_MAX_TEMPERATURE, UNSUPPORTED_FIELDS,
+                                                   PromptLogprob, SamplingRequest)
 from peregrine.outputs import Logprob, PositionLogprobs, RequestOutput
-from peregrine.sampling_params import RequestOutputKind, SamplingParams
+from peregrine.sampling_params import (MAX_STOP_STRINGS, MAX_TEMPERATURE, RequestOutputKind,
+                                       SamplingParams)
 
 T = TypeVar("T")
 # NOTE: JSON has no -inf; a token with zero probability is reported with this logprob instead.
@@ -51,6 +55,8 @@ class ServingContext:
     retry_after_s: int = 1
     max_prompt_chars: int = MIN_PROMPT_CHARS
     trust_request_chat_template: bool = False
+    # False: OpenAI's limits (temperature <= 2, 4 stop strings); True: the engine's own bounds.
+    relax_openai_limits: bool = False
     # Templates and tokenization run here, never on the event loop (None: the loop's default pool).
     executor: Executor | None = None
 
@@ -95,9 +101,42 @@ def check_model(ctx: ServingContext, model: str | None) -> None:
                           f"`{ctx.model_name}`).", param="model", code="model_not_found")
 
 
-def reject_unsupported(req: SamplingRequest) -> None:
+_RELAX_FLAG = "--relax-openai-limits"
+
+
+def check_request(ctx: ServingContext, req: SamplingRequest) -> None:
+    """400 for fields accepted only at some values, and for OpenAI's limits (unless relaxed)."""
     if req.best_of is not None and req.best_of != req.n:
-        raise bad_request("best_of is not supported (only best_of == n)", "best_of")
+        raise unsupported_value("best_of is not supported (only best_of == n)", "best_of")
+    if req.response_format is not None and req.response_format != {"type": "text"}:
+        shown = _short_repr(req.response_format.get("type", req.response_format))
+        raise unsupported_value(f"response_format {shown} is not supported: "
+                                f"{UNSUPPORTED_FIELDS['structured_outputs']} (only "
+                                '{"type": "text"})', "response_format")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+    if req.allowed_token_ids is not None:
+        vocab = ctx.engine.config.model.vocab_size
+        bad = next((t for t in req.allowed_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"allowed_token_ids: token id {bad} is outside the vocabulary "
+                              f"[0, {vocab})", "allowed_token_ids")
+    if ctx.relax_openai_limits:
+        return  # NOTE: SamplingParams holds the engine's bounds (MAX_TEMPERATURE, ...)
+    if req.temperature is not None and req.temperature > OPENAI_MAX_TEMPERATURE:
+        raise bad_request(f"temperature must be in [0, {OPENAI_MAX_TEMPERATURE:g}] (OpenAI's "
+                          f"limit), got {req.temperature}; a server started with {_RELAX_FLAG} "
+                          f"accepts up to {MAX_TEMPERATURE:g}", "temperature")
+    num_stop = 1 if isinstance(req.stop, str) else len(req.stop or ())
+    if num_stop > OPENAI_MAX_STOP_STRINGS:
+        raise bad_request(f"stop may hold at most {OPENAI_MAX_STOP_STRINGS} strings (OpenAI's "
+                          f"limit), got {num_stop}; a server started with {_RELAX_FLAG} accepts "
+                          f"up to {MAX_STOP_STRINGS}", "stop")
+
+
+def _short_repr(value: Any, limit: int = 64) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def truncate_prompt(ctx: ServingContext, token_ids: list[int], keep: int | None) -> list[int]:
@@ -174,7 +213,8 @@ def build_sampling_params(ctx: ServingContext, req: SamplingRequest, *, max_toke
         min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, max_tokens=max_tokens, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, output_kind=RequestOutputKind.DELTA,
-        logit_bias=_logit_bias(ctx, req.logit_bias))
+        logit_bias=_logit_bias(ctx, req.logit_bias), allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words)
     user_set = set()
     for name in _GEN_DEFAULT_FIELDS:
         value = getattr(req, name)

@@ -17,7 +17,7 @@ from peregrine.entrypoints.openai.protocol import (CompletionChoice, CompletionC
 from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ServingContext, TokenText,
                                                          add_requests, build_sampling_params,
                                                          check_model, clamp_logprob,
-                                                         output_error, reject_unsupported,
+                                                         output_error, check_request,
                                                          resolve_max_tokens, respond, sse,
                                                          top_entries, truncate_prompt,
                                                          check_prompt_logprobs,
@@ -77,7 +77,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
                             raw: Request) -> Response:
     """Handle one /v1/completions call."""
     check_model(ctx, req.model)
-    reject_unsupported(req)
+    check_request(ctx, req)
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if req.echo and req.logprobs is not None and req.stream:
