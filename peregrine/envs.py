@@ -26,6 +26,12 @@ def debug_checks() -> bool:
     return _flag("PEREGRINE_DEBUG_CHECKS", False)
 
 
+def core_pacing() -> bool:
+    """PEREGRINE_CORE_PACING: the core process listens for new requests while the device is busy
+    and schedules its next step as late as the device allows (default on; 0: schedule at once)."""
+    return _flag("PEREGRINE_CORE_PACING", True)
+
+
 def cache_dir() -> str | None:
     """PEREGRINE_CACHE_DIR: where the demo model is built (None: ~/.cache/peregrine)."""
     return os.environ.get("PEREGRINE_CACHE_DIR") or None

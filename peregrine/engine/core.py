@@ -71,6 +71,9 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks)
         self.pipeline = StepPipeline(config)
         self.timing: dict[str, float] = defaultdict(float)  # cumulative host seconds per phase
+        # Seconds the last step() waited for the device to finish the step launched before it
+        # (None when it collected no such step).
+        self.last_device_wait: float | None = None
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, r: EngineCoreRequest) -> None:
@@ -103,6 +106,7 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         """Schedule and launch one step; report what finished on the device since the last call."""
         t0 = time.perf_counter()
+        self.last_device_wait = None
         out = EngineCoreOutputs()
         sched = self.scheduler.schedule()
         self.timing["schedule"] += time.perf_counter() - t0
@@ -143,6 +147,8 @@ class EngineCore:
             return
         t1 = time.perf_counter()
         self.timing["collect"] += t1 - t0
+        if in_flight:
+            self.last_device_wait = t1 - t0
         reqs = self.scheduler.requests_of(sched)
         kept = {id(r) for r in self.scheduler.update_from_output(sched, result, in_flight)}
         if result.prompt_logprobs:  # NOTE: rare; most steps skip this loop over the batch

@@ -14,11 +14,14 @@ import os
 import queue
 import socket
 import threading
+import time
 import traceback
 from typing import Protocol
 
+from peregrine import envs
 from peregrine.config import EngineConfig
 from peregrine.engine.core import EngineCore, EngineCoreOutputs, EngineCoreRequest, FinishedInfo
+from peregrine.engine.pacing import LaunchPacer
 from peregrine.engine.request import RequestStatus
 
 logger = logging.getLogger("peregrine")
@@ -251,6 +254,7 @@ def run_engine_core(config: EngineConfig, inbox, outbox, log_level: int = loggin
     sender = _PipeSender(outbox, "peregrine-core-outputs")
     sender.put(("ready", core.executor.num_blocks))
     parent = os.getppid()
+    pacer = LaunchPacer() if envs.core_pacing() else None
     try:
         while sender.error is None:
             if not core.has_work() and not inbox.poll(1.0):
@@ -263,10 +267,13 @@ def run_engine_core(config: EngineConfig, inbox, outbox, log_level: int = loggin
                     if kind == "shutdown":
                         return
                     _handle(core, kind, payload, refused)
-            out = core.step() if core.has_work() else EngineCoreOutputs()
+            stepped = core.has_work()
+            out = core.step() if stepped else EngineCoreOutputs()
             out.finished.update(refused.finished)
             if out:
                 sender.put(("outputs", out))
+            if pacer is not None and stepped:
+                _listen(core, pacer, inbox)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return
     except BaseException as e:  # noqa: BLE001
@@ -275,6 +282,17 @@ def run_engine_core(config: EngineConfig, inbox, outbox, log_level: int = loggin
     finally:
         sender.close()
         core.shutdown()
+
+
+def _listen(core: EngineCore, pacer: LaunchPacer, inbox) -> None:
+    """While the device works on the step in flight, wait for new requests for as long as the
+    pacer allows, so one that arrives meanwhile joins the next step (see engine/pacing.py)."""
+    pacer.observe(core.last_device_wait)
+    budget = pacer.budget() if core.pipeline.busy else 0.0
+    if budget > 0.0:
+        t0 = time.perf_counter()
+        inbox.poll(budget)
+        pacer.listened(time.perf_counter() - t0)
 
 
 def _handle(core: EngineCore, kind: str, payload, refused: EngineCoreOutputs) -> None:
