@@ -1,0 +1,97 @@
+"""The compiled weight-only int dequant-GEMM matches dequantize-then-matmul (float32) at
+Llama-3-8B projection shapes and batch sizes 1 to 2048, for 4-bit AWQ-style (zero points, group
+128), 6 and 8-bit RTN-style (symmetric) and act-order weights; inside the engine, an AWQ model's
+greedy tokens on CUDA (kernel) equal those on the CPU (dequantize + matmul)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_cases import DEV
+from peregrine.kernels.wna16_gemm import wna16_gemm
+from peregrine.layers.quantization.wna16 import WNA16Layout
+
+pytestmark = pytest.mark.gpu
+
+# (K, N) of Llama-3-8B's projections: q/k/v fused, o, gate/up fused, down.
+SHAPES = {"qkv": (4096, 4096 + 2 * 1024), "o": (4096, 4096), "gate_up": (4096, 2 * 14336),
+          "down": (14336, 4096)}
+BATCHES = (1, 16, 256, 2048)
+
+
+def _layout(k: int, n: int, bits: int, zp: bool, dtype: torch.dtype, group: int = 128,
+            act_order: bool = False) -> WNA16Layout:
+    q = torch.randint(0, 1 << bits, (k, n), device=DEV, dtype=torch.int32)
+    scales = torch.rand(k // group, n, device=DEV) * 0.01 + 0.002
+    zeros = torch.randint(0, 1 << bits, (k // group, n), device=DEV).float() if zp else None
+    g_idx = None
+    if act_order:
+        g_idx = (torch.arange(k, device=DEV) // group)[torch.randperm(k, device=DEV)]
+    return WNA16Layout.build(q, scales, zeros, g_idx, bits, dtype)
+
+
+def _check(x: torch.Tensor, w: WNA16Layout) -> None:
+    want = x.float() @ w.dequantize(torch.float32).t()  # (M, N) float32
+    got = wna16_gemm(x, w)
+    assert got.dtype == x.dtype and got.shape == want.shape
+    # NOTE: the integers and x are exact in 16 bits and the sums float32: the output rounding
+    # (2^-8 relative for bf16) dominates; scale by the output's RMS, not per element.
+    err = (got.float() - want).abs().max().item() / want.pow(2).mean().sqrt().item()
+    assert err < (2e-2 if x.dtype == torch.bfloat16 else 4e-3), err
+
+
+@pytest.mark.parametrize("m", BATCHES)
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_int4_awq_style_matches_dequantized_matmul(shape: str, m: int) -> None:
+    k, n = SHAPES[shape]
+    w = _layout(k, n, 4, zp=True, dtype=torch.bfloat16)
+    _check(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), w)
+
+
+@pytest.mark.parametrize("m", (1, 16, 2048))
+@pytest.mark.parametrize("bits", (6, 8))
+def test_rtn_style_6_and_8_bit_match(bits: int, m: int) -> None:
+    k, n = SHAPES["down"]
+    w = _layout(k, n, bits, zp=False, dtype=torch.bfloat16)
+    _check(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), w)
+
+
+@pytest.mark.parametrize("m", (1, 256))
+def test_fp16_and_act_order_match(m: int) -> None:
+    k, n = SHAPES["o"]
+    _check(torch.randn(m, k, device=DEV, dtype=torch.float16),
+           _layout(k, n, 4, zp=True, dtype=torch.float16))
+    _check(torch.randn(m, k, device=DEV, dtype=torch.bfloat16),
+           _layout(k, n, 4, zp=False, dtype=torch.bfloat16, act_order=True))
+
+
+def test_decode_step_is_graph_capturable() -> None:
+    k, n = SHAPES["qkv"]
+    w = _layout(k, n, 4, zp=True, dtype=torch.bfloat16)
+    x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+    want = wna16_gemm(x, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = wna16_gemm(x, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(out, wna16_gemm(x, w))
+    assert not torch.equal(out, want)
+
+
+def test_awq_model_tokens_on_cuda_equal_the_cpu_dequantized_path(tmp_path) -> None:
+    from peregrine import LLM, SamplingParams
+    from peregrine.testing.checkpoints import tiny_checkpoint
+    from peregrine.testing.quant_pack import write_quantized_checkpoint
+    path, _ = write_quantized_checkpoint(tiny_checkpoint("qwen3"), tmp_path / "awq", "awq",
+                                         group_size=32)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [[5, 17, 99, 230, 41], list(range(3, 40))]
+    outs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(str(path), dtype="float32", device=device, max_model_len=128, seed=0)
+        outs[device] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                      use_tqdm=False)]
+        del llm
+    assert outs["cuda"] == outs["cpu"]
