@@ -20,6 +20,12 @@ __all__ = ["QuantMethod", "QuantizationConfig", "UnquantizedLinearMethod",
 _ConfigClass = type[QuantizationConfig]
 # quant_method -> "module:Class", imported on first use.
 _BUILTIN: dict[str, str] = {
+    "awq": "peregrine.layers.quantization.awq:AWQConfig",
+    "gptq": "peregrine.layers.quantization.gptq:GPTQConfig",
+    "rtn": "peregrine.layers.quantization.rtn:RTNConfig",
+    "rtn-int4": "peregrine.layers.quantization.rtn:RTNInt4Config",
+    "rtn-int6": "peregrine.layers.quantization.rtn:RTNInt6Config",
+    "rtn-int8": "peregrine.layers.quantization.rtn:RTNInt8Config",
     "fp8": "peregrine.layers.quantization.fp8:Fp8Config",
     "compressed-tensors":
         "peregrine.layers.quantization.compressed_tensors:CompressedTensorsConfig",
