@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from peregrine.layers.kernel_config import KernelConfig
 from peregrine.layers.linear import LinearBase
 from peregrine.models.protocol import BuildOptions
 from peregrine.models.registry import build_model
+
+logger = logging.getLogger("peregrine")
 
 
 def safetensors_files(model_dir: str) -> list[Path]:
@@ -59,6 +62,10 @@ def load_model(cfg: ModelConfig, backend, device: torch.device,
     for module in model.modules():
         if isinstance(module, LinearBase):
             module.quant_method.process_weights_after_loading(module)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    method = cfg.quantization.name if cfg.quantization is not None else "none"
+    logger.info("model weights: %.2f GiB (quantization: %s, activations in %s)",
+                weight_bytes / 2**30, method, str(cfg.dtype).removeprefix("torch."))
     return model.eval()
 
 
