@@ -14,8 +14,9 @@ BACKEND_NAMES = ("torch", "triton")
 class AttentionBackend(ABC):
     """Paged causal attention for one layer and one flat step batch (decodes first).
 
-    k_scale / v_scale: the cache holds k / k_scale and v / v_scale; attention reads them back
-    multiplied (1.0, the default, for 16/32-bit caches, costs nothing).
+    k_scale / v_scale: the cache holds k / k_scale and v / v_scale (saturated to the finite range
+    in an FP8 cache); attention reads them back multiplied. The Attention layer passes 1.0 for
+    16/32-bit caches.
     """
 
     name: str = "abstract"
@@ -53,12 +54,6 @@ class AttentionBackend(ABC):
                meta: AttentionMetadata, scale: float, out: torch.Tensor | None,
                window: int | None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """Attention of q (T, Hq, D) over the stored paged context (shapes already checked)."""
-
-
-def unscale_kv(k: torch.Tensor, v: torch.Tensor, k_scale: float, v_scale: float
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """k / k_scale, v / v_scale as the cache holds them (no copy for a scale of 1.0)."""
-    return (k if k_scale == 1.0 else k / k_scale), (v if v_scale == 1.0 else v / v_scale)
 
 
 def check_shapes(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,

@@ -5,27 +5,43 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from peregrine.kernels.reference import FP8_DTYPES
+
 if TYPE_CHECKING:
     from peregrine.config import CacheConfig, ModelConfig
 
-# Both backends store any of these (the kernels convert on store and on load).
+# Both backends store any of these (the kernels convert on store and on load). The FP8 caches hold
+# k / k_scale and v / v_scale (per-layer scales, 1.0 unless the checkpoint gives them), saturated
+# to the format's finite range.
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float": torch.float32,
     "float16": torch.float16,
     "half": torch.float16,
     "bfloat16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
 }
-FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """True for the FP8 cache dtypes (these hold scaled values)."""
+    return dtype in FP8_DTYPES
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """The largest finite value of an FP8 dtype (448 for e4m3, 57344 for e5m2)."""
+    if not is_fp8(dtype):
+        raise ValueError(f"{dtype} is not an FP8 KV cache dtype "
+                         f"({', '.join(map(str, FP8_DTYPES))})")
+    return float(torch.finfo(dtype).max)
 
 
 def check_kv_cache_dtype(name: str) -> None:
-    """ValueError unless `name` is auto or a supported float type."""
+    """ValueError unless `name` is auto or a supported cache type."""
     if name == "auto" or name in KV_CACHE_DTYPES:
         return
-    if name in FP8_KV_CACHE_DTYPES:
-        raise ValueError(f"invalid kv_cache_dtype: {name!r}: the FP8 KV cache is not available "
-                         "in this version (use auto, float16, bfloat16 or float32)")
     raise ValueError(f"invalid kv_cache_dtype: {name!r} (expected auto, "
                      f"{', '.join(KV_CACHE_DTYPES)})")
 

@@ -3,21 +3,21 @@ from __future__ import annotations
 
 import torch
 
-from peregrine.attention.backend import AttentionBackend, unscale_kv
+from peregrine.attention.backend import AttentionBackend
 from peregrine.attention.metadata import AttentionMetadata
 from peregrine.kernels.reference import paged_attention_ref, store_kv_ref
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Stores K/V with index_put, then loops over sequences (vectorised within each one)."""
+    """Stores K/V with index_put, then loops over sequences (vectorised within each one); an FP8
+    cache is dequantized to fp32 as it is gathered."""
 
     name = "torch"
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
                  v_scale: float = 1.0) -> None:
-        k, v = unscale_kv(k, v, k_scale, v_scale)
-        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+        store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, out: torch.Tensor | None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from peregrine.attention.backend import AttentionBackend, unscale_kv
+from peregrine.attention.backend import AttentionBackend
 from peregrine.attention.metadata import AttentionMetadata
 from peregrine.kernels.decode_attention import paged_decode_attention
 from peregrine.kernels.extend_attention import extend_attention
@@ -21,15 +21,12 @@ class TritonAttentionBackend(AttentionBackend):
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
                  v_scale: float = 1.0) -> None:
-        k, v = unscale_kv(k, v, k_scale, v_scale)
-        store_kv(k, v, k_cache, v_cache, slot_mapping)
+        store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, out: torch.Tensor | None,
                window: int | None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         num_tokens = q.shape[0]
-        # NOTE: q . (k_scale * k) = (k_scale * q) . k: the K scale folds into the softmax scale.
-        scale = scale * k_scale
         num_decodes = meta.num_decodes
         if out is None:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
@@ -43,15 +40,17 @@ class TritonAttentionBackend(AttentionBackend):
             # NOTE: decode token i belongs to sequence i (decodes come first, one token each).
             paged_decode_attention(q[:num_decodes], k_cache, v_cache,
                                    meta.block_table[:num_decodes], meta.seq_lens[:num_decodes],
-                                   scale, out=out[:num_decodes], window=window)
+                                   scale, out=out[:num_decodes], window=window,
+                                   k_scale=k_scale, v_scale=v_scale)
         if has_chunks:
             extend_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens,
                              meta.query_start_loc, scale, meta.max_query_len, out=out,
-                             seq_start=num_decodes, window=window)
+                             seq_start=num_decodes, window=window, k_scale=k_scale,
+                             v_scale=v_scale)
             covered = meta.num_actual_tokens
         else:
             # NOTE: decode-only batches (the CUDA-graph case) read no host metadata at all.
             covered = num_decodes
         if covered < num_tokens:
             out[covered:].zero_()  # padding rows: defined values, nothing stored for them
-        return out if v_scale == 1.0 else out.mul_(v_scale)
+        return out

@@ -72,8 +72,10 @@ def _decode_split_kernel(
         kv_mask = d_mask[:, None] & n_mask[None, :]  # (BD, BN)
         k_t = tl.load(k_cache_ptr + blk[None, :] * stride_kc_b + off[None, :] * stride_kc_s
                       + kvh * stride_kc_h + offs_d[:, None],
-                      mask=kv_mask, other=0.0).to(tl.float32)  # (BD, BN)
-        s = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=DOT_PREC) * scale_log2  # (BG, BN)
+                      mask=kv_mask, other=0.0).to(DOT_DTYPE)  # (BD, BN)
+        # NOTE: the K scale is inside scale_log2 and the V scale is applied by the merge, so an
+        # FP8 tile costs one conversion per element here and nothing more.
+        s = tl.dot(q, k_t, input_precision=DOT_PREC) * scale_log2  # (BG, BN)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # (BG,)
         alpha = tl.exp2(m_i - m_new)  # (BG,)
@@ -81,9 +83,8 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + blk[:, None] * stride_vc_b + off[:, None] * stride_vc_s
                     + kvh * stride_vc_h + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # (BN, BD)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
-                                            input_precision=DOT_PREC)
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)  # (BN, BD)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
         m_i = m_new
 
     if HAS_WINDOW:
@@ -101,7 +102,7 @@ def _decode_split_kernel(
 @triton.jit(do_not_specialize=["split_len", "stride_mo_b", "stride_mo_h", "stride_ml_b",
                                "stride_ml_h"])
 def _decode_merge_kernel(
-    mid_o_ptr, mid_lse_ptr, seq_lens_ptr, o_ptr, split_len,
+    mid_o_ptr, mid_lse_ptr, seq_lens_ptr, o_ptr, split_len, v_scale,
     stride_mo_b, stride_mo_h, stride_mo_s,
     stride_ml_b, stride_ml_h,
     stride_ob, stride_oh,
@@ -125,7 +126,7 @@ def _decode_merge_kernel(
                 + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # (BS, BD)
     denom = tl.sum(w, 0)
     acc = tl.sum(w[:, None] * o, 0)  # (BD,)
-    out = acc / tl.where(denom > 0, denom, 1.0)
+    out = acc / tl.where(denom > 0, denom, 1.0) * v_scale  # the cache holds v / v_scale
     tl.store(o_ptr + b64 * stride_ob + h * stride_oh + offs_d,
              out.to(o_ptr.dtype.element_ty), mask=d_mask)
 
@@ -143,11 +144,13 @@ def decode_split_len(batch: int, num_kv_heads: int, max_blocks: int, block_size:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, *, split_len: int | None = None,
-                           block_n: int | None = None, window: int | None = None) -> torch.Tensor:
+                           block_n: int | None = None, window: int | None = None,
+                           k_scale: float = 1.0, v_scale: float = 1.0, num_warps: int | None = None,
+                           num_stages: int = 2) -> torch.Tensor:
     """Attention of one query token per sequence, q (B, Hq, D), over its whole paged context of
     seq_lens[b] <= block_table.shape[1] * block_size tokens (only the last `window` tokens with a
     sliding window); returns out (B, Hq, D). A sequence with seq_len 0 (CUDA-graph padding)
-    gets zeros."""
+    gets zeros. The caches hold k / k_scale and v / v_scale (any float type, FP8 included)."""
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = check_q_and_caches(q, k_cache, v_cache)
     if block_table.shape[0] != batch or seq_lens.shape != (batch,):
@@ -174,7 +177,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_d = max(16, next_pow2(head_dim))
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, mid_o, mid_lse,
-        scale * math.log2(math.e), split_len, window or 0,
+        scale * k_scale * math.log2(math.e), split_len, window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -184,10 +187,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size,
         DOT_DTYPE=dot_dtype(q), DOT_PREC=dot_precision(q), HAS_WINDOW=window is not None,
-        num_warps=8 if q.dtype == torch.float32 and on_gpu else 4, num_stages=2,
+        num_warps=num_warps or (8 if q.dtype == torch.float32 and on_gpu else 4),
+        num_stages=num_stages,
     )
     _decode_merge_kernel[(batch, num_q_heads)](
-        mid_o, mid_lse, seq_lens, out, split_len,
+        mid_o, mid_lse, seq_lens, out, split_len, v_scale,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),

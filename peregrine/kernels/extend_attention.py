@@ -34,8 +34,10 @@ def _attend_tile(q, m_i, l_i, acc, n0, q_pos, kv_end, k_base, v_base, bt_row,
         kt_mask = d_mask[:, None]
         v_mask = d_mask[None, :]
     k_t = tl.load(k_base + blk[None, :] * stride_kc_b + off[None, :] * stride_kc_s
-                  + offs_d[:, None], mask=kt_mask, other=0.0).to(tl.float32)  # (BD, BN)
-    s = tl.dot(q, k_t.to(DOT_DTYPE), input_precision=DOT_PREC) * scale_log2  # (BM, BN)
+                  + offs_d[:, None], mask=kt_mask, other=0.0).to(DOT_DTYPE)  # (BD, BN)
+    # NOTE: the K scale is inside scale_log2 and the V scale is applied once at the end, so an
+    # FP8 tile costs one conversion per element here and nothing more.
+    s = tl.dot(q, k_t, input_precision=DOT_PREC) * scale_log2  # (BM, BN)
     if MASKED:
         visible = (tok[None, :] <= q_pos[:, None]) & (tok[None, :] < kv_end)  # (BM, BN)
         if HAS_WINDOW:  # a query at position p sees keys p - window + 1 .. p
@@ -51,8 +53,8 @@ def _attend_tile(q, m_i, l_i, acc, n0, q_pos, kv_end, k_base, v_base, bt_row,
     p = tl.exp2(s - m_use[:, None])  # (BM, BN)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_base + blk[:, None] * stride_vc_b + off[:, None] * stride_vc_s
-                + offs_d[None, :], mask=v_mask, other=0.0).to(tl.float32)  # (BN, BD)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PREC)
+                + offs_d[None, :], mask=v_mask, other=0.0).to(DOT_DTYPE)  # (BN, BD)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
     return m_new, l_i, acc
 
 
@@ -60,7 +62,7 @@ def _attend_tile(q, m_i, l_i, acc, n0, q_pos, kv_end, k_base, v_base, bt_row,
 @triton.jit(do_not_specialize=["seq_offset", "window"])
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, qsl_ptr, o_ptr,
-    scale_log2, seq_offset, window,
+    scale_log2, v_scale, seq_offset, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kc_b, stride_kc_s, stride_kc_h,
     stride_vc_b, stride_vc_s, stride_vc_h,
@@ -119,7 +121,7 @@ def _extend_kernel(
                                      scale_log2, offs_d, d_mask, window, HEAD_DIM, BLOCK_N,
                                      BLOCK_SIZE, True, DOT_DTYPE, DOT_PREC, HAS_WINDOW)
 
-    out = acc / l_i[:, None]  # (BM, BD)
+    out = acc / l_i[:, None] * v_scale  # (BM, BD); the cache holds v / v_scale
     tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
@@ -141,10 +143,12 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      out: torch.Tensor | None = None, *, seq_start: int = 0,
                      num_seqs: int | None = None, block_m: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of the packed chunks of sequences [seq_start, seq_start + num_seqs), q
     (T, Hq, D), over their paged contexts (with a sliding window, a query at position p sees
-    keys p - window + 1 .. p); writes only those sequences' rows of out (T, Hq, D)."""
+    keys p - window + 1 .. p); writes only those sequences' rows of out (T, Hq, D). The caches
+    hold k / k_scale and v / v_scale (any float type, FP8 included)."""
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = check_q_and_caches(q, k_cache, v_cache)
     total_seqs = seq_lens.shape[0]
@@ -164,7 +168,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     grid = (triton.cdiv(max_query_len, block_m), num_q_heads, num_seqs)
     _extend_kernel[grid](
         q, k_cache, v_cache, block_table, seq_lens, query_start_loc, out,
-        scale * math.log2(math.e), seq_start, window or 0,
+        scale * k_scale * math.log2(math.e), v_scale, seq_start, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -9,15 +9,42 @@ import torch.nn.functional as F
 _QUERY_CHUNK = 512
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_kv_ref(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x as a cache of `cache_dtype` holds it: x * (1 / scale) in fp32, saturated to the finite
+    range for FP8, then rounded to nearest even."""
+    # NOTE: a multiply by the fp32 reciprocal, exactly what the store kernel computes, so the
+    # two agree bit for bit (x / scale could round differently in the last place).
+    y = x.float() * (1.0 / scale)
+    if cache_dtype in FP8_DTYPES:
+        fmax = torch.finfo(cache_dtype).max
+        y = y.clamp(-fmax, fmax)
+    return y.to(cache_dtype)
+
+
+def dequantize_kv_ref(cache: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """The fp32 values a cache holding x / scale stands for."""
+    return cache.float() * scale
+
+
+def _bytes(cache: torch.Tensor) -> torch.Tensor:
+    # NOTE: FP8 tensors are indexed through a uint8 view: index_put / gather need not support
+    # float8 on every device.
+    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
+
+
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    """Write k/v (T, Hkv, D) into the paged caches at slot_mapping (T,); slot -1 is skipped."""
+                 slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Write k / k_scale, v / v_scale (T, Hkv, D) into the paged caches at slot_mapping (T,);
+    slot -1 is skipped."""
     block_size = k_cache.shape[1]
     valid = slot_mapping >= 0  # (T,)
     slots = slot_mapping[valid].long()  # (n,)
     blocks, offsets = slots // block_size, slots % block_size  # (n,), (n,)
-    k_cache[blocks, offsets] = k[valid].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        _bytes(cache)[blocks, offsets] = _bytes(quantize_kv_ref(x[valid], cache.dtype, scale))
 
 
 def gather_kv_ref(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -25,7 +52,7 @@ def gather_kv_ref(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: i
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
     blocks = block_table_row[:num_blocks].long()  # (nb,)
-    return cache[blocks].flatten(0, 1)[:seq_len]  # (seq_len, Hkv, D)
+    return _bytes(cache)[blocks].view(cache.dtype).flatten(0, 1)[:seq_len]  # (seq_len, Hkv, D)
 
 
 def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

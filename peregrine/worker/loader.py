@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from peregrine.attention.kv_scales import take_kv_scales
 from peregrine.config import ModelConfig
 from peregrine.layers.kernel_config import KernelConfig
 from peregrine.layers.linear import LinearBase
@@ -58,7 +59,8 @@ def load_model(cfg: ModelConfig, backend, device: torch.device,
     if cfg.load_format == "dummy":
         init_dummy_weights(model, cfg.seed)
     else:
-        model.load_weights(iterate_safetensors(cfg.model))
+        # NOTE: K/V cache scales go to the Attention layers; the rest to the model.
+        model.load_weights(take_kv_scales(model, iterate_safetensors(cfg.model)))
     for module in model.modules():
         if isinstance(module, LinearBase):
             module.quant_method.process_weights_after_loading(module)

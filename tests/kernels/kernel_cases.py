@@ -54,3 +54,31 @@ def exact_reference(case: PagedCase, scale: float, window: int | None = None) ->
 TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-5),
               torch.bfloat16: dict(atol=2e-2, rtol=1e-2),  # ~1-2 bf16 ulps at |x| <= 2
               torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+FP8_IDS = ["e4m3", "e5m2"]
+# Scales that are not powers of two, so a wrong fold (divide vs multiply, K vs V) shows.
+K_SCALE, V_SCALE = 0.37, 0.11
+
+
+def fp8_case(case: PagedCase, cache_dtype: torch.dtype, k_scale: float = K_SCALE,
+             v_scale: float = V_SCALE) -> tuple[PagedCase, PagedCase]:
+    """(case with its caches quantized to cache_dtype as k / k_scale, v / v_scale; the same case
+    with those caches dequantized to fp32: what the FP8 kernels must compute on exactly)."""
+    from peregrine.kernels.reference import dequantize_kv_ref, quantize_kv_ref
+    kq = quantize_kv_ref(case.k_cache, cache_dtype, k_scale)
+    vq = quantize_kv_ref(case.v_cache, cache_dtype, v_scale)
+    deq = case._replace(k_cache=dequantize_kv_ref(kq, k_scale),
+                        v_cache=dequantize_kv_ref(vq, v_scale))
+    return case._replace(k_cache=kq, v_cache=vq), deq
+
+
+def fp8_error_bounds(cache_dtype: torch.dtype, v: torch.Tensor) -> tuple[float, float]:
+    """(max, mean) absolute error allowed between attention on an FP8 cache and on the exact
+    one. Each output is a convex combination of V rows, and rounding V to FP8 moves each value
+    by at most half an ulp, 2^-(M+1) relative (M mantissa bits); rounding K moves the weights
+    a little more. Measured on randn K/V: max ~0.4x, mean ~0.25x of these."""
+    half_ulp = 2.0 ** -(4 if cache_dtype == torch.float8_e4m3fn else 3)
+    va = v.float().abs()
+    return half_ulp * va.max().item(), half_ulp * va.mean().item() / 2

@@ -5,7 +5,8 @@ import math
 
 import torch
 
-from kernel_cases import TOLERANCES, exact_reference, make_paged_case
+from kernel_cases import (FP8_DTYPES, FP8_IDS, K_SCALE, TOLERANCES, V_SCALE, exact_reference,
+                          fp8_case, fp8_error_bounds, make_paged_case)
 from peregrine.kernels.decode_attention import decode_split_len, paged_decode_attention
 
 SCALE = 0.125
@@ -109,3 +110,30 @@ def test_decode_sliding_window_matches_reference(window: int, split_len: int) ->
     out = _run(case, window=window, split_len=split_len)
     torch.testing.assert_close(out, exact_reference(case, SCALE, window), atol=1e-5, rtol=1e-5)
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=FP8_IDS)
+def test_decode_fp8_cache_equals_reference_on_dequantized_cache(cache_dtype: torch.dtype,
+                                                                q_dtype: torch.dtype) -> None:
+    case = make_paged_case([1, 30, 71, 200], [1, 1, 1, 1], 4, 2, dtype=q_dtype)
+    quant, deq = fp8_case(case, cache_dtype)
+    out = _run(quant, split_len=32, k_scale=K_SCALE, v_scale=V_SCALE)
+    assert out.dtype == q_dtype
+    torch.testing.assert_close(out.float(), exact_reference(deq, SCALE), **TOLERANCES[q_dtype])
+    # Close to attention on the unrounded cache, within the FP8 rounding's stated bound.
+    max_err, mean_err = fp8_error_bounds(cache_dtype, case.v_cache)
+    err = (out.float() - exact_reference(case, SCALE)).abs()
+    assert err.max().item() <= max_err and err.mean().item() <= mean_err, (err.max(), err.mean())
+
+
+def test_decode_fp8_scales_fold_into_scores_and_output() -> None:
+    """Scales 1.0 on the same FP8 bits are a different (rescaled) attention: both scales act."""
+    case = make_paged_case([40, 9], [1, 1], 4, 1)
+    quant, deq = fp8_case(case, torch.float8_e4m3fn, 2.5, 0.3)
+    scaled = _run(quant, split_len=16, k_scale=2.5, v_scale=0.3)
+    torch.testing.assert_close(scaled, exact_reference(deq, SCALE), atol=1e-5, rtol=1e-5)
+    plain = _run(quant, split_len=16)
+    raw = quant._replace(k_cache=quant.k_cache.float(), v_cache=quant.v_cache.float())
+    torch.testing.assert_close(plain, exact_reference(raw, SCALE), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(plain, scaled, atol=1e-2)

@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import TOLERANCES, exact_reference, make_paged_case
+from kernel_cases import (FP8_DTYPES, FP8_IDS, K_SCALE, TOLERANCES, V_SCALE, exact_reference,
+                          fp8_case, fp8_error_bounds, make_paged_case)
 from peregrine.kernels.extend_attention import extend_attention
 
 SCALE = 0.125
@@ -70,3 +71,21 @@ def test_extend_rejects_a_bad_window() -> None:
     case = make_paged_case([8], [8], 4, 2)
     with pytest.raises(ValueError, match="window"):
         _run(case, window=0)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=FP8_IDS)
+def test_extend_fp8_cache_equals_reference_on_dequantized_cache(cache_dtype: torch.dtype,
+                                                                q_dtype: torch.dtype) -> None:
+    # A fresh prefill, a chunk after a prefix, a single token; a sliding window on one run.
+    case = make_paged_case([19, 40, 9], [19, 19, 1], 4, 2, dtype=q_dtype)
+    quant, deq = fp8_case(case, cache_dtype)
+    for window in (None, 7):
+        out = _run(quant, k_scale=K_SCALE, v_scale=V_SCALE, window=window)
+        assert out.dtype == q_dtype
+        torch.testing.assert_close(out.float(), exact_reference(deq, SCALE, window),
+                                   **TOLERANCES[q_dtype])
+    out = _run(quant, k_scale=K_SCALE, v_scale=V_SCALE)
+    max_err, mean_err = fp8_error_bounds(cache_dtype, case.v_cache)
+    err = (out.float() - exact_reference(case, SCALE)).abs()
+    assert err.max().item() <= max_err and err.mean().item() <= mean_err, (err.max(), err.mean())
