@@ -1,6 +1,8 @@
 """Time every Triton kernel at real shapes on one GPU: latency and achieved bandwidth / FLOP/s.
 
-Usage (H200): python benchmarks/gpu_kernels.py [--budget-s 170]
+Usage (H200): python benchmarks/gpu_kernels.py [--budget-s 170] [--fp8-only]
+--fp8-only: just the FP8 KV cache cases: decode at W1's shape (1,000 Qwen3-0.6B sequences of
+~1,000 tokens) with a bf16 vs an FP8 cache, a tile sweep of the FP8 decode, FP8 store_kv.
 Prints each case's latency (triton.testing.do_bench, L2 flushed), the achieved GB/s of K/V (and of
 all other tensors for the elementwise kernels) against the 4.2 TB/s HBM peak, and the max error
 against the torch reference; writes $OUT/gpu_kernels.json when OUT is set, and exits 1 if an
@@ -98,38 +100,76 @@ def kv_bytes(seq_lens: list[int], hkv: int, head_dim: int, dtype: torch.dtype) -
     return 2.0 * sum(seq_lens) * hkv * head_dim * dtype.itemsize
 
 
+# The FP8 caches hold k / K_SCALE and v / V_SCALE (randn K/V: |x| < ~7, so x / 0.02 stays within
+# e4m3's 448); not powers of two, so a wrong fold of the scales shows in the error.
+K_SCALE, V_SCALE = 0.021, 0.017
+
+
+def to_fp8_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_dtype: torch.dtype):
+    """(FP8 k cache, FP8 v cache, their fp32 dequantized values): the kernel must equal the
+    reference on the latter."""
+    kq = ref.quantize_kv_ref(k_cache, cache_dtype, K_SCALE)
+    vq = ref.quantize_kv_ref(v_cache, cache_dtype, V_SCALE)
+    return kq, vq, ref.dequantize_kv_ref(kq, K_SCALE), ref.dequantize_kv_ref(vq, V_SCALE)
+
+
 def run_decode(batch: int, ctx: int, hq: int, hkv: int, head_dim: int, dtype: torch.dtype,
-               timed: bool, width: int | None = None, window: int | None = None) -> None:
+               timed: bool, width: int | None = None, window: int | None = None,
+               cache_dtype: torch.dtype | None = None, min_ctx: int | None = None,
+               tiles: tuple[int, int, int] | None = None) -> None:
+    """cache_dtype: an FP8 type for an FP8 cache (default: dtype); tiles: (BLOCK_N, warps,
+    stages) of the split kernel; min_ctx: lengths are drawn from [min_ctx, ctx] (default ctx/2)."""
     gen = torch.Generator().manual_seed(batch * 7 + ctx)
     # NOTE: lengths spread over [ctx/2, ctx] so splits end at different places per sequence.
-    lens = [ctx] + torch.randint(max(1, ctx // 2), ctx + 1, (batch - 1,), generator=gen).tolist()
+    low = min_ctx or max(1, ctx // 2)
+    lens = [ctx] + torch.randint(low, ctx + 1, (batch - 1,), generator=gen).tolist()
     q, kc, vc, bt, sl, _ = paged_inputs(lens, [1] * batch, hq, hkv, head_dim, dtype, width=width)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
     scale = head_dim ** -0.5
-    out = paged_decode_attention(q, kc, vc, bt, sl, scale, window=window)
-    err = attn_error(out, q, kc, vc, bt, sl, qsl, scale, window)
+    kw: dict = dict(window=window)
+    if tiles:
+        kw.update(zip(("block_n", "num_warps", "num_stages"), tiles))
+    ref_k, ref_v = kc, vc
+    if cache_dtype is not None and cache_dtype != dtype:
+        kc, vc, ref_k, ref_v = to_fp8_cache(kc, vc, cache_dtype)
+        kw.update(k_scale=K_SCALE, v_scale=V_SCALE)
+    out = paged_decode_attention(q, kc, vc, bt, sl, scale, **kw)
+    # NOTE: against the exact answer on the dequantized cache: the FP8 rounding itself is the
+    # cache's choice, what is checked is that the kernel computes on exactly those values.
+    err = attn_error(out, q, ref_k, ref_v, bt, sl, qsl, scale, window)
     ms = bench(lambda: paged_decode_attention(q, kc, vc, bt, sl, scale, out=out,
-                                              window=window)) if timed else None
+                                              **kw)) if timed else None
     cfg = dict(dtype=str(dtype)[6:], D=head_dim, hq=hq, hkv=hkv, B=batch, ctx=ctx)
+    if kc.dtype != dtype:
+        cfg["cache"] = str(kc.dtype)[6:]
+    if min_ctx:
+        cfg["min_ctx"] = min_ctx
+    if tiles:
+        cfg["tiles"] = "x".join(map(str, tiles))
     if width:
         cfg["width"] = width
     if window:
         cfg["window"] = window
-    record("decode", cfg, err, TOL[dtype], ms, kv_bytes(lens, hkv, head_dim, dtype))
+    record("decode", cfg, err, TOL[dtype], ms, kv_bytes(lens, hkv, head_dim, kc.dtype))
 
 
 def run_extend(chunks: list[tuple[int, int]], hq: int, hkv: int, head_dim: int,
                dtype: torch.dtype, timed: bool, tiles: tuple[int, int, int] | None = None,
-               window: int | None = None) -> None:
-    """chunks: (new tokens, cached prefix) per sequence; tiles: (BLOCK_M, BLOCK_N, warps)."""
+               window: int | None = None, cache_dtype: torch.dtype | None = None) -> None:
+    """chunks: (new tokens, cached prefix) per sequence; tiles: (BLOCK_M, BLOCK_N, warps);
+    cache_dtype: an FP8 type for an FP8 cache (default: dtype)."""
     tile_kw = dict(zip(("block_m", "block_n", "num_warps"), tiles or (None, None, None)))
     q_lens = [n for n, _ in chunks]
     lens = [n + p for n, p in chunks]
     q, kc, vc, bt, sl, qsl = paged_inputs(lens, q_lens, hq, hkv, head_dim, dtype)
     scale = head_dim ** -0.5
     max_q = max(q_lens)
+    ref_k, ref_v = kc, vc
+    if cache_dtype is not None and cache_dtype != dtype:
+        kc, vc, ref_k, ref_v = to_fp8_cache(kc, vc, cache_dtype)
+        tile_kw.update(k_scale=K_SCALE, v_scale=V_SCALE)
     out = extend_attention(q, kc, vc, bt, sl, qsl, scale, max_q, window=window, **tile_kw)
-    err = attn_error(out, q, kc, vc, bt, sl, qsl, scale, window)
+    err = attn_error(out, q, ref_k, ref_v, bt, sl, qsl, scale, window)
     ms = bench(lambda: extend_attention(q, kc, vc, bt, sl, qsl, scale, max_q, out=out,
                                         window=window, **tile_kw)) if timed else None
     # causal: query at position p sees p + 1 keys
@@ -137,11 +177,13 @@ def run_extend(chunks: list[tuple[int, int]], hq: int, hkv: int, head_dim: int,
     flops = 4.0 * hq * head_dim * visible
     cfg = dict(dtype=str(dtype)[6:], D=head_dim, hq=hq, hkv=hkv,
                chunks="+".join(f"{n}@{p}" for n, p in chunks))
+    if kc.dtype != dtype:
+        cfg["cache"] = str(kc.dtype)[6:]
     if tiles:
         cfg["tiles"] = "x".join(map(str, tiles))
     if window:
         cfg["window"] = window  # NOTE: the FLOP count above ignores the window
-    record("extend", cfg, err, TOL[dtype], ms, kv_bytes(lens, hkv, head_dim, dtype), flops)
+    record("extend", cfg, err, TOL[dtype], ms, kv_bytes(lens, hkv, head_dim, kc.dtype), flops)
 
 
 def run_elementwise(dtype: torch.dtype, tokens: int = 4096) -> None:
@@ -189,10 +231,52 @@ def run_elementwise(dtype: torch.dtype, tokens: int = 4096) -> None:
            2.0 * kv.numel() * dtype.itemsize)
 
 
+def run_fp8(t0: float, budget_s: float) -> None:
+    """The FP8 KV cache: W1's decode (Qwen3-0.6B: 16 q / 8 kv heads, D=128; 1,000 sequences of
+    ~1,000 tokens) with a bf16 cache, then FP8 caches (default tiles, then a small sweep), the
+    Llama-8B layout, and FP8 store_kv (bit-exact against the torch reference)."""
+    w1 = dict(batch=1000, ctx=1100, min_ctx=900, hq=16, hkv=8, head_dim=128, dtype=torch.bfloat16,
+              timed=True)
+    run_decode(**w1)
+    for cache in (torch.float8_e4m3fn, torch.float8_e5m2):
+        run_decode(**w1, cache_dtype=cache)
+    for tiles in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3), (32, 4, 3)):
+        if time.time() - t0 > budget_s:
+            print("budget reached: skipping the rest of the FP8 sweep")
+            return
+        try:
+            run_decode(**w1, cache_dtype=torch.float8_e4m3fn, tiles=tiles)
+        except Exception as e:  # NOTE: a tile too big for shared memory is data, not a bug
+            print(f"decode   fp8 tiles={tiles}: {type(e).__name__}: {e}"[:200])
+    for batch, ctx in ((256, 8192), (64, 1024)):
+        run_decode(batch, ctx, 32, 8, 128, torch.bfloat16, timed=True)
+        run_decode(batch, ctx, 32, 8, 128, torch.bfloat16, timed=True,
+                   cache_dtype=torch.float8_e4m3fn)
+    run_extend([(1024, 3072)] * 2, 32, 8, 128, torch.bfloat16, timed=True,
+               cache_dtype=torch.float8_e4m3fn)
+    tokens, hkv, head_dim = 4096, 8, 128
+    slots = torch.randperm(tokens * 2, device=DEV)[:tokens]
+    slots[::7] = -1
+    kv = torch.randn(tokens, 2, hkv, head_dim, device=DEV, dtype=torch.bfloat16) * 3
+    kv[0, 0, 0, :2] = torch.tensor([1e4, -1e4])  # saturates
+    kc = torch.zeros(tokens * 2 // 16, 16, hkv, head_dim, device=DEV, dtype=torch.float8_e4m3fn)
+    vc, kc_ref, vc_ref = kc.clone(), kc.clone(), kc.clone()
+    store_kv(kv[:, 0], kv[:, 1], kc, vc, slots, K_SCALE, V_SCALE)
+    ref.store_kv_ref(kv[:, 0], kv[:, 1], kc_ref, vc_ref, slots, K_SCALE, V_SCALE)
+    mismatched = ((kc.view(torch.uint8) != kc_ref.view(torch.uint8)).sum()
+                  + (vc.view(torch.uint8) != vc_ref.view(torch.uint8)).sum()).item()
+    ms = bench(lambda: store_kv(kv[:, 0], kv[:, 1], kc, vc, slots, K_SCALE, V_SCALE))
+    record("store_kv", dict(dtype="bfloat16", cache="float8_e4m3fn", T=tokens, hkv=hkv,
+                            D=head_dim, unit="mismatched bytes"), float(mismatched), 0.0, ms,
+           kv.numel() * (2 + 1))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=170.0,
                         help="stop starting new timed cases after this many seconds")
+    parser.add_argument("--fp8-only", action="store_true",
+                        help="only the FP8 KV cache cases (bf16 vs FP8 decode at W1's shape)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
@@ -200,6 +284,9 @@ def main() -> int:
     torch.manual_seed(0)
     t0 = time.time()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    if args.fp8_only:
+        run_fp8(t0, args.budget_s)
+        return _finish(t0)
     # decode at the Llama-8B-like shape (bf16, D=128, 32/8) plus MQA
     for hq, hkv in [(32, 8), (32, 1)]:
         for batch in (1, 8, 64, 256):
@@ -218,6 +305,7 @@ def main() -> int:
         if chunks == [(4096, 0)]:
             run_extend(chunks, 32, 8, 64, torch.bfloat16, timed=True)
     run_elementwise(torch.bfloat16)
+    run_fp8(t0, args.budget_s)
     # a small tile sweep for the prefill kernel, to tune _default_blocks
     for head_dim in (128, 64):
         for tiles in ((64, 64, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8), (64, 32, 4)):

@@ -153,3 +153,110 @@ def test_extend_leaves_the_rows_before_seq_start_untouched() -> None:
     assert bool((out[:2] == 7.0).all())
     exact = attn_error(out[2:], q[2:], kc, vc, bt[2:], sl[2:], qsl[2:] - 2, 128 ** -0.5)
     assert exact <= ATTN_TOL[torch.bfloat16]
+
+
+# --- FP8 KV cache ---------------------------------------------------------------------------
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+FP8_IDS = ["e4m3", "e5m2"]
+# Qwen3-0.6B (16 q / 8 kv heads) and Llama-3-8B (32 / 8), head dim 128.
+FP8_HEADS = [(16, 8), (32, 8)]
+# Not powers of two (a wrong fold shows); randn K/V stay inside e4m3's 448 after dividing.
+K_SCALE, V_SCALE = 0.021, 0.017
+
+
+def _fp8(kc: torch.Tensor, vc: torch.Tensor, cache_dtype: torch.dtype):
+    """(FP8 caches holding k / K_SCALE, v / V_SCALE; their fp32 dequantized values)."""
+    from peregrine.kernels.reference import dequantize_kv_ref, quantize_kv_ref
+    kq, vq = quantize_kv_ref(kc, cache_dtype, K_SCALE), quantize_kv_ref(vc, cache_dtype, V_SCALE)
+    return kq, vq, dequantize_kv_ref(kq, K_SCALE), dequantize_kv_ref(vq, V_SCALE)
+
+
+def _fp8_bound(cache_dtype: torch.dtype, v_cache: torch.Tensor) -> float:
+    """Max error an FP8 cache may add to attention: half an ulp of the largest |v| (the output
+    is a convex combination of V rows; K's rounding moves the weights a little more)."""
+    half_ulp = 2.0 ** -(4 if cache_dtype == torch.float8_e4m3fn else 3)
+    return half_ulp * v_cache.float().abs().max().item()
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("hq,hkv", FP8_HEADS, ids=["qwen3-0.6b", "llama-3-8b"])
+def test_decode_fp8_cache_matches_reference_on_the_dequantized_cache(
+        hq: int, hkv: int, cache_dtype: torch.dtype) -> None:
+    batch, ctx = 16, 4096
+    q, kc, vc, bt, sl, _ = paged_inputs(decode_lens(batch, ctx), [1] * batch, hq, hkv, 128,
+                                        torch.bfloat16)
+    kq, vq, kd, vd = _fp8(kc, vc, cache_dtype)
+    scale = 128 ** -0.5
+    out = paged_decode_attention(q, kq, vq, bt, sl, scale, k_scale=K_SCALE,
+                                 v_scale=V_SCALE)  # (B, Hq, D)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+    assert attn_error(out, q, kd, vd, bt, sl, qsl, scale) <= ATTN_TOL[torch.bfloat16]
+    assert attn_error(out, q, kc, vc, bt, sl, qsl, scale) <= _fp8_bound(cache_dtype, vc)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("hq,hkv", FP8_HEADS, ids=["qwen3-0.6b", "llama-3-8b"])
+def test_extend_fp8_cache_matches_reference_on_the_dequantized_cache(
+        hq: int, hkv: int, cache_dtype: torch.dtype) -> None:
+    chunks = [(512, 3000), (700, 0), (1, 2047)]  # (new tokens, cached prefix)
+    q_lens = [n for n, _ in chunks]
+    q, kc, vc, bt, sl, qsl = paged_inputs([n + p for n, p in chunks], q_lens, hq, hkv, 128,
+                                          torch.bfloat16)
+    kq, vq, kd, vd = _fp8(kc, vc, cache_dtype)
+    scale = 128 ** -0.5
+    for window in (None, 1024):
+        out = extend_attention(q, kq, vq, bt, sl, qsl, scale, max(q_lens), window=window,
+                               k_scale=K_SCALE, v_scale=V_SCALE)  # (T, Hq, D)
+        assert attn_error(out, q, kd, vd, bt, sl, qsl, scale, window) <= ATTN_TOL[torch.bfloat16]
+    assert attn_error(out, q, kc, vc, bt, sl, qsl, scale, 1024) <= _fp8_bound(cache_dtype, vc)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_store_kv_fp8_is_bit_exact_with_torch(src_dtype: torch.dtype,
+                                              cache_dtype: torch.dtype) -> None:
+    """The hardware's saturating conversion against torch's: every FP8 value, every tie between
+    neighbours (to even) and either side of it, subnormals, saturation, signed zeros."""
+    from peregrine.kernels.reference import store_kv_ref
+    from peregrine.kernels.store_kv import store_kv
+    finite = torch.arange(256, dtype=torch.uint8, device=DEV).view(cache_dtype).float()
+    finite = finite[torch.isfinite(finite)].unique()
+    mids = (finite[1:] + finite[:-1]) / 2
+    x = torch.cat([finite, mids, torch.nextafter(mids, finite[1:]),
+                   torch.nextafter(mids, finite[:-1]), torch.randn(20000, device=DEV) * 300,
+                   torch.tensor([1e30, -1e30, 0.0, -0.0], device=DEV)])
+    x = torch.cat([x, torch.zeros((-x.numel()) % 1024, device=DEV)]).view(-1, 8, 128)
+    x = x.to(src_dtype)  # (T, Hkv, D)
+    tokens = x.shape[0]
+    kc = torch.zeros(tokens // 16 + 2, 16, 8, 128, dtype=cache_dtype, device=DEV)
+    vc, kr, vr = kc.clone(), kc.clone(), kc.clone()
+    slots = torch.randperm(kc.shape[0] * 16, device=DEV)[:tokens]
+    slots[::5] = -1
+    for k_scale, v_scale in ((1.0, 1.0), (K_SCALE, 3.0)):
+        store_kv(x, x.flip(0), kc, vc, slots, k_scale, v_scale)
+        store_kv_ref(x, x.flip(0), kr, vr, slots, k_scale, v_scale)
+        assert torch.equal(kc.view(torch.uint8), kr.view(torch.uint8))
+        assert torch.equal(vc.view(torch.uint8), vr.view(torch.uint8))
+
+
+def test_decode_fp8_cuda_graph_replays_with_scales() -> None:
+    """The scales are plain float arguments: captured once, the same every replay."""
+    batch, hq, hkv, head_dim, width = 8, 16, 8, 128, 256
+    q, kc, vc, bt, sl, _ = paged_inputs([width * 16] * batch, [1] * batch, hq, hkv, head_dim,
+                                        torch.bfloat16, width=width)
+    kq, vq, kd, vd = _fp8(kc, vc, torch.float8_e4m3fn)
+    scale = head_dim ** -0.5
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+    out = torch.empty_like(q)
+    kw = dict(out=out, k_scale=K_SCALE, v_scale=V_SCALE)
+    paged_decode_attention(q, kq, vq, bt, sl, scale, **kw)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention(q, kq, vq, bt, sl, scale, **kw)
+    for _ in range(3):
+        sl.copy_(torch.randint(0, width * 16 + 1, (batch,), device=DEV, dtype=torch.int32))
+        bt.copy_(bt[torch.randperm(batch, device=DEV)])
+        q.normal_()
+        graph.replay()
+        assert attn_error(out, q, kd, vd, bt, sl, qsl, scale) <= ATTN_TOL[torch.bfloat16]
