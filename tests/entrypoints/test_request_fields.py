@@ -208,6 +208,16 @@ def test_allowed_token_ids_outside_the_vocabulary_are_400(server, ids):
     _still_serving(server.base_url)
 
 
+def test_bad_words_without_a_tokenizer_are_400_naming_them(tiny_model_path):
+    from peregrine.config import EngineArgs
+    from peregrine.engine.async_engine import AsyncEngine
+    args = EngineArgs(model=tiny_model_path, device="cpu", skip_tokenizer_init=True,
+                      max_model_len=64, num_gpu_blocks_override=32, served_model_name=MODEL)
+    with RunningServer(AsyncEngine.from_engine_args(args)) as s:
+        r = _post(s, _COMPLETIONS, prompt=[5, 6], bad_words=["foo"])
+        assert "tokenizer" in _refused(r, "bad_words")
+
+
 @pytest.mark.parametrize("field,value", [("allowed_token_ids", []), ("allowed_token_ids", ["5"]),
                                          ("bad_words", [""]), ("bad_words", [5]),
                                          ("bad_words", "foo")])

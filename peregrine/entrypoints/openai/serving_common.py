@@ -237,7 +237,9 @@ async def add_requests(ctx: ServingContext, requests: list[EngineRequest]) -> Re
         raise OpenAIError(429, f"the server is busy ({e}); retry later", code="queue_full",
                           headers={"Retry-After": str(ctx.retry_after_s)}) from e
     except ValueError as e:
-        raise bad_request(str(e)) from e
+        # NOTE: the engine's messages start with the field they are about, when there is one.
+        word = str(e).split(" ", 1)[0]
+        raise bad_request(str(e), word if word in SamplingRequest.model_fields else None) from e
     except EngineDeadError as e:
         raise OpenAIError(503, str(e), code="engine_dead") from e
 
