@@ -107,7 +107,9 @@ ENGINE_ARGS_HELP: dict[str, str] = {
     "pipeline_parallel_size": "stages to split the layers into, one GPU group each (only 1 so far)",
     "quantization": "quantization method (default: the checkpoint's quantization_config; "
                     "must agree with it when both are given)",
-    "kv_cache_dtype": "KV cache element type: auto (the model dtype), float16, bfloat16, float32",
+    "kv_cache_dtype": "KV cache element type: auto (the model dtype), float16, bfloat16, float32, "
+                      "fp8 (= fp8_e4m3, 1 byte: twice the tokens; scaled by the checkpoint's "
+                      "k_scale / v_scale, else 1.0), fp8_e5m2",
 }
 
 
