@@ -25,7 +25,7 @@ SHAPES = {"qkv": (4096, 4096 + 2 * 1024), "o": (4096, 4096), "gate_up": (4096, 2
 
 
 def _time_ms(fn, iters: int = 200) -> float:
-    """Median-free mean of `iters` replays of a CUDA graph of fn (launch overhead excluded)."""
+    """Mean ms of `iters` replays of a CUDA graph of fn (no launch overhead)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -42,17 +42,19 @@ def _time_ms(fn, iters: int = 200) -> float:
     return start.elapsed_time(end) / iters
 
 
+def _dense_ms(x: torch.Tensor, n: int) -> float:
+    dense = torch.randn(n, x.shape[1], device=x.device, dtype=x.dtype) * 0.02  # (N, K)
+    return _time_ms(lambda: torch.nn.functional.linear(x, dense))
+
+
 def kernel_rows() -> list[dict]:
     from peregrine.kernels.wna16_gemm import choose_config, wna16_gemm, _num_sms
     from peregrine.layers.quantization.wna16 import WNA16Layout
     dev, rows = torch.device("cuda"), []
     for name, (k, n) in SHAPES.items():
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-        dense = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-        ms = _time_ms(lambda: torch.nn.functional.linear(x, dense))
-        rows.append(dict(shape=name, K=k, N=n, weights="bf16", ms=ms,
-                         GBps=dense.numel() * 2 / ms / 1e6))
-        del dense
+        ms = _dense_ms(x, n)
+        rows.append(dict(shape=name, K=k, N=n, weights="bf16", ms=ms, GBps=n * k * 2 / ms / 1e6))
         for bits, zp in ((4, True), (6, False), (8, False)):
             q = torch.randint(0, 1 << bits, (k, n), device=dev, dtype=torch.int32)
             scales = torch.rand(k // 128, n, device=dev) * 0.01

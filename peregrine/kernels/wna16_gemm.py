@@ -37,7 +37,7 @@ def _unpack_tile(q_ptr, qhi_ptr, offs_k, offs_n, mask, N, BITS: tl.constexpr):
     return w
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "stride_cs"])
 def _wna16_gemm_kernel(
     a_ptr, q_ptr, qhi_ptr, s_ptr, z_ptr, g_ptr, c_ptr,
     M, N, K, stride_am, stride_cs, stride_cm, K_ITERS,

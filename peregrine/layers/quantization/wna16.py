@@ -9,7 +9,8 @@ which repacks them into the one layout the fused Triton dequant-GEMM reads (kern
   low 4 bits and `qweight_hi` (K / 16, N) the high 2 bits (16 per word), so 6 bits cost 6 bits.
 - `scales` (K / G, N) in the activation dtype; `zeros` (K / G, N) the same dtype (integer zero
   points, exact in 16-bit floats) or None for symmetric weights (zero 2^(b-1)).
-- `g_idx` (K,) int32 or None: each input's group when the groups are not contiguous (GPTQ act-order).
+- `g_idx` (K,) int32 or None: each input's group when the groups are not contiguous (GPTQ
+  act-order).
 
 w[k, n] = (q[k, n] - zero[g(k), n]) * scale[g(k), n]. Without CUDA the layer dequantizes and
 calls F.linear, which is also the reference the kernel is tested against.
