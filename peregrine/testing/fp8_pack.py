@@ -228,8 +228,8 @@ def engine_model(llm: Any) -> torch.nn.Module:
 
 
 def score_generation(path: Path, ref_path: Path, act_dtype: torch.dtype, group: int | None = None,
-                     max_tokens: int = 6) -> dict[str, list[float]]:
-    """Greedy generation from the quantized checkpoint at `path` (float32, prefix caching,
+                     max_tokens: int = 6, dtype: str = "float32") -> dict[str, list[float]]:
+    """Greedy generation from the quantized checkpoint at `path` (in `dtype`, prefix caching,
     chunked prefill in 16-token steps; the second prompt reuses the first one's prefix blocks),
     then the same tokens teacher-forced through the reference twin, plainly and with its linear
     inputs rounded like W8A8 activations. Returns the generated tokens' logprobs under each:
@@ -238,7 +238,7 @@ def score_generation(path: Path, ref_path: Path, act_dtype: torch.dtype, group: 
     from peregrine.sampling_params import SamplingParams
     prefix = [(7 * i + 3) % 500 + 4 for i in range(40)]
     prompts = [prefix + [11, 12, 13], prefix + [300, 301, 302, 303, 304]]
-    common = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=128, seed=0)
+    common = dict(dtype=dtype, skip_tokenizer_init=True, max_model_len=128, seed=0)
     llm = LLM(str(path), enable_prefix_caching=True, enable_chunked_prefill=True,
               max_num_batched_tokens=16, **common)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)

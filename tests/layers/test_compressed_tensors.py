@@ -173,3 +173,10 @@ def test_engine_on_fp8_static_checkpoint_stays_close(tmp_path: Path) -> None:
     scores = fp8_pack.score_generation(path, tmp_path / "ct-reference", FP8_DTYPE)
     diff = torch.tensor(scores["quantized"]) - torch.tensor(scores["reference"])
     assert diff.abs().max() < 3.0 and diff.abs().mean() < 1.0
+
+
+def test_pack_quantized_weight_only_uses_the_real_wna16_method() -> None:
+    from peregrine.layers.quantization.compressed_tensors_wna16 import \
+        CompressedTensorsWNA16Method
+    method = _method(_wna16_cfg())
+    assert isinstance(method, CompressedTensorsWNA16Method) and method.bits == 4

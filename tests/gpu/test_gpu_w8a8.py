@@ -1,0 +1,111 @@
+"""W8A8 on CUDA at Llama-3-8B shapes: the Triton activation quantization, torch._scaled_mm
+(FP8, row-wise scales), torch._int_mm (INT8, padded small batches) and the block-scaled FP8
+Triton GEMM against float32 references on the same quantized values; then the engine."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_cases import DEV, rel_err
+from peregrine.kernels.fp8_quant import (FP8_DTYPE, per_token_group_quant,
+                                         per_token_group_quant_ref, w8a8_block_fp8_matmul,
+                                         w8a8_block_matmul_ref)
+from peregrine.layers.quantization.fp8 import apply_fp8_linear, fp8_gemm_supported
+from peregrine.layers.quantization.int8 import apply_int8_linear
+from peregrine.testing import fp8_pack
+from peregrine.testing.checkpoints import tiny_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+# (K, N) of Llama-3-8B's qkv, o, gate_up and down projections.
+SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+BATCHES = [1, 7, 16, 33, 256]
+# bf16 output of a float32-accumulated product: a few bf16 ulps of the largest output.
+GEMM_TOL = 2 ** -6
+
+
+def _needs_fp8() -> None:
+    if not fp8_gemm_supported(torch.empty(1, device=DEV, dtype=torch.bfloat16)):
+        pytest.skip("FP8 tensor cores need compute capability 8.9+")
+
+
+@pytest.mark.parametrize("dtype", [FP8_DTYPE, torch.int8], ids=["fp8", "int8"])
+@pytest.mark.parametrize("group", [None, 128])
+def test_triton_activation_quant_matches_reference(dtype: torch.dtype, group: int | None) -> None:
+    x = torch.randn(300, 14336, device=DEV, dtype=torch.bfloat16) * 3  # (M, K)
+    q, s = per_token_group_quant(x, dtype, group)
+    q_ref, s_ref = per_token_group_quant_ref(x, dtype, group)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    mismatch = (q.float() != q_ref.float()).float().mean().item()
+    assert mismatch < 1e-4, mismatch  # a tie rounded the other way, at most rarely
+    assert rel_err(q.float() * s.repeat_interleave(group or 14336, 1),
+                   q_ref.float() * s_ref.repeat_interleave(group or 14336, 1)) < 2 ** -3
+
+
+@pytest.mark.parametrize("k, n", SHAPES)
+@pytest.mark.parametrize("m", BATCHES)
+def test_scaled_mm_matches_reference(k: int, n: int, m: int) -> None:
+    _needs_fp8()
+    w = torch.randn(n, k, device=DEV) * 0.02
+    wq, ws = fp8_pack.quantize_per_channel(w, FP8_DTYPE)  # (N, K), (N, 1)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    got = apply_fp8_linear(x, wq, ws.t().contiguous(), None, None)  # (M, N) bf16
+    xq, xs = per_token_group_quant_ref(x, FP8_DTYPE)
+    want = (xq.float() * xs) @ (wq.float() * ws).t()
+    assert got.dtype == torch.bfloat16 and rel_err(got.float(), want) < GEMM_TOL
+
+
+def test_scaled_mm_with_static_input_scale() -> None:
+    _needs_fp8()
+    k, n = 4096, 4096
+    wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=DEV) * 0.02, FP8_DTYPE)
+    x = torch.randn(5, k, device=DEV, dtype=torch.bfloat16)
+    scale = (x.abs().max().float() / 448).reshape(1, 1)
+    got = apply_fp8_linear(x, wq, ws.t().contiguous(), scale, None)
+    xq = (x.float() / scale).clamp(-448, 448).to(FP8_DTYPE).float() * scale
+    assert rel_err(got.float(), xq @ (wq.float() * ws).t()) < GEMM_TOL
+
+
+@pytest.mark.parametrize("k, n", SHAPES)
+@pytest.mark.parametrize("m", BATCHES)
+def test_int_mm_matches_reference(k: int, n: int, m: int) -> None:
+    w = torch.randn(n, k, device=DEV) * 0.02
+    wq, ws = fp8_pack.quantize_per_channel(w, torch.int8)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    got = apply_int8_linear(x, wq, ws.t().contiguous(), None, None)
+    xq, xs = per_token_group_quant_ref(x, torch.int8)
+    want = (xq.double() @ wq.double().t()).float() * xs * ws.t()  # exact integer sums
+    assert rel_err(got.float(), want) < 2 ** -7
+
+
+@pytest.mark.parametrize("k, n", SHAPES)
+@pytest.mark.parametrize("m", BATCHES + [2048])
+def test_block_fp8_gemm_matches_reference(k: int, n: int, m: int) -> None:
+    _needs_fp8()
+    block = (128, 128)
+    wq, ws = fp8_pack.quantize_blocks(torch.randn(n, k, device=DEV) * 0.02, block)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    xq, xs = per_token_group_quant(x, FP8_DTYPE, 128)
+    got = w8a8_block_fp8_matmul(xq, xs, wq, ws, block, torch.bfloat16)
+    want = w8a8_block_matmul_ref(xq, xs, wq, ws, block, torch.float32)
+    assert rel_err(got.float(), want) < GEMM_TOL
+
+
+@pytest.mark.parametrize("scheme, group, act", [
+    ("fp8_dynamic", None, FP8_DTYPE), ("fp8_block", 32, FP8_DTYPE),
+    ("int8_dynamic", None, torch.int8)])
+def test_engine_bf16_matches_rounded_reference(tmp_path: Path, scheme: str, group: int | None,
+                                               act: torch.dtype) -> None:
+    """Through LLM (CUDA graphs, chunked prefill, prefix caching) in bf16: the generated tokens'
+    logprobs agree with the dequantized reference whose linear inputs are rounded the same way,
+    up to bf16 rounding."""
+    if act == FP8_DTYPE:
+        _needs_fp8()
+    src = tiny_checkpoint("qwen3", dtype=torch.bfloat16)
+    path = fp8_pack.write_compressed_tensors(src, tmp_path / "ct", scheme, block=(32, 32))
+    scores = fp8_pack.score_generation(path, tmp_path / "ct-reference", act, group,
+                                       dtype="bfloat16")
+    diff = torch.tensor(scores["quantized"]) - torch.tensor(scores["reference_rounded"])
+    assert diff.abs().max() < 0.5 and diff.abs().mean() < 0.1, diff.tolist()
