@@ -84,7 +84,8 @@ ENGINE_ARGS_HELP: dict[str, str] = {
     "cpu_kv_cache_gb": "KV cache size on the CPU, in GiB (default: enough for max_num_seqs "
                        "sequences of max_model_len tokens, at most a quarter of the available "
                        "memory)",
-    "num_gpu_blocks_override": "use this many KV cache blocks instead of profiling",
+    "num_gpu_blocks_override": "use this many KV cache blocks instead of sizing the cache from "
+                               "memory (default: sized from memory)",
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "token budget of one step (default: 8192, at least max_model_len "
@@ -92,7 +93,8 @@ ENGINE_ARGS_HELP: dict[str, str] = {
     "enable_chunked_prefill": "split long prompts into chunks that share steps with decodes",
     "scheduling_policy": "fcfs: arrival order; priority: lowest priority value first "
                          "(ties by arrival), preempting lower-priority requests",
-    "max_queue_len": "most waiting requests; more are refused (the server answers 429)",
+    "max_queue_len": "most waiting requests; more are refused (the server answers 429) "
+                     "(default: no limit)",
     "enforce_eager": "run without CUDA graphs",
     "max_prefill_graph_tokens": "mixed and prefill steps up to this many tokens replay "
                                 "piecewise CUDA graphs (0: run them eagerly)",
