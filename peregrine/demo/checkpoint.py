@@ -143,12 +143,9 @@ def _split_shards(out: Path, num_shards: int) -> None:
     single.unlink()
 
 
-def write_checkpoint(out_dir: str | Path, config: PretrainedConfig, *, dtype: torch.dtype = torch.float32,
-                     num_shards: int = 1, seed: int = 0,
-                     tokenizer_vocab_size: int | None = None,
-                     save_tokenizer: bool = True) -> Path:
-    """Build a model from `config`, init it for generation, and save an HF-format folder."""
-    from transformers import AutoModelForCausalLM
+def save_model_folder(model: torch.nn.Module, out_dir: str | Path, dtype: torch.dtype, *,
+                      num_shards: int = 1) -> Path:
+    """Save a transformers causal LM in `dtype` as an HF folder any reader takes (no tokenizer)."""
     from transformers.utils import logging as hf_logging
 
     if dtype not in _DTYPE_NAMES:
@@ -157,10 +154,6 @@ def write_checkpoint(out_dir: str | Path, config: PretrainedConfig, *, dtype: to
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    row_scale = output_row_scale(int(config.vocab_size), tokenizer_vocab_size)
-    init_weights_for_generation(model, seed, row_scale)
     model = model.to(dtype)
     model.config.dtype = dtype
     bar_was_on = hf_logging.is_progress_bar_enabled()
@@ -176,7 +169,27 @@ def write_checkpoint(out_dir: str | Path, config: PretrainedConfig, *, dtype: to
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     gen_cfg = {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID], "pad_token_id": PAD_ID}
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+    return out
+
+
+def write_checkpoint(out_dir: str | Path, config: PretrainedConfig, *, dtype: torch.dtype = torch.float32,
+                     num_shards: int = 1, seed: int = 0,
+                     tokenizer_vocab_size: int | None = None,
+                     save_tokenizer: bool = True) -> Path:
+    """Build a model from `config`, init it for generation, and save an HF-format folder."""
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {list(_DTYPE_NAMES.values())}, got {dtype}")
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    row_scale = output_row_scale(int(config.vocab_size), tokenizer_vocab_size)
+    init_weights_for_generation(model, seed, row_scale)
+    out = save_model_folder(model, out_dir, dtype, num_shards=num_shards)
     if save_tokenizer and tokenizer_vocab_size is not None:
+        cfg = json.loads((out / "config.json").read_text())
         build_bpe_tokenizer(out, tokenizer_vocab_size,
                             model_max_length=int(cfg.get("max_position_embeddings") or 2048))
     return out

@@ -1,8 +1,9 @@
-"""A small byte-level BPE tokenizer trained locally and deterministically on a built-in corpus."""
+"""Byte-level BPE tokenizers trained locally and deterministically (built-in or given text)."""
 from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -152,11 +153,14 @@ possibilities.
 """
 
 
-@functools.lru_cache(maxsize=8)
-def _trained_tokenizer_json(vocab_size: int) -> str:
+def train_bpe_json(texts: Iterable[str], vocab_size: int, *, min_frequency: int = 1) -> str:
+    """Train a byte-level BPE (bos/eos/im_start/im_end/pad first) on texts; its tokenizer.json."""
     from tokenizers import (Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers,
                             processors, trainers)
 
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (bytes + special "
+                         f"tokens), got {vocab_size}")
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -165,15 +169,14 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
     ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=1, special_tokens=list(SPECIAL_TOKENS),
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     got = tok.get_vocab_size()
     if got != vocab_size:
-        raise ValueError(f"vocab_size {vocab_size} is not reachable on the built-in corpus "
+        raise ValueError(f"vocab_size {vocab_size} is not reachable on this corpus "
                          f"(training stopped at {got} tokens)")
     bos_id = tok.token_to_id(BOS_TOKEN)
-    # NOTE: like Llama 3, plain encodes get bos prepended; ByteLevel keeps offsets byte-correct.
     tok.post_processor = processors.Sequence([
         processors.ByteLevel(trim_offsets=False),
         processors.TemplateProcessing(
@@ -181,6 +184,11 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
             special_tokens=[(BOS_TOKEN, bos_id)]),
     ])
     return tok.to_str()
+
+
+@functools.lru_cache(maxsize=8)
+def _trained_tokenizer_json(vocab_size: int) -> str:
+    return train_bpe_json(CORPUS.splitlines(keepends=True), vocab_size)
 
 
 def token_texts(vocab_size: int) -> list[str]:
@@ -214,19 +222,16 @@ def _write_portable_config(out: Path, tok: Any, model_max_length: int | None) ->
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
 
-def build_bpe_tokenizer(out_dir: str | Path | None, vocab_size: int = 512, *,
-                        with_chat_template: bool = True,
-                        model_max_length: int | None = None) -> PreTrainedTokenizerFast:
-    """Train (deterministically) a byte-level BPE on the built-in corpus; save it if out_dir."""
+def save_tokenizer(tokenizer_json: str, out_dir: str | Path | None, *,
+                   with_chat_template: bool = True,
+                   model_max_length: int | None = None) -> PreTrainedTokenizerFast:
+    """Wrap a tokenizer.json as a transformers tokenizer (chat template); save it if out_dir."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (bytes + special "
-                         f"tokens), got {vocab_size}")
     extra = {} if model_max_length is None else {"model_max_length": model_max_length}
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json(vocab_size)),
+        tokenizer_object=Tokenizer.from_str(tokenizer_json),
         bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
         additional_special_tokens=[IM_START, IM_END], clean_up_tokenization_spaces=False,
         **extra)
@@ -238,3 +243,14 @@ def build_bpe_tokenizer(out_dir: str | Path | None, vocab_size: int = 512, *,
         tok.save_pretrained(str(out))
         _write_portable_config(out, tok, model_max_length)
     return tok
+
+
+def build_bpe_tokenizer(out_dir: str | Path | None, vocab_size: int = 512, *,
+                        with_chat_template: bool = True,
+                        model_max_length: int | None = None) -> PreTrainedTokenizerFast:
+    """Train (deterministically) a byte-level BPE on the built-in corpus; save it if out_dir."""
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} (bytes + special "
+                         f"tokens), got {vocab_size}")
+    return save_tokenizer(_trained_tokenizer_json(vocab_size), out_dir,
+                          with_chat_template=with_chat_template, model_max_length=model_max_length)
