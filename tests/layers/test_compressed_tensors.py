@@ -167,6 +167,7 @@ def test_engine_on_fp8_w8a8_checkpoint(tmp_path: Path, scheme: str, group: int |
     assert 1e-3 < plain < 3.0
 
 
+@pytest.mark.slow
 def test_engine_on_fp8_static_checkpoint_stays_close(tmp_path: Path) -> None:
     path = fp8_pack.write_compressed_tensors(tiny_checkpoint("llama"), tmp_path / "ct",
                                              "fp8_static")

@@ -211,6 +211,7 @@ def test_engine_on_hf_fp8_per_tensor_checkpoint(tmp_path: Path) -> None:
     _check_engine(path, group=None)
 
 
+@pytest.mark.slow
 def test_hf_fp8_static_activation_checkpoint_loads_input_scales(tmp_path: Path) -> None:
     from peregrine.entrypoints.llm import LLM
     path = fp8_pack.write_hf_fp8(tiny_checkpoint("llama"), tmp_path / "fp8", block=None,

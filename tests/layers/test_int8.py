@@ -80,6 +80,7 @@ def test_engine_on_int8_w8a8_checkpoint(tmp_path: Path, arch: str) -> None:
     assert 1e-4 < plain < 1.0
 
 
+@pytest.mark.slow
 def test_engine_on_int8_static_checkpoint_stays_close(tmp_path: Path) -> None:
     """Static per-tensor input scales calibrated on other tokens: close to the reference."""
     path = fp8_pack.write_compressed_tensors(tiny_checkpoint("llama"), tmp_path / "w8a8",
