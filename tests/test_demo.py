@@ -1,9 +1,10 @@
-"""Tests for the built-in demo model (peregrine.demo)."""
+"""The packaged demo model and draft (peregrine/demo/model, peregrine/demo/draft)."""
 from __future__ import annotations
 
-import hashlib
+import ast
 import json
-import logging
+import math
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,137 +12,151 @@ import torch
 
 from peregrine import demo
 
+REPO = Path(__file__).resolve().parents[1]
+MAX_MODEL_BYTES = 16_000_000
+MAX_DRAFT_BYTES = 2_500_000
+# NOTE: the recipe reaches ~TBD nats/token on its held-out modules (docs/DEMO_MODEL.md); the bound
+# leaves room for this machine's stdlib version of those modules and the CPU's float32 numerics.
+MAX_HELD_OUT_CE = 2.3
+CE_TOKENS = 4096
 
-def _hashes(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+def _folder(path_fn) -> Path:
+    try:
+        return path_fn()
+    except ValueError as e:
+        pytest.skip(f"the trained demo model is not packaged here yet ({e})")
 
 
 @pytest.fixture(scope="module")
-def cache_root(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("peregrine-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PEREGRINE_CACHE_DIR", str(root))
-        yield root
+def model_dir() -> Path:
+    return _folder(demo.demo_model_path)
 
 
 @pytest.fixture(scope="module")
-def demo_path(cache_root: Path) -> Path:
-    return demo.demo_model_path()
+def draft_dir() -> Path:
+    return _folder(demo.demo_draft_path)
 
 
-def test_demo_model_builds_into_cache_dir(cache_root: Path, demo_path: Path) -> None:
-    assert demo_path == cache_root / demo.DEMO_MODEL_NAME
-    names = {p.name for p in demo_path.iterdir()}
-    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
-            "model.safetensors"} <= names
-    # Nothing left over from the temp-dir build.
-    assert [p.name for p in cache_root.iterdir()] == [demo.DEMO_MODEL_NAME]
-
-
-def test_demo_config_is_small_llama(demo_path: Path) -> None:
-    cfg = json.loads((demo_path / "config.json").read_text())
-    assert cfg["architectures"] == ["LlamaForCausalLM"]
-    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
-            cfg["num_key_value_heads"]) == (256, 4, 8, 4)
-    assert cfg["vocab_size"] == 2048 and cfg["max_position_embeddings"] == 2048
-    assert cfg["torch_dtype"] == "bfloat16"
-
-
-def test_demo_tokenizer_has_chat_template(demo_path: Path) -> None:
-    from transformers import AutoTokenizer
-    assert "chat_template" in json.loads((demo_path / "tokenizer_config.json").read_text())
-    tok = AutoTokenizer.from_pretrained(demo_path)
-    assert len(tok) == 2048
-    text = tok.apply_chat_template([{"role": "user", "content": "Hello?"}], tokenize=False,
-                                   add_generation_prompt=True)
-    assert text.endswith("<|im_start|>user\nHello?<|im_end|>\n<|im_start|>assistant\n")
-
-
-def test_second_call_reuses_cache(demo_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                  caplog: pytest.LogCaptureFixture) -> None:
-    def fail(out_dir):
-        raise AssertionError("rebuilt a cached demo model")
-    monkeypatch.setattr(demo, "build_demo_model", fail)
-    with caplog.at_level(logging.INFO, logger="peregrine.demo"):
-        assert demo.demo_model_path() == demo_path
-    assert not caplog.records
-
-
-def test_build_logs_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                             caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setenv("PEREGRINE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(demo, "build_demo_model", _fake_build)
-    with caplog.at_level(logging.INFO, logger="peregrine.demo"):
+def test_missing_folder_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demo, "DEMO_DIR", tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="lacks generation_config.json, model.safetensors"):
         demo.demo_model_path()
-    assert len(caplog.records) == 1 and "building" in caplog.records[0].getMessage()
+    with pytest.raises(ValueError, match="train_demo.py"):
+        demo.demo_draft_path()
 
 
-def _fake_build(out_dir: Path) -> Path:
-    # Cheap stand-in for build_demo_model: a complete-looking folder.
-    (Path(out_dir) / "config.json").write_text("{}")
-    (Path(out_dir) / demo._DEMO_MARKER).write_text(demo.DEMO_MODEL_NAME + "\n")
-    return Path(out_dir)
+def test_packaged_paths_ship_and_are_not_git_ignored() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())
+    patterns = data["tool"]["setuptools"]["package-data"]["peregrine.demo"]
+    assert {"model/*", "draft/*"} <= set(patterns)
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    paths = [f"peregrine/demo/{f}/{n}" for f in ("model", "draft") for n in demo.REQUIRED_FILES]
+    proc = subprocess.run(["git", "check-ignore", *paths], cwd=REPO, capture_output=True,
+                          text=True)
+    assert proc.returncode == 1 and proc.stdout == "", f"git ignores: {proc.stdout}"
 
 
-def test_demo_rebuild_is_deterministic(demo_path: Path, tmp_path: Path) -> None:
-    again = demo.build_demo_model(tmp_path / "again")
-    assert _hashes(again) == _hashes(demo_path)
+def _bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def test_concurrent_first_use_keeps_winner(tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    # Simulate another process finishing first: it lands the final folder while we build.
-    monkeypatch.setenv("PEREGRINE_CACHE_DIR", str(tmp_path))
-    final = tmp_path / demo.DEMO_MODEL_NAME
-
-    def racing_build(out_dir: Path) -> Path:
-        final.mkdir()
-        _fake_build(final)
-        (final / "winner").write_text("1")
-        return _fake_build(out_dir)
-    monkeypatch.setattr(demo, "build_demo_model", racing_build)
-    assert demo.demo_model_path() == final
-    assert (final / "winner").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [demo.DEMO_MODEL_NAME]
+def test_folders_fit_and_share_one_tokenizer(model_dir: Path, draft_dir: Path) -> None:
+    assert _bytes(model_dir) <= MAX_MODEL_BYTES
+    assert _bytes(draft_dir) <= MAX_DRAFT_BYTES
+    assert (model_dir / "tokenizer.json").read_bytes() == (draft_dir / "tokenizer.json").read_bytes()
+    main_cfg = json.loads((model_dir / "config.json").read_text())
+    draft_cfg = json.loads((draft_dir / "config.json").read_text())
+    for cfg in (main_cfg, draft_cfg):
+        assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["torch_dtype"] == "bfloat16"
+    assert main_cfg["vocab_size"] == draft_cfg["vocab_size"]
+    assert draft_cfg["num_hidden_layers"] * draft_cfg["hidden_size"] < (
+        main_cfg["num_hidden_layers"] * main_cfg["hidden_size"])
 
 
-def test_incomplete_folder_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PEREGRINE_CACHE_DIR", str(tmp_path))
-    final = tmp_path / demo.DEMO_MODEL_NAME
-    final.mkdir()
-    (final / "junk").write_text("half-copied")
-    monkeypatch.setattr(demo, "build_demo_model", _fake_build)
-    assert demo.demo_model_path() == final
-    assert not (final / "junk").exists() and (final / demo._DEMO_MARKER).exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [demo.DEMO_MODEL_NAME]
-
-
-def test_failed_build_leaves_no_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PEREGRINE_CACHE_DIR", str(tmp_path))
-
-    def broken(out_dir: Path) -> Path:
-        raise RuntimeError("disk full")
-    monkeypatch.setattr(demo, "build_demo_model", broken)
-    with pytest.raises(RuntimeError, match="disk full"):
-        demo.demo_model_path()
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_demo_generates_varied_greedy_text(demo_path: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained(demo_path).eval()
-    tok = AutoTokenizer.from_pretrained(demo_path)
-    assert model.dtype == torch.bfloat16
-    ids = tok("Once upon a time", return_tensors="pt").input_ids
-    out = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                         pad_token_id=tok.pad_token_id)
-    assert len(set(out[0, ids.shape[1]:].tolist())) >= 8
-
-
-def test_engine_config_defaults_to_demo(demo_path: Path) -> None:
+def test_engine_config_defaults_to_the_demo_model(model_dir: Path) -> None:
     from peregrine.config import EngineArgs
     cfg = EngineArgs().create_engine_config().model
-    assert Path(cfg.model) == demo_path
+    hf = json.loads((model_dir / "config.json").read_text())
+    assert Path(cfg.model) == model_dir
     assert cfg.architecture == "LlamaForCausalLM" and cfg.dtype == torch.bfloat16
-    assert (cfg.max_model_len, cfg.vocab_size, cfg.head_dim) == (2048, 2048, 32)
+    assert (cfg.max_model_len, cfg.vocab_size) == (hf["max_position_embeddings"], hf["vocab_size"])
     assert cfg.eos_token_ids == (1, 3)
+
+
+def test_tokenizer_has_the_chat_template(model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    text = tok.apply_chat_template([{"role": "user", "content": "Hello?"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text == "<|begin_of_text|><|im_start|>user\nHello?<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok("def f(x):\n    return x\n").input_ids
+    assert ids[0] == tok.bos_token_id and tok.decode(ids[1:]) == "def f(x):\n    return x\n"
+
+
+def _held_out_stream(model_dir: Path) -> torch.Tensor:
+    from tokenizers import Tokenizer
+
+    from peregrine.demo import corpus
+    from peregrine.demo.evaluate import encode_documents
+    split = corpus.load_split()
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    # NOTE: textwrap.py and csv.py first: both are whole modules the model never saw.
+    order = {"textwrap.py": 0, "csv.py": 1}
+    files = sorted(split.held_out, key=lambda f: (order.get(f.module, 2), f.rel))
+    return encode_documents(tok, [f.text for f in files])[:CE_TOKENS + 1]
+
+
+@pytest.mark.parametrize("which", ["model", "draft"])
+def test_held_out_cross_entropy_beats_the_bound(which: str, model_dir: Path,
+                                                draft_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from peregrine.demo.evaluate import model_cross_entropy
+    folder = model_dir if which == "model" else draft_dir
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    stream = _held_out_stream(folder)
+    ce = model_cross_entropy(model, stream, model.config.max_position_embeddings)
+    # A uniform guess over the vocabulary (what an untrained model scores) is log(V) nats.
+    assert ce < math.log(model.config.vocab_size) - 3.0, f"held-out CE {ce:.3f} nats/token"
+    if which == "model":
+        assert ce < MAX_HELD_OUT_CE, f"held-out CE {ce:.3f} nats/token"
+
+
+@pytest.mark.slow
+def test_peregrine_matches_transformers_greedy_in_float32(model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from peregrine import LLM, SamplingParams
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompt = tok("def fibonacci(n):").input_ids
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                           min_new_tokens=16, do_sample=False, output_logits=True,
+                           return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
+    want = out.sequences[0, len(prompt):].tolist()
+    want_lp = [torch.log_softmax(x[0].float(), -1) for x in out.logits]
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+    got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want
+    for pos, entry in enumerate(got.logprobs):
+        for token, lp in entry.items():
+            assert lp.logprob == pytest.approx(want_lp[pos][token].item(), abs=2e-4), (pos, token)
+
+
+@pytest.mark.slow
+def test_generate_cli_writes_python(model_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    from peregrine.entrypoints.cli import main
+    assert main(["generate", "def fibonacci(n):", "--device", "cpu", "--max-tokens", "48"]) == 0
+    out = capsys.readouterr().out
+    assert "Prompt: 'def fibonacci(n):'" in out
+    text = out.split("Output: ", 1)[1].rsplit("  [", 1)[0]
+    text = ast.literal_eval(text)  # the CLI prints the repr of the completion
+    assert "\n" in text and any(s in text for s in ("return", "(", ":")), text
