@@ -78,6 +78,22 @@ def test_folders_fit_and_share_one_tokenizer(model_dir: Path, draft_dir: Path) -
         main_cfg["num_hidden_layers"] * main_cfg["hidden_size"])
 
 
+def test_shipped_report_describes_the_shipped_weights(model_dir: Path, draft_dir: Path) -> None:
+    from safetensors import safe_open
+
+    from peregrine.demo import corpus
+    report_path = demo.DEMO_DIR / "train_report.json"
+    assert report_path.is_file(), "ship report.json of the training run as train_report.json"
+    report = json.loads(report_path.read_text())
+    assert report["held_out_modules"] == list(corpus.HELD_OUT_MODULES)
+    for key, folder in (("main", model_dir), ("draft", draft_dir)):
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            # NOTE: tied embeddings are stored once; the report counts parameters the same way.
+            params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+        assert params == report[key]["params"], key
+        assert report[key]["folder_bytes"] == _bytes(folder), key
+
+
 def test_engine_config_defaults_to_the_demo_model(model_dir: Path) -> None:
     from peregrine.config import EngineArgs
     cfg = EngineArgs().create_engine_config().model
