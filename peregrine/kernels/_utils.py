@@ -26,6 +26,24 @@ def dot_dtype(x: torch.Tensor) -> tl.dtype:
     return _TL_DTYPES[x.dtype]
 
 
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP16_MAX = 65504.0
+
+
+def kv_dot_dtype(q: torch.Tensor, cache: torch.Tensor) -> tuple[tl.dtype, bool]:
+    """The dtype attention's tl.dot operands are cast to for queries q over K/V `cache`, and
+    whether q must be clamped to the fp16 range first.
+
+    An FP8 cache runs its dots in fp16 on a GPU, whatever q's 16-bit type: FP8 to fp16 is one
+    packed hardware conversion per two elements, while FP8 to bf16 goes through fp32 and costs
+    more issue slots than the halved loads save. fp16 holds every FP8 value and p in [0, 1]
+    exactly, and has more mantissa than bf16; only a bf16 query beyond +-65504 would not fit,
+    so it is clamped there (a query that large saturates the softmax either way)."""
+    if is_gpu(q) and cache.dtype in _FP8_DTYPES and q.dtype in (torch.bfloat16, torch.float16):
+        return tl.float16, q.dtype == torch.bfloat16
+    return dot_dtype(q), False
+
+
 def dot_precision(x: torch.Tensor) -> str:
     """How tl.dot treats fp32 operands: exact on CPU, 3-pass tf32 (~fp32 accuracy) on a GPU."""
     # NOTE: plain "tf32" would silently round fp32 inputs to 10 mantissa bits; "ieee" runs on FMA

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from peregrine.kernels._utils import (check_block_size, check_q_and_caches, check_window_and_out,
-                                      dot_dtype, dot_precision, is_gpu, next_pow2, num_sms)
+                                      dot_precision, is_gpu, kv_dot_dtype, next_pow2, num_sms)
 
 _MIN_SPLIT_LEN = 256  # tokens; shorter splits cost more in the merge than they win in parallelism
 _MAX_SPLITS = 64
@@ -37,6 +37,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    CLAMP_Q: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -58,6 +59,8 @@ def _decode_split_kernel(
     b64 = b.to(tl.int64)
     q = tl.load(q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # (BG, BD)
+    if CLAMP_Q:  # a bf16 query cast to fp16 for an FP8 cache (kv_dot_dtype)
+        q = tl.minimum(tl.maximum(q, -65504.0), 65504.0)
     q = q.to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # (BG,) running max, log2 units
@@ -175,6 +178,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     mid_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32,
                           device=q.device)  # (B, Hq, S)
     block_d = max(16, next_pow2(head_dim))
+    dot_type, clamp_q = kv_dot_dtype(q, k_cache)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, mid_o, mid_lse,
         scale * k_scale * math.log2(math.e), split_len, window or 0,
@@ -186,7 +190,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size,
-        DOT_DTYPE=dot_dtype(q), DOT_PREC=dot_precision(q), HAS_WINDOW=window is not None,
+        DOT_DTYPE=dot_type, DOT_PREC=dot_precision(q), HAS_WINDOW=window is not None,
+        CLAMP_Q=clamp_q,
         num_warps=num_warps or (8 if q.dtype == torch.float32 and on_gpu else 4),
         num_stages=num_stages,
     )

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from peregrine.kernels._utils import (check_block_size, check_q_and_caches, check_window_and_out,
-                                      dot_dtype, dot_precision, is_gpu, next_pow2)
+                                      dot_precision, is_gpu, kv_dot_dtype, next_pow2)
 
 
 @triton.jit
@@ -70,6 +70,7 @@ def _extend_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    CLAMP_Q: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
@@ -90,6 +91,8 @@ def _extend_kernel(
     rows = (q_start + offs_m).to(tl.int64)  # (BM,) token index in the flat batch
     q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # (BM, BD)
+    if CLAMP_Q:  # a bf16 query cast to fp16 for an FP8 cache (kv_dot_dtype)
+        q = tl.minimum(tl.maximum(q, -65504.0), 65504.0)
     q = q.to(DOT_DTYPE)
     # NOTE: padding rows (offs_m >= q_len) sit at positions >= seq_len, so they still see key 0
     # and never produce NaN; they are simply not stored.
@@ -166,6 +169,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     dflt_m, dflt_n, dflt_warps = _default_blocks(head_dim, q.dtype, is_gpu(q))
     block_m, block_n, num_warps = block_m or dflt_m, block_n or dflt_n, num_warps or dflt_warps
     grid = (triton.cdiv(max_query_len, block_m), num_q_heads, num_seqs)
+    dot_type, clamp_q = kv_dot_dtype(q, k_cache)
     _extend_kernel[grid](
         q, k_cache, v_cache, block_table, seq_lens, query_start_loc, out,
         scale * k_scale * math.log2(math.e), v_scale, seq_start, window or 0,
@@ -175,7 +179,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         block_table.stride(0),
         GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_SIZE=block_size, DOT_DTYPE=dot_dtype(q), DOT_PREC=dot_precision(q),
+        BLOCK_SIZE=block_size, DOT_DTYPE=dot_type, DOT_PREC=dot_precision(q), CLAMP_Q=clamp_q,
         HAS_WINDOW=window is not None, num_warps=num_warps, num_stages=2,
     )
     return out
