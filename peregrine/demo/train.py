@@ -53,6 +53,24 @@ def llama_config(shape: ModelShape, vocab_size: int, max_len: int) -> Any:
         pad_token_id=PAD_ID, architectures=["LlamaForCausalLM"], **asdict(shape))
 
 
+def _add_dropout(model: Any, p: float) -> list[Any]:
+    """Dropout (in training only) on the embeddings' output and on each decoder layer's output:
+    the corpus is a few million tokens, so the models overfit without it. Nothing of it is
+    saved; inference is unchanged."""
+    if p <= 0.0:
+        return []
+
+    def drop(module: torch.nn.Module, inputs: Any, output: Any) -> Any:
+        if not module.training:
+            return output
+        if isinstance(output, tuple):
+            return (F.dropout(output[0], p, True),) + tuple(output[1:])
+        return F.dropout(output, p, True)
+
+    modules = [model.model.embed_tokens, *model.model.layers]
+    return [m.register_forward_hook(drop) for m in modules]
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     """Linear warm-up to peak, then cosine decay to a tenth of it at the last step."""
     if step < warmup:
@@ -80,6 +98,7 @@ def train_model(name: str, shape: ModelShape, stream: torch.Tensor, val_stream: 
     config = llama_config(shape, args.vocab_size, args.seq_len)
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config).to(device)
+    hooks = _add_dropout(model, args.dropout)
     num_windows = (stream.numel() - 1) // args.seq_len
     if num_windows < 1:
         raise ValueError(f"the training stream ({stream.numel()} tokens) is shorter than one "
@@ -125,6 +144,8 @@ def train_model(name: str, shape: ModelShape, stream: torch.Tensor, val_stream: 
             if val < best[0]:
                 best = (val, step + 1, {k: v.detach().clone() for k, v in
                                         model.state_dict().items()})
+    for h in hooks:
+        h.remove()
     model.load_state_dict(best[2])
     log.update(best_step=best[1], best_val_ce=best[0], seconds=time.perf_counter() - t0)
     return model.cpu().float(), log
@@ -214,6 +235,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="training-only dropout on the embedding and decoder-layer outputs")
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--max-eval-tokens", type=int, default=None,
                    help="evaluate on the first N validation and held-out tokens (tiny runs)")
