@@ -225,7 +225,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="train on the first N files only (tiny runs; held-out modules kept)")
     p.add_argument("--device", default="auto", help="auto (cuda if present), cuda or cpu")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--vocab-size", type=int, default=512)
     p.add_argument("--seq-len", type=int, default=512, help="training length = max_model_len")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--epochs", type=float, default=8.0, help="passes over the training tokens")
@@ -235,7 +235,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft-lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--dropout", type=float, default=0.0,
+    p.add_argument("--dropout", type=float, default=0.1,
                    help="training-only dropout on the embedding and decoder-layer outputs")
     p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--max-eval-tokens", type=int, default=None,
