@@ -92,5 +92,9 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
             if gen is None:
                 gen = torch.Generator(device=p.device).manual_seed(seed)
             # NOTE: drawn on the parameter's device: an 8B model takes seconds, not minutes.
-            p.normal_(0.0, std, generator=gen)
+            if p.element_size() == 1:  # FP8: torch draws no normals in 8 bits; draw, then round
+                p.copy_(torch.empty(p.shape, dtype=torch.float32, device=p.device)
+                        .normal_(0.0, std, generator=gen))
+            else:
+                p.normal_(0.0, std, generator=gen)
 

@@ -107,3 +107,17 @@ def test_generation_config_defaults_apply(tmp_path: Path) -> None:
 def test_unknown_engine_argument_is_rejected() -> None:
     with pytest.raises(ValueError, match="max_num_seq"):
         LLM(tiny_checkpoint("llama"), device="cpu", max_num_seq=4)
+
+
+def test_dummy_weights_fill_fp8_parameters() -> None:
+    """FP8 checkpoints (fp8, compressed-tensors) have float8 weights; torch draws no normals in
+    8 bits, so they are drawn in float32 and rounded."""
+    from torch import nn
+
+    from peregrine.worker.loader import init_dummy_weights
+
+    m = nn.Module()
+    m.weight = nn.Parameter(torch.zeros(64, 32, dtype=torch.float8_e4m3fn), requires_grad=False)
+    init_dummy_weights(m, seed=0)
+    w = m.weight.float()
+    assert torch.isfinite(w).all() and 0.01 < w.std().item() < 0.04
