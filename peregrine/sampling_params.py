@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
 
+from peregrine.structured_output.params import StructuredOutputsParams
+
 
 MAX_LOGPROBS = 20  # top-N logprobs per position, as in OpenAI's API
 # NOTE: stop strings are matched on every decode step; these bound that work and the hold-back.
@@ -57,6 +59,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # Words that must not be generated: the front end tokenizes each one as-is and after a space.
     bad_words: list[str] | None = None
+    # The text must match a JSON schema, a regex, a choice or a grammar (compiled by the front end).
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled from generation_config.json for fields the user did not set; see `with_defaults`.
     _user_set: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
@@ -139,6 +143,13 @@ class SamplingParams:
                         not -100.0 <= value <= 100.0:
                     raise bad("logit_bias", f"values must be numbers in [-100, 100], got {value!r}")
         self._validate_token_constraints(bad)
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, StructuredOutputsParams):
+                raise bad("structured_outputs", f"must be a StructuredOutputsParams, got {so!r}")
+            if self.min_tokens:
+                # NOTE: the grammar alone decides where the text may end (it allows eos there).
+                raise bad("min_tokens", "cannot be combined with structured_outputs")
 
     def _validate_token_constraints(self, bad: Callable[[str, str], ValueError]) -> None:
         allowed = self.allowed_token_ids
