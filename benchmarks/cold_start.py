@@ -57,7 +57,7 @@ def run_once(args: list[str], env: dict[str, str]) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="cold_start.json")
-    p.add_argument("--prompt", default="The little falcon")
+    p.add_argument("--prompt", default="def fibonacci(n):")
     p.add_argument("--big-config", default=str(REPO / "benchmarks/configs/llama-3-8b.json"),
                    help="a config .json served with dummy weights for the large-model row")
     p.add_argument("--skip-big", action="store_true")

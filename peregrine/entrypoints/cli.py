@@ -78,7 +78,7 @@ def _generate(ns: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             top_k=ns.top_k, seed=ns.sampling_seed)
     llm = LLM(**dataclasses.asdict(args))
-    prompts = ns.prompt or ["Once upon a time"]
+    prompts = ns.prompt or ["def fibonacci(n):"]
     try:
         if ns.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
