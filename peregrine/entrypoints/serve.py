@@ -21,8 +21,8 @@ _SERVER_HELP = {
     "host": "address to listen on; the default answers this machine only, 0.0.0.0 (or ::) "
             "listens on every interface",
     "port": "port to listen on (0: any free port)",
-    "api_key": "require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
-               "(default: $PEREGRINE_API_KEY)",
+    "api_key": "require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and "
+               "/tokenizer_info (default: $PEREGRINE_API_KEY)",
     "max_request_body_bytes": "larger request bodies get 413",
     "health_no_progress_timeout": "/health answers 503 after this many seconds without "
                                   "engine progress while work is pending",

@@ -26,6 +26,7 @@ from peregrine.entrypoints.openai.serving_chat import create_chat_completion, re
 from peregrine.entrypoints.openai.serving_common import (ServingContext, check_model,
                                                          prompt_char_limit)
 from peregrine.entrypoints.openai.serving_completion import create_completion
+from peregrine.entrypoints.openai.serving_tokenization import tokenizer_info
 from peregrine.entrypoints.openai.uvicorn_server import (FLUSH_GRACE_S, DrainingServer,
                                                          h11_with_read_timeout,
                                                          install_accept_error_filter)
@@ -193,6 +194,11 @@ def build_app(engine: AsyncEngine, args: ServerArgs | None = None) -> FastAPI:
         except ValueError as e:
             raise bad_request(str(e), "tokens") from e
         return JSONResponse({"prompt": text})
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info() -> JSONResponse:
+        """vLLM's /tokenizer_info: the tokenizer's configuration (lm-eval's remote tokenizer)."""
+        return JSONResponse(tokenizer_info(ctx.require_tokenizer("/tokenizer_info")))
 
     @app.get("/version")
     async def version() -> JSONResponse:

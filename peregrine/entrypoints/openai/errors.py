@@ -27,7 +27,7 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "inval
 _MAX_NAME_CHARS = 100  # of an unknown field's name, when an error message repeats it
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "is-instance"}
 # Paths that need the API key (when the server has one): the API and the tokenizer endpoints.
-_AUTH_PATHS = ("/v1", "/tokenize", "/detokenize")
+_AUTH_PATHS = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
 # NOTE: a lone surrogate reaches a parsed JSON string as a \uD800-\uDFFF escape, or as raw bytes
 # that are not strict UTF-8 (Python's json decodes bytes with "surrogatepass").
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
@@ -177,7 +177,7 @@ def _patch_schema(schema: dict[str, Any]) -> None:
 
 class GuardMiddleware:
     """Rejects oversized bodies (413) and, with an API key, unauthenticated calls to /v1/*,
-    /tokenize and /detokenize (401).
+    /tokenize, /detokenize and /tokenizer_info (401).
 
     The body is read up front (bounded by `max_body_bytes`) and replayed to the app; after that
     `receive` passes through, so the app still sees the client's disconnect.

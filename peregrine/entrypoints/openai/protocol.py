@@ -118,6 +118,8 @@ class SamplingRequest(OpenAIModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    # NOTE: 0 with echo scores the prompt (its logprobs) without generating.
+    max_tokens: StrictInt | None = Field(None, ge=0)
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
     suffix: str | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -22,7 +23,9 @@ from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ServingContex
                                                          top_entries, truncate_prompt,
                                                          check_prompt_logprobs,
                                                          prompt_logprob_rows)
+from peregrine.engine.detokenizer import IncrementalDetokenizer
 from peregrine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from peregrine.sampling_params import SamplingParams
 
 _DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -31,6 +34,46 @@ _DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 class _Prompt:
     text: str | None
     token_ids: list[int]
+    # echo: where each token starts in `text` (tokens the text does not show, like a BOS the
+    # tokenizer added, start where the next visible one does)
+    offsets: list[int] | None = None
+
+
+def _encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[int] | None]:
+    """Token ids of `text` (special tokens added, as for any text prompt) and each token's start
+    in it, from the fast tokenizer's offset mapping (None when the tokenizer has none)."""
+    try:
+        enc = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
+    except (NotImplementedError, TypeError, ValueError):
+        return tokenizer.encode(text, add_special_tokens=True), None
+    offsets, end = [], 0
+    for start, stop in enc["offset_mapping"]:
+        # NOTE: an added special token has the empty span (0, 0); it sits where the text goes on.
+        offsets.append(start if stop > start else end)
+        end = max(end, stop)
+    if any(b < a for a, b in zip(offsets, offsets[1:])):
+        return list(enc["input_ids"]), None
+    return list(enc["input_ids"]), offsets
+
+
+def _render_with_offsets(tokenizer: Any, token_ids: list[int]) -> tuple[str, list[int]]:
+    """The text of token ids (special tokens kept) built token by token, and where each token's
+    text starts in it (a token that ends inside a UTF-8 character adds no text of its own)."""
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(skip_special_tokens=False))
+    offsets = []
+    for tid in token_ids:
+        offsets.append(len(detok.output_text))
+        detok.update([tid])
+    return detok.output_text, offsets
+
+
+async def _echo_text(ctx: ServingContext, prompt: _Prompt) -> _Prompt:
+    """Fill the echoed text and its token offsets: a text prompt echoes its own text, token ids
+    echo their rendering."""
+    if prompt.offsets is not None or ctx.tokenizer is None:
+        return prompt
+    text, offsets = await ctx.run(_render_with_offsets, ctx.tokenizer, prompt.token_ids)
+    return _Prompt(text, prompt.token_ids, offsets)
 
 
 @dataclass
@@ -62,13 +105,19 @@ async def _parse_prompts(ctx: ServingContext, req: CompletionRequest) -> list[_P
             ctx.check_prompt_chars(item, "prompt")
     prompts = []
     for item in items:
-        if isinstance(item, str):
+        if isinstance(item, str) and req.echo:
+            ctx.require_tokenizer("a text prompt")
+            ids, offsets = await ctx.run(_encode_with_offsets, ctx.tokenizer, item)
+            prompt = _Prompt(item, ids, offsets)
+        elif isinstance(item, str):
             prompt = _Prompt(item, await ctx.encode(item, param="prompt"))
         else:
             prompt = _Prompt(None, list(item))
         kept = truncate_prompt(ctx, prompt.token_ids, req.truncate_prompt_tokens)
         if len(kept) < len(prompt.token_ids):
             prompt = _Prompt(None, kept)  # NOTE: echo then shows the decoded kept tokens
+        if req.echo:
+            prompt = await _echo_text(ctx, prompt)
         prompts.append(prompt)
     return prompts
 
@@ -82,12 +131,18 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
         raise bad_request("suffix is not supported", "suffix")
     if req.echo and req.logprobs is not None and req.stream:
         raise bad_request("echo with logprobs is only supported without streaming", "echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens 0 is only valid with echo=true (scoring the prompt)",
+                          "max_tokens")
     check_prompt_logprobs(req)
     prompts = await _parse_prompts(ctx, req)
     request_id = random_id("cmpl")
     engine_reqs = []
     for i, prompt in enumerate(prompts):
-        max_tokens = resolve_max_tokens(ctx, len(prompt.token_ids), req.max_tokens,
+        # NOTE: max_tokens 0 runs one step (the prompt's logprobs come with its first token),
+        # and the builder drops what it generated.
+        requested = 1 if req.max_tokens == 0 else req.max_tokens
+        max_tokens = resolve_max_tokens(ctx, len(prompt.token_ids), requested,
                                         _DEFAULT_MAX_TOKENS, "prompt")
         wanted = [k for k in (req.prompt_logprobs,
                               req.logprobs if req.echo else None) if k is not None]
@@ -113,6 +168,7 @@ class _Builder:
         self.choices = [_Choice() for _ in range(len(prompts) * req.n)]
         self.cached_tokens = [0] * len(prompts)
         self.prompt_logprobs: list[list[PositionLogprobs | None]] = [[] for _ in prompts]
+        self.score_only = req.max_tokens == 0
 
     def _prompt_text(self, i: int) -> str:
         p = self.prompts[i]
@@ -133,6 +189,11 @@ class _Builder:
             ch = self.choices[idx]
             if ch.finish_reason is not None:
                 continue  # finished earlier; n>1 outputs keep listing it
+            if self.score_only:
+                # NOTE: max_tokens 0: the one token the engine drew is not part of the answer.
+                c = CompletionOutput(index=c.index, text="", token_ids=[], logprobs=None,
+                                     finish_reason=("length" if c.finish_reason in ("stop", "length")
+                                                    else c.finish_reason))
             text = c.text
             if self.req.echo and not ch.started:
                 ch.started = True
@@ -205,20 +266,24 @@ class _Builder:
         """echo + logprobs: the prompt's tokens (first one has no logprob) lead each choice."""
         for k, ch in enumerate(self.choices):
             i = k // self.req.n
-            ids = self.prompts[i].token_ids
+            prompt = self.prompts[i]
+            ids = prompt.token_ids
             rows = self.prompt_logprobs[i]
             rows = (rows + [None] * len(ids))[:len(ids)]
             head = _Choice(logprobs=CompletionLogprobs())
             self._add_logprobs(head, ids, rows)
             assert head.logprobs is not None
+            text = self._prompt_text(i)
+            if prompt.offsets is not None:
+                head.logprobs.text_offset = list(prompt.offsets)
             gen = ch.logprobs or CompletionLogprobs()
-            shift = head.text_len
+            shift = len(text)
             head.logprobs.tokens += gen.tokens
             head.logprobs.token_logprobs += gen.token_logprobs
             head.logprobs.top_logprobs += gen.top_logprobs
             head.logprobs.text_offset += [o + shift for o in gen.text_offset]
             ch.logprobs = head.logprobs
-            ch.text.insert(0, self._prompt_text(i))
+            ch.text.insert(0, text)
 
     async def stream(self, stream: RequestStream) -> AsyncIterator[str]:
         opts = self.req.stream_options
