@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from peregrine.sampling_params import SamplingParams
 
 
@@ -50,6 +52,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     preempted_req_ids: list[str]  # their KV blocks are gone: workers drop them until resumed
     finished_req_ids: list[str]  # finished since the last step: workers free their state
+    # Structured outputs: the constrained requests that sample this step and, row for row, their
+    # allowed next tokens as a (G, ceil(V / 32)) int32 bitmask (bit t of a row allows token t).
+    structured_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
 
 
 @dataclass

@@ -10,12 +10,14 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from peregrine.config import EngineConfig
 from peregrine.engine.request import Request, RequestStatus
 from peregrine.engine.scheduler import Scheduler, SchedulerStats
 from peregrine.messages import EMPTY_RUNNER_OUTPUT, SchedulerOutput, TokenLogprobs
 from peregrine.sampling_params import SamplingParams
+from peregrine.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger("peregrine")
 
@@ -33,6 +35,8 @@ class EngineCoreRequest:
     eos_token_ids: tuple[int, ...]
     priority: int = 0
     fork_of: str | None = None  # a sibling whose full prompt blocks it shares
+    # The compiled grammar of sampling_params.structured_outputs (structured_output/compiler.py).
+    structure: Any = None
 
 
 @dataclass
@@ -70,6 +74,7 @@ class EngineCore:
         self.executor = (executor_class or executor_class_for(config))(config)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks)
         self.pipeline = StepPipeline(config)
+        self.structured = StructuredOutputManager(config.model.vocab_size)
         self.timing: dict[str, float] = defaultdict(float)  # cumulative host seconds per phase
         # Seconds the last step() waited for the device to finish the step launched before it
         # (None when it collected no such step).
@@ -83,12 +88,18 @@ class EngineCore:
                       arrival_time=r.arrival_time, priority=r.priority,
                       eos_token_ids=r.eos_token_ids, max_tokens=r.max_tokens, seed=r.seed,
                       fork_source=source)
+        if r.sampling_params.structured_outputs is not None and r.structure is None:
+            raise ValueError("structured_outputs reached the engine core without its compiled "
+                             "grammar (LLMEngine.add_request compiles it)")
         self.scheduler.add_request(req)
+        if r.structure is not None:
+            self.structured.add(r.request_id, r.structure)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Finish these sequences now and free their KV blocks; unknown ids are ignored."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         self.scheduler.take_finished()  # the front end already knows: nothing to report
+        self.structured.remove(request_ids)
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.pipeline.busy
@@ -117,9 +128,15 @@ class EngineCore:
                 req.scheduled_time = now
                 out.first_scheduled[req.request_id] = (now, max(req.num_cached_tokens, 0))
         out.num_prompt_tokens = _prompt_tokens(sched, reqs)
+        if self.structured:
+            masks = self.structured.bitmask(reqs, sched.num_scheduled_tokens)
+            if masks is not None:
+                sched.structured_req_ids, sched.grammar_bitmask = masks
         self.pipeline.run(self, sched, out)
         for req in self.scheduler.take_finished():
             out.finished[req.request_id] = FinishedInfo(req.status, req.stop_reason, req.error)
+            if self.structured:
+                self.structured.remove((req.request_id,))
         out.stats = self.scheduler.make_stats()
         out.step_time = time.perf_counter() - t0
         self.timing["step_total"] += out.step_time
@@ -151,6 +168,8 @@ class EngineCore:
             self.last_device_wait = t1 - t0
         reqs = self.scheduler.requests_of(sched)
         kept = {id(r) for r in self.scheduler.update_from_output(sched, result, in_flight)}
+        if self.structured:
+            self._advance_grammars([r for r in reqs if id(r) in kept])
         if result.prompt_logprobs:  # NOTE: rare; most steps skip this loop over the batch
             for req in reqs:
                 rid = req.request_id
@@ -170,6 +189,21 @@ class EngineCore:
             if rid in logprobs:
                 out.logprobs[rid] = logprobs[rid]
         self.timing["update"] += time.perf_counter() - t1
+
+    def _advance_grammars(self, reqs: list[Request]) -> None:
+        """Feed the kept tokens to the matchers; a terminated grammar stops its request (also with
+        ignore_eos), a rejected token fails it."""
+        terminated, rejected = self.structured.accept(reqs)
+        live = self.scheduler.requests
+        done = [rid for rid in terminated if rid in live]
+        if done:
+            for rid in done:
+                live[rid].stop_reason = None
+            self.scheduler.finish_requests(done, RequestStatus.FINISHED_STOPPED)
+        for rid, error in rejected:
+            if rid in live:
+                live[rid].error = error
+                self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ERROR)
 
     def _fail(self, sched: SchedulerOutput, e: Exception) -> None:
         logger.exception("model execution failed; failing the %d requests of this step",
@@ -200,7 +234,10 @@ class StepPipeline:
         future = None
         if has_tokens or sched.finished_req_ids or sched.preempted_req_ids:
             future = core.launch(sched)
-        pipelined = future is not None and has_tokens and self.async_scheduling
+        # NOTE: a step that samples a constrained row completes at once: the next step's bitmask
+        # needs its token (structured_output/manager.py).
+        pipelined = (future is not None and has_tokens and self.async_scheduling
+                     and not sched.structured_req_ids)
         if pipelined:
             core.scheduler.mark_in_flight(sched)
         if self._inflight is not None:

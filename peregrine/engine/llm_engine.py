@@ -55,6 +55,7 @@ class LLMEngine:
         self._stats = EngineStats()
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self._structure_compiler = None  # built on the first structured_outputs request
         self.timing: dict[str, float] = defaultdict(float)  # cumulative host seconds per phase
 
     @classmethod
@@ -90,6 +91,8 @@ class LLMEngine:
                                  "skip_tokenizer_init=True)")
             params = params.with_bad_word_tokens(
                 lambda w: self.tokenizer.encode(w, add_special_tokens=False))
+        structure = (self._compile_structure(params.structured_outputs)
+                     if params.structured_outputs is not None else None)
         limit = self.config.scheduler.max_queue_len
         if limit is not None and params.n > limit:
             raise ValueError(f"n={params.n} sequences can never wait in a queue of "
@@ -106,7 +109,8 @@ class LLMEngine:
             seed = params.seed + i if params.seed is not None else self._rng.getrandbits(62)
             core_reqs.append(EngineCoreRequest(sid, ids, params, arrival, max_tokens, seed,
                                                mc.eos_token_ids, priority,
-                                               fork_of=seq_ids[0] if i else None))
+                                               fork_of=seq_ids[0] if i else None,
+                                               structure=structure))
             # NOTE: the front end mirrors each sequence's tokens and status for its outputs.
             req = Request(sid, ids, params, arrival_time=arrival, eos_token_ids=mc.eos_token_ids,
                           max_tokens=max_tokens, seed=seed)
@@ -118,6 +122,18 @@ class LLMEngine:
         for s in group.seqs:
             self._seqs[s.req.request_id] = (group, s)
         self._unscheduled.update(seq_ids)
+
+    def _compile_structure(self, so):
+        """The request's grammar, compiled here in the front end (cached by canonical text)."""
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs need a tokenizer (the engine runs with "
+                             "skip_tokenizer_init=True)")
+        if self._structure_compiler is None:
+            from peregrine.structured_output.compiler import StructureCompiler
+            mc = self.config.model
+            self._structure_compiler = StructureCompiler(self.tokenizer, mc.tokenizer,
+                                                         mc.vocab_size, mc.eos_token_ids)
+        return self._structure_compiler.compile(so)
 
     def _validate_prompt(self, ids: list[int], params: SamplingParams) -> int:
         """The prompt's one check (the core trusts it); returns the resolved max_tokens."""

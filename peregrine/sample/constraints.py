@@ -114,6 +114,20 @@ def apply_allowed_tokens(x: torch.Tensor, rows: torch.Tensor, slots: torch.Tenso
     x.index_copy_(0, rows, y)
 
 
+def apply_token_bitmask(x: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: -inf on every token of x[rows[g]] whose bit is clear in bitmask[g].
+
+    bitmask: (G, ceil(V / 32)) int32, bit t % 32 of word t // 32 allows token t (xgrammar's layout).
+    """
+    v = x.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=x.device)  # (32,)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # (G, W, 32)
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, :v].bool()  # (G, V)
+    y = x.index_select(0, rows)  # (G, V)
+    y.masked_fill_(~allowed, _NEG_INF)
+    x.index_copy_(0, rows, y)
+
+
 def apply_bad_words(x: torch.Tensor, seq_rows: torch.Tensor, seq_slots: torch.Tensor,
                     prefixes: torch.Tensor, last_tokens: torch.Tensor, recent: torch.Tensor) -> None:
     """In place: ban last_tokens[q] in row seq_rows[q] when that row's recent output tokens end

@@ -67,6 +67,9 @@ class SamplingMetadata:
     recent_rows: torch.Tensor | None = None  # (R,) int64: rows whose window takes this step's token
     recent_slots: torch.Tensor | None = None  # (R,) int64
     recent_tokens: torch.Tensor | None = field(default=None, repr=False)  # (N, W) int64 pool
+    # structured outputs: rows whose tokens outside their grammar's bitmask get -inf (set per step).
+    grammar_rows: torch.Tensor | None = None  # (G,) int64: rows of this batch
+    grammar_bitmask: torch.Tensor | None = field(default=None, repr=False)  # (G, ceil(V/32)) int32
     # Host-side flags: read by the sampler without touching the device.
     all_greedy: bool = False
     any_top_k: bool = False
@@ -81,13 +84,14 @@ class SamplingMetadata:
     any_logit_bias: bool = False
     any_allowed_tokens: bool = False
     any_bad_words: bool = False
+    any_grammar: bool = False
     max_num_logprobs: int | None = None  # K: largest `logprobs` in the batch; None: nobody asked
 
     @property
     def changes_logits(self) -> bool:
         """Whether some row's logits are masked, biased or penalised before the draw."""
         return (self.any_allowed_tokens or self.any_bad_words or self.any_logit_bias
-                or self.any_min_tokens or self.any_penalties)
+                or self.any_min_tokens or self.any_penalties or self.any_grammar)
 
 
 def seed_to_int64(seed: int) -> int:
@@ -260,6 +264,19 @@ class SamplingRows:
             meta.any_min_tokens = True
             meta.banned_rows, meta.banned_tokens = dev[1][0], dev[1][1]
         return meta
+
+    def add_grammar_masks(self, meta: SamplingMetadata, rows: np.ndarray, bitmask: np.ndarray) -> None:
+        """Constrain logits rows `rows` (G,) of this step's `meta` to their grammar's allowed tokens,
+        bitmask (G, ceil(V / 32)) int32 (bit t of a row allows token t)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        bitmask = np.asarray(bitmask)
+        if bitmask.dtype != np.int32 or bitmask.shape != (rows.size, -(-self.vocab_size // 32)):
+            raise ValueError(f"the grammar bitmask must be int32 of shape ({rows.size}, "
+                             f"{-(-self.vocab_size // 32)}), got {bitmask.dtype} {bitmask.shape}")
+        if rows.size == 0:
+            return
+        meta.grammar_rows, meta.grammar_bitmask = upload([rows, bitmask], self.device)
+        meta.any_grammar = True
 
     def record_sampled(self, meta: SamplingMetadata, sampled: torch.Tensor) -> None:
         """Count the step's sampled tokens (B,) into the penalty rows' output counts and shift them

@@ -1,6 +1,6 @@
 """Batched sampler on the logits' device: penalties, temperature, top-k/top-p/min-p, seeded draws.
 
-Stage order: allowed_token_ids -> bad_words -> logit_bias -> min_tokens -> repetition penalty ->
+Stage order: structured-output grammar mask -> allowed_token_ids -> bad_words -> logit_bias -> min_tokens -> repetition penalty ->
 presence/frequency penalties -> (greedy rows: argmax) -> temperature -> top-k -> top-p -> min-p ->
 draw. No host<->device syncs and no loops over rows.
 
@@ -27,7 +27,7 @@ import torch
 
 from peregrine import envs
 
-from peregrine.sample.constraints import apply_allowed_tokens, apply_bad_words
+from peregrine.sample.constraints import apply_allowed_tokens, apply_bad_words, apply_token_bitmask
 from peregrine.sample.logprobs import compute_token_logprobs
 from peregrine.sample.metadata import SamplingMetadata
 from peregrine.sample.noise import as_int32_bits, log_exponentials, row_keys, token_hashes
@@ -133,11 +133,13 @@ class Sampler:
 
     @staticmethod
     def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """allowed_token_ids and bad_words bans, logit_bias, min_tokens bans, then repetition,
+        """Grammar masks, allowed_token_ids and bad_words bans, logit_bias, min_tokens bans, then repetition,
         presence and frequency penalties; returns a new tensor if any."""
         if not meta.changes_logits:
             return logits
         x = logits.clone()  # (B, V)
+        if meta.any_grammar:
+            apply_token_bitmask(x, meta.grammar_rows, meta.grammar_bitmask)
         if meta.any_allowed_tokens:
             apply_allowed_tokens(x, meta.allowed_rows, meta.allowed_slots, meta.allowed_mask)
         if meta.any_bad_words:

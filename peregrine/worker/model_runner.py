@@ -85,7 +85,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         hidden, all_logits = self._forward(plan)
         t2 = time.perf_counter()
-        handle = self._launch_sampling(plan, hidden, all_logits)
+        handle = self._launch_sampling(plan, hidden, all_logits, sched)
         tm = self.timing
         tm["prepare"] += t1 - t0
         tm["forward_launch"] += t2 - t1
@@ -155,7 +155,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, to_device(idx, self.device)))
 
     def _launch_sampling(self, plan: StepPlan, hidden: torch.Tensor | None,
-                         all_logits: torch.Tensor | None) -> StepHandle:
+                         all_logits: torch.Tensor | None, sched: SchedulerOutput) -> StepHandle:
         batch = self.batch
         step_id = self._num_launched
         self._num_launched += 1
@@ -166,6 +166,8 @@ class ModelRunner:
         positions = generations = np.zeros(0, np.int64)
         if s:
             meta = batch.sampling.metadata(rows, plan.sample_steps)
+            if sched.structured_req_ids:
+                self._add_grammar_masks(meta, plan, sched)
             so = self.sampler(logits[:s], meta)
             # NOTE: penalties count this step's tokens on the device: exact with a step in flight.
             batch.sampling.record_sampled(meta, so.sampled_token_ids)
@@ -195,6 +197,17 @@ class ModelRunner:
         return StepHandle(step_id, plan.req_ids, order, [plan.req_ids[i] for i in order],
                           generations, positions, batch.sampling.num_logprobs[rows].tolist(),
                           prompt_lp, host, event)
+
+    def _add_grammar_masks(self, meta, plan: StepPlan, sched: SchedulerOutput) -> None:
+        """Point the step's grammar bitmask rows at the sampler rows of their requests."""
+        sample_row = {plan.req_ids[i]: j for j, i in enumerate(plan.order[plan.sample_idx].tolist())}
+        ids = sched.structured_req_ids
+        missing = [r for r in ids if r not in sample_row]
+        if missing:
+            raise ValueError(f"the grammar bitmask names requests that sample nothing this step: "
+                             f"{missing}")
+        rows = np.fromiter((sample_row[r] for r in ids), np.int64, len(ids))  # (G,)
+        self.batch.sampling.add_grammar_masks(meta, rows, sched.grammar_bitmask)
 
     def _to_host(self, x: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":
