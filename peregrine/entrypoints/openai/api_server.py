@@ -29,7 +29,8 @@ from peregrine.entrypoints.openai.serving_completion import create_completion
 from peregrine.entrypoints.openai.serving_tokenization import tokenizer_info
 from peregrine.entrypoints.openai.uvicorn_server import (FLUSH_GRACE_S, DrainingServer,
                                                          h11_with_read_timeout,
-                                                         install_accept_error_filter)
+                                                         install_accept_error_filter,
+                                                         raise_open_file_limit)
 from peregrine.metrics import ServerMetrics, StatLogger
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,9 @@ class ServerArgs:
     # Open connections beyond this get 503 (uvicorn's limit_concurrency). None: the open-file
     # limit less a reserve, so the cap refuses cleanly before accept() fails with EMFILE.
     max_connections: int | None = None
-    keep_alive_timeout: float = 5.0  # idle keep-alive connections close after this
+    # NOTE: longer than clients keep idle connections (httpx and openai 5 s, aiohttp 15 s), so
+    # the server never closes one just as its client reuses it (an error without retries).
+    keep_alive_timeout: float = 20.0  # idle keep-alive connections close after this
     # A request's headers and body must arrive within this many seconds (slowloris).
     request_read_timeout: float = 30.0
     max_header_bytes: int = 16 * 1024  # h11's max incomplete event size: beyond it, 400
@@ -294,6 +297,7 @@ def make_uvicorn_server(app: FastAPI, args: ServerArgs) -> DrainingServer:
 
 def run_server(engine: AsyncEngine, args: ServerArgs, sock: socket.socket | None = None) -> None:
     """Serve until interrupted (blocking), on `sock` (from bind_socket) or on args.host:port."""
+    raise_open_file_limit()  # NOTE: before make_uvicorn_server sizes the connection cap
     app = build_app(engine, args)
     server = make_uvicorn_server(app, args)
     if sock is None:

@@ -1,5 +1,6 @@
 """uvicorn pieces of the server: a shutdown with a bounded drain, a per-request read deadline
-(slowloris), and a rate limit on asyncio's accept-error log line (EMFILE storms)."""
+(slowloris), the connection cap counted as uvicorn should, the open-file limit raised for a
+thousand clients, and a rate limit on asyncio's accept-error log line (EMFILE storms)."""
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +20,7 @@ logger = logging.getLogger(__name__)
 # NOTE: after the abort, streams still need a moment to send their error event and [DONE].
 FLUSH_GRACE_S = 5.0
 _ACCEPT_ERROR = "socket.accept() out of system resource"
+_UNLIMITED_FILES = 1 << 20
 
 
 class DrainingServer(uvicorn.Server):
@@ -64,10 +66,18 @@ class DrainingServer(uvicorn.Server):
 
 def h11_with_read_timeout(read_timeout: float) -> type[H11Protocol]:
     """uvicorn's h11 protocol, closing a connection whose request (headers and body) is not
-    fully received `read_timeout` seconds after the connection opened or its last response."""
+    fully received `read_timeout` seconds after the connection opened or its last response, and
+    serving up to `limit_concurrency` connections (uvicorn serves one fewer)."""
 
     class ReadTimeoutH11(H11Protocol):
         _read_timer: asyncio.TimerHandle | None = None
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # NOTE: uvicorn refuses a request once len(connections) >= limit_concurrency, and
+            # that count includes the connection asking, so a cap of N served N - 1 clients.
+            if self.limit_concurrency is not None:
+                self.limit_concurrency += 1
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -98,6 +108,26 @@ def h11_with_read_timeout(read_timeout: float) -> type[H11Protocol]:
                     self.transport.close()
 
     return ReadTimeoutH11
+
+
+def raise_open_file_limit() -> tuple[int, int] | None:
+    """Raise this process's soft open-file limit to its hard limit (each client connection is a
+    file; a soft limit of 1,024 is common); returns (soft, hard) after, None where unknown."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return None
+    # NOTE: Linux refuses an unlimited soft limit for files; 2**20 is its usual ceiling.
+    target = _UNLIMITED_FILES if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (OSError, ValueError) as e:
+            logger.warning("could not raise the open-file limit from %d to %d: %s",
+                           soft, target, e)
+    return soft, hard
 
 
 class AcceptErrorFilter(logging.Filter):
