@@ -19,8 +19,10 @@ def has_chat_template(tokenizer: Any) -> bool:
 def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], *,
                         add_generation_prompt: bool = True, continue_final_message: bool = False,
                         chat_template: str | None = None,
-                        template_kwargs: dict[str, Any] | None = None) -> str:
-    """The conversation as prompt text, rendered with `chat_template` or the tokenizer's own."""
+                        template_kwargs: dict[str, Any] | None = None,
+                        tools: list[dict[str, Any]] | None = None) -> str:
+    """The conversation as prompt text, rendered with `chat_template` or the tokenizer's own
+    (`tools`: OpenAI tool definitions, for templates that describe them to the model)."""
     if chat_template is None and not has_chat_template(tokenizer):
         raise ValueError("the tokenizer has no chat template; pass chat_template=...")
     if not messages:
@@ -36,7 +38,7 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], *,
     return tokenizer.apply_chat_template(
         messages, tokenize=False, chat_template=chat_template,
         add_generation_prompt=add_generation_prompt and not continue_final_message,
-        continue_final_message=continue_final_message, **(template_kwargs or {}))
+        continue_final_message=continue_final_message, tools=tools, **(template_kwargs or {}))
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,

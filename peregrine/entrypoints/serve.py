@@ -45,6 +45,12 @@ _SERVER_HELP = {
                             "body) after it opens or after its last response; then it is closed",
     "max_header_bytes": "most bytes of an unfinished request head (request line and headers) "
                         "buffered; beyond that 400",
+    "reasoning_parser": "split the model's <think>...</think> text into reasoning_content in chat "
+                        "answers and streams: qwen3 or deepseek_r1",
+    "enable_auto_tool_choice": "parse tool calls out of the model's text (tool_choice auto); "
+                               "needs --tool-call-parser",
+    "tool_call_parser": "the model's tool-call format: hermes (Qwen2.5, Qwen3), llama3_json, "
+                        "mistral",
     "relax_openai_limits": "accept what the engine accepts instead of OpenAI's documented limits "
                            "(temperature up to 100 instead of 2, up to 64 stop strings instead "
                            "of 4)",

@@ -72,7 +72,8 @@ def test_invalid_completion_parameters_are_400(server, body, param):
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "tools.0.function"),
     ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, "messages"),
 ])
 def test_invalid_chat_parameters_are_400(server, body, param):

@@ -61,8 +61,7 @@ _VLLM_AND_OPENAI_FIELDS = [
     ("guided_regex", "[a-z]+"), ("guided_grammar", "root ::= 'a'"),
     ("structured_outputs", {"json": {"type": "object"}}), ("use_beam_search", True),
     ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
-    ("tool_choice", "none"), ("parallel_tool_calls", False), ("audio", {"voice": "alloy"}),
+    ("audio", {"voice": "alloy"}),
 ]
 
 
@@ -73,10 +72,17 @@ def test_fields_the_server_does_not_implement_are_refused_by_name(server, path, 
     assert UNSUPPORTED_FIELDS[field] in message
 
 
-def test_tools_are_refused_saying_tool_calling_is_not_implemented(server):
-    message = _refused(_post(server, _CHAT, tools=[{"type": "function",
-                                                    "function": {"name": "f"}}]), "tools")
-    assert "tool calling is not implemented" in message
+def test_tools_without_a_tool_call_parser_need_tool_choice_none(server):
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    message = _refused(_post(server, _CHAT, tools=tools), "tool_choice")
+    assert "--enable-auto-tool-choice" in message
+    assert _post(server, _CHAT, tools=tools, tool_choice="none").status_code == 200
+
+
+def test_tools_are_a_chat_field(server):
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert _refused(_post(server, "/v1/completions", tools=tools), "tools").startswith(
+        "Unrecognized request argument")
 
 
 def test_tool_choice_without_tools_is_an_error_of_its_own(server):
@@ -84,8 +90,9 @@ def test_tool_choice_without_tools_is_an_error_of_its_own(server):
     assert "only valid together with tools" in message
 
 
-def test_tools_are_reported_before_tool_choice(server):
-    _refused(_post(server, _CHAT, tool_choice="auto", tools=[{"type": "function"}]), "tools")
+def test_a_tool_without_a_function_is_named(server):
+    _assert_error(_post(server, _CHAT, tool_choice="auto", tools=[{"type": "function"}]), 400,
+                  "tools.0.function")
 
 
 @pytest.mark.parametrize("path", _BOTH)

@@ -66,7 +66,7 @@ def test_help_documents_the_security_flags(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "--trust-request-chat-template" in out and "without a time bound" in out
     assert "--max-prompt-chars" in out and "16 per token of max_model_len" in out
-    assert "/tokenize and /detokenize" in out
+    assert "/tokenize, /detokenize and /tokenizer_info" in out
 
 
 def test_help_documents_the_host_default_and_the_openai_limits_flag(capsys):

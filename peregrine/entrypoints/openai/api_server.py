@@ -27,6 +27,8 @@ from peregrine.entrypoints.openai.serving_common import (ServingContext, check_m
                                                          prompt_char_limit)
 from peregrine.entrypoints.openai.serving_completion import create_completion
 from peregrine.entrypoints.openai.serving_tokenization import tokenizer_info
+from peregrine.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+from peregrine.entrypoints.openai.tool_parsers import get_tool_parser
 from peregrine.entrypoints.openai.uvicorn_server import (FLUSH_GRACE_S, DrainingServer,
                                                          h11_with_read_timeout,
                                                          install_accept_error_filter,
@@ -85,8 +87,21 @@ class ServerArgs:
     max_header_bytes: int = 16 * 1024  # h11's max incomplete event size: beyond it, 400
     # OpenAI's limits (temperature <= 2, at most 4 stop strings) unless relaxed to the engine's.
     relax_openai_limits: bool = False
+    # Split <think>...</think> into reasoning_content: "qwen3" or "deepseek_r1" (None: off).
+    reasoning_parser: str | None = None
+    # Turn the model's tool-call text into tool_calls (tool_choice "auto"); the parser names the
+    # model's format: "hermes" (Qwen2.5/Qwen3), "llama3_json", "mistral".
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)
+        if self.tool_call_parser is not None:
+            get_tool_parser(self.tool_call_parser)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (the model's "
+                             "tool-call format)")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.max_connections is not None and self.max_connections < 1:
@@ -116,7 +131,12 @@ def build_app(engine: AsyncEngine, args: ServerArgs | None = None) -> FastAPI:
     ctx = ServingContext(engine, mc.served_model_name, mc.max_model_len, args.retry_after,
                          max_prompt_chars=prompt_char_limit(mc.max_model_len, args.max_prompt_chars),
                          trust_request_chat_template=args.trust_request_chat_template,
-                         relax_openai_limits=args.relax_openai_limits, executor=executor)
+                         relax_openai_limits=args.relax_openai_limits, executor=executor,
+                         reasoning_parser=(get_reasoning_parser(args.reasoning_parser)
+                                           if args.reasoning_parser else None),
+                         tool_parser=(get_tool_parser(args.tool_call_parser)
+                                      if args.tool_call_parser else None),
+                         enable_auto_tool_choice=args.enable_auto_tool_choice)
     metrics = ServerMetrics(ctx.model_name, lambda: engine.stats)
     engine.observers.append(metrics)
 

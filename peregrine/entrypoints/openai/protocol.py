@@ -19,17 +19,14 @@ OPENAI_MAX_TEMPERATURE = 2.0
 OPENAI_MAX_STOP_STRINGS = 4
 
 _STRUCTURED = "structured output (guided decoding) is not implemented by this server"
-_TOOLS = "tool calling is not implemented by this server yet"
+_FUNCTIONS = "legacy function calling is not implemented; send tools and tool_choice"
 _BEAM = "beam search is not implemented by this server"
 # Fields OpenAI or vLLM define that this server does not honour: each is refused by name, with
 # the reason (see errors.py), instead of being dropped. Anything else unknown is refused as
 # OpenAI does ("Unrecognized request argument supplied"). The order is the order of report.
 UNSUPPORTED_FIELDS: dict[str, str] = {
-    "tools": _TOOLS,
-    "tool_choice": "tool_choice is only valid together with tools, and " + _TOOLS,
-    "parallel_tool_calls": _TOOLS,
-    "functions": "legacy function calling is not implemented (and " + _TOOLS + ")",
-    "function_call": "legacy function calling is not implemented (and " + _TOOLS + ")",
+    "functions": _FUNCTIONS,
+    "function_call": _FUNCTIONS,
     "guided_json": _STRUCTURED,
     "guided_choice": _STRUCTURED,
     "guided_regex": _STRUCTURED,
@@ -125,10 +122,43 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
     model_config = ConfigDict(extra="allow")  # tool_call_id, name, ... go to the template
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # JSON Schema
+    strict: StrictBool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -143,6 +173,9 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
     modalities: list[str] | None = None  # accepted only as ["text"]
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
 
 class TokenizeRequest(OpenAIModel):
@@ -235,6 +268,8 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # vLLM's field: the text a reasoning parser split off
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -255,9 +290,25 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
+    """A streamed delta; fields left None are left out of the chunk (as OpenAI sends them)."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -2,6 +2,7 @@
 loop, in the server's thread pool)."""
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,13 +13,14 @@ from fastapi.responses import Response
 from peregrine.engine.async_engine import EngineRequest, RequestStream
 from peregrine.entrypoints.chat_utils import (RESERVED_TEMPLATE_KWARGS, apply_chat_template,
                                               has_chat_template)
+from peregrine.entrypoints.openai.chat_output import ChoiceOutput
 from peregrine.entrypoints.openai.errors import bad_request, unsupported_value
 from peregrine.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                    ChatCompletionRequest, ChatCompletionResponse,
                                                    ChatLogprobs, ChatMessage, ChatResponseMessage,
                                                    ChatStreamChoice, ChatTokenLogprob, DeltaMessage,
                                                    PromptTokensDetails, TopLogprob, Usage,
-                                                   random_id)
+                                                   random_id, ChatTool)
 from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ServingContext, TokenText,
                                                          add_requests, build_sampling_params,
                                                          check_model, clamp_logprob,
@@ -27,7 +29,11 @@ from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ServingContex
                                                          top_entries, truncate_prompt,
                                                          check_prompt_logprobs,
                                                          prompt_logprob_rows)
+from peregrine.entrypoints.openai.tool_parsers import ToolParser
 from peregrine.outputs import CompletionOutput, PositionLogprobs
+
+# NOTE: enough of the rendered prompt's end to see whether the template opened a <think> block.
+_PROMPT_TAIL_TOKENS = 32
 
 
 def request_template(ctx: ServingContext, chat_template: str | None,
@@ -56,7 +62,8 @@ def request_template(ctx: ServingContext, chat_template: str | None,
 async def render_chat(ctx: ServingContext, messages: list[ChatMessage], *,
                       add_generation_prompt: bool, continue_final_message: bool = False,
                       chat_template: str | None = None,
-                      template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                      template_kwargs: dict[str, Any] | None = None,
+                      tools: list[ChatTool] | None = None) -> list[int]:
     """Apply the chat template and tokenize, both in the thread pool (the template adds the
     special tokens itself)."""
     tok = ctx.require_tokenizer("chat")
@@ -64,23 +71,67 @@ async def render_chat(ctx: ServingContext, messages: list[ChatMessage], *,
     if template is None and not has_chat_template(tok):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     dumped = []
-    for m in messages:
+    for i, m in enumerate(messages):
         if isinstance(m.content, list):
             for part in m.content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise bad_request(f"unsupported content part type {part.get('type')!r} "
                                       "(only text)", "messages")
-        dumped.append(m.model_dump())
+        dumped.append(_template_message(m, i))
+    tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     try:
         text = await ctx.run(apply_chat_template, tok, dumped,
                              add_generation_prompt=add_generation_prompt,
                              continue_final_message=continue_final_message,
-                             chat_template=template, template_kwargs=kwargs)
+                             chat_template=template, template_kwargs=kwargs, tools=tool_dicts)
     except ValueError as e:
         raise bad_request(str(e), "messages") from e
     except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception) are user errors
         raise bad_request(f"could not apply the chat template: {e}", "messages") from e
     return await ctx.encode(text, add_special_tokens=False, param="messages")
+
+
+def _template_message(m: ChatMessage, index: int) -> dict[str, Any]:
+    """A message as chat templates read it: an assistant's tool call arguments as a dict (OpenAI
+    sends them as JSON text; templates write them out with tojson)."""
+    dumped = m.model_dump(exclude={"tool_calls"})
+    if m.tool_calls is None:
+        return dumped
+    calls = []
+    for j, call in enumerate(m.tool_calls):
+        param = f"messages.{index}.tool_calls.{j}.function.arguments"
+        try:
+            args = json.loads(call.function.arguments)
+        except json.JSONDecodeError as e:
+            raise bad_request(f"{param} must be a JSON object as text: {e}", param) from None
+        if not isinstance(args, dict):
+            raise bad_request(f"{param} must be a JSON object as text", param)
+        calls.append({"id": call.id, "type": "function",
+                      "function": {"name": call.function.name, "arguments": args}})
+    dumped["tool_calls"] = calls
+    return dumped
+
+
+def _tool_parser(ctx: ServingContext, req: ChatCompletionRequest) -> ToolParser | None:
+    """The parser that turns this request's output into tool calls (None: content only); 400
+    for a tool_choice this server cannot honour."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice is only valid together with tools", "tool_choice")
+        return None
+    if choice == "none":
+        return None
+    if choice != "auto" and choice is not None:
+        shown = choice if isinstance(choice, str) else f"function {choice.function.name!r}"
+        raise unsupported_value(f"tool_choice {shown} is not supported: forcing a tool call "
+                                "needs constrained decoding, which this server does not have "
+                                'yet (use "auto" or "none")', "tool_choice")
+    if not ctx.enable_auto_tool_choice or ctx.tool_parser is None:
+        raise bad_request('tool_choice "auto" needs the server started with '
+                          "--enable-auto-tool-choice and --tool-call-parser (or send "
+                          'tool_choice "none")', "tool_choice")
+    return ctx.tool_parser
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
@@ -94,25 +145,28 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     check_prompt_logprobs(req)
+    tool_parser = _tool_parser(ctx, req)
     ids = await render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
                             continue_final_message=req.continue_final_message,
                             chat_template=req.chat_template,
-                            template_kwargs=req.chat_template_kwargs)
+                            template_kwargs=req.chat_template_kwargs, tools=req.tools)
     ids = truncate_prompt(ctx, ids, req.truncate_prompt_tokens)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(ctx, len(ids), requested, None, "messages")
     params = build_sampling_params(ctx, req, max_tokens=max_tokens,
                                    logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                    prompt_logprobs=req.prompt_logprobs)
+    if tool_parser is not None and tool_parser.needs_special_tokens:
+        params.skip_special_tokens = False  # NOTE: the call markers are special tokens
     request_id = random_id("chatcmpl")
     stream = await add_requests(ctx, [EngineRequest(request_id, ids, params, req.priority)])
-    builder = _ChatBuilder(ctx, req, request_id, ids)
+    builder = _ChatBuilder(ctx, req, request_id, ids, tool_parser)
     return await respond(raw, stream, builder, req.stream)
 
 
 class _ChatBuilder:
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
-                 prompt_ids: list[int]) -> None:
+                 prompt_ids: list[int], tool_parser: ToolParser | None = None) -> None:
         self.ctx, self.req, self.request_id = ctx, req, request_id
         self.prompt_ids = prompt_ids
         self.num_prompt_tokens = len(prompt_ids)
@@ -126,6 +180,12 @@ class _ChatBuilder:
         self.finish: list[str | None] = [None] * n
         self.stop_reason: list[int | str | None] = [None] * n
         self.cached_tokens = 0
+        tail = ""
+        if ctx.reasoning_parser is not None and ctx.tokenizer is not None:
+            tail = ctx.tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:])
+        parallel = req.parallel_tool_calls is not False
+        self.parsers = [ChoiceOutput(ctx.reasoning_parser, tool_parser, tail, parallel)
+                        for _ in range(n)]
 
     def _logprob_rows(self, c: CompletionOutput) -> list[ChatTokenLogprob]:
         rows = []
@@ -172,11 +232,17 @@ class _ChatBuilder:
                 self.prompt_logprobs.extend(out.prompt_logprobs)
             for c in out.outputs:
                 self._absorb(c)
-        choices = [ChatChoice(
-            index=k, message=ChatResponseMessage(content="".join(self.text[k])),
-            logprobs=ChatLogprobs(content=self.logprobs[k]) if self.req.logprobs else None,
-            finish_reason=self.finish[k], stop_reason=self.stop_reason[k])
-            for k in range(self.req.n)]
+        choices = []
+        for k in range(self.req.n):
+            reasoning, content, calls = self.parsers[k].whole("".join(self.text[k]))
+            finish = self.finish[k]
+            if calls and finish == "stop":
+                finish = "tool_calls"
+            choices.append(ChatChoice(
+                index=k, message=ChatResponseMessage(content=content, reasoning_content=reasoning,
+                                                     tool_calls=calls),
+                logprobs=ChatLogprobs(content=self.logprobs[k]) if self.req.logprobs else None,
+                finish_reason=finish, stop_reason=self.stop_reason[k]))
         plp = None
         if self.req.prompt_logprobs is not None:
             plp = prompt_logprob_rows(self.prompt_ids, self.prompt_logprobs,
@@ -185,9 +251,22 @@ class _ChatBuilder:
                                       choices=choices, usage=self.usage(), prompt_logprobs=plp)
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
-        return sse(ChatCompletionChunk(id=self.request_id, created=self.created,
-                                       model=self.ctx.model_name, choices=choices,
-                                       usage=usage).model_dump_json())
+        """One SSE chunk as OpenAI sends it: a delta holds only the fields it sets, and `usage`
+        is there only when stream_options.include_usage asked for it."""
+        chunk = ChatCompletionChunk(id=self.request_id, created=self.created,
+                                    model=self.ctx.model_name, choices=choices,
+                                    usage=usage).model_dump(mode="json")
+        for choice in chunk["choices"]:
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+            for call in choice["delta"].get("tool_calls", ()):
+                call["function"] = {k: v for k, v in call["function"].items() if v is not None}
+                for key in ("id", "type"):
+                    if call[key] is None:
+                        del call[key]
+        opts = self.req.stream_options
+        if not (opts and opts.include_usage):
+            del chunk["usage"]
+        return sse(json.dumps(chunk, ensure_ascii=False))
 
     async def stream(self, stream: RequestStream) -> AsyncIterator[str]:
         opts = self.req.stream_options
@@ -207,10 +286,19 @@ class _ChatBuilder:
                 moved, rows = self._absorb(c)
                 if not moved:
                     continue
+                parser = self.parsers[c.index]
+                reasoning, content, calls = parser.feed(c.text, c.finish_reason is not None)
+                finish = c.finish_reason
+                if finish == "stop" and parser.called_tools:
+                    finish = "tool_calls"
+                if not (reasoning or content or calls or rows or finish):
+                    continue
+                delta = DeltaMessage(content=content or None, reasoning_content=reasoning or None,
+                                     tool_calls=calls or None)
                 choices.append(ChatStreamChoice(
-                    index=c.index, delta=DeltaMessage(content=c.text or None),
+                    index=c.index, delta=delta,
                     logprobs=ChatLogprobs(content=rows) if rows is not None else None,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                    finish_reason=finish, stop_reason=c.stop_reason))
             if choices:
                 yield self._chunk(choices, self.usage() if every_chunk else None)
         if include_usage:

@@ -22,6 +22,8 @@ from peregrine.entrypoints.openai.errors import (OpenAIError, bad_request, error
 from peregrine.entrypoints.openai.protocol import (OPENAI_MAX_STOP_STRINGS,
                                                    OPENAI_MAX_TEMPERATURE, UNSUPPORTED_FIELDS,
                                                    PromptLogprob, SamplingRequest)
+from peregrine.entrypoints.openai.reasoning_parsers import ReasoningParser
+from peregrine.entrypoints.openai.tool_parsers import ToolParser
 from peregrine.outputs import Logprob, PositionLogprobs, RequestOutput
 from peregrine.sampling_params import (MAX_STOP_STRINGS, MAX_TEMPERATURE, RequestOutputKind,
                                        SamplingParams)
@@ -59,6 +61,9 @@ class ServingContext:
     relax_openai_limits: bool = False
     # Templates and tokenization run here, never on the event loop (None: the loop's default pool).
     executor: Executor | None = None
+    reasoning_parser: ReasoningParser | None = None
+    tool_parser: ToolParser | None = None
+    enable_auto_tool_choice: bool = False
 
     @property
     def tokenizer(self) -> Any:

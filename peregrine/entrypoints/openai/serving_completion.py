@@ -310,12 +310,18 @@ class _Builder:
                                                 finish_reason=c.finish_reason,
                                                 stop_reason=c.stop_reason))
             if choices:
-                yield sse(CompletionChunk(id=self.request_id, created=self.created,
-                                          model=self.ctx.model_name, choices=choices,
-                                          usage=self.usage() if every_chunk else None
-                                          ).model_dump_json())
+                yield self._chunk(choices, self.usage() if every_chunk else None, include_usage)
         if include_usage:
-            yield sse(CompletionChunk(id=self.request_id, created=self.created,
-                                      model=self.ctx.model_name, choices=[],
-                                      usage=self.usage()).model_dump_json())
+            yield self._chunk([], self.usage(), include_usage)
         yield SSE_DONE
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None,
+               include_usage: bool) -> str:
+        """One SSE chunk; `usage` is left out unless stream_options.include_usage asked for it."""
+        # NOTE: prompt_logprobs is never streamed (check_prompt_logprobs), so it is left out too.
+        exclude: dict[str, Any] = {"choices": {"__all__": {"prompt_logprobs"}}}
+        if not include_usage:
+            exclude["usage"] = True
+        chunk = CompletionChunk(id=self.request_id, created=self.created,
+                                model=self.ctx.model_name, choices=choices, usage=usage)
+        return sse(chunk.model_dump_json(exclude=exclude))

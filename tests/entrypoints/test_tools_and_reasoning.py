@@ -1,0 +1,223 @@
+"""Tool calling (tool_choice auto/none) and reasoning output through the server and the openai
+client, over an engine that answers with canned text in pieces split inside tags and JSON."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from fake_engine import FakeEngine
+from server_utils import RunningServer
+from peregrine.entrypoints.openai.api_server import ServerArgs
+from peregrine.outputs import CompletionOutput, RequestOutput
+
+MODEL = "fake-model"
+CHAT = [{"role": "user", "content": "Weather in Paris?"}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+# A Qwen-like template: it lists the tools, writes earlier calls with tojson, and reads
+# enable_thinking / open_think (chat_template_kwargs) the way Qwen3's templates do.
+TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t.function.name }}: "
+    "{{ t.function.description }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ {'name': c.function.name, "
+    "'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}"
+    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% elif open_think %}<think>\n{% endif %}{% endif %}")
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def _pieces(text: str, size: int = 5) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+class CannedEngine(FakeEngine):
+    """Every sequence answers `self.pieces`, one piece (one token) per step, then stops."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.tokenizer.chat_template = TEMPLATE
+        self.pieces: list[str] = ["Hello."]
+        self.prompts: list[str] = []
+
+    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0) -> None:
+        super().add_request(request_id, prompt, params, arrival_time, priority)
+        self.prompts.append(self.tokenizer.decode(self.waiting[-1].prompt_ids))
+
+    def step(self) -> list[RequestOutput]:
+        self.running += self.waiting
+        self.waiting = []
+        outputs = []
+        for req in list(self.running):
+            outs = []
+            for i, seq in enumerate(req.seqs):
+                k = len(seq.tokens)
+                seq.tokens.append(self.cycle[0])
+                if k + 1 == len(self.pieces):
+                    seq.finish_reason = "stop"
+                elif len(seq.tokens) >= req.params.max_tokens:
+                    seq.finish_reason = "length"
+                outs.append(CompletionOutput(index=i, text=self.pieces[k], token_ids=[self.cycle[0]],
+                                             finish_reason=seq.finish_reason))
+            finished = all(s.finish_reason for s in req.seqs)
+            outputs.append(RequestOutput(req.request_id, None, req.prompt_ids, outs, finished,
+                                         metrics=req.metrics))
+            if finished:
+                self.running.remove(req)
+        return outputs
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RunningServer(CannedEngine(max_model_len=1024), reasoning_parser="qwen3",
+                       enable_auto_tool_choice=True, tool_call_parser="hermes") as s:
+        yield s
+
+
+@pytest.fixture()
+def engine(server) -> CannedEngine:
+    return server.async_engine.engine
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def _stream(client, **kw):
+    chunks = list(client.chat.completions.create(model=MODEL, stream=True, **kw))
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or ""
+                        for c in chunks if c.choices)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls: dict[int, dict] = {}
+    for c in chunks:
+        for d in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            call = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+            call["arguments"] += d.function.arguments or ""
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    return reasoning, content, calls, finish
+
+
+# ----------------------------------------------------------------------------- reasoning
+def test_reasoning_goes_to_reasoning_content(client, engine):
+    engine.pieces = _pieces("<think>\nAdd them: 2+2.</think>\n\nIt is 4.", 3)
+    r = client.chat.completions.create(model=MODEL, messages=CHAT)
+    msg = r.choices[0].message
+    assert msg.model_extra["reasoning_content"] == "Add them: 2+2." and msg.content == "It is 4."
+    assert _stream(client, messages=CHAT)[:2] == ("Add them: 2+2.", "It is 4.")
+
+
+def test_template_that_opens_the_think_block_starts_in_reasoning(client, engine):
+    """chat_template_kwargs reach the template; a prompt ending in <think> makes the output
+    reasoning until </think>."""
+    engine.pieces = _pieces("Hmm, 4.</think>It is 4.")
+    kw = {"messages": CHAT, "extra_body": {"chat_template_kwargs": {"open_think": True}}}
+    r = client.chat.completions.create(model=MODEL, **kw)
+    assert engine.prompts[-1].endswith("<think>\n")
+    assert r.choices[0].message.model_extra["reasoning_content"] == "Hmm, 4."
+    assert r.choices[0].message.content == "It is 4."
+    assert _stream(client, **kw)[:2] == ("Hmm, 4.", "It is 4.")
+
+
+def test_enable_thinking_false_reaches_the_template(client, engine):
+    engine.pieces = ["It is 4."]
+    r = client.chat.completions.create(model=MODEL, messages=CHAT,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert engine.prompts[-1].endswith("<think>\n\n</think>\n\n")
+    assert r.choices[0].message.content == "It is 4."
+    assert r.choices[0].message.model_extra["reasoning_content"] is None
+
+
+@pytest.mark.parametrize("field,value", [("reasoning_parser", "qwen9"),
+                                         ("tool_call_parser", "nope")])
+def test_unknown_parser_is_refused_at_start_up(field, value, capsys):
+    with pytest.raises(ValueError, match=value):
+        ServerArgs(**{field: value})
+    from peregrine.entrypoints.serve import serve_main
+    assert serve_main(["--" + field.replace("_", "-"), value]) == 2
+    assert value in capsys.readouterr().err
+
+
+def test_auto_tool_choice_needs_a_parser():
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ServerArgs(enable_auto_tool_choice=True)
+
+
+# ----------------------------------------------------------------------------- tools
+def test_tool_call_is_parsed_into_tool_calls(client, engine):
+    engine.pieces = _pieces("<think>Need the weather.</think>\n" + CALL, 4)
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert "get_weather: Current weather of a city" in engine.prompts[-1]  # the template saw tools
+
+
+def test_streamed_tool_call_sends_the_arguments_in_deltas(client, engine):
+    engine.pieces = _pieces("Let me look. " + CALL + CALL.replace("Paris", "Lyon"), 4)
+    reasoning, content, calls, finish = _stream(client, messages=CHAT, tools=TOOLS,
+                                                tool_choice="auto")
+    assert finish == "tool_calls" and content.strip() == "Let me look."
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Lyon"})]
+    assert all(c["id"] for c in calls.values()) and calls[0]["id"] != calls[1]["id"]
+    _, _, first_only, _ = _stream(client, messages=CHAT, tools=TOOLS, parallel_tool_calls=False)
+    assert len(first_only) == 1
+
+
+def test_tool_choice_none_leaves_the_text_alone(client, engine):
+    engine.pieces = _pieces(CALL)
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS, tool_choice="none")
+    assert r.choices[0].message.content == CALL and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_a_conversation_with_calls_and_tool_results_is_rendered(client, engine):
+    engine.pieces = ["It is sunny."]
+    history = CHAT + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS)
+    assert r.choices[0].message.content == "It is sunny." and r.choices[0].finish_reason == "stop"
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in \
+        engine.prompts[-1]
+    assert "sunny, 21 C" in engine.prompts[-1]
+
+
+def test_tool_call_arguments_that_are_not_json_are_400(server):
+    history = CHAT + [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={"messages": history})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "messages.1.tool_calls.0.function.arguments"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_weather"}}])
+def test_forcing_a_tool_call_is_refused_until_constrained_decoding(server, choice):
+    r = httpx.post(server.base_url + "/v1/chat/completions",
+                   json={"messages": CHAT, "tools": TOOLS, "tool_choice": choice})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tool_choice" and "constrained decoding" in err["message"]
+
+
+def test_auto_tool_choice_needs_the_server_flags():
+    with RunningServer(CannedEngine()) as s:
+        r = httpx.post(s.base_url + "/v1/chat/completions", json={"messages": CHAT, "tools": TOOLS})
+        assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
+        r = httpx.post(s.base_url + "/v1/chat/completions",
+                       json={"messages": CHAT, "tools": TOOLS, "tool_choice": "none"})
+        assert r.status_code == 200, r.text
