@@ -12,6 +12,7 @@ from peregrine import envs
 if TYPE_CHECKING:
     import torch
 
+    from peregrine.kv_cache.swap_cost import SwapCostModel
     from peregrine.layers.quantization import QuantizationConfig
 
 # NOTE: torch is imported inside the functions that need it, so that `peregrine --help` (whose
@@ -60,6 +61,8 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     quantization: str | None = None  # None: as the checkpoint's quantization_config says
     kv_cache_dtype: str = "auto"  # auto: the model dtype
+    swap_space: float = 4.0  # GiB of (pinned) CPU memory per GPU for swapped-out KV blocks
+    preemption_mode: Literal["auto", "recompute", "swap"] = "auto"
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model folder and validate every field."""
@@ -112,6 +115,12 @@ ENGINE_ARGS_HELP: dict[str, str] = {
     "kv_cache_dtype": "KV cache element type: auto (the model dtype), float16, bfloat16, float32, "
                       "fp8 (= fp8_e4m3, 1 byte: twice the tokens; scaled by the checkpoint's "
                       "k_scale / v_scale, else 1.0), fp8_e5m2",
+    "swap_space": "CPU memory per GPU, in GiB, that holds the KV blocks of requests preempted by "
+                  "swapping (pinned on CUDA; 0 turns swapping off)",
+    "preemption_mode": "how a request preempted for lack of KV blocks keeps its work: swap (its "
+                       "blocks are copied to CPU memory and back), recompute (they are dropped "
+                       "and its tokens prefilled again) or auto (per request, whichever costs "
+                       "less: kv_cache/swap_cost.py)",
 }
 
 
@@ -234,6 +243,8 @@ class CacheConfig:
     num_gpu_blocks_override: int | None
     enable_prefix_caching: bool
     cache_dtype: str = "auto"  # the KV cache's element type (attention/kv_dtype.py)
+    swap_space: float = 0.0  # GiB of CPU swap space for preempted requests' KV blocks
+    num_cpu_blocks: int = 0  # swap_space in blocks of the device cache's size (0: no swapping)
 
 
 @dataclass(frozen=True)
@@ -244,6 +255,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool
     policy: str
     max_queue_len: int | None
+    preemption_mode: str = "auto"  # auto | recompute | swap
+    # Swap-or-recompute costs for auto (None: auto recomputes).
+    swap_cost: SwapCostModel | None = None
 
 
 @dataclass(frozen=True)
@@ -322,13 +336,42 @@ class EngineConfig:
                             args.cpu_kv_cache_gb,
                             args.num_gpu_blocks_override, args.enable_prefix_caching,
                             args.kv_cache_dtype)
+        cache, swap_cost = _swap_config(args, cache, model, device)
         sched = SchedulerConfig(args.max_num_seqs, max_batched, model.max_model_len,
                                 args.enable_chunked_prefill, args.scheduling_policy,
-                                args.max_queue_len)
+                                args.max_queue_len, args.preemption_mode, swap_cost)
         return cls(model, cache, sched, device, backend, args.enforce_eager,
                    args.tensor_parallel_size, args.async_scheduling,
                    min(args.max_prefill_graph_tokens, max_batched),
                    bool(args.engine_core_process), args.pipeline_parallel_size)
+
+
+def _swap_config(args: EngineArgs, cache: CacheConfig, model: ModelConfig,
+                 device: str) -> tuple[CacheConfig, SwapCostModel]:
+    """The CPU swap space in blocks, and the costs preemption_mode auto weighs."""
+    import dataclasses
+
+    from peregrine.attention.kv_dtype import kv_cache_bytes_per_block
+    from peregrine.kv_cache.swap_cost import SwapCostModel
+    if args.preemption_mode not in ("auto", "recompute", "swap"):
+        raise _bad("preemption_mode", f"{args.preemption_mode!r} (expected auto, recompute or swap)")
+    if not args.swap_space >= 0:
+        raise _bad("swap_space", f"must be >= 0 GiB, got {args.swap_space}")
+    if args.preemption_mode == "swap" and args.swap_space == 0:
+        raise _bad("swap_space", "preemption_mode swap needs swap_space > 0 GiB")
+    # NOTE: each tensor-parallel rank holds num_kv_heads / tp heads of every block.
+    per_block = kv_cache_bytes_per_block(cache, model) // args.tensor_parallel_size
+    num_cpu = 0
+    if args.preemption_mode != "recompute":
+        num_cpu = int(args.swap_space * 2**30) // per_block
+    hf = model.hf_config
+    cost = SwapCostModel.for_model(
+        bytes_per_block=per_block, block_size=cache.block_size, num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        intermediate_size=int(hf.get("intermediate_size") or 4 * model.hidden_size),
+        num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+        device=device)
+    return dataclasses.replace(cache, swap_space=args.swap_space, num_cpu_blocks=num_cpu), cost
 
 
 def resolve_device(device: str) -> str:

@@ -52,6 +52,12 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     preempted_req_ids: list[str]  # their KV blocks are gone: workers drop them until resumed
     finished_req_ids: list[str]  # finished since the last step: workers free their state
+    # KV block copies the workers make before this step's forward, as (src, dst) block ids:
+    # device -> CPU swap space for requests swapped out now, CPU -> device for those resumed now.
+    # NOTE: a step never has both (nothing is admitted in a step that preempts), and swap-outs
+    # are applied first anyway, so a device block freed by one is read before it is rewritten.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     # Structured outputs: the constrained requests that sample this step and, row for row, their
     # allowed next tokens as a (G, ceil(V / 32)) int32 bitmask (bit t of a row allows token t).
     structured_req_ids: list[str] = field(default_factory=list)

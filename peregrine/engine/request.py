@@ -13,12 +13,13 @@ if TYPE_CHECKING:
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
-    PREEMPTED = 2
+    PREEMPTED = 2  # its KV was dropped: recomputed when it resumes
+    SWAPPED = 3  # its KV blocks wait in the CPU swap space: copied back when it resumes
     # Everything from here on is finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def is_finished(self) -> bool:

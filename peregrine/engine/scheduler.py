@@ -1,12 +1,15 @@
 """Iteration-level continuous batching: each step picks which requests run, for how many tokens.
 
 Pure integer bookkeeping: decodes and prefill chunks share one token budget, so chunked prefill
-and continuous batching are the same mechanism. Out of KV blocks, the scheduler preempts by
-recompute (the victim's blocks are freed and it re-queues with num_computed_tokens = 0).
+and continuous batching are the same mechanism. Out of KV blocks, the scheduler preempts the last
+admitted (or lowest-priority) request, by recompute (its blocks are freed and it re-queues with
+num_computed_tokens = 0) or by swap (its blocks are copied to the CPU swap space and back when it
+resumes; preemption_mode, kv_cache/swap_cost.py for auto).
 """
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,6 +22,8 @@ from peregrine.messages import (CachedRequestData, ModelRunnerOutput, NewRequest
 if TYPE_CHECKING:
     from peregrine.config import CacheConfig, SchedulerConfig
 
+logger = logging.getLogger("peregrine")
+
 
 @dataclass
 class SchedulerStats:
@@ -29,7 +34,11 @@ class SchedulerStats:
     kv_cache_usage: float  # fraction of KV blocks held by requests, 0..1
     prefix_cache_queries: int  # tokens looked up in the prefix cache
     prefix_cache_hits: int  # tokens found there
-    num_preemptions: int
+    num_preemptions: int  # recompute and swap
+    num_swapped_out: int = 0  # preemptions that swapped the request's blocks to the CPU
+    num_swapped_in: int = 0  # swapped requests resumed
+    num_swapped: int = 0  # requests whose blocks are in the CPU swap space now
+    cpu_cache_usage: float = 0.0  # fraction of CPU swap blocks in use, 0..1
 
 
 class Scheduler:
@@ -39,10 +48,19 @@ class Scheduler:
         if config.policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {config.policy!r} "
                              "(expected fcfs or priority)")
+        if config.preemption_mode not in ("auto", "recompute", "swap"):
+            raise ValueError(f"unknown preemption mode {config.preemption_mode!r} "
+                             "(expected auto, recompute or swap)")
         self.config = config
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size,
-                                 cache_config.enable_prefix_caching)
+                                 cache_config.enable_prefix_caching, cache_config.num_cpu_blocks)
+        self.num_swapped_out = 0
+        self.num_swapped_in = 0
+        self._warned_swap_full = False
+        # This step's block copies for the workers (see SchedulerOutput).
+        self._swap_out: list[tuple[int, int]] = []
+        self._swap_in: list[tuple[int, int]] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: list[Request] = []  # in policy order: the head is admitted first
         self.running: list[Request] = []  # in admission order
@@ -102,9 +120,13 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         """A snapshot of queue sizes, cache usage and cumulative counters."""
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage,
-                              self.kv.prefix_cache_queries, self.kv.prefix_cache_hits,
-                              self.num_preemptions)
+        kv = self.kv
+        num_cpu = kv.cpu_pool.num_blocks
+        return SchedulerStats(len(self.running), len(self.waiting), kv.usage,
+                              kv.prefix_cache_queries, kv.prefix_cache_hits,
+                              self.num_preemptions, self.num_swapped_out, self.num_swapped_in,
+                              kv.num_swapped_requests,
+                              1.0 - kv.num_free_cpu_blocks / num_cpu if num_cpu else 0.0)
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -144,6 +166,9 @@ class Scheduler:
             self._admit(scheduled, budget)
         finished_ids, self._finished_ids = self._finished_ids, []
         out = self._make_output(scheduled, [r.request_id for r in preempted], finished_ids)
+        assert not (self._swap_out and self._swap_in), "a step both swaps out and admits"
+        out.blocks_to_swap_out, self._swap_out = self._swap_out, []
+        out.blocks_to_swap_in, self._swap_in = self._swap_in, []
         self._steps[id(out)] = list(scheduled)
         return out
 
@@ -264,6 +289,15 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
                 break
+            if req.status == RequestStatus.SWAPPED:
+                num_new = self._resume_swapped(req, budget)
+                if not num_new:
+                    break  # out of device blocks (or budget without chunking): later ones wait too
+                self.running.append(req)
+                admitted.add(id(req))
+                scheduled[req] = num_new
+                budget -= num_new
+                continue
             shared = self._fork_tokens(req)
             if shared is None:
                 continue  # its fork source has not computed the shared prompt blocks yet
@@ -304,7 +338,8 @@ class Scheduler:
     def _fork_tokens(self, req: Request) -> int | None:
         """Tokens req can share with its fork source now (0: go alone), or None to keep waiting."""
         src = req.fork_source
-        if src is None or src.is_finished or src.status == RequestStatus.PREEMPTED:
+        if src is None or src.is_finished or src.status in (RequestStatus.PREEMPTED,
+                                                             RequestStatus.SWAPPED):
             return 0
         if req.sampling_params.prompt_logprobs is not None:
             return 0  # needs the logits of every prompt position, so it computes them itself
@@ -325,16 +360,77 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.kv.free(req)
         self._sent_blocks.pop(req.request_id, None)  # the workers drop it; resumed, it is new
-        req.num_computed_tokens = 0
-        # NOTE: an in-flight sample of a preempted request is dropped; the recompute draws it again
-        # (same seed and step, so the same token).
-        req.num_output_placeholders = 0
-        req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
+        if not self._swap_out_request(req):
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            # NOTE: an in-flight sample of a preempted request is dropped; the recompute draws it
+            # again (same seed and step, so the same token).
+            req.num_output_placeholders = 0
+            req.status = RequestStatus.PREEMPTED
         self._enqueue(req, front=True)
+
+    def _swap_out_request(self, req: Request) -> bool:
+        """Preempt by swap when the mode (and, for auto, the costs) says so; False: recompute."""
+        mode = self.config.preemption_mode
+        if mode == "recompute" or self.kv.cpu_pool.num_blocks == 0:
+            return False
+        # NOTE: the KV kept is that of every known token but the last: like a prefix hit, the
+        # resumed request computes at least one token, so its logits exist. A token sampled by a
+        # step still in flight is dropped and drawn again on resume (same seed and index). Its
+        # KV, and that of the last known token, may still be being written by that step: the
+        # workers queue the copy after it (one stream on CUDA; steps run in order on the CPU).
+        num_kept = min(req.num_computed_tokens, req.num_tokens - 1)
+        if num_kept <= 0:
+            return False
+        num_copied, num_shared = self.kv.swap_out_size(req, num_kept)
+        if mode == "auto":
+            cost = self.config.swap_cost
+            if cost is None or not cost.prefers_swap(num_kept, num_copied, num_shared):
+                return False
+        copies = self.kv.swap_out(req, num_kept)
+        if copies is None:
+            if mode == "swap" and not self._warned_swap_full:
+                self._warned_swap_full = True
+                logger.warning("the CPU swap space (%d blocks) is full: preempted requests are "
+                               "recomputed until it frees up; raise swap_space to swap more",
+                               self.kv.cpu_pool.num_blocks)
+            return False
+        self._swap_out.extend(copies)
+        req.num_computed_tokens = num_kept
+        req.num_output_placeholders = 0
+        req.status = RequestStatus.SWAPPED
+        self.num_swapped_out += 1
+        return True
+
+    def _resume_swapped(self, req: Request, budget: int) -> int:
+        """Copy a swapped request's blocks back; its tokens to compute this step, or 0 (wait)."""
+        num_new = min(req.num_tokens, self.config.max_model_len) - req.num_computed_tokens
+        if num_new > budget:
+            if not self.config.enable_chunked_prefill:
+                return 0
+            num_new = budget
+        copies = self.kv.swap_in(req, num_new)
+        while copies is None and not self.running:
+            # NOTE: nothing runs, so no block will be freed: device blocks that other swapped
+            # requests keep (shared ones) must go. Those requests fall back to recompute, latest
+            # first; once none is left req fits, as it did when it ran.
+            other = next((r for r in reversed(self.waiting) if r is not req
+                          and self.kv.swapped_device_blocks(r)), None)
+            if other is None:
+                break
+            self.kv.free(other)
+            other.num_computed_tokens = 0
+            other.status = RequestStatus.PREEMPTED
+            copies = self.kv.swap_in(req, num_new)
+        if copies is None:
+            return 0
+        self._swap_in.extend(copies)
+        req.status = RequestStatus.RUNNING
+        self.num_swapped_in += 1
+        return num_new
 
     def _enqueue(self, req: Request, front: bool) -> None:
         if self.config.policy == "priority":

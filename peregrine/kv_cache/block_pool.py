@@ -161,3 +161,39 @@ class BlockPool:
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
         block.block_hash = None
+
+
+class CpuBlockPool:
+    """Block ids 0..num_blocks-1 of the CPU swap space: no ref counts, no hashes.
+
+    Never-used ids are handed out in order before freed ones are reused, so a swap-out's blocks
+    tend to be contiguous (the copy then moves few runs); nothing is allocated up front.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._next_unused = 0
+        self._free: list[int] = []  # freed ids, reused last-in first-out
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.num_blocks - self._next_unused + len(self._free)
+
+    def allocate(self, num: int) -> list[int]:
+        """Take `num` block ids."""
+        if num > self.num_free_blocks:
+            raise ValueError(f"cannot take {num} CPU blocks, only {self.num_free_blocks} free")
+        take = min(num, len(self._free))
+        out = self._free[len(self._free) - take:][::-1]
+        del self._free[len(self._free) - take:]
+        if take < num:
+            start = self._next_unused
+            self._next_unused += num - take
+            out.extend(range(start, self._next_unused))
+        return out
+
+    def free(self, block_ids: list[int]) -> None:
+        """Return block ids; the first of them is reused first."""
+        self._free.extend(reversed(block_ids))

@@ -23,6 +23,7 @@ from peregrine.worker.cuda_graphs import CudaGraphRunner, KVCaches, PiecewiseGra
 from peregrine.worker.input_batch import InputBatch
 from peregrine.worker.step_buffers import StepBuffers
 from peregrine.worker.step_plan import StepPlan, plan_step
+from peregrine.worker.swap import KVSwapSpace
 
 
 @dataclass
@@ -60,6 +61,7 @@ class ModelRunner:
                                    device)
         self.sampler = Sampler()
         self.kv_caches: KVCaches = []
+        self.swap_space: KVSwapSpace | None = None
         self.graphs: CudaGraphRunner | None = None
         self.prefill_graphs: PiecewiseGraphs | None = None
         self._num_launched = 0
@@ -67,14 +69,19 @@ class ModelRunner:
         self.timing: dict[str, float] = defaultdict(float)
 
     def initialize_kv_cache(self, kv_caches: KVCaches) -> None:
-        """Use these per-layer (k_cache, v_cache) pools from now on."""
+        """Use these per-layer (k_cache, v_cache) pools from now on (and a CPU swap space of
+        config.cache.num_cpu_blocks blocks for them)."""
         self.kv_caches = kv_caches
+        num_cpu = self.config.cache.num_cpu_blocks
+        self.swap_space = KVSwapSpace(kv_caches, num_cpu, self.device) if num_cpu else None
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> StepHandle:
         """Queue one step's forward pass and sampling on the device; return without waiting."""
         t0 = time.perf_counter()
+        if sched.blocks_to_swap_out or sched.blocks_to_swap_in:
+            self._swap(sched)
         self._update_states(sched)
         if not sched.num_scheduled_tokens:
             return StepHandle(-1, [], [], [], np.zeros(0, np.int64), np.zeros(0, np.int64), [], [],
@@ -93,6 +100,16 @@ class ModelRunner:
         tm["steps"] += 1
         tm["decode_only_steps"] += plan.num_decodes == plan.num_seqs
         return handle
+
+    def _swap(self, sched: SchedulerOutput) -> None:
+        """The step's KV block copies, queued before its forward (swap-outs first)."""
+        if self.swap_space is None:
+            raise RuntimeError("the scheduler sent KV block swaps but this worker has no swap "
+                               "space (swap_space is 0)")
+        # NOTE: queued behind the step still in flight, whose KV writes they must see (one stream
+        # on CUDA; CPU steps run to completion at launch).
+        self.swap_space.swap_out(sched.blocks_to_swap_out)
+        self.swap_space.swap_in(sched.blocks_to_swap_in)
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         """Apply the step's request changes to the persistent batch."""

@@ -11,6 +11,7 @@ import pytest
 from peregrine.config import CacheConfig, SchedulerConfig
 from peregrine.engine.request import Request, RequestStatus
 from peregrine.engine.scheduler import Scheduler
+from peregrine.kv_cache.swap_cost import DeviceCosts, SwapCostModel
 from peregrine.messages import ModelRunnerOutput, SchedulerOutput
 from peregrine.sampling_params import SamplingParams
 
@@ -21,9 +22,12 @@ TOKEN = 5  # what the fake model samples unless told otherwise
 def make_sched(num_blocks: int = 64, block_size: int = 16, max_num_seqs: int = 8,
                max_batched: int = 64, max_model_len: int = 256, chunked: bool = True,
                policy: str = "fcfs", caching: bool = True,
-               max_queue_len: int | None = None) -> Scheduler:
-    sc = SchedulerConfig(max_num_seqs, max_batched, max_model_len, chunked, policy, max_queue_len)
-    return Scheduler(sc, CacheConfig(block_size, 0.9, 1.0, None, caching), num_blocks)
+               max_queue_len: int | None = None, num_cpu_blocks: int = 0,
+               preemption_mode: str = "auto", swap_cost: SwapCostModel | None = None) -> Scheduler:
+    sc = SchedulerConfig(max_num_seqs, max_batched, max_model_len, chunked, policy, max_queue_len,
+                         preemption_mode, swap_cost)
+    cc = CacheConfig(block_size, 0.9, 1.0, None, caching, num_cpu_blocks=num_cpu_blocks)
+    return Scheduler(sc, cc, num_blocks)
 
 
 def make_req(rid: str, num_prompt: int, max_tokens: int = 4, base: int = 1000,
@@ -531,3 +535,186 @@ def test_update_refuses_an_output_of_other_requests():
     out = s.schedule()
     with pytest.raises(ValueError, match="scheduled"):
         s.update_from_output(out, ModelRunnerOutput(["b"], [[TOKEN]], {}, {}))
+
+
+# ---- preemption by swap ---------------------------------------------------------------------------
+
+def _three_swapping_requests(num_cpu_blocks: int = 16, mode: str = "swap",
+                             swap_cost: SwapCostModel | None = None
+                             ) -> tuple[Scheduler, list[Request]]:
+    """_three_full_requests, with a CPU swap space."""
+    s = make_sched(num_blocks=6, block_size=4, max_batched=64, num_cpu_blocks=num_cpu_blocks,
+                   preemption_mode=mode, swap_cost=swap_cost)
+    reqs = [make_req(rid, 8, max_tokens=8, base=100 * i) for i, rid in enumerate("abc")]
+    for r in reqs:
+        s.add_request(r)
+    step(s)
+    assert s.kv.num_free_blocks == 0
+    return s, reqs
+
+
+def test_swap_out_copies_the_victims_blocks_and_keeps_its_progress():
+    s, (a, b, c) = _three_swapping_requests()
+    c_blocks = list(c.block_ids)
+    out = step(s)
+    assert batch(out) == [("a", 1), ("b", 1)] and out.preempted_req_ids == ["c"]
+    assert out.blocks_to_swap_out == [(c_blocks[0], 0), (c_blocks[1], 1)]
+    assert out.blocks_to_swap_in == []
+    # Its 8 prompt tokens stay computed; the sampled 9th is its next input.
+    assert c.status == RequestStatus.SWAPPED and c.num_computed_tokens == 8 and c.num_tokens == 9
+    assert c.block_ids == [] and s.kv.num_free_cpu_blocks == 14
+    stats = s.make_stats()
+    assert (stats.num_preemptions, stats.num_swapped_out, stats.num_swapped) == (1, 1, 1)
+    assert stats.cpu_cache_usage == pytest.approx(2 / 16)
+
+
+def test_swapped_request_resumes_by_copy_in_without_recompute():
+    s, (a, b, c) = _three_swapping_requests()
+    step(s)  # c swapped out to CPU blocks 0 and 1
+    s.add_request(make_req("d", 4, base=900))  # arrives later: c resumes first
+    resumed = None
+    for _ in range(30):
+        out = step(s)
+        assert "d" not in out.num_scheduled_tokens or c.status == RequestStatus.RUNNING or \
+            c.is_finished, "a new request ran before the swapped one resumed"
+        if "c" in [n.req_id for n in out.scheduled_new_reqs]:
+            resumed = out
+            break
+    assert resumed is not None
+    assert sorted(cpu for cpu, _ in resumed.blocks_to_swap_in) == [0, 1]
+    assert dict(resumed.blocks_to_swap_in)[0] == c.block_ids[0]
+    assert dict(resumed.blocks_to_swap_in)[1] == c.block_ids[1]
+    new = {n.req_id: n for n in resumed.scheduled_new_reqs}
+    assert new["c"].num_computed_tokens == 8 and new["c"].block_ids == c.block_ids
+    assert resumed.num_scheduled_tokens["c"] == 1  # a decode: only the last known token
+    while s.has_unfinished_requests():
+        step(s)
+    assert c.num_output_tokens == 8 and c.num_preemptions == 1
+    stats = s.make_stats()
+    assert stats.num_swapped_in == stats.num_swapped_out >= 1 and stats.num_swapped == 0
+    assert held_blocks(s) == 0 and s.kv.num_free_cpu_blocks == 16
+
+
+def test_swap_falls_back_to_recompute_when_the_cpu_space_is_full(caplog):
+    s, (a, b, c) = _three_swapping_requests(num_cpu_blocks=1)  # c needs 2
+    with caplog.at_level("WARNING", logger="peregrine"):
+        out = step(s)
+    assert out.preempted_req_ids == ["c"] and out.blocks_to_swap_out == []
+    assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0
+    assert s.kv.num_free_cpu_blocks == 1 and s.make_stats().num_swapped_out == 0
+    assert sum("swap space" in r.message for r in caplog.records) == 1
+    while s.has_unfinished_requests():
+        step(s)
+    assert all(r.num_output_tokens == 8 for r in (a, b, c)) and held_blocks(s) == 0
+
+
+def test_abort_of_a_swapped_request_frees_its_cpu_and_device_blocks():
+    s, (a, b, c) = _three_swapping_requests()
+    step(s)
+    assert c.status == RequestStatus.SWAPPED
+    s.finish_requests("c", RequestStatus.FINISHED_ABORTED)
+    assert s.num_waiting == 0 and c.status == RequestStatus.FINISHED_ABORTED
+    assert s.kv.num_free_cpu_blocks == 16 and not s.kv.is_swapped(c)
+    assert held_blocks(s) == len(a.block_ids) + len(b.block_ids)
+    s.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
+    assert held_blocks(s) == 0
+    assert sorted(s.kv.pool.free_queue.block_ids()) == list(range(6))
+    assert all(blk.ref_cnt == 0 for blk in s.kv.pool.blocks)
+
+
+def test_swap_keeps_blocks_shared_with_other_requests_on_the_device():
+    s = make_sched(num_blocks=6, block_size=4, num_cpu_blocks=8, preemption_mode="swap")
+    a = make_req("a", 8, max_tokens=8, base=100)  # 4 blocks at the end
+    s.add_request(a)
+    step(s)  # a's prompt blocks are computed and cached
+    b = Request("b", a.prompt_token_ids + [7, 7, 7, 7], SamplingParams(max_tokens=8),
+                arrival_time=1.0, eos_token_ids=(EOS,), max_tokens=8)  # 5, 2 shared with a
+    s.add_request(b)
+    step(s)
+    shared = b.block_ids[:2]
+    assert shared == a.block_ids[:2]  # a prefix hit on a's two prompt blocks
+    out = None
+    for _ in range(10):
+        out = step(s)
+        if out.preempted_req_ids:
+            break
+    assert out.preempted_req_ids == ["b"] and b.status == RequestStatus.SWAPPED
+    own = [dev for dev, _ in out.blocks_to_swap_out]
+    assert own and not set(own) & set(shared)  # only the blocks b held alone were copied
+    assert [s.kv.pool.blocks[i].ref_cnt for i in shared] == [2, 2]  # b still holds them
+    assert s.kv.swapped_device_blocks(b) == 2
+    while s.has_unfinished_requests():
+        step(s)
+    assert a.num_output_tokens == b.num_output_tokens == 8
+    assert held_blocks(s) == 0 and s.kv.num_free_cpu_blocks == 8
+
+
+def _tiny_cost(block_size: int = 4) -> SwapCostModel:
+    return SwapCostModel.for_model(bytes_per_block=4096, block_size=block_size, num_layers=2,
+                                   hidden_size=64, intermediate_size=128, num_heads=4,
+                                   num_kv_heads=2, head_dim=16, device="cpu")
+
+
+def test_auto_recomputes_short_and_swaps_long_requests():
+    cost = _tiny_cost()
+    cross = cost.crossover_tokens()
+    assert 4 < cross < 200
+    short, long_ = cross // 2, 2 * cross
+    for prompt, want in ((short, RequestStatus.PREEMPTED), (long_, RequestStatus.SWAPPED)):
+        blocks = max(1, prompt // 4)
+        s = make_sched(num_blocks=2 * blocks, block_size=4, max_batched=1024, max_model_len=1024,
+                       num_cpu_blocks=1000, preemption_mode="auto", swap_cost=cost)
+        # Two prompts that fill their blocks exactly: the first decode needs a new block.
+        x = make_req("x", blocks * 4, max_tokens=4, base=0)
+        y = make_req("y", blocks * 4, max_tokens=4, base=5000)
+        s.add_request(x)
+        s.add_request(y)
+        step(s)
+        assert s.kv.num_free_blocks == 0
+        out = step(s)
+        assert out.preempted_req_ids == ["y"]
+        assert y.status == want, (prompt, cross)
+        assert bool(out.blocks_to_swap_out) == (want == RequestStatus.SWAPPED)
+
+
+def test_auto_without_costs_or_cpu_space_recomputes():
+    for kw in ({"swap_cost": None, "num_cpu_blocks": 16}, {"swap_cost": _tiny_cost()}):
+        s = make_sched(num_blocks=6, block_size=4, preemption_mode="auto", **kw)
+        reqs = [make_req(rid, 8, max_tokens=8, base=100 * i) for i, rid in enumerate("abc")]
+        for r in reqs:
+            s.add_request(r)
+        step(s)
+        step(s)
+        assert reqs[2].status == RequestStatus.PREEMPTED
+
+
+def test_recompute_mode_never_swaps():
+    s, (a, b, c) = _three_swapping_requests(mode="recompute")
+    out = step(s)
+    assert out.blocks_to_swap_out == [] and c.status == RequestStatus.PREEMPTED
+
+
+def test_unknown_preemption_mode_rejected():
+    with pytest.raises(ValueError, match="preemption mode"):
+        make_sched(preemption_mode="spill")
+
+
+def test_cost_model_prefers_recompute_short_and_swap_long_for_llama3_8b():
+    # Llama-3-8B: 32 layers, hidden 4096, 32 heads / 8 KV heads of 128, MLP 14336, bf16 KV.
+    per_block = 2 * 32 * 16 * 8 * 128 * 2
+    cost = SwapCostModel.for_model(bytes_per_block=per_block, block_size=16, num_layers=32,
+                                   hidden_size=4096, intermediate_size=14336, num_heads=32,
+                                   num_kv_heads=8, head_dim=128, device="cuda")
+    assert cost.flops_per_token == pytest.approx(2 * 6.98e9, rel=0.01)
+    assert not cost.prefers_swap(16, 1)
+    assert cost.prefers_swap(4096, 256)
+    assert 16 < cost.crossover_tokens() < 256
+    # Blocks kept on the device (shared prefix) are not recomputed: a long shared prefix with a
+    # short private tail recomputes the tail.
+    assert not cost.prefers_swap(4096, 1, num_kept_tokens=4080)
+    # Faster copies move the crossover down.
+    fast = DeviceCosts(copy_bandwidth=1e12, flops_per_s=cost.device.flops_per_s,
+                       fixed_s=cost.device.fixed_s, copy_launch_s=cost.device.copy_launch_s)
+    faster = SwapCostModel(**{**cost.__dict__, "device": fast})
+    assert faster.crossover_tokens() < cost.crossover_tokens()
+    assert not cost.prefers_swap(4096, 0)  # nothing to copy: nothing to gain

@@ -190,3 +190,77 @@ def test_reset_prefix_cache_stops_hits():
     mgr.free(a)
     assert mgr.reset_prefix_cache() == 2
     assert _admit(mgr, _req("b", range(9))) == 0
+
+
+# ---- swapping to the CPU pool -------------------------------------------------------------------
+
+def test_cpu_pool_hands_out_unused_ids_in_order_then_reuses_freed_ones():
+    from peregrine.kv_cache.block_pool import CpuBlockPool
+    pool = CpuBlockPool(6)
+    assert pool.allocate(3) == [0, 1, 2] and pool.num_free_blocks == 3
+    pool.free([1, 2])
+    assert pool.allocate(3) == [1, 2, 3]
+    with pytest.raises(ValueError, match="cannot take 3 CPU blocks, only 2 free"):
+        pool.allocate(3)
+
+
+def test_swap_out_and_in_move_exactly_the_kept_blocks():
+    mgr = KVCacheManager(6, 4, enable_caching=False, num_cpu_blocks=4)
+    req = _req("a", range(10))
+    _admit(mgr, req)
+    assert req.block_ids == [0, 1, 2]
+    copies = mgr.swap_out(req, 9)  # blocks 0..2 hold tokens 0..8
+    assert copies == [(0, 0), (1, 1), (2, 2)]
+    assert req.block_ids == [] and mgr.num_free_blocks == 6 and mgr.num_free_cpu_blocks == 1
+    other = _req("b", range(100, 104))
+    _admit(mgr, other)  # takes device block 0 (any free block may be reused now)
+    req.num_computed_tokens = 9
+    back = mgr.swap_in(req, 1)
+    assert [cpu for cpu, _ in back] == [0, 1, 2]
+    assert req.block_ids == [dev for _, dev in back] and 0 not in req.block_ids
+    assert mgr.num_free_cpu_blocks == 4 and not mgr.is_swapped(req)
+
+
+def test_swap_out_frees_blocks_past_the_kept_tokens():
+    mgr = KVCacheManager(6, 4, enable_caching=False, num_cpu_blocks=4)
+    req = _req("a", range(12))
+    _admit(mgr, req)
+    assert mgr.swap_out(req, 4) == [(0, 0)]
+    assert mgr.num_free_blocks == 6 and mgr.num_free_cpu_blocks == 3
+
+
+def test_swap_out_without_cpu_room_changes_nothing():
+    mgr = KVCacheManager(6, 4, enable_caching=False, num_cpu_blocks=2)
+    req = _req("a", range(12))
+    _admit(mgr, req)
+    assert mgr.swap_out(req, 12) is None
+    assert req.block_ids == [0, 1, 2] and mgr.num_free_blocks == 3
+    assert mgr.num_free_cpu_blocks == 2 and not mgr.is_swapped(req)
+
+
+def test_swap_in_without_device_room_changes_nothing():
+    mgr = KVCacheManager(3, 4, enable_caching=False, num_cpu_blocks=4)
+    req = _req("a", range(8))
+    _admit(mgr, req)
+    mgr.swap_out(req, 8)
+    hog = _req("b", range(100, 108))
+    _admit(mgr, hog)
+    req.num_computed_tokens = 8
+    assert mgr.swap_in(req, 1) is None  # needs 2 + 1 blocks, 1 is free
+    assert mgr.is_swapped(req) and mgr.num_free_blocks == 1 and mgr.num_free_cpu_blocks == 2
+    mgr.free(req)
+    assert mgr.num_free_cpu_blocks == 4 and not mgr.is_swapped(req)
+
+
+def test_swap_keeps_full_shared_blocks_but_copies_a_partly_kept_one():
+    mgr = KVCacheManager(8, 4, enable_caching=True, num_cpu_blocks=8)
+    a = _req("a", range(12))
+    _admit(mgr, a)
+    b = _req("b", list(range(12)) + [50])
+    assert _admit(mgr, b) == 12  # shares a's three blocks
+    assert mgr.swap_out_size(b, 13) == (1, 12)
+    assert mgr.swap_out_size(b, 6) == (1, 4)  # block 1 would be written again: copied
+    copies = mgr.swap_out(b, 6)
+    assert copies == [(1, 0)]
+    assert [blk.ref_cnt for blk in mgr.pool.blocks[:3]] == [2, 1, 1]
+    assert mgr.swapped_device_blocks(b) == 1

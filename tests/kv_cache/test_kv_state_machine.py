@@ -11,19 +11,24 @@ from peregrine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12
+NUM_CPU_BLOCKS = 6
 
 
 class KVCacheMachine(RuleBasedStateMachine):
-    """Requests are prefilled in chunks, decode, fork and free under allocation pressure.
+    """Requests are prefilled in chunks, decode, fork, swap out and in, and free under pressure.
 
     `self.kv[block_id][slot]` plays the model's KV cache: it holds the token whose K/V were
-    written there, so every prefix hit or fork can be checked against the request's tokens.
+    written there, so every prefix hit, fork or swap-in can be checked against the request's
+    tokens; `self.cpu[cpu_block]` plays the CPU swap space.
     """
 
     @initialize(caching=st.booleans())
     def setup(self, caching: bool) -> None:
-        self.mgr = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_caching=caching)
+        self.mgr = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_caching=caching,
+                                  num_cpu_blocks=NUM_CPU_BLOCKS)
         self.reqs: dict[str, Request] = {}
+        self.swapped: dict[str, Request] = {}
+        self.cpu: dict[int, dict[int, int]] = {}
         self.kv: dict[int, dict[int, int]] = {i: {} for i in range(NUM_BLOCKS)}
         self.num_added = 0
 
@@ -105,6 +110,55 @@ class KVCacheMachine(RuleBasedStateMachine):
         del self.reqs[req.request_id]
         assert req.block_ids == []
 
+    @precondition(lambda self: self.reqs)
+    @rule(idx=st.integers(0, 99), keep=st.integers(0, 24))
+    def swap_out(self, idx: int, keep: int) -> None:
+        req = self._pick(idx)
+        num = min(keep, req.num_computed_tokens)
+        before = (self._free_snapshot(), self.mgr.num_free_cpu_blocks, list(req.block_ids))
+        copies = self.mgr.swap_out(req, num)
+        if copies is None:
+            assert (self._free_snapshot(), self.mgr.num_free_cpu_blocks,
+                    req.block_ids) == before
+            return
+        assert [dev for dev, _ in copies] == [b for b in before[2][:-(-num // BLOCK_SIZE)]
+                                              if b in {d for d, _ in copies}]
+        for dev, cpu in copies:
+            assert cpu not in self.cpu, f"CPU block {cpu} handed out twice"
+            self.cpu[cpu] = dict(self.kv[dev])
+        req.num_computed_tokens = num
+        assert req.block_ids == [] and self.mgr.is_swapped(req)
+        self.swapped[req.request_id] = self.reqs.pop(req.request_id)
+
+    @precondition(lambda self: self.swapped)
+    @rule(idx=st.integers(0, 99), chunk=st.integers(0, 8))
+    def swap_in(self, idx: int, chunk: int) -> None:
+        req = self.swapped[sorted(self.swapped)[idx % len(self.swapped)]]
+        num_new = min(chunk, req.num_tokens - req.num_computed_tokens)
+        before = (self._free_snapshot(), self.mgr.num_free_cpu_blocks)
+        copies = self.mgr.swap_in(req, num_new)
+        if copies is None:
+            assert (self._free_snapshot(), self.mgr.num_free_cpu_blocks) == before
+            return
+        for cpu, dev in copies:
+            self.kv[dev] = self.cpu.pop(cpu)
+        self.reqs[req.request_id] = self.swapped.pop(req.request_id)
+        assert not self.mgr.is_swapped(req)
+        self._check_kv(req, req.num_computed_tokens)
+        if num_new:
+            self._compute(req, num_new)
+
+    @precondition(lambda self: self.swapped)
+    @rule(idx=st.integers(0, 99))
+    def free_swapped(self, idx: int) -> None:
+        req = self.swapped.pop(sorted(self.swapped)[idx % len(self.swapped)])
+        table = self.mgr._swapped[req.request_id]
+        self.mgr.free(req)
+        for slot in table:
+            if isinstance(slot, int):
+                del self.cpu[slot]
+        assert not self.mgr.is_swapped(req)
+
     @rule()
     def reset_prefix_cache(self) -> None:
         self.mgr.reset_prefix_cache()
@@ -120,6 +174,10 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert len(req.block_ids) >= -(-req.num_computed_tokens // BLOCK_SIZE)
             for block_id in req.block_ids:
                 owners[block_id] += 1
+        for req in self.swapped.values():
+            for slot in self.mgr._swapped[req.request_id]:
+                if not isinstance(slot, int):
+                    owners[slot.block_id] += 1  # shared blocks stay held while swapped
         assert [b.ref_cnt for b in self.mgr.pool.blocks] == owners  # never negative, no leak
 
     @invariant()
@@ -137,6 +195,13 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert len(hashed) == len(self.mgr.pool.cached)
         if not self.mgr.enable_caching:
             assert not hashed
+
+    @invariant()
+    def cpu_blocks_are_owned_once(self) -> None:
+        held = [slot for req in self.swapped.values()
+                for slot in self.mgr._swapped[req.request_id] if isinstance(slot, int)]
+        assert len(held) == len(set(held)) and sorted(held) == sorted(self.cpu)
+        assert self.mgr.num_free_cpu_blocks + len(held) == NUM_CPU_BLOCKS
 
     @invariant()
     def counters_are_consistent(self) -> None:
