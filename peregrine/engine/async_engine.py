@@ -233,6 +233,10 @@ class AsyncEngine:
         if self._dead_error is not None or self._thread is None:
             raise EngineDeadError("engine loop is not running")
         assert self._loop is not None
+        for r in requests:
+            if r.params.structured_outputs is not None:
+                # NOTE: compiled off the engine thread (and the event loop): the add hits the cache.
+                await asyncio.to_thread(self.engine.compile_structure, r.params.structured_outputs)
         delta = all(r.params.output_kind == RequestOutputKind.DELTA for r in requests)
         stream = RequestStream(self, [r.request_id for r in requests], delta)
         ack: asyncio.Future = self._loop.create_future()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -18,6 +19,7 @@ from peregrine.engine.request import Request, RequestStatus
 from peregrine.engine.stats import EngineStats
 from peregrine.outputs import RequestOutput
 from peregrine.sampling_params import SamplingParams
+from peregrine.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger("peregrine")
 
@@ -56,6 +58,7 @@ class LLMEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._structure_compiler = None  # built on the first structured_outputs request
+        self._structure_lock = threading.Lock()
         self.timing: dict[str, float] = defaultdict(float)  # cumulative host seconds per phase
 
     @classmethod
@@ -91,7 +94,7 @@ class LLMEngine:
                                  "skip_tokenizer_init=True)")
             params = params.with_bad_word_tokens(
                 lambda w: self.tokenizer.encode(w, add_special_tokens=False))
-        structure = (self._compile_structure(params.structured_outputs)
+        structure = (self.compile_structure(params.structured_outputs)
                      if params.structured_outputs is not None else None)
         limit = self.config.scheduler.max_queue_len
         if limit is not None and params.n > limit:
@@ -123,17 +126,25 @@ class LLMEngine:
             self._seqs[s.req.request_id] = (group, s)
         self._unscheduled.update(seq_ids)
 
-    def _compile_structure(self, so):
-        """The request's grammar, compiled here in the front end (cached by canonical text)."""
+    def compile_structure(self, so: StructuredOutputsParams):
+        """The grammar of `so`, compiled in the front end and cached by canonical text; a
+        ValueError naming the field when it does not compile. Thread-safe: a server compiles off
+        the engine thread first, so that add_request finds it in the cache."""
         if self.tokenizer is None:
             raise ValueError("structured_outputs need a tokenizer (the engine runs with "
                              "skip_tokenizer_init=True)")
-        if self._structure_compiler is None:
-            from peregrine.structured_output.compiler import StructureCompiler
-            mc = self.config.model
-            self._structure_compiler = StructureCompiler(self.tokenizer, mc.tokenizer,
-                                                         mc.vocab_size, mc.eos_token_ids)
-        return self._structure_compiler.compile(so)
+        with self._structure_lock:
+            if self._structure_compiler is None:
+                import copy
+
+                from peregrine.structured_output.compiler import StructureCompiler
+                mc = self.config.model
+                # NOTE: a copy: HF fast tokenizers must not be used from two threads at once, and
+                # the engine thread detokenizes with self.tokenizer.
+                self._structure_compiler = StructureCompiler(
+                    copy.deepcopy(self.tokenizer), mc.tokenizer, mc.vocab_size, mc.eos_token_ids)
+            compiler = self._structure_compiler
+        return compiler.compile(so)
 
     def _validate_prompt(self, ids: list[int], params: SamplingParams) -> int:
         """The prompt's one check (the core trusts it); returns the resolved max_tokens."""

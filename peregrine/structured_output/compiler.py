@@ -2,7 +2,8 @@
 
 The front end compiles a request's grammar in `LLMEngine.add_request`, so a malformed schema, regex
 or grammar is a ValueError there (a 400 from the server) and the engine core's step loop never
-compiles. The compiled grammar travels to the core inside the `EngineCoreRequest`; when the core
+compiles. The server's AsyncEngine compiles in a worker thread before it queues the request, so
+the engine thread's add_request finds the grammar in the cache. The compiled grammar travels to the core inside the `EngineCoreRequest`; when the core
 runs in another process it is pickled as xgrammar's JSON and rebuilt against a tokenizer info that
 the core's process builds once from the same tokenizer folder.
 """

@@ -2,6 +2,7 @@
 random, with async scheduling, prefix caching and preemption; unconstrained rows are unaffected."""
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -152,12 +153,23 @@ def _mixed_batch() -> tuple[list[str], list[SamplingParams]]:
                              else 80) for i, k in enumerate(kinds)]
 
 
+@functools.lru_cache(maxsize=1)
+def _mixed_reference() -> list[list[int]]:
+    """The mixed batch's tokens: synchronous, prefix caching on, a KV pool with room to spare."""
+    prompts, params = _mixed_batch()
+    return [o.outputs[0].token_ids for o in _llm().generate(prompts, params, use_tqdm=False)]
+
+
+_SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize(("async_scheduling", "prefix_caching", "preemption"), [
-    (True, True, False), (False, False, False), (False, True, True), (True, True, True),
-    (True, False, True)])
+    (True, True, True), pytest.param(True, True, False, marks=_SLOW),
+    pytest.param(False, False, False, marks=_SLOW), pytest.param(False, True, True, marks=_SLOW),
+    pytest.param(True, False, True, marks=_SLOW)])
 def test_outputs_do_not_depend_on_scheduling(async_scheduling, prefix_caching, preemption) -> None:
     prompts, params = _mixed_batch()
-    ref = [o.outputs[0].token_ids for o in _llm().generate(prompts, params, use_tqdm=False)]
+    ref = _mixed_reference()
     tight = dict(block_size=4, num_gpu_blocks_override=14, max_num_batched_tokens=16,
                  max_num_seqs=6) if preemption else {}
     llm = _llm(async_scheduling, enable_prefix_caching=prefix_caching, **tight)
@@ -187,10 +199,31 @@ def test_the_demo_model_writes_schema_valid_json() -> None:
 @pytest.mark.slow
 def test_the_core_in_its_own_process_gives_the_same_outputs() -> None:
     prompts, params = _mixed_batch()
-    ref = [o.outputs[0].token_ids for o in _llm().generate(prompts, params, use_tqdm=False)]
+    ref = _mixed_reference()
     remote = _llm(True, engine_core_process=True)
     try:
         outs = remote.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == ref
     finally:
         remote.engine.shutdown()
+
+
+def test_the_async_engine_compiles_before_queueing() -> None:
+    import asyncio
+
+    from peregrine.engine.async_engine import AsyncEngine
+
+    async def main():
+        ae = AsyncEngine(_llm().engine)
+        ae.start()
+        try:
+            with pytest.raises(ValueError, match="^structured_outputs.regex "):
+                await ae.add_request("bad", _PROMPTS[0], SamplingParams(structured_outputs=SO(regex="(")))
+            stream = await ae.add_request("ok", _PROMPTS[0], _params("regex", 0.5))
+            outs = [o async for o in stream]
+            return outs[-1], ae.engine._structure_compiler.num_compiled
+        finally:
+            await ae.shutdown()
+    final, num_compiled = asyncio.run(asyncio.wait_for(main(), 120))
+    _check("regex", final.outputs[0].text)
+    assert num_compiled == 1
