@@ -84,6 +84,10 @@ class FakeEngine:
         self.waiting.append(_Req(request_id, ids, params, RequestMetrics(arrival_time=now),
                                  [_Seq() for _ in range(params.n)]))
 
+    def compile_structure(self, so) -> None:
+        """LLMEngine compiles structured_outputs here; the fake samples without constraints."""
+        self._touch()
+
     def abort_request(self, request_ids) -> None:
         self._touch()
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)

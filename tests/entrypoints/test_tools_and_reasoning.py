@@ -204,14 +204,29 @@ def test_tool_call_arguments_that_are_not_json_are_400(server):
     assert r.json()["error"]["param"] == "messages.1.tool_calls.0.function.arguments"
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function",
-                                                 "function": {"name": "get_weather"}}])
-def test_forcing_a_tool_call_is_refused_until_constrained_decoding(server, choice):
-    r = httpx.post(server.base_url + "/v1/chat/completions",
-                   json={"messages": CHAT, "tools": TOOLS, "tool_choice": choice})
-    assert r.status_code == 400, r.text
-    err = r.json()["error"]
-    assert err["param"] == "tool_choice" and "constrained decoding" in err["message"]
+def test_named_tool_choice_asks_for_the_arguments_schema(client, engine):
+    engine.pieces = _pieces('{"city": "Paris"}', 3)
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS, tool_choice=choice)
+    assert engine.received[-1].structured_outputs.json == TOOLS[0]["function"]["parameters"]
+    [call] = r.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Paris"}')
+    _, content, calls, finish = _stream(client, messages=CHAT, tools=TOOLS, tool_choice=choice)
+    assert content == "" and finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        ("get_weather", '{"city": "Paris"}')]
+
+
+def test_required_tool_choice_asks_for_an_array_of_calls(client, engine):
+    engine.pieces = _pieces('[{"name": "get_weather", "parameters": {"city": "Lyon"}}]', 3)
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS,
+                                       tool_choice="required", parallel_tool_calls=False)
+    schema = engine.received[-1].structured_outputs.json
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
+    assert schema["items"]["properties"]["name"] == {"type": "string", "enum": ["get_weather"]}
+    [call] = r.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"city": "Lyon"}
+    assert r.choices[0].finish_reason == "tool_calls"
 
 
 def test_auto_tool_choice_needs_the_server_flags():

@@ -18,7 +18,8 @@ MAX_N = 16
 OPENAI_MAX_TEMPERATURE = 2.0
 OPENAI_MAX_STOP_STRINGS = 4
 
-_STRUCTURED = "structured output (guided decoding) is not implemented by this server"
+_GUIDED = ("vLLM's older guided decoding fields are not accepted; send structured_outputs "
+           "(json, json_object, regex, choice or grammar) or response_format instead")
 _FUNCTIONS = "legacy function calling is not implemented; send tools and tool_choice"
 _BEAM = "beam search is not implemented by this server"
 # Fields OpenAI or vLLM define that this server does not honour: each is refused by name, with
@@ -27,14 +28,13 @@ _BEAM = "beam search is not implemented by this server"
 UNSUPPORTED_FIELDS: dict[str, str] = {
     "functions": _FUNCTIONS,
     "function_call": _FUNCTIONS,
-    "guided_json": _STRUCTURED,
-    "guided_choice": _STRUCTURED,
-    "guided_regex": _STRUCTURED,
-    "guided_grammar": _STRUCTURED,
-    "guided_decoding_backend": _STRUCTURED,
-    "guided_whitespace_pattern": _STRUCTURED,
-    "structural_tag": _STRUCTURED,
-    "structured_outputs": _STRUCTURED,
+    "guided_json": _GUIDED,
+    "guided_choice": _GUIDED,
+    "guided_regex": _GUIDED,
+    "guided_grammar": _GUIDED,
+    "guided_decoding_backend": _GUIDED,
+    "guided_whitespace_pattern": _GUIDED,
+    "structural_tag": "structural tags are not implemented by this server",
     "use_beam_search": _BEAM,
     "length_penalty": _BEAM,
     "audio": "audio output is not implemented; this server generates text only",
@@ -68,6 +68,29 @@ class StreamOptions(OpenAIModel):
     @property
     def usage_every_chunk(self) -> bool:
         return self.include_usage and self.continuous_usage_stats
+
+
+class StructuredOutputsRequest(OpenAIModel):
+    """vLLM's structured_outputs request field: exactly one of these (checked by the engine's
+    StructuredOutputsParams)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: StrictBool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingRequest(OpenAIModel):
@@ -107,10 +130,11 @@ class SamplingRequest(OpenAIModel):
     # vLLM's extras: only these token ids may be sampled; words that must not be generated.
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[str] | None = None
-    # Known fields we do not implement: accepted only at their no-op values (best_of == n,
-    # response_format {"type": "text"}).
+    # Known fields we do not implement: accepted only at their no-op value (best_of == n).
     best_of: StrictInt | None = None
-    response_format: dict[str, Any] | None = None
+    # The text must match: a JSON schema, any JSON object (OpenAI's), or vLLM's kinds.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
 
 class CompletionRequest(SamplingRequest):

@@ -28,8 +28,11 @@ from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ServingContex
                                                          resolve_max_tokens, respond, sse,
                                                          top_entries, truncate_prompt,
                                                          check_prompt_logprobs,
-                                                         prompt_logprob_rows)
+                                                         prompt_logprob_rows, requested_structure)
 from peregrine.entrypoints.openai.tool_parsers import ToolParser
+from peregrine.entrypoints.openai.tool_parsers.forced import (NamedToolParser, RequiredToolParser,
+                                                              named_schema, required_schema)
+from peregrine.structured_output.params import StructuredOutputsParams
 from peregrine.outputs import CompletionOutput, PositionLogprobs
 
 # NOTE: enough of the rendered prompt's end to see whether the template opened a <think> block.
@@ -112,26 +115,39 @@ def _template_message(m: ChatMessage, index: int) -> dict[str, Any]:
     return dumped
 
 
-def _tool_parser(ctx: ServingContext, req: ChatCompletionRequest) -> ToolParser | None:
-    """The parser that turns this request's output into tool calls (None: content only); 400
-    for a tool_choice this server cannot honour."""
+def _tool_parser(ctx: ServingContext, req: ChatCompletionRequest
+                 ) -> tuple[ToolParser | None, StructuredOutputsParams | None]:
+    """The parser that turns this request's output into tool calls (None: content only), and
+    the structure the text must have (a forced call's JSON, or response_format's); 400 for a
+    tool_choice this server cannot honour."""
     choice = req.tool_choice
+    structure = requested_structure(req)
     if not req.tools:
         if choice not in (None, "none"):
             raise bad_request("tool_choice is only valid together with tools", "tool_choice")
-        return None
+        return None, structure
     if choice == "none":
-        return None
-    if choice != "auto" and choice is not None:
-        shown = choice if isinstance(choice, str) else f"function {choice.function.name!r}"
-        raise unsupported_value(f"tool_choice {shown} is not supported: forcing a tool call "
-                                "needs constrained decoding, which this server does not have "
-                                'yet (use "auto" or "none")', "tool_choice")
-    if not ctx.enable_auto_tool_choice or ctx.tool_parser is None:
-        raise bad_request('tool_choice "auto" needs the server started with '
-                          "--enable-auto-tool-choice and --tool-call-parser (or send "
-                          'tool_choice "none")', "tool_choice")
-    return ctx.tool_parser
+        return None, structure
+    if choice == "auto" or choice is None:
+        if not ctx.enable_auto_tool_choice or ctx.tool_parser is None:
+            raise bad_request('tool_choice "auto" needs the server started with '
+                              "--enable-auto-tool-choice and --tool-call-parser (or send "
+                              'tool_choice "none")', "tool_choice")
+        return ctx.tool_parser, structure
+    # NOTE: a forced call is decoded under a JSON-schema grammar, so the model cannot do else.
+    if structure is not None:
+        raise bad_request("a forced tool_choice already fixes the output's structure; drop "
+                          "response_format / structured_outputs", "tool_choice")
+    functions = [t.function.model_dump(exclude_none=True) for t in req.tools]
+    if choice == "required":
+        parallel = req.parallel_tool_calls is not False
+        return RequiredToolParser(), StructuredOutputsParams(
+            json=required_schema(functions, parallel))
+    named = next((f for f in functions if f["name"] == choice.function.name), None)
+    if named is None:
+        raise bad_request(f"tool_choice names function {choice.function.name!r}, which is not "
+                          "among the tools", "tool_choice")
+    return NamedToolParser(named["name"]), StructuredOutputsParams(json=named_schema(named))
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
@@ -145,7 +161,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     check_prompt_logprobs(req)
-    tool_parser = _tool_parser(ctx, req)
+    tool_parser, structure = _tool_parser(ctx, req)
     ids = await render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
                             continue_final_message=req.continue_final_message,
                             chat_template=req.chat_template,
@@ -155,18 +171,21 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     max_tokens = resolve_max_tokens(ctx, len(ids), requested, None, "messages")
     params = build_sampling_params(ctx, req, max_tokens=max_tokens,
                                    logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                   prompt_logprobs=req.prompt_logprobs)
+                                   prompt_logprobs=req.prompt_logprobs, structure=structure)
     if tool_parser is not None and tool_parser.needs_special_tokens:
         params.skip_special_tokens = False  # NOTE: the call markers are special tokens
     request_id = random_id("chatcmpl")
     stream = await add_requests(ctx, [EngineRequest(request_id, ids, params, req.priority)])
-    builder = _ChatBuilder(ctx, req, request_id, ids, tool_parser)
+    # NOTE: under a grammar the output has no room for a <think> block: no reasoning split.
+    builder = _ChatBuilder(ctx, req, request_id, ids, tool_parser,
+                           reasoning=structure is None)
     return await respond(raw, stream, builder, req.stream)
 
 
 class _ChatBuilder:
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
-                 prompt_ids: list[int], tool_parser: ToolParser | None = None) -> None:
+                 prompt_ids: list[int], tool_parser: ToolParser | None = None,
+                 reasoning: bool = True) -> None:
         self.ctx, self.req, self.request_id = ctx, req, request_id
         self.prompt_ids = prompt_ids
         self.num_prompt_tokens = len(prompt_ids)
@@ -181,10 +200,11 @@ class _ChatBuilder:
         self.stop_reason: list[int | str | None] = [None] * n
         self.cached_tokens = 0
         tail = ""
-        if ctx.reasoning_parser is not None and ctx.tokenizer is not None:
+        reasoning_parser = ctx.reasoning_parser if reasoning else None
+        if reasoning_parser is not None and ctx.tokenizer is not None:
             tail = ctx.tokenizer.decode(prompt_ids[-_PROMPT_TAIL_TOKENS:])
         parallel = req.parallel_tool_calls is not False
-        self.parsers = [ChoiceOutput(ctx.reasoning_parser, tool_parser, tail, parallel)
+        self.parsers = [ChoiceOutput(reasoning_parser, tool_parser, tail, parallel)
                         for _ in range(n)]
 
     def _logprob_rows(self, c: CompletionOutput) -> list[ChatTokenLogprob]:

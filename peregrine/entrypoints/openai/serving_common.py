@@ -20,11 +20,12 @@ from peregrine.engine.llm_engine import QueueFullError
 from peregrine.entrypoints.openai.errors import (OpenAIError, bad_request, error_body,
                                                  unsupported_value)
 from peregrine.entrypoints.openai.protocol import (OPENAI_MAX_STOP_STRINGS,
-                                                   OPENAI_MAX_TEMPERATURE, UNSUPPORTED_FIELDS,
+                                                   OPENAI_MAX_TEMPERATURE,
                                                    PromptLogprob, SamplingRequest)
 from peregrine.entrypoints.openai.reasoning_parsers import ReasoningParser
 from peregrine.entrypoints.openai.tool_parsers import ToolParser
 from peregrine.outputs import Logprob, PositionLogprobs, RequestOutput
+from peregrine.structured_output.params import StructuredOutputsParams
 from peregrine.sampling_params import (MAX_STOP_STRINGS, MAX_TEMPERATURE, RequestOutputKind,
                                        SamplingParams)
 
@@ -113,11 +114,6 @@ def check_request(ctx: ServingContext, req: SamplingRequest) -> None:
     """400 for fields accepted only at some values, and for OpenAI's limits (unless relaxed)."""
     if req.best_of is not None and req.best_of != req.n:
         raise unsupported_value("best_of is not supported (only best_of == n)", "best_of")
-    if req.response_format is not None and req.response_format != {"type": "text"}:
-        shown = _short_repr(req.response_format.get("type", req.response_format))
-        raise unsupported_value(f"response_format {shown} is not supported: "
-                                f"{UNSUPPORTED_FIELDS['structured_outputs']} (only "
-                                '{"type": "text"})', "response_format")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     if req.allowed_token_ids is not None:
@@ -137,11 +133,6 @@ def check_request(ctx: ServingContext, req: SamplingRequest) -> None:
         raise bad_request(f"stop may hold at most {OPENAI_MAX_STOP_STRINGS} strings (OpenAI's "
                           f"limit), got {num_stop}; a server started with {_RELAX_FLAG} accepts "
                           f"up to {MAX_STOP_STRINGS}", "stop")
-
-
-def _short_repr(value: Any, limit: int = 64) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def truncate_prompt(ctx: ServingContext, token_ids: list[int], keep: int | None) -> list[int]:
@@ -208,9 +199,40 @@ def _stop_token_ids(ctx: ServingContext, ids: list[int] | None) -> list[int] | N
     return ids
 
 
+def requested_structure(req: SamplingRequest) -> StructuredOutputsParams | None:
+    """What response_format or structured_outputs asks the text to match (None: free text)."""
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text" and req.structured_outputs is not None:
+        raise bad_request("send response_format or structured_outputs, not both",
+                          "structured_outputs")
+    try:
+        if req.structured_outputs is not None:
+            so = req.structured_outputs
+            return StructuredOutputsParams(json=so.json_, json_object=bool(so.json_object),
+                                           regex=so.regex, choice=so.choice, grammar=so.grammar)
+        if fmt is None or fmt.type == "text":
+            if fmt is not None and fmt.json_schema is not None:
+                raise bad_request("response_format.json_schema needs type json_schema",
+                                  "response_format.json_schema")
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise bad_request("response_format json_schema needs json_schema.schema",
+                              "response_format.json_schema.schema")
+        return StructuredOutputsParams(json=fmt.json_schema.schema_)
+    except ValueError as e:
+        param = str(e).split(" ", 1)[0]
+        if fmt is not None and req.structured_outputs is None:
+            param = "response_format.json_schema.schema"
+        raise bad_request(str(e), param) from e
+
+
 def build_sampling_params(ctx: ServingContext, req: SamplingRequest, *, max_tokens: int,
-                          logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
-    """SamplingParams from the request; generation_config.json fills what the user left unset."""
+                          logprobs: int | None, prompt_logprobs: int | None = None,
+                          structure: StructuredOutputsParams | None = None) -> SamplingParams:
+    """SamplingParams from the request; generation_config.json fills what the user left unset
+    (`structure`: what the text must match, see requested_structure)."""
     kwargs: dict[str, Any] = dict(
         n=req.n, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         stop=req.stop, stop_token_ids=_stop_token_ids(ctx, req.stop_token_ids), seed=req.seed,
@@ -219,7 +241,7 @@ def build_sampling_params(ctx: ServingContext, req: SamplingRequest, *, max_toke
         skip_special_tokens=req.skip_special_tokens, max_tokens=max_tokens, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, output_kind=RequestOutputKind.DELTA,
         logit_bias=_logit_bias(ctx, req.logit_bias), allowed_token_ids=req.allowed_token_ids,
-        bad_words=req.bad_words)
+        bad_words=req.bad_words, structured_outputs=structure)
     user_set = set()
     for name in _GEN_DEFAULT_FIELDS:
         value = getattr(req, name)

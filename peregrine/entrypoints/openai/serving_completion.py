@@ -22,7 +22,7 @@ from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ServingContex
                                                          resolve_max_tokens, respond, sse,
                                                          top_entries, truncate_prompt,
                                                          check_prompt_logprobs,
-                                                         prompt_logprob_rows)
+                                                         prompt_logprob_rows, requested_structure)
 from peregrine.engine.detokenizer import IncrementalDetokenizer
 from peregrine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from peregrine.sampling_params import SamplingParams
@@ -136,6 +136,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
                           "max_tokens")
     check_prompt_logprobs(req)
     prompts = await _parse_prompts(ctx, req)
+    structure = requested_structure(req)
     request_id = random_id("cmpl")
     engine_reqs = []
     for i, prompt in enumerate(prompts):
@@ -147,7 +148,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
         wanted = [k for k in (req.prompt_logprobs,
                               req.logprobs if req.echo else None) if k is not None]
         params = build_sampling_params(ctx, req, max_tokens=max_tokens, logprobs=req.logprobs,
-                                       prompt_logprobs=max(wanted) if wanted else None)
+                                       prompt_logprobs=max(wanted) if wanted else None,
+                                       structure=structure)
         engine_reqs.append(EngineRequest(f"{request_id}-{i}", prompt.token_ids, params,
                                          req.priority))
     stream = await add_requests(ctx, engine_reqs)
