@@ -171,3 +171,44 @@ def test_aborting_a_swapped_request_frees_its_blocks() -> None:
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
     assert all(b.ref_cnt == 0 for b in sched.kv.pool.blocks)
     assert sched.make_stats().num_swapped == 0
+
+
+def test_seeded_sampling_draws_the_same_tokens_after_swapping(poisoned_swap_out) -> None:
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=NEW_TOKENS, ignore_eos=True)
+    runs = []
+    for kw in ({"preemption_mode": "recompute"},
+               {"preemption_mode": "swap", "num_gpu_blocks_override": 8,
+                "max_num_batched_tokens": 16, "async_scheduling": True}):
+        llm = LLM(str(tiny_checkpoint("qwen3")), dtype="float32", device="cpu", max_model_len=128,
+                  seed=0, **kw)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(_prompts(), params,
+                                                                   use_tqdm=False)])
+        swapped = _scheduler(llm).make_stats().num_swapped_out
+    assert swapped > 0 and runs[0] == runs[1]
+
+
+# ---- configuration ---------------------------------------------------------------------------------
+
+def _config(**kw):
+    return EngineArgs(str(tiny_checkpoint("qwen3")), dtype="float32", device="cpu",
+                      **kw).create_engine_config()
+
+
+def test_swap_space_is_sized_in_blocks_of_the_kv_cache() -> None:
+    config = _config(swap_space=0.5, kv_cache_dtype="bfloat16")
+    per_block = kv_cache_bytes_per_block(config.cache, config.model)
+    assert config.cache.num_cpu_blocks == (1 << 29) // per_block > 0
+    assert config.scheduler.preemption_mode == "auto"
+    assert config.scheduler.swap_cost.bytes_per_block == per_block
+    assert _config(preemption_mode="recompute").cache.num_cpu_blocks == 0
+    assert _config(swap_space=0).cache.num_cpu_blocks == 0
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"preemption_mode": "spill"}, "invalid preemption_mode: 'spill'"),
+    ({"swap_space": -1.0}, "invalid swap_space: must be >= 0"),
+    ({"preemption_mode": "swap", "swap_space": 0}, "swap needs swap_space > 0"),
+])
+def test_bad_swap_settings_are_refused(kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _config(**kw)
