@@ -129,7 +129,7 @@ class EngineCore:
                 out.first_scheduled[req.request_id] = (now, max(req.num_cached_tokens, 0))
         out.num_prompt_tokens = _prompt_tokens(sched, reqs)
         if self.structured:
-            masks = self.structured.bitmask(reqs, sched.num_scheduled_tokens)
+            masks = self.structured.bitmask(self.scheduler.requests, sched.num_scheduled_tokens)
             if masks is not None:
                 sched.structured_req_ids, sched.grammar_bitmask = masks
         self.pipeline.run(self, sched, out)
@@ -169,7 +169,7 @@ class EngineCore:
         reqs = self.scheduler.requests_of(sched)
         kept = {id(r) for r in self.scheduler.update_from_output(sched, result, in_flight)}
         if self.structured:
-            self._advance_grammars([r for r in reqs if id(r) in kept])
+            self._advance_grammars()
         if result.prompt_logprobs:  # NOTE: rare; most steps skip this loop over the batch
             for req in reqs:
                 rid = req.request_id
@@ -190,20 +190,18 @@ class EngineCore:
                 out.logprobs[rid] = logprobs[rid]
         self.timing["update"] += time.perf_counter() - t1
 
-    def _advance_grammars(self, reqs: list[Request]) -> None:
+    def _advance_grammars(self) -> None:
         """Feed the kept tokens to the matchers; a terminated grammar stops its request (also with
         ignore_eos), a rejected token fails it."""
-        terminated, rejected = self.structured.accept(reqs)
         live = self.scheduler.requests
-        done = [rid for rid in terminated if rid in live]
-        if done:
-            for rid in done:
-                live[rid].stop_reason = None
-            self.scheduler.finish_requests(done, RequestStatus.FINISHED_STOPPED)
+        terminated, rejected = self.structured.accept(live)
+        for rid in terminated:
+            live[rid].stop_reason = None
+        if terminated:
+            self.scheduler.finish_requests(terminated, RequestStatus.FINISHED_STOPPED)
         for rid, error in rejected:
-            if rid in live:
-                live[rid].error = error
-                self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ERROR)
+            live[rid].error = error
+            self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ERROR)
 
     def _fail(self, sched: SchedulerOutput, e: Exception) -> None:
         logger.exception("model execution failed; failing the %d requests of this step",

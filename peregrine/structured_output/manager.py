@@ -7,7 +7,7 @@ never pipelined (engine/core.py): its mask needs the token of the step before it
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,17 +46,23 @@ class StructuredOutputManager:
         for rid in req_ids:
             self._states.pop(rid, None)
 
-    def bitmask(self, reqs: Iterable[Any], num_scheduled: dict[str, int]
+    def bitmask(self, requests: Mapping[str, Any], num_scheduled: Mapping[str, int]
                 ) -> tuple[list[str], np.ndarray] | None:
-        """(ids, (G, W) int32 bitmask) of the constrained requests that sample this step, in the
-        order given; None when there are none. Bit t of row g allows token t."""
+        """(ids, (G, W) int32 bitmask) of the constrained requests that sample this step;
+        None when there are none. Bit t of row g allows token t.
+
+        requests: the live requests by id; num_scheduled: the step's tokens per request id.
+        """
         states = self._states
         ids: list[str] = []
-        for req in reqs:
-            rid = req.request_id
+        # NOTE: a loop over the constrained requests only, not over the batch.
+        for rid in states:
+            n = num_scheduled.get(rid)
+            if n is None:
+                continue
+            req = requests[rid]
             # NOTE: a request samples when its chunk reaches its last token (as in mark_in_flight).
-            if rid in states and (req.num_computed_tokens + num_scheduled[rid]
-                                  >= req.num_tokens + req.num_output_placeholders):
+            if req.num_computed_tokens + n >= req.num_tokens + req.num_output_placeholders:
                 ids.append(rid)
         if not ids:
             return None
@@ -70,27 +76,25 @@ class StructuredOutputManager:
                 state.matcher.fill_next_token_bitmask(self._bitmask, g)
         return ids, self._bitmask[:len(ids)].copy()
 
-    def accept(self, reqs: Iterable[Any]) -> tuple[list[str], list[tuple[str, str]]]:
-        """Feed each constrained request its new output tokens. Returns (ids whose grammar has
-        terminated, (id, error) of those whose token the grammar rejected)."""
+    def accept(self, requests: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, str]]]:
+        """Feed each live constrained request (`requests`: the live requests by id) its new
+        output tokens. Returns (ids whose grammar has terminated, (id, error) of those whose token
+        the grammar rejected)."""
         terminated: list[str] = []
         rejected: list[tuple[str, str]] = []
-        states = self._states
-        for req in reqs:
-            state = states.get(req.request_id)
-            if state is None:
-                continue
-            if state.error is not None:
-                continue
+        for rid, state in self._states.items():
+            req = requests.get(rid)
+            if req is None or state.error is not None:
+                continue  # finished (its matcher goes with the step's finished list) or failed
             for tok in req.output_token_ids[state.num_accepted:]:
                 if state.matcher.is_terminated():
                     break  # tokens after the end (ignore_eos): the request finishes now
                 if not state.matcher.accept_token(tok):
                     state.error = (f"token {tok} at output position {state.num_accepted} is not "
                                    f"allowed by the request's structured_outputs grammar")
-                    rejected.append((req.request_id, state.error))
+                    rejected.append((rid, state.error))
                     break
                 state.num_accepted += 1
             if state.error is None and state.matcher.is_terminated():
-                terminated.append(req.request_id)
+                terminated.append(rid)
         return terminated, rejected

@@ -80,7 +80,7 @@ def test_bitmask_rows_only_for_constrained_requests_that_sample(compiler, tokeni
     mgr.add("c", compiler.compile(SO(choice=["yes", "no"])))
     reqs = [_req("a", [], 0), _req("b", [], 0), _req("c", [], 0)]
     # "a" reaches its last prompt token, "b" is unconstrained, "c" is mid-prompt.
-    ids, mask = mgr.bitmask(reqs, {"a": 3, "b": 3, "c": 2})
+    ids, mask = mgr.bitmask({r.request_id: r for r in reqs}, {"a": 3, "b": 3, "c": 2})
     assert ids == ["a"] and mask.shape == (1, TINY_VOCAB_SIZE // 32) and mask.dtype == np.int32
     bits = (mask[0][:, None] >> np.arange(32)) & 1
     allowed = set(np.flatnonzero(bits.reshape(-1)).tolist())
@@ -95,11 +95,11 @@ def test_matchers_terminate_and_reject(compiler, tokenizer):
     yes = tokenizer.encode("yes", add_special_tokens=False)
     z = tokenizer.encode("z", add_special_tokens=False)
     ok, bad = _req("ok", list(yes), 0), _req("bad", z, 0)  # "z" starts no choice
-    assert mgr.accept([ok]) == ([], [])
+    assert mgr.accept({"ok": ok}) == ([], [])  # "bad" is not live: not fed
     ok.output_token_ids.append(EOS_ID)
-    terminated, rejected = mgr.accept([ok, bad])
+    terminated, rejected = mgr.accept({"ok": ok, "bad": bad})
     assert terminated == ["ok"]
     assert [r for r, _ in rejected] == ["bad"] and "not allowed" in rejected[0][1]
-    assert mgr.accept([ok, bad]) == (["ok"], [])  # nothing new: no second rejection
+    assert mgr.accept({"ok": ok, "bad": bad}) == (["ok"], [])  # no second rejection
     mgr.remove(["ok", "bad", "unknown"])
     assert not mgr

@@ -227,3 +227,13 @@ def test_the_async_engine_compiles_before_queueing() -> None:
     final, num_compiled = asyncio.run(asyncio.wait_for(main(), 120))
     _check("regex", final.outputs[0].text)
     assert num_compiled == 1
+
+
+def test_a_token_the_grammar_rejects_fails_only_that_request(llm) -> None:
+    # allowed_token_ids leaves the grammar nothing to choose: the draw cannot follow it.
+    z = llm.get_tokenizer().encode("z", add_special_tokens=False)
+    bad = _params("choice", 0.0, allowed_token_ids=z)
+    outs = llm.generate(_PROMPTS[:2], [bad, _params("regex", 0.0)], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert len(outs[0].outputs[0].token_ids) == 1
+    _check("regex", outs[1].outputs[0].text)
