@@ -1,6 +1,6 @@
 """/openapi.json says what the server answers: 400 in OpenAI's error shape for invalid bodies,
-404/429/503 where they happen, unknown fields refused, text for /metrics, no body for /health
-and /ping, the model card route."""
+404/429/503 where they happen, unknown fields refused, server-sent events for streams, text for
+/metrics, no body for /health and /ping, the model card route."""
 from __future__ import annotations
 
 import httpx
@@ -103,3 +103,16 @@ def test_ping_is_documented_like_health(server, schema, method):
     assert responses["503"]["content"] == {"application/json": {"schema": _ERROR_REF}}
     r = httpx.request(method.upper(), server.base_url + "/ping")
     assert r.status_code == 200 and r.content == b""
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 2, "stream": True}),
+])
+def test_streamed_answers_are_documented_as_server_sent_events(server, schema, path, body):
+    ok = schema["paths"][path]["post"]["responses"]["200"]
+    assert set(ok["content"]) == {"application/json", "text/event-stream"}
+    r = httpx.post(server.base_url + path, json=body)
+    assert r.status_code == 200 and r.headers["content-type"].split(";")[0] in ok["content"]
+    assert r.text.rstrip().endswith("data: [DONE]")

@@ -31,6 +31,8 @@ _AUTH_PATHS = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
 # NOTE: a lone surrogate reaches a parsed JSON string as a \uD800-\uDFFF escape, or as raw bytes
 # that are not strict UTF-8 (Python's json decodes bytes with "surrogatepass").
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+# Routes whose 200 is a JSON body, or server-sent events when the request says `stream: true`.
+_STREAMING_ROUTES = ("/v1/completions", "/v1/chat/completions")
 # Routes whose 200 is not JSON: path -> (media type or None for no body, description).
 _PLAIN_ROUTES: dict[str, tuple[str | None, str]] = {
     "/health": (None, "The engine is healthy (empty body)."),
@@ -161,6 +163,12 @@ def _patch_schema(schema: dict[str, Any]) -> None:
             if responses.pop("422", None) is not None and "requestBody" in op:
                 responses["400"] = {"description": "Invalid request (OpenAI's error shape; "
                                     "`param` names the field).", "content": error_json}
+            if path in _STREAMING_ROUTES and "200" in responses:
+                responses["200"].setdefault("content", {})["text/event-stream"] = {
+                    "schema": {"type": "string"}}
+                responses["200"]["description"] = (
+                    "The answer; with `stream: true`, server-sent events (`data: {chunk}` lines, "
+                    "then `data: [DONE]`).")
             if path in _PLAIN_ROUTES:
                 media_type, description = _PLAIN_ROUTES[path]
                 ok: dict[str, Any] = {"description": description}
