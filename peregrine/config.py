@@ -59,6 +59,8 @@ class EngineArgs:
     device: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # How the workers run: mp, one process per rank; uni, one worker in this process.
+    distributed_executor_backend: Literal["mp", "uni"] | None = None  # None: mp when world > 1
     quantization: str | None = None  # None: as the checkpoint's quantization_config says
     kv_cache_dtype: str = "auto"  # auto: the model dtype
     swap_space: float = 4.0  # GiB of (pinned) CPU memory per GPU for swapped-out KV blocks
@@ -108,8 +110,12 @@ ENGINE_ARGS_HELP: dict[str, str] = {
                          "CUDA; on the CPU only with TRITON_INTERPRET=1); also "
                          "$PEREGRINE_ATTENTION_BACKEND",
     "device": "auto, cpu or cuda[:N]",
-    "tensor_parallel_size": "GPUs to split each layer over (only 1 so far)",
+    "tensor_parallel_size": "GPUs (or CPU processes) to split each layer over, one worker "
+                            "process each on this host",
     "pipeline_parallel_size": "stages to split the layers into, one GPU group each (only 1 so far)",
+    "distributed_executor_backend": "how the workers run: mp (one process per rank, spawned) or "
+                                    "uni (one worker in the engine's process) (default: mp when "
+                                    "tensor_parallel_size x pipeline_parallel_size > 1, else uni)",
     "quantization": "quantization method (default: the checkpoint's quantization_config; "
                     "must agree with it when both are given)",
     "kv_cache_dtype": "KV cache element type: auto (the model dtype), float16, bfloat16, float32, "
@@ -273,6 +279,7 @@ class EngineConfig:
     max_prefill_graph_tokens: int = 0
     engine_core_process: bool = False
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"  # mp | uni
 
     @property
     def world_size(self) -> int:
@@ -303,10 +310,9 @@ class EngineConfig:
             raise _bad("scheduling_policy", f"{args.scheduling_policy!r} (expected fcfs or priority)")
         if args.max_prefill_graph_tokens < 0:
             raise _bad("max_prefill_graph_tokens", "must be >= 0 (0 turns the graphs off)")
-        if args.tensor_parallel_size != 1:
-            raise _bad("tensor_parallel_size", "only 1 is supported so far")
         if args.pipeline_parallel_size != 1:
             raise _bad("pipeline_parallel_size", "only 1 is supported so far")
+        executor_backend = _check_parallel(args, model)
         max_batched = args.max_num_batched_tokens
         if max_batched is None:
             max_batched = 8192 if args.enable_chunked_prefill else max(8192, model.max_model_len)
@@ -343,7 +349,39 @@ class EngineConfig:
         return cls(model, cache, sched, device, backend, args.enforce_eager,
                    args.tensor_parallel_size, args.async_scheduling,
                    min(args.max_prefill_graph_tokens, max_batched),
-                   bool(args.engine_core_process), args.pipeline_parallel_size)
+                   bool(args.engine_core_process), args.pipeline_parallel_size, executor_backend)
+
+
+def _check_parallel(args: EngineArgs, model: ModelConfig) -> str:
+    """Validate the tensor-parallel split; return the executor backend (mp or uni)."""
+    tp, world = args.tensor_parallel_size, args.tensor_parallel_size * args.pipeline_parallel_size
+    if tp < 1:
+        raise _bad("tensor_parallel_size", f"must be >= 1, got {tp}")
+    hf = model.hf_config
+    # NOTE: the vocabulary needs no check: the embedding and LM head pad it to a multiple of tp.
+    sizes = {"num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads,
+             "intermediate_size": hf.get("intermediate_size")}
+    for name, size in sizes.items():
+        if size is not None and int(size) % tp:
+            raise _bad("tensor_parallel_size", f"{tp} does not divide the model's {name} "
+                       f"({size}); each rank holds an equal share")
+    backend = args.distributed_executor_backend or ("mp" if world > 1 else "uni")
+    if backend not in ("mp", "uni"):
+        raise _bad("distributed_executor_backend", f"{backend!r} (expected mp or uni)")
+    if backend == "uni" and world > 1:
+        raise _bad("distributed_executor_backend", f"uni runs one worker, but tensor_parallel_size"
+                   f" x pipeline_parallel_size is {world}: use mp")
+    if world > 1 and args.device.startswith("cuda:"):
+        raise _bad("device", f"{args.device!r} names one GPU, but {world} workers use cuda:0 to "
+                   f"cuda:{world - 1}: pass cuda (or limit CUDA_VISIBLE_DEVICES)")
+    if world > 1 and args.device in ("auto", "cuda"):
+        import torch
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if args.device == "cuda" or visible > 0:
+            if visible < world:
+                raise _bad("tensor_parallel_size", f"{world} workers need {world} GPUs, "
+                           f"{visible} are visible")
+    return backend
 
 
 def _swap_config(args: EngineArgs, cache: CacheConfig, model: ModelConfig,

@@ -1,6 +1,8 @@
 """Tensor-parallel process group state. World size 1 unless `init_tensor_parallel` was called."""
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -13,6 +15,16 @@ def init_tensor_parallel(group: dist.ProcessGroup | None = None) -> None:
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialized before init_tensor_parallel")
     _TP_GROUP = group or dist.group.WORLD
+
+
+def init_worker_group(rank: int, world_size: int, store: dist.Store, device: torch.device,
+                      timeout_s: float = 600.0) -> None:
+    """Join the workers' process group (NCCL on CUDA, gloo on the CPU) as `rank`; it becomes the
+    tensor-parallel group."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    init_tensor_parallel()
 
 
 def tp_size() -> int:

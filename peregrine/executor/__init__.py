@@ -4,7 +4,7 @@ from __future__ import annotations
 from peregrine.config import EngineConfig
 from peregrine.executor.base import Executor, StepFuture
 
-__all__ = ["Executor", "StepFuture", "UniprocExecutor", "executor_class_for"]
+__all__ = ["Executor", "MultiprocExecutor", "StepFuture", "UniprocExecutor", "executor_class_for"]
 
 
 def __getattr__(name: str):
@@ -12,10 +12,17 @@ def __getattr__(name: str):
     if name == "UniprocExecutor":
         from peregrine.executor.uniproc import UniprocExecutor
         return UniprocExecutor
+    if name == "MultiprocExecutor":
+        from peregrine.executor.multiproc import MultiprocExecutor
+        return MultiprocExecutor
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def executor_class_for(config: EngineConfig) -> type[Executor]:
-    """The executor that runs `config`'s workers (one in-process worker for a single device)."""
+    """The executor that runs `config`'s workers: `distributed_executor_backend` uni (one
+    in-process worker) or mp (one process per rank)."""
+    if config.distributed_executor_backend == "mp":
+        from peregrine.executor.multiproc import MultiprocExecutor
+        return MultiprocExecutor
     from peregrine.executor.uniproc import UniprocExecutor
     return UniprocExecutor

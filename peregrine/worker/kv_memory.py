@@ -115,6 +115,17 @@ def determine_num_blocks(config: EngineConfig, device: torch.device,
     return num_blocks
 
 
+def common_num_blocks(per_rank: list[int]) -> int:
+    """The pool every rank allocates: the smallest any rank has room for."""
+    if not per_rank:
+        raise ValueError("no ranks to size the KV cache for")
+    num_blocks = min(per_rank)
+    if len(per_rank) > 1:
+        logger.info("KV cache: %d blocks on each of %d ranks (the smallest room of any rank; "
+                    "rooms %s)", num_blocks, len(per_rank), per_rank)
+    return num_blocks
+
+
 @torch.inference_mode()
 def _profile_gpu_blocks(dev: torch.device, config: EngineConfig, per_block: int,
                         profile: Callable[[], None], reserve: int = 0) -> int:
