@@ -77,8 +77,9 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
 def host_timings(engine) -> dict[str, dict[str, float]]:
     """Cumulative host seconds per phase of an in-process engine: front end, core, runner."""
     core = engine.core_client.core
+    worker = getattr(core.executor, "worker", None)  # None: the runners are in worker processes
     return {"engine": engine.timing, "core": core.timing,
-            "runner": core.executor.worker.model_runner.timing}
+            "runner": worker.model_runner.timing if worker is not None else {}}
 
 
 def _profile_steps(engine, window: str, out_path: str | None) -> None:
@@ -173,8 +174,9 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
     decode = sorted(r[1] for r in runs)[len(runs) // 2]
     tps = (ns.output_len - 1) / decode
     mc = engine.config.model
-    model = engine.core_client.core.executor.worker.model
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # NOTE: summed over the tensor-parallel ranks, as is the bandwidth ceiling: each GPU reads
+    # its own shard every step.
+    weight_bytes = engine.core_client.core.executor.weight_bytes
     kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * torch.empty((), dtype=mc.dtype).element_size()
     avg_ctx = ns.input_len + ns.output_len / 2
     bytes_per_token = weight_bytes + kv_per_token * avg_ctx
@@ -182,7 +184,8 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
               "output_len": ns.output_len, "ttft_s": ttft, "decode_s": decode,
               "decode_tokens_per_s": tps, "end_to_end_tokens_per_s": ns.output_len / (ttft + decode),
               "weight_bytes": weight_bytes, "achieved_GBps": bytes_per_token * tps / 1e9,
-              "hbm_ceiling_GBps": 4200.0}
+              "hbm_ceiling_GBps": 4200.0 * engine.config.world_size,
+              "tensor_parallel_size": engine.config.tensor_parallel_size}
     del engine
     if ns.compare_transformers:
         result["transformers"] = _hf_generate_latency(ns, prompt)

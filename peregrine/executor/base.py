@@ -15,13 +15,15 @@ class StepFuture(Protocol):
 
 
 class Executor(ABC):
-    """Owns tensor_parallel_size x pipeline_parallel_size workers.
+    """Owns tensor_parallel_size x pipeline_parallel_size workers (uniproc.py: one in this
+    process; multiproc.py: one process per rank).
 
     After construction every worker has loaded its shard of the model, the KV cache is allocated
     with `num_blocks` blocks (the minimum any worker can hold) and CUDA graphs are captured.
     """
 
     num_blocks: int
+    weight_bytes: int  # the model's weights summed over every worker's shard
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config

@@ -145,6 +145,7 @@ class MultiprocExecutor(Executor):
                 logger.info("tensor-parallel rank %d on %s: weights %.2f GiB, room for %d KV blocks",
                             rank, info["device"], info["weight_bytes"] / 2**30, info["num_blocks"])
             self.num_blocks = common_num_blocks([info["num_blocks"] for info in sized])
+            self.weight_bytes = sum(info["weight_bytes"] for info in sized)
             for conn in w.cmd:
                 conn.send_bytes(_INIT + self.num_blocks.to_bytes(8, "little"))
             self._gather("ready")
@@ -288,8 +289,7 @@ def _serve(config: EngineConfig, rank: int, store_port: int, ring_spec: tuple, c
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
     init_worker_group(rank, world, store, device)
     worker = Worker(config, rank=rank, local_rank=rank, device=device)
-    weight_bytes = sum(t.numel() * t.element_size()
-                       for t in [*worker.model.parameters(), *worker.model.buffers()])
+    weight_bytes = sum(p.numel() * p.element_size() for p in worker.model.parameters())
     res.send(("sized", {"num_blocks": worker.determine_num_blocks(), "device": str(device),
                         "weight_bytes": weight_bytes}))
     notice = cmd.recv_bytes()

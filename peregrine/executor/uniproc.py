@@ -35,6 +35,8 @@ class UniprocExecutor(Executor):
         # NOTE: the minimum over workers; one here.
         self.num_blocks = min([self.worker.determine_num_blocks()])
         self.worker.initialize_cache(self.num_blocks)
+        self.weight_bytes = sum(p.numel() * p.element_size()
+                                for p in self.worker.model.parameters())
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> UniprocStepFuture:
         """Launch the step on the worker; the future's result() waits for it."""
