@@ -129,9 +129,11 @@ class EngineCore:
                 out.first_scheduled[req.request_id] = (now, max(req.num_cached_tokens, 0))
         out.num_prompt_tokens = _prompt_tokens(sched, reqs)
         if self.structured:
+            t1 = time.perf_counter()
             masks = self.structured.bitmask(self.scheduler.requests, sched.num_scheduled_tokens)
             if masks is not None:
                 sched.structured_req_ids, sched.grammar_bitmask = masks
+            self.timing["structured"] += time.perf_counter() - t1
         self.pipeline.run(self, sched, out)
         for req in self.scheduler.take_finished():
             out.finished[req.request_id] = FinishedInfo(req.status, req.stop_reason, req.error)
@@ -169,7 +171,9 @@ class EngineCore:
         reqs = self.scheduler.requests_of(sched)
         kept = {id(r) for r in self.scheduler.update_from_output(sched, result, in_flight)}
         if self.structured:
+            t2 = time.perf_counter()
             self._advance_grammars()
+            self.timing["structured"] += time.perf_counter() - t2
         if result.prompt_logprobs:  # NOTE: rare; most steps skip this loop over the batch
             for req in reqs:
                 rid = req.request_id
