@@ -355,9 +355,10 @@ def _count_tracebacks(log_path: str | None) -> int | None:
 # ---------------------------------------------------------------- the checks
 def check_rounds(rounds: list[RoundResult], canaries: list[dict[int, str]], *,
                  rss_tolerance_mib: float, rss_tolerance_frac: float,
-                 gpu_tolerance_mib: float) -> list[str]:
-    """What failed, one line each (empty: the soak passed). Memory is compared with the first
-    round's (the warm-up allocates); later rounds may exceed it by the stated tolerance only."""
+                 gpu_tolerance_mib: float, baseline_round: int = 1) -> list[str]:
+    """What failed, one line each (empty: the soak passed). Memory after each round past
+    `baseline_round` may exceed the baseline round's by the stated tolerance only (the first
+    rounds warm up: allocator pools, caches)."""
     bad = []
     for r in rounds:
         k = r.round
@@ -377,8 +378,9 @@ def check_rounds(rounds: list[RoundResult], canaries: list[dict[int, str]], *,
         if diff:
             r.canary_mismatches = len(diff)
             bad.append(f"round {r.round}: canaries {diff} differ from round {rounds[0].round}")
-    base = rounds[0] if rounds else None
-    for r in rounds[1:]:
+    b = min(max(baseline_round, 1), len(rounds))
+    base = rounds[b - 1] if rounds else None
+    for r in rounds[b:]:
         if base.rss_mib is not None and r.rss_mib is not None:
             tol = max(rss_tolerance_mib, rss_tolerance_frac * base.rss_mib)
             if r.rss_mib > base.rss_mib + tol:
@@ -430,9 +432,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds for the gauges to reach 0 after a round")
+    p.add_argument("--baseline-round", type=int, default=2,
+                   help="memory after later rounds is compared with this round's (the first "
+                   "rounds warm up)")
     p.add_argument("--rss-tolerance-mib", type=float, default=256.0)
     p.add_argument("--rss-tolerance-frac", type=float, default=0.05,
-                   help="RSS may exceed round 1's by max(this fraction, --rss-tolerance-mib)")
+                   help="RSS may exceed the baseline round's by max(this fraction, "
+                   "--rss-tolerance-mib)")
     p.add_argument("--gpu-tolerance-mib", type=float, default=256.0)
     p.add_argument("--token-prompts", action="store_true",
                    help="send token ids, not text (for a server without a tokenizer, such as "
@@ -447,7 +453,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         p.error("--server-pid goes with --url")
     if args.url is not None and serve_args:
         p.error("give --url or serve arguments after --, not both")
-    for name in ("rounds", "requests", "max_tokens"):
+    for name in ("rounds", "requests", "max_tokens", "baseline_round"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.canaries < 0:
@@ -501,7 +507,8 @@ async def soak(args: argparse.Namespace, url: str, pid: int | None,
             print(format_table([r], header=k == 1), flush=True)
     failures = check_rounds(rounds, canaries, rss_tolerance_mib=args.rss_tolerance_mib,
                             rss_tolerance_frac=args.rss_tolerance_frac,
-                            gpu_tolerance_mib=args.gpu_tolerance_mib)
+                            gpu_tolerance_mib=args.gpu_tolerance_mib,
+                            baseline_round=args.baseline_round)
     return {"url": url, "model": model, "settings": vars(args), "environment": environment(),
             "rounds": [asdict(r) for r in rounds], "canary_texts": canaries[0] if canaries else {},
             "failures": failures, "passed": not failures}
