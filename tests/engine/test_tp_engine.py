@@ -1,5 +1,5 @@
 """Tensor parallelism through the engine: two worker processes (gloo, float32) give exactly the
-single-process greedy tokens, with prefix caching, chunked prefill and preemption."""
+single-process greedy (and seeded) tokens, with prefix caching, chunked prefill and preemption."""
 from __future__ import annotations
 
 import os
@@ -19,10 +19,14 @@ ENGINE = dict(dtype="float32", device="cpu", max_model_len=96, block_size=4,
               num_gpu_blocks_override=24, max_num_batched_tokens=16, max_num_seqs=4,
               enable_prefix_caching=True)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+# NOTE: every rank samples (the same tokens: the same gathered logits, noise keyed on seed and
+# position); a rank that drew another token would feed the others a different KV cache.
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+PARAMS = [GREEDY] * (len(PROMPTS) - 2) + [SEEDED, SEEDED]
 
 
 def _tokens(llm: LLM) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
 
 
 def _scheduler(llm: LLM):
