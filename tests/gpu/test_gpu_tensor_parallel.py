@@ -56,7 +56,8 @@ def _tokens(path: str, **engine_args) -> list[list[int]]:
 @pytest.mark.parametrize("engine_args", [
     {},  # CUDA graphs, async scheduling
     {"enforce_eager": True},
-    {"max_num_batched_tokens": 64, "num_gpu_blocks_override": 60, "block_size": 16},  # chunks, preemption
+    # chunked prefill and preemption
+    {"max_num_batched_tokens": 64, "num_gpu_blocks_override": 60, "block_size": 16},
 ], ids=["graphs", "eager", "chunked-preempted"])
 def test_two_gpus_give_the_one_gpu_greedy_tokens(checkpoint: str, engine_args: dict) -> None:
     want = _tokens(checkpoint, **engine_args)
