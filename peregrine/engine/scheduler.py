@@ -147,6 +147,8 @@ class Scheduler:
             while not self.kv.allocate_slots(req, num_new):
                 victim = self._select_victim()
                 if victim is req and len(self.running) == 1:
+                    if self._release_swapped_holds(req):
+                        continue
                     # Alone and still out of blocks: it can never grow further in this pool.
                     self._finish_error(req, req.num_computed_tokens + num_new)
                     break
@@ -405,6 +407,21 @@ class Scheduler:
         self.num_swapped_out += 1
         return True
 
+    def _release_swapped_holds(self, req: Request) -> bool:
+        """Turn the latest swapped request (not req) that holds device blocks into a recompute.
+
+        NOTE: swapped requests keep the full blocks they share on the device. When nothing else
+        runs (so nothing will free a block), those blocks must go before a lone request is
+        declared too big for the pool; once no swapped request holds any, req fits if it ever can.
+        """
+        for other in reversed(self.waiting):
+            if other is not req and self.kv.swapped_device_blocks(other):
+                self.kv.free(other)
+                other.num_computed_tokens = 0
+                other.status = RequestStatus.PREEMPTED
+                return True
+        return False
+
     def _resume_swapped(self, req: Request, budget: int) -> int:
         """Copy a swapped request's blocks back; its tokens to compute this step, or 0 (wait)."""
         num_new = min(req.num_tokens, self.config.max_model_len) - req.num_computed_tokens
@@ -413,17 +430,7 @@ class Scheduler:
                 return 0
             num_new = budget
         copies = self.kv.swap_in(req, num_new)
-        while copies is None and not self.running:
-            # NOTE: nothing runs, so no block will be freed: device blocks that other swapped
-            # requests keep (shared ones) must go. Those requests fall back to recompute, latest
-            # first; once none is left req fits, as it did when it ran.
-            other = next((r for r in reversed(self.waiting) if r is not req
-                          and self.kv.swapped_device_blocks(r)), None)
-            if other is None:
-                break
-            self.kv.free(other)
-            other.num_computed_tokens = 0
-            other.status = RequestStatus.PREEMPTED
+        while copies is None and not self.running and self._release_swapped_holds(req):
             copies = self.kv.swap_in(req, num_new)
         if copies is None:
             return 0

@@ -718,3 +718,54 @@ def test_cost_model_prefers_recompute_short_and_swap_long_for_llama3_8b():
     faster = SwapCostModel(**{**cost.__dict__, "device": fast})
     assert faster.crossover_tokens() < cost.crossover_tokens()
     assert not cost.prefers_swap(4096, 0)  # nothing to copy: nothing to gain
+
+
+def _two_swapped_sharing_requests() -> tuple[Scheduler, Request, Request]:
+    """e and its fork d, both swapped out, still holding their two shared prompt blocks."""
+    s = make_sched(num_blocks=6, block_size=4, num_cpu_blocks=16, preemption_mode="swap")
+    e = make_req("e", 9, max_tokens=4, base=100)
+    s.add_request(e)
+    step(s)
+    d = make_req("d", 9, max_tokens=4, base=100, fork_source=e)
+    s.add_request(d)
+    step(s)
+    assert d.block_ids[:2] == e.block_ids[:2]
+    s._preempt(d)  # as a third request's growth would
+    s._preempt(e)
+    s._swap_out.clear()  # (the copies would have gone out with that request's step)
+    assert d.status == e.status == RequestStatus.SWAPPED and s.num_running == 0
+    assert s.kv.swapped_device_blocks(d) == s.kv.swapped_device_blocks(e) == 2
+    return s, e, d
+
+
+def test_lone_request_out_of_blocks_takes_the_shared_blocks_of_swapped_ones():
+    s, e, d = _two_swapped_sharing_requests()
+    b = make_req("b", 16, max_tokens=4, base=500)  # 4 blocks now, 5 with its first decode
+    s.add_request(b)
+    s.waiting.sort(key=lambda r: r.request_id != "b")  # b first (it would be a new arrival)
+    assert batch(step(s)) == [("b", 16)]
+    out = step(s)  # b needs a 5th block; 4 are free while the swapped requests hold 2
+    assert batch(out) == [("b", 1)] and not b.is_finished
+    assert e.status == d.status == RequestStatus.PREEMPTED  # they recompute instead
+    assert s.kv.num_free_cpu_blocks == 16
+    while s.has_unfinished_requests():
+        step(s)
+    assert [r.num_output_tokens for r in (b, e, d)] == [4, 4, 4] and held_blocks(s) == 0
+
+
+def test_swapped_request_that_cannot_resume_with_nothing_running_frees_other_holds():
+    s, e, d = _two_swapped_sharing_requests()
+    c = make_req("c", 16, max_tokens=4, base=500)
+    s.add_request(c)
+    s.waiting.sort(key=lambda r: r.request_id != "c")
+    step(s)  # c prefilled: 4 blocks
+    s._preempt(c)  # swapped: 4 CPU blocks; it resumes first but needs 5 of the 4 free blocks
+    s._swap_out.clear()
+    assert c.status == RequestStatus.SWAPPED and s.waiting[0] is c
+    out = step(s)
+    assert batch(out) == [("c", 1)] and len(out.blocks_to_swap_in) == 4
+    assert e.status == d.status == RequestStatus.PREEMPTED
+    while s.has_unfinished_requests():
+        step(s)
+    assert [r.num_output_tokens for r in (c, e, d)] == [4, 4, 4] and held_blocks(s) == 0
+    assert s.kv.num_free_cpu_blocks == 16
