@@ -13,11 +13,17 @@ stream would buy nothing: the next forward must wait for the copies either way.
 """
 from __future__ import annotations
 
+import logging
+import weakref
+
 import numpy as np
 import torch
 
 from peregrine.transfer import to_device
 from peregrine.worker.cuda_graphs import KVCaches
+from peregrine.worker.kv_memory import _untouched_zeros
+
+logger = logging.getLogger("peregrine")
 
 # A step's copies go through device staging buffers of at most this many bytes at a time. It runs
 # before the forward, so it fits in the activation memory the KV sizing left out.
@@ -42,14 +48,30 @@ class KVSwapSpace:
         if num_cpu_blocks == 0:
             self.cpu = torch.empty((0, *shape[1:]), dtype=torch.uint8)
         elif device.type == "cuda":
-            self.cpu = torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+            self.cpu = self._pinned(shape)
         else:
-            from peregrine.worker.kv_memory import _untouched_zeros
             # NOTE: plain, lazily mapped memory on a CPU run, where a "swap" is a memcpy; the same
             # code path as on CUDA, so the CPU tests exercise it.
             self.cpu = _untouched_zeros(shape, torch.uint8)
         self.block_bytes = len(self._flat) * self.layer_block_bytes
         self._chunk = max(1, MAX_STAGING_BYTES // max(1, self.block_bytes))
+
+    def _pinned(self, shape: tuple[int, int, int]) -> torch.Tensor:
+        """Page-locked memory of exactly this size.
+
+        NOTE: torch's pinned allocator rounds every allocation up to a power of two (5 GiB would
+        lock 8), so the pages are mapped, then registered with CUDA, and unregistered when this
+        swap space is dropped.
+        """
+        cpu = _untouched_zeros(shape, torch.uint8)
+        cudart = torch.cuda.cudart()
+        err = int(cudart.cudaHostRegister(cpu.data_ptr(), cpu.numel(), 1))  # 1: portable
+        if err != 0:
+            logger.warning("registering %.2f GiB of swap space with CUDA failed (error %d): "
+                           "allocating it pinned instead", cpu.numel() / 2**30, err)
+            return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+        weakref.finalize(self, _unregister, cpu)
+        return cpu
 
     def swap_out(self, copies: list[tuple[int, int]]) -> None:
         """Copy device blocks to CPU blocks: (device block, CPU block) pairs."""
@@ -92,6 +114,10 @@ class KVSwapSpace:
             raise ValueError(f"device block ids must be in [0, {num_dev}), got "
                              f"{dev.min()}..{dev.max()}")
         return pairs[np.argsort(cpu, kind="stable")]
+
+
+def _unregister(cpu: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(cpu.data_ptr())
 
 
 def _runs(ids: np.ndarray) -> list[tuple[int, int]]:
