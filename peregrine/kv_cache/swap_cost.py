@@ -13,7 +13,7 @@ The rule compares two costs in seconds:
 
 Both grow with the sequence, but the swap starts from a fixed cost while recompute starts at zero:
 short sequences are recomputed, long ones swapped. With the CUDA constants below and Llama-3-8B
-(bf16 KV, 128 KiB per token; 14 GFLOP per token) the crossover is near 50 tokens.
+(bf16 KV, 128 KiB per token; 14 GFLOP per token) the crossover is about 60 tokens.
 
 The constants are rough and meant to be re-measured on the machine at hand:
 `python benchmarks/swap_bench.py --measure` prints the copy bandwidth and prefill FLOP/s it sees,
