@@ -279,6 +279,13 @@ class Scheduler:
         for req in failed:
             req.error = error
             self._finish(req, RequestStatus.FINISHED_ERROR)
+        for rid in out.preempted_req_ids:
+            req = self.requests.get(rid)
+            if req is not None and req.status == RequestStatus.SWAPPED:
+                # NOTE: its copy-out may not have run: it recomputes instead.
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                req.status = RequestStatus.PREEMPTED
         return failed
 
     # ---- internals ----------------------------------------------------------------------------

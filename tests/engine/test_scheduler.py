@@ -769,3 +769,16 @@ def test_swapped_request_that_cannot_resume_with_nothing_running_frees_other_hol
         step(s)
     assert [r.num_output_tokens for r in (c, e, d)] == [4, 4, 4] and held_blocks(s) == 0
     assert s.kv.num_free_cpu_blocks == 16
+
+
+def test_failed_step_turns_its_swap_outs_into_recomputes():
+    s, (a, b, c) = _three_swapping_requests()
+    out = s.schedule()
+    assert out.preempted_req_ids == ["c"] and c.status == RequestStatus.SWAPPED
+    s.fail_step(out, "device lost")
+    assert a.status == b.status == RequestStatus.FINISHED_ERROR
+    assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0
+    assert s.kv.num_free_cpu_blocks == 16 and held_blocks(s) == 0
+    while s.has_unfinished_requests():
+        step(s)
+    assert c.num_output_tokens == 8
