@@ -16,7 +16,8 @@ import pytest
 
 from fake_engine import FakeEngine
 from peregrine.entrypoints.openai.api_server import ServerArgs
-from peregrine.entrypoints.openai.uvicorn_server import AcceptErrorFilter, raise_open_file_limit
+from peregrine.entrypoints.openai.uvicorn_server import (AcceptErrorFilter, raise_open_file_limit,
+                                                         warn_if_backlog_capped)
 from server_utils import FakeServerProcess, RunningServer
 
 
@@ -175,3 +176,16 @@ def test_a_burst_of_a_thousand_streaming_connections_gets_no_error():
     assert statuses == {200: 2 * _BURST}, (statuses, log[-2000:])
     assert all(data.rstrip().endswith(b"data: [DONE]") for _, data in answers)
     assert "Traceback" not in log, log[-3000:]
+
+
+def test_a_listen_backlog_capped_by_the_kernel_is_reported(tmp_path, caplog):
+    somaxconn = tmp_path / "somaxconn"
+    somaxconn.write_text("128\n")
+    with caplog.at_level(logging.WARNING):
+        assert warn_if_backlog_capped(2048, str(somaxconn)) == 128
+    assert "listen backlog is 128, not 2048" in caplog.text
+    caplog.clear()
+    somaxconn.write_text("4096\n")
+    assert warn_if_backlog_capped(2048, str(somaxconn)) == 2048
+    assert warn_if_backlog_capped(2048, str(tmp_path / "absent")) == 2048
+    assert caplog.text == ""

@@ -32,7 +32,8 @@ from peregrine.entrypoints.openai.tool_parsers import get_tool_parser
 from peregrine.entrypoints.openai.uvicorn_server import (FLUSH_GRACE_S, DrainingServer,
                                                          h11_with_read_timeout,
                                                          install_accept_error_filter,
-                                                         raise_open_file_limit)
+                                                         raise_open_file_limit,
+                                                         warn_if_backlog_capped)
 from peregrine.metrics import ServerMetrics, StatLogger
 
 logger = logging.getLogger(__name__)
@@ -318,6 +319,7 @@ def make_uvicorn_server(app: FastAPI, args: ServerArgs) -> DrainingServer:
 def run_server(engine: AsyncEngine, args: ServerArgs, sock: socket.socket | None = None) -> None:
     """Serve until interrupted (blocking), on `sock` (from bind_socket) or on args.host:port."""
     raise_open_file_limit()  # NOTE: before make_uvicorn_server sizes the connection cap
+    warn_if_backlog_capped(_LISTEN_BACKLOG)
     app = build_app(engine, args)
     server = make_uvicorn_server(app, args)
     if sock is None:

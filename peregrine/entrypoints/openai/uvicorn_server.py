@@ -1,6 +1,7 @@
 """uvicorn pieces of the server: a shutdown with a bounded drain, a per-request read deadline
 (slowloris), the connection cap counted as uvicorn should, the open-file limit raised for a
-thousand clients, and a rate limit on asyncio's accept-error log line (EMFILE storms)."""
+thousand clients, a warning when the kernel caps the listen backlog, and a rate limit on
+asyncio's accept-error log line (EMFILE storms)."""
 from __future__ import annotations
 
 import asyncio
@@ -21,6 +22,7 @@ logger = logging.getLogger(__name__)
 FLUSH_GRACE_S = 5.0
 _ACCEPT_ERROR = "socket.accept() out of system resource"
 _UNLIMITED_FILES = 1 << 20
+_SOMAXCONN = "/proc/sys/net/core/somaxconn"
 
 
 class DrainingServer(uvicorn.Server):
@@ -128,6 +130,24 @@ def raise_open_file_limit() -> tuple[int, int] | None:
             logger.warning("could not raise the open-file limit from %d to %d: %s",
                            soft, target, e)
     return soft, hard
+
+
+def warn_if_backlog_capped(requested: int, somaxconn_path: str = _SOMAXCONN) -> int:
+    """The listen backlog the kernel grants (Linux caps it at net.core.somaxconn, silently);
+    logs a warning when that is below `requested`."""
+    try:
+        with open(somaxconn_path) as f:
+            cap = int(f.read().strip())
+    except (OSError, ValueError):
+        return requested
+    if cap >= requested:
+        return requested
+    # NOTE: a full accept queue drops new SYNs; the client resends after 1, 3, 7 s, so a burst
+    # of more connections than this can fail with a connect timeout (5 s in the openai client).
+    logger.warning("the listen backlog is %d, not %d (net.core.somaxconn); a burst of more "
+                   "new connections than that can time out: raise it with `sysctl -w "
+                   "net.core.somaxconn=%d`", cap, requested, requested)
+    return cap
 
 
 class AcceptErrorFilter(logging.Filter):
