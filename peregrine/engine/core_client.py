@@ -272,6 +272,10 @@ def run_engine_core(config: EngineConfig, inbox, outbox, log_level: int = loggin
             out.finished.update(refused.finished)
             if out:
                 sender.put(("outputs", out))
+            if stepped:
+                # NOTE: a dead worker fails its step's requests (sent above), then ends the core:
+                # the front end's health check then fails too.
+                core.check_health()
             if pacer is not None and stepped:
                 _listen(core, pacer, inbox)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):

@@ -147,3 +147,34 @@ def test_ctrl_c_in_the_driver_leaves_no_worker_and_no_segment(tmp_path) -> None:
     while not all(_gone(int(p)) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     _assert_cleaned_up([int(p) for p in pids], ring)
+
+
+def test_a_dead_worker_under_an_engine_core_process_makes_the_engine_unhealthy() -> None:
+    llm = LLM(tiny_checkpoint("llama"), dtype="float32", device="cpu", max_model_len=64,
+              tensor_parallel_size=2, engine_core_process=True)
+    try:
+        core_pid = llm.engine.core_client._proc.pid  # noqa: SLF001
+        with open(f"/proc/{core_pid}/task/{core_pid}/children") as f:
+            workers = [int(p) for p in f.read().split()]
+        assert len(workers) == 2
+        os.kill(workers[1], signal.SIGKILL)
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        # NOTE: the failed request's output and the core's death race to the front end: either
+        # the request finishes with an error or generate raises the core's error.
+        try:
+            out = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+            assert out[0].outputs[0].finish_reason == "error"
+        except RuntimeError as e:
+            assert "rank 1" in str(e)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                llm.engine.check_health()
+            except RuntimeError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the engine still reports healthy with a dead worker")
+        assert all(map(_gone, workers))
+    finally:
+        llm.engine.shutdown()
