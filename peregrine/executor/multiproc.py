@@ -279,7 +279,9 @@ def _serve(config: EngineConfig, rank: int, store_port: int, ring_spec: tuple, c
     from peregrine.worker.worker import Worker
 
     world = config.world_size
-    device = torch.device("cuda", rank) if config.device.startswith("cuda") else torch.device("cpu")
+    device = torch.device(config.device)
+    if device.type == "cuda" and (world > 1 or device.index is None):
+        device = torch.device("cuda", rank)  # NOTE: config refuses cuda:N with several ranks
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
