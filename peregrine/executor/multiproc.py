@@ -142,7 +142,8 @@ class MultiprocExecutor(Executor):
             from peregrine.worker.kv_memory import common_num_blocks
             for rank, info in enumerate(sized):
                 logger.info("tensor-parallel rank %d on %s: weights %.2f GiB, room for %d KV "
-                            "blocks", rank, info["device"], info["weight_bytes"] / 2**30, info["num_blocks"])
+                            "blocks", rank, info["device"], info["weight_bytes"] / 2**30,
+                            info["num_blocks"])
             self.num_blocks = common_num_blocks([info["num_blocks"] for info in sized])
             self.weight_bytes = sum(info["weight_bytes"] for info in sized)
             for conn in w.cmd:
