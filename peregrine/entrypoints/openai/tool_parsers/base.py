@@ -65,18 +65,16 @@ def held_prefix(text: str, marker: str) -> int:
     return 0
 
 
+# NOTE: regexes walk strings and jump between brackets in C: a streamed call is rescanned on
+# every delta, so a Python loop per character would grow with the square of its length.
+_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"', re.S)  # possessive: no backtracking
+_BRACKET_OR_QUOTE = re.compile(r'["{}\[\]]')
+
+
 def _string_end(text: str, i: int) -> int | None:
     """End (exclusive) of the JSON string opening at text[i] == '"'; None if the text ends first."""
-    j = i + 1
-    while j < len(text):
-        c = text[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            return j + 1
-        j += 1
-    return None
+    m = _STRING.match(text, i)
+    return m.end() if m else None
 
 
 def value_end(text: str, i: int) -> int | None:
@@ -86,22 +84,21 @@ def value_end(text: str, i: int) -> int | None:
         return _string_end(text, i)
     if c in "{[":
         depth, j = 0, i
-        while j < len(text):
-            c = text[j]
-            if c == '"':
+        while True:
+            m = _BRACKET_OR_QUOTE.search(text, j)
+            if m is None:
+                return None
+            j = m.start()
+            if m.group() == '"':
                 end = _string_end(text, j)
                 if end is None:
                     return None
                 j = end
                 continue
-            if c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
+            depth += 1 if m.group() in "{[" else -1
+            if depth == 0:
+                return j + 1
             j += 1
-        return None
     end = _SCALAR.match(text, i).end()
     return None if end == len(text) else end
 
