@@ -212,3 +212,22 @@ def test_swap_space_is_sized_in_blocks_of_the_kv_cache() -> None:
 def test_bad_swap_settings_are_refused(kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         _config(**kw)
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_swap_their_own_shards() -> None:
+    """Each rank copies its heads' share of the blocks the scheduler names: tokens unchanged."""
+    args = dict(dtype="float32", device="cpu", max_model_len=128, seed=0, block_size=4,
+                max_num_batched_tokens=16, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    path = str(tiny_checkpoint("qwen3"))
+    want = [o.outputs[0].token_ids for o in LLM(path, preemption_mode="recompute", **args)
+            .generate(_prompts(), params, use_tqdm=False)]
+    llm = LLM(path, tensor_parallel_size=2, preemption_mode="swap", num_gpu_blocks_override=32,
+              async_scheduling=True, **args)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
+        assert _scheduler(llm).make_stats().num_swapped_out > 0
+        assert got == want
+    finally:
+        llm.engine.shutdown()
