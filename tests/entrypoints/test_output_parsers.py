@@ -88,7 +88,7 @@ def test_tool_calls_streamed_add_up_to_the_whole(name):
         _, content, calls = _stream(out, pieces)
         assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == [
             (c.function.name, c.function.arguments) for c in whole[2]], pieces
-        assert content.strip() == (whole[1] or "")
+        assert content == (whole[1] or "")
         assert out.called_tools
 
 
@@ -144,3 +144,12 @@ def test_unknown_tool_parser_names_the_known_ones():
     with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
         get_tool_parser("nope")
     assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "mistral"}
+
+
+@pytest.mark.parametrize("name", sorted(_FORMATS))
+def test_plain_text_streams_unchanged_through_a_tool_parser(name):
+    text = "  Hi there,\n  no tools needed. \n"
+    assert ChoiceOutput(None, get_tool_parser(name), "").whole(text)[1] == text
+    for pieces in _splits(text):
+        _, content, calls = _stream(ChoiceOutput(None, get_tool_parser(name), ""), pieces)
+        assert content == text and calls == {}

@@ -70,6 +70,10 @@ class ChoiceOutput:
             calls = calls[:len(self._call_ids)]
             if not self._call_ids:
                 end = len(self._text)
+        elif not final or calls:
+            # NOTE: whitespace before a call is not content (the whole answer drops it too), so
+            # trailing whitespace waits until text or the end of the output decides.
+            end = len(self._text[:end].rstrip())
         content = self._text[self._content_sent:end] if end > self._content_sent else ""
         self._content_sent = max(self._content_sent, end)
         deltas: list[DeltaToolCall] = []

@@ -44,7 +44,7 @@ class ToolParser(ABC):
         parsed = self.parse(text, final=True)
         if not parsed.valid or not parsed.calls or not all(c.done for c in parsed.calls):
             return text, []
-        return (text[:parsed.content_end].strip() or None), parsed.calls
+        return (text[:parsed.content_end].rstrip() or None), parsed.calls
 
     def make_call_id(self) -> str:
         import uuid
