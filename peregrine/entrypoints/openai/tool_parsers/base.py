@@ -183,3 +183,18 @@ def call_from_object(text: str, i: int, args_keys: tuple[str, ...] = ("arguments
     if end is not None:
         finish_call(call, key is not None)
     return call, end
+
+
+def append_call(parsed: ToolParse, text: str, i: int, final: bool,
+                args_keys: tuple[str, ...] = ("arguments", "parameters")) -> int | None:
+    """Parse the call object at text[i] into parsed.calls; the index after it, or None when
+    parsing stops here (then parsed.valid says whether the text so far is a good prefix)."""
+    try:
+        call, end = call_from_object(text, i, args_keys)
+    except ValueError:
+        parsed.valid = False
+        return None
+    parsed.calls.append(call)
+    if end is None:
+        parsed.valid = not final
+    return end

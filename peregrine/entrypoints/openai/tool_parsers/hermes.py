@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from peregrine.entrypoints.openai.tool_parsers.base import (ToolParse, ToolParser,
-                                                            call_from_object, held_prefix, skip_ws)
+                                                            append_call, held_prefix, skip_ws)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -21,14 +21,8 @@ class HermesToolParser(ToolParser):
             if j >= len(text):
                 parsed.valid = not final
                 return parsed
-            try:
-                call, end = call_from_object(text, j)
-            except ValueError:
-                parsed.valid = False
-                return parsed
-            parsed.calls.append(call)
+            end = append_call(parsed, text, j, final)
             if end is None:
-                parsed.valid = not final
                 return parsed
             k = skip_ws(text, end)
             if text.startswith(CLOSE, k):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from peregrine.entrypoints.openai.tool_parsers.base import (ToolParse, ToolParser,
-                                                            call_from_object, skip_ws)
+                                                            append_call, skip_ws)
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -21,14 +21,8 @@ class Llama3JsonToolParser(ToolParser):
             return ToolParse(len(text))
         parsed = ToolParse(0)
         while True:
-            try:
-                call, end = call_from_object(text, i, ("parameters", "arguments"))
-            except ValueError:
-                parsed.valid = False
-                return parsed
-            parsed.calls.append(call)
+            end = append_call(parsed, text, i, final, ("parameters", "arguments"))
             if end is None:
-                parsed.valid = not final
                 return parsed
             i = skip_ws(text, end)
             if i < len(text) and text[i] == ";":
