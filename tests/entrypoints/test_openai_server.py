@@ -61,6 +61,21 @@ def test_continuous_usage_stats_put_usage_in_every_chunk(client):
     assert chat[0].usage.completion_tokens == 0  # the role chunk comes before any token
 
 
+def test_add_special_tokens_decides_whether_the_tokenizer_adds_its_own(client, real_server):
+    with_specials = _tokenize(real_server, PROMPT)
+    without = httpx.post(real_server.base_url + "/tokenize",
+                         json={"prompt": PROMPT, "add_special_tokens": False}).json()["tokens"]
+    assert len(with_specials) > len(without)  # the tiny tokenizer adds a BOS
+    off = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1,
+                                    extra_body={"add_special_tokens": False})
+    assert off.usage.prompt_tokens == len(without)
+    # Chat: the template writes its own special tokens; add_special_tokens adds the tokenizer's.
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
+    added = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1,
+                                           extra_body={"add_special_tokens": True})
+    assert added.usage.prompt_tokens == plain.usage.prompt_tokens + len(with_specials) - len(without)
+
+
 def test_chat_completion_uses_the_chat_template(client, real_server):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0)
     templated = httpx.post(real_server.base_url + "/tokenize", json={"messages": CHAT}).json()

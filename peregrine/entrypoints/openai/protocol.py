@@ -144,6 +144,8 @@ class CompletionRequest(SamplingRequest):
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
     suffix: str | None = None
+    # vLLM's extra: text prompts get the tokenizer's special tokens (a BOS) unless this is false.
+    add_special_tokens: StrictBool = True
 
 
 class FunctionCall(OpenAIModel):
@@ -197,6 +199,9 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
     modalities: list[str] | None = None  # accepted only as ["text"]
+    # vLLM's extra: the rendered chat gets the tokenizer's special tokens on top of what the
+    # template wrote (off by default: templates write their own BOS).
+    add_special_tokens: StrictBool = False
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None

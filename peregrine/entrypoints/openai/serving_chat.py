@@ -66,9 +66,10 @@ async def render_chat(ctx: ServingContext, messages: list[ChatMessage], *,
                       add_generation_prompt: bool, continue_final_message: bool = False,
                       chat_template: str | None = None,
                       template_kwargs: dict[str, Any] | None = None,
-                      tools: list[ChatTool] | None = None) -> list[int]:
-    """Apply the chat template and tokenize, both in the thread pool (the template adds the
-    special tokens itself)."""
+                      tools: list[ChatTool] | None = None,
+                      add_special_tokens: bool = False) -> list[int]:
+    """Apply the chat template and tokenize, both in the thread pool (the template writes the
+    special tokens itself; add_special_tokens adds the tokenizer's on top)."""
     tok = ctx.require_tokenizer("chat")
     template, kwargs = request_template(ctx, chat_template, template_kwargs)
     if template is None and not has_chat_template(tok):
@@ -91,7 +92,7 @@ async def render_chat(ctx: ServingContext, messages: list[ChatMessage], *,
         raise bad_request(str(e), "messages") from e
     except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception) are user errors
         raise bad_request(f"could not apply the chat template: {e}", "messages") from e
-    return await ctx.encode(text, add_special_tokens=False, param="messages")
+    return await ctx.encode(text, add_special_tokens=add_special_tokens, param="messages")
 
 
 def _template_message(m: ChatMessage, index: int) -> dict[str, Any]:
@@ -165,7 +166,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ids = await render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
                             continue_final_message=req.continue_final_message,
                             chat_template=req.chat_template,
-                            template_kwargs=req.chat_template_kwargs, tools=req.tools)
+                            template_kwargs=req.chat_template_kwargs, tools=req.tools,
+                            add_special_tokens=req.add_special_tokens)
     ids = truncate_prompt(ctx, ids, req.truncate_prompt_tokens)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(ctx, len(ids), requested, None, "messages")

@@ -39,13 +39,15 @@ class _Prompt:
     offsets: list[int] | None = None
 
 
-def _encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[int] | None]:
-    """Token ids of `text` (special tokens added, as for any text prompt) and each token's start
-    in it, from the fast tokenizer's offset mapping (None when the tokenizer has none)."""
+def _encode_with_offsets(tokenizer: Any, text: str, add_special_tokens: bool = True
+                         ) -> tuple[list[int], list[int] | None]:
+    """Token ids of `text` (with the tokenizer's special tokens unless add_special_tokens is
+    false) and each token's start in it, from the fast tokenizer's offset mapping (None when the
+    tokenizer has none)."""
     try:
-        enc = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
+        enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
     except (NotImplementedError, TypeError, ValueError):
-        return tokenizer.encode(text, add_special_tokens=True), None
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens), None
     offsets, end = [], 0
     for start, stop in enc["offset_mapping"]:
         # NOTE: an added special token has the empty span (0, 0); it sits where the text goes on.
@@ -107,10 +109,12 @@ async def _parse_prompts(ctx: ServingContext, req: CompletionRequest) -> list[_P
     for item in items:
         if isinstance(item, str) and req.echo:
             ctx.require_tokenizer("a text prompt")
-            ids, offsets = await ctx.run(_encode_with_offsets, ctx.tokenizer, item)
+            ids, offsets = await ctx.run(_encode_with_offsets, ctx.tokenizer, item,
+                                         req.add_special_tokens)
             prompt = _Prompt(item, ids, offsets)
         elif isinstance(item, str):
-            prompt = _Prompt(item, await ctx.encode(item, param="prompt"))
+            prompt = _Prompt(item, await ctx.encode(item, add_special_tokens=req.add_special_tokens,
+                                                    param="prompt"))
         else:
             prompt = _Prompt(None, list(item))
         kept = truncate_prompt(ctx, prompt.token_ids, req.truncate_prompt_tokens)
