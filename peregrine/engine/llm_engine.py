@@ -275,6 +275,8 @@ class LLMEngine:
                 num_running=st.num_running, num_waiting=st.num_waiting,
                 kv_cache_usage=st.kv_cache_usage, prefix_cache_queries=st.prefix_cache_queries,
                 prefix_cache_hits=st.prefix_cache_hits, num_preemptions=st.num_preemptions,
+                num_swapped_out=st.num_swapped_out, num_swapped_in=st.num_swapped_in,
+                num_swapped=st.num_swapped, cpu_cache_usage=st.cpu_cache_usage,
                 prompt_tokens_total=self._prompt_tokens_total,
                 generation_tokens_total=self._generation_tokens_total, step_time=out.step_time)
 

@@ -13,7 +13,11 @@ class EngineStats:
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     prefix_cache_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # cumulative prompt tokens found there
-    num_preemptions: int = 0  # cumulative
+    num_preemptions: int = 0  # cumulative, recompute and swap
+    num_swapped_out: int = 0  # cumulative preemptions that copied the request's blocks to the CPU
+    num_swapped_in: int = 0  # cumulative swapped requests resumed
+    num_swapped: int = 0  # requests whose blocks are in the CPU swap space now
+    cpu_cache_usage: float = 0.0  # fraction of CPU swap blocks in use, 0..1
     prompt_tokens_total: int = 0  # cumulative prompt tokens computed (prefill)
     generation_tokens_total: int = 0  # cumulative tokens sampled
     step_time: float = 0.0  # seconds the last step took

@@ -31,6 +31,10 @@ METRIC_NAMES = (
     "peregrine_prefix_cache_queries_total",
     "peregrine_prefix_cache_hits_total",
     "peregrine_num_preemptions_total",
+    "peregrine_num_requests_swapped",
+    "peregrine_cpu_cache_usage_ratio",
+    "peregrine_num_swap_outs_total",
+    "peregrine_num_swap_ins_total",
     "peregrine_prompt_tokens_total",
     "peregrine_generation_tokens_total",
     "peregrine_request_success_total",
@@ -78,6 +82,14 @@ class _StatsCollector:
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       s.prefix_cache_hits)
         yield counter("num_preemptions", "Preemptions of running requests.", s.num_preemptions)
+        yield gauge("num_requests_swapped", "Preempted requests whose KV blocks are in CPU swap "
+                    "space.", s.num_swapped)
+        yield gauge("cpu_cache_usage_ratio", "Fraction of CPU swap blocks in use (0..1).",
+                    s.cpu_cache_usage)
+        yield counter("num_swap_outs", "Preemptions that copied a request's KV blocks to the CPU.",
+                      s.num_swapped_out)
+        yield counter("num_swap_ins", "Swapped requests copied back and resumed.",
+                      s.num_swapped_in)
         yield counter("prompt_tokens", "Prompt tokens processed (prefill).", s.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens_total)
 

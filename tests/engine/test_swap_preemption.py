@@ -115,6 +115,9 @@ def test_forced_swapping_gives_the_tokens_of_a_run_without_preemption(
     stats = _scheduler(llm).make_stats()
     assert stats.num_swapped_out > 0, "swapping was not exercised"
     assert stats.num_swapped_in == stats.num_swapped_out and stats.num_swapped == 0
+    engine_stats = llm.engine.get_stats()  # what /metrics reads
+    assert engine_stats.num_swapped_out == stats.num_swapped_out
+    assert engine_stats.num_swapped_in == stats.num_swapped_in and engine_stats.num_swapped == 0
     assert tokens == _reference()
 
 

@@ -40,7 +40,9 @@ def test_every_name_is_exposed_with_prefix_and_model_label():
 def test_engine_stats_are_read_at_scrape_time():
     stats = {"s": EngineStats(num_running=3, num_waiting=2, kv_cache_usage=0.25,
                               prefix_cache_queries=100, prefix_cache_hits=40, num_preemptions=1,
-                              prompt_tokens_total=500, generation_tokens_total=70)}
+                              prompt_tokens_total=500, generation_tokens_total=70,
+                              num_swapped_out=4, num_swapped_in=3, num_swapped=1,
+                              cpu_cache_usage=0.125)}
     m = ServerMetrics("m", lambda: stats["s"])
     lbl = (("model_name", "m"),)
     got = _samples(m)
@@ -52,6 +54,10 @@ def test_engine_stats_are_read_at_scrape_time():
     assert got[("peregrine_num_preemptions_total", lbl)] == 1
     assert got[("peregrine_prompt_tokens_total", lbl)] == 500
     assert got[("peregrine_generation_tokens_total", lbl)] == 70
+    assert got[("peregrine_num_swap_outs_total", lbl)] == 4
+    assert got[("peregrine_num_swap_ins_total", lbl)] == 3
+    assert got[("peregrine_num_requests_swapped", lbl)] == 1
+    assert got[("peregrine_cpu_cache_usage_ratio", lbl)] == 0.125
     stats["s"] = EngineStats()
     assert _samples(m)[("peregrine_num_requests_running", lbl)] == 0
 
