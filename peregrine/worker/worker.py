@@ -47,6 +47,10 @@ class Worker:
         r, sc = self.model_runner, self.config.scheduler
 
         def profile() -> None:
+            # NOTE: on a machine's first run this step compiles the Triton kernels (tens of
+            # seconds); say so, or a cold start looks like a hang.
+            logger.info("profiling one worst-case step to size the KV cache (a first run also "
+                        "compiles the Triton kernels; later runs reuse Triton's cache)")
             profile_run(self.model, r.buffers, self.config.model, sc.max_num_batched_tokens,
                         sc.max_num_seqs, self.config.cache.block_size)
 
@@ -88,6 +92,7 @@ class Worker:
             precompile(attn.num_heads, attn.num_kv_heads, attn.head_dim, cfg.cache.block_size,
                        cfg.model.dtype, self.device, cache_dtype)
         if self._captures_graphs():
+            logger.info("capturing CUDA graphs (--enforce-eager skips them)")
             self._capture_graphs()
         # Compile the sampling kernel now, not inside the first (timed) steps.
         r.sampler.warm_up(r.vocab_size, self.device)
