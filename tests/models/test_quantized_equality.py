@@ -13,6 +13,7 @@ import torch
 
 from peregrine import LLM, SamplingParams
 from peregrine.testing.checkpoints import tiny_checkpoint
+from peregrine.testing.oracle import hf_greedy
 from peregrine.testing.quant_pack import write_quantized_checkpoint
 
 NEW_TOKENS = 24
@@ -37,22 +38,6 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def _hf_greedy(path: Path) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    tokens, logprobs = [], []
-    for prompt in _prompts(model.config.vocab_size):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=NEW_TOKENS, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=0)
-        tokens.append(out.sequences[0, len(prompt):].tolist())
-        logprobs.append([torch.log_softmax(x[0].float(), -1) for x in out.logits])
-    return tokens, logprobs
-
-
 # NOTE: slow (about 20 s each on two cores); tests/layers/test_awq_gptq.py checks every format's
 # logits against the dequantized model in the fast tier.
 @pytest.mark.slow
@@ -60,7 +45,7 @@ def _hf_greedy(path: Path) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])
 def test_greedy_matches_transformers_on_dequantized_weights(arch: str, case: str) -> None:
     quantized, reference = _checkpoints(arch, case)
-    want_tokens, want_lps = _hf_greedy(reference)
+    want_tokens, want_lps = hf_greedy(reference, _prompts, NEW_TOKENS)
     llm = LLM(str(quantized), dtype="float32", device="cpu", max_model_len=128, seed=0)
     assert llm.engine.config.model.quantization.name == CASES[case][0].removesuffix("_v2")
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)

@@ -9,6 +9,7 @@ import torch
 
 from peregrine import LLM, SamplingParams
 from peregrine.testing.checkpoints import ARCHS, tiny_checkpoint
+from peregrine.testing.oracle import hf_greedy
 
 NEW_TOKENS = 32
 PROMPT_LENS = (5, 17, 33, 48)
@@ -32,20 +33,8 @@ def _hf_reference(arch: str, windowed: bool = False
                   ) -> tuple[list[list[int]], list[list[list[float]]]]:
     """Greedy continuations and per-step full log-softmax rows from transformers (on the
     sliding-window variant of the checkpoint with windowed=True)."""
-    from transformers import AutoModelForCausalLM
     path = tiny_checkpoint(arch, **(_WINDOWED[arch] if windowed else {}))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # like ignore_eos: never stop early
-    tokens, logprobs = [], []
-    for prompt in _prompts(model.config.vocab_size):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                 do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True, pad_token_id=0)
-        tokens.append(out.sequences[0, len(prompt):].tolist())
-        logprobs.append([torch.log_softmax(x[0].float(), -1) for x in out.logits])
-    return tokens, logprobs
+    return hf_greedy(path, _prompts, NEW_TOKENS)
 
 
 def _run(arch: str, **engine_args) -> list:
