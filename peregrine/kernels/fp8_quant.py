@@ -56,8 +56,10 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, num_group
     offs = g * GROUP + tl.arange(0, BLOCK)
     mask = (tl.arange(0, BLOCK) < GROUP) & (offs < K)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / qmax, 1e-12)
-    q = tl.minimum(tl.maximum(x / scale, -qmax), qmax)
+    # NOTE: div_rn is IEEE division, as torch's; the default fp32 division on NVIDIA GPUs is
+    # approximate (2 ulp) and rounds some quotients near a tie the other way.
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), qmax), 1e-12)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -qmax), qmax)
     if IS_INT:
         q = tl.where(q >= 0, tl.floor(q + 0.5), -tl.floor(-q + 0.5))
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
