@@ -212,9 +212,39 @@ def test_named_tool_choice_asks_for_the_arguments_schema(client, engine):
     [call] = r.choices[0].message.tool_calls
     assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Paris"}')
     _, content, calls, finish = _stream(client, messages=CHAT, tools=TOOLS, tool_choice=choice)
-    assert content == "" and finish == "tool_calls"
+    assert content == "" and finish == "stop"
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         ("get_weather", '{"city": "Paris"}')]
+
+
+def test_a_call_forced_by_name_finishes_with_stop_as_in_openai(client, engine):
+    engine.pieces = _pieces('{"city": "Oslo"}', 4)
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS, tool_choice=choice)
+    assert r.choices[0].finish_reason == "stop" and len(r.choices[0].message.tool_calls) == 1
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS,
+                                                 tool_choice=choice, stream=True))
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "stop" and finishes[:-1] == [None] * (len(finishes) - 1)
+
+
+def test_auto_and_required_calls_finish_with_tool_calls(client, engine):
+    engine.pieces = _pieces(CALL, 6)
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS, tool_choice="auto")
+    assert r.choices[0].message.tool_calls and r.choices[0].finish_reason == "tool_calls"
+    assert _stream(client, messages=CHAT, tools=TOOLS, tool_choice="auto")[3] == "tool_calls"
+    engine.pieces = _pieces('[{"name": "get_weather", "parameters": {"city": "Rome"}}]', 5)
+    assert _stream(client, messages=CHAT, tools=TOOLS, tool_choice="required")[3] == "tool_calls"
+
+
+def test_a_forced_call_cut_by_max_tokens_finishes_with_length(client, engine):
+    engine.pieces = _pieces('{"city": "Paris"}', 2)
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS, tool_choice=choice,
+                                       max_tokens=3)
+    assert r.choices[0].finish_reason == "length"
+    assert _stream(client, messages=CHAT, tools=TOOLS, tool_choice=choice, max_tokens=3)[3] == \
+        "length"
 
 
 def test_required_tool_choice_asks_for_an_array_of_calls(client, engine):

@@ -19,8 +19,8 @@ from peregrine.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChu
                                                    ChatCompletionRequest, ChatCompletionResponse,
                                                    ChatLogprobs, ChatMessage, ChatResponseMessage,
                                                    ChatStreamChoice, ChatTokenLogprob, DeltaMessage,
-                                                   PromptTokensDetails, TopLogprob, Usage,
-                                                   random_id, ChatTool)
+                                                   NamedToolChoice, PromptTokensDetails,
+                                                   TopLogprob, Usage, random_id, ChatTool)
 from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ServingContext, TokenText,
                                                          add_requests, build_sampling_params,
                                                          check_model, clamp_logprob,
@@ -194,6 +194,9 @@ class _ChatBuilder:
         self.prompt_logprobs: list[PositionLogprobs | None] = []
         self.created = int(time.time())
         self.token_text = TokenText(ctx.tokenizer)
+        # NOTE: OpenAI ends a call forced by name with "stop"; auto and required calls end with
+        # "tool_calls".
+        self.calls_finish = "stop" if isinstance(req.tool_choice, NamedToolChoice) else "tool_calls"
         n = req.n
         self.text: list[list[str]] = [[] for _ in range(n)]
         self.num_tokens = [0] * n
@@ -259,7 +262,7 @@ class _ChatBuilder:
             reasoning, content, calls = self.parsers[k].whole("".join(self.text[k]))
             finish = self.finish[k]
             if calls and finish == "stop":
-                finish = "tool_calls"
+                finish = self.calls_finish
             choices.append(ChatChoice(
                 index=k, message=ChatResponseMessage(content=content, reasoning_content=reasoning,
                                                      tool_calls=calls),
@@ -312,7 +315,7 @@ class _ChatBuilder:
                 reasoning, content, calls = parser.feed(c.text, c.finish_reason is not None)
                 finish = c.finish_reason
                 if finish == "stop" and parser.called_tools:
-                    finish = "tool_calls"
+                    finish = self.calls_finish
                 if not (reasoning or content or calls or rows or finish):
                     continue
                 delta = DeltaMessage(content=content or None, reasoning_content=reasoning or None,
