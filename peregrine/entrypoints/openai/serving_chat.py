@@ -20,12 +20,13 @@ from peregrine.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChu
                                                    ChatLogprobs, ChatMessage, ChatResponseMessage,
                                                    ChatStreamChoice, ChatTokenLogprob, DeltaMessage,
                                                    NamedToolChoice, PromptTokensDetails,
-                                                   TopLogprob, Usage, random_id, ChatTool)
+                                                   TopLogprob, Usage, ChatTool)
 from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ServingContext, TokenText,
                                                          add_requests, build_sampling_params,
                                                          check_model, clamp_logprob,
                                                          output_error, check_request,
-                                                         resolve_max_tokens, respond, sse,
+                                                         resolve_max_tokens, respond,
+                                                         response_id, sse,
                                                          top_entries, truncate_prompt,
                                                          check_prompt_logprobs,
                                                          prompt_logprob_rows, requested_structure)
@@ -67,6 +68,7 @@ async def render_chat(ctx: ServingContext, messages: list[ChatMessage], *,
                       chat_template: str | None = None,
                       template_kwargs: dict[str, Any] | None = None,
                       tools: list[ChatTool] | None = None,
+                      documents: list[dict[str, str]] | None = None,
                       add_special_tokens: bool = False) -> list[int]:
     """Apply the chat template and tokenize, both in the thread pool (the template writes the
     special tokens itself; add_special_tokens adds the tokenizer's on top)."""
@@ -87,7 +89,8 @@ async def render_chat(ctx: ServingContext, messages: list[ChatMessage], *,
         text = await ctx.run(apply_chat_template, tok, dumped,
                              add_generation_prompt=add_generation_prompt,
                              continue_final_message=continue_final_message,
-                             chat_template=template, template_kwargs=kwargs, tools=tool_dicts)
+                             chat_template=template, template_kwargs=kwargs, tools=tool_dicts,
+                             documents=documents)
     except ValueError as e:
         raise bad_request(str(e), "messages") from e
     except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception) are user errors
@@ -167,8 +170,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                             continue_final_message=req.continue_final_message,
                             chat_template=req.chat_template,
                             template_kwargs=req.chat_template_kwargs, tools=req.tools,
-                            add_special_tokens=req.add_special_tokens)
-    ids = truncate_prompt(ctx, ids, req.truncate_prompt_tokens)
+                            documents=req.documents, add_special_tokens=req.add_special_tokens)
+    ids = truncate_prompt(ctx, ids, req.truncate_prompt_tokens, req.truncation_side)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(ctx, len(ids), requested, None, "messages")
     params = build_sampling_params(ctx, req, max_tokens=max_tokens,
@@ -176,8 +179,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                                    prompt_logprobs=req.prompt_logprobs, structure=structure)
     if tool_parser is not None and tool_parser.needs_special_tokens:
         params.skip_special_tokens = False  # NOTE: the call markers are special tokens
-    request_id = random_id("chatcmpl")
-    stream = await add_requests(ctx, [EngineRequest(request_id, ids, params, req.priority)])
+    request_id, engine_id = response_id(raw, req, "chatcmpl")
+    stream = await add_requests(ctx, [EngineRequest(engine_id, ids, params, req.priority)])
     # NOTE: under a grammar the output has no room for a <think> block: no reasoning split.
     builder = _ChatBuilder(ctx, req, request_id, ids, tool_parser,
                            reasoning=structure is None)
@@ -193,7 +196,7 @@ class _ChatBuilder:
         self.num_prompt_tokens = len(prompt_ids)
         self.prompt_logprobs: list[PositionLogprobs | None] = []
         self.created = int(time.time())
-        self.token_text = TokenText(ctx.tokenizer)
+        self.token_text = TokenText(ctx.tokenizer, req.return_tokens_as_token_ids)
         # NOTE: OpenAI ends a call forced by name with "stop"; auto and required calls end with
         # "tool_calls".
         self.calls_finish = "stop" if isinstance(req.tool_choice, NamedToolChoice) else "tool_calls"
@@ -218,8 +221,9 @@ class _ChatBuilder:
         positions: list[PositionLogprobs | None] = list(c.logprobs or [])
         for tid, pos in zip(c.token_ids, positions):
             chosen = pos.get(tid) if pos else None
-            text = self.token_text(tid, chosen)
-            tops = [TopLogprob(token=(t := self.token_text(i, lp)), logprob=clamp_logprob(lp.logprob),
+            text = self.token_text.label(tid, chosen)
+            tops = [TopLogprob(token=(t := self.token_text.label(i, lp)),
+                               logprob=clamp_logprob(lp.logprob),
                                bytes=list(t.encode("utf-8")))
                     for i, lp in top_entries(pos or {}, num)]
             rows.append(ChatTokenLogprob(

@@ -13,13 +13,13 @@ from peregrine.engine.async_engine import EngineRequest, RequestStream
 from peregrine.entrypoints.openai.errors import bad_request
 from peregrine.entrypoints.openai.protocol import (CompletionChoice, CompletionChunk,
                                                    CompletionLogprobs, CompletionRequest,
-                                                   CompletionResponse, PromptTokensDetails, Usage,
-                                                   random_id)
+                                                   CompletionResponse, PromptTokensDetails, Usage)
 from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ServingContext, TokenText,
                                                          add_requests, build_sampling_params,
                                                          check_model, clamp_logprob,
                                                          output_error, check_request,
-                                                         resolve_max_tokens, respond, sse,
+                                                         resolve_max_tokens, respond,
+                                                         response_id, sse,
                                                          top_entries, truncate_prompt,
                                                          check_prompt_logprobs,
                                                          prompt_logprob_rows, requested_structure)
@@ -117,7 +117,8 @@ async def _parse_prompts(ctx: ServingContext, req: CompletionRequest) -> list[_P
                                                     param="prompt"))
         else:
             prompt = _Prompt(None, list(item))
-        kept = truncate_prompt(ctx, prompt.token_ids, req.truncate_prompt_tokens)
+        kept = truncate_prompt(ctx, prompt.token_ids, req.truncate_prompt_tokens,
+                               req.truncation_side)
         if len(kept) < len(prompt.token_ids):
             prompt = _Prompt(None, kept)  # NOTE: echo then shows the decoded kept tokens
         if req.echo:
@@ -141,7 +142,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
     check_prompt_logprobs(req)
     prompts = await _parse_prompts(ctx, req)
     structure = requested_structure(req)
-    request_id = random_id("cmpl")
+    request_id, engine_id = response_id(raw, req, "cmpl")
     engine_reqs = []
     for i, prompt in enumerate(prompts):
         # NOTE: max_tokens 0 runs one step (the prompt's logprobs come with its first token),
@@ -154,7 +155,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
         params = build_sampling_params(ctx, req, max_tokens=max_tokens, logprobs=req.logprobs,
                                        prompt_logprobs=max(wanted) if wanted else None,
                                        structure=structure)
-        engine_reqs.append(EngineRequest(f"{request_id}-{i}", prompt.token_ids, params,
+        engine_reqs.append(EngineRequest(f"{engine_id}-{i}", prompt.token_ids, params,
                                          req.priority))
     stream = await add_requests(ctx, engine_reqs)
     index_of = {r.request_id: i for i, r in enumerate(engine_reqs)}
@@ -170,7 +171,7 @@ class _Builder:
         self.ctx, self.req, self.prompts, self.index_of = ctx, req, prompts, index_of
         self.request_id = request_id
         self.created = int(time.time())
-        self.token_text = TokenText(ctx.tokenizer)
+        self.token_text = TokenText(ctx.tokenizer, req.return_tokens_as_token_ids)
         self.choices = [_Choice() for _ in range(len(prompts) * req.n)]
         self.cached_tokens = [0] * len(prompts)
         self.prompt_logprobs: list[list[PositionLogprobs | None]] = [[] for _ in prompts]
@@ -225,15 +226,16 @@ class _Builder:
         for tid, pos in zip(token_ids, positions):
             chosen = pos.get(tid) if pos else None
             text = self.token_text(tid, chosen)
-            new.tokens.append(text)
+            label = self.token_text.label(tid, chosen)
+            new.tokens.append(label)
             new.token_logprobs.append(clamp_logprob(chosen.logprob) if chosen else None)
             if pos is None:
                 new.top_logprobs.append(None)
             else:
-                top = {self.token_text(t, lp): clamp_logprob(lp.logprob)
+                top = {self.token_text.label(t, lp): clamp_logprob(lp.logprob)
                        for t, lp in top_entries(pos, num)}
                 if chosen is not None:
-                    top.setdefault(text, clamp_logprob(chosen.logprob))
+                    top.setdefault(label, clamp_logprob(chosen.logprob))
                 new.top_logprobs.append(top)
             new.text_offset.append(ch.text_len)
             ch.text_len += len(text)
