@@ -114,6 +114,23 @@ def test_reasoning_goes_to_reasoning_content(client, engine):
     assert _stream(client, messages=CHAT)[:2] == ("Add them: 2+2.", "It is 4.")
 
 
+def test_include_reasoning_false_leaves_the_reasoning_out(client, engine):
+    engine.pieces = _pieces("<think>\nAdd them: 2+2.</think>\n\nIt is 4.", 3)
+    kw = {"messages": CHAT, "extra_body": {"include_reasoning": False}}
+    msg = client.chat.completions.create(model=MODEL, **kw).choices[0].message
+    assert msg.model_extra["reasoning_content"] is None and msg.content == "It is 4."
+    chunks = list(client.chat.completions.create(model=MODEL, stream=True, **kw))
+    assert all(getattr(c.choices[0].delta, "reasoning_content", None) is None
+               for c in chunks if c.choices)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "It is 4."
+
+
+def test_include_reasoning_false_with_logprobs_is_400(server):
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={
+        "messages": CHAT, "include_reasoning": False, "logprobs": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "include_reasoning"
+
+
 def test_template_that_opens_the_think_block_starts_in_reasoning(client, engine):
     """chat_template_kwargs reach the template; a prompt ending in <think> makes the output
     reasoning until </think>."""

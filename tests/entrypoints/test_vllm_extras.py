@@ -244,7 +244,7 @@ def test_documents_are_a_chat_field(server):
 
 # ----------------------------------------------------------------------------- still refused
 _REFUSED = [("echo", True), ("watermarking", True), ("logprob_token_ids", [5]),
-            ("return_token_ids", True), ("include_reasoning", False),
+            ("return_token_ids", True),
             ("thinking_token_budget", 10), ("repetition_detection", {}), ("stream_interval", 2),
             ("session_id", "s"), ("kv_transfer_params", {}), ("vllm_xargs", {"a": 1}),
             ("media_io_kwargs", {})]

@@ -59,8 +59,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "return_token_offsets": "token offsets are only for vLLM's render routes, which this server "
                             "does not have",
     "return_prompt_text": "the rendered prompt is not returned; POST /tokenize renders a chat",
-    "include_reasoning": "hiding reasoning is not implemented; the reasoning parser's output "
-                         "comes as reasoning_content",
     "thinking_token_budget": "thinking budgets are not implemented by this server",
     "repetition_detection": "repetition detection is not implemented by this server",
     "stream_interval": "every engine step is streamed; stream intervals are not implemented",
@@ -245,6 +243,8 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    # vLLM's extra: false leaves the reasoning parser's reasoning_content out of the answer.
+    include_reasoning: StrictBool = True
 
 
 class TokenizeRequest(OpenAIModel):

@@ -164,6 +164,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                                 'server generates text only (only ["text"])', "modalities")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    if not req.include_reasoning and req.logprobs and ctx.reasoning_parser is not None:
+        raise bad_request("include_reasoning false hides the reasoning, but logprobs would show "
+                          "its tokens; drop one of them", "include_reasoning")
     check_prompt_logprobs(req)
     tool_parser, structure = _tool_parser(ctx, req)
     ids = await render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
@@ -264,6 +267,8 @@ class _ChatBuilder:
         choices = []
         for k in range(self.req.n):
             reasoning, content, calls = self.parsers[k].whole("".join(self.text[k]))
+            if not self.req.include_reasoning:
+                reasoning = None
             finish = self.finish[k]
             if calls and finish == "stop":
                 finish = self.calls_finish
@@ -317,6 +322,8 @@ class _ChatBuilder:
                     continue
                 parser = self.parsers[c.index]
                 reasoning, content, calls = parser.feed(c.text, c.finish_reason is not None)
+                if not self.req.include_reasoning:
+                    reasoning = ""
                 finish = c.finish_reason
                 if finish == "stop" and parser.called_tools:
                     finish = self.calls_finish
