@@ -3,6 +3,7 @@ client, over an engine that answers with canned text in pieces split inside tags
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -283,3 +284,25 @@ def test_auto_tool_choice_needs_the_server_flags():
         r = httpx.post(s.base_url + "/v1/chat/completions",
                        json={"messages": CHAT, "tools": TOOLS, "tool_choice": "none"})
         assert r.status_code == 200, r.text
+
+
+def test_streamed_token_ids_include_tokens_the_parsers_hold_back(client, engine, monkeypatch):
+    engine.pieces = _pieces("<think>Why.</think>\n" + CALL, 4)
+    step = engine.step
+
+    def slow_step():
+        time.sleep(0.005)  # NOTE: one piece per chunk, so held-back pieces make chunks of their own
+        return step()
+    monkeypatch.setattr(engine, "step", slow_step)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS,
+                                                 stream=True,
+                                                 extra_body={"return_token_ids": True}))
+    ids = [t for c in chunks if c.choices for t in c.choices[0].model_extra.get("token_ids") or []]
+    assert ids == [engine.cycle[0]] * len(engine.pieces)
+    assert chunks[0].model_extra["prompt_token_ids"]
+
+
+def test_include_reasoning_false_with_token_ids_is_400(server):
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={
+        "messages": CHAT, "include_reasoning": False, "return_token_ids": True})
+    assert r.status_code == 400 and "return_token_ids" in r.json()["error"]["message"]

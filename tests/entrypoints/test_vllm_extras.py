@@ -244,7 +244,6 @@ def test_documents_are_a_chat_field(server):
 
 # ----------------------------------------------------------------------------- still refused
 _REFUSED = [("echo", True), ("watermarking", True), ("logprob_token_ids", [5]),
-            ("return_token_ids", True),
             ("thinking_token_budget", 10), ("repetition_detection", {}), ("stream_interval", 2),
             ("session_id", "s"), ("kv_transfer_params", {}), ("vllm_xargs", {"a": 1}),
             ("media_io_kwargs", {})]
@@ -276,3 +275,40 @@ def test_cache_salt_separates_prefix_cache_hits_through_the_server(real_server):
     assert cached(salt) == 32
     assert cached(salt + "-other") == 0
     assert cached(salt + "-other") == 32
+
+
+# ----------------------------------------------------------------------------- return_token_ids
+def test_completion_returns_prompt_and_generated_token_ids(server, engine):
+    body = _post(server, _COMPLETIONS, prompt=[5, 6, 7], n=2, return_token_ids=True).json()
+    for choice in body["choices"]:
+        assert choice["prompt_token_ids"] == [5, 6, 7]
+        assert choice["token_ids"] == [engine.cycle[(i + choice["index"]) % len(engine.cycle)]
+                                       for i in range(3)]
+    plain = _post(server, _COMPLETIONS, prompt=[5, 6, 7]).json()["choices"][0]
+    assert plain["token_ids"] is None and plain["prompt_token_ids"] is None
+
+
+def test_streamed_completion_returns_the_prompt_ids_once_then_deltas(server, engine):
+    chunks = _events(_post(server, _COMPLETIONS, prompt=["ab", "cd"], return_token_ids=True,
+                           stream=True))
+    for index, text in enumerate(["ab", "cd"]):
+        prompt_ids = engine.tokenizer.encode(text)
+        mine = [ch for c in chunks for ch in c["choices"] if ch["index"] == index]
+        assert [ch["prompt_token_ids"] for ch in mine] == [prompt_ids] + [None] * (len(mine) - 1)
+        assert [t for ch in mine for t in ch["token_ids"]] == engine.cycle[:3]
+    plain = _events(_post(server, _COMPLETIONS, stream=True))
+    assert all("token_ids" not in ch and "prompt_token_ids" not in ch
+               for c in plain for ch in c["choices"])
+
+
+def test_chat_returns_prompt_and_generated_token_ids(server, engine):
+    body = _post(server, _CHAT, return_token_ids=True).json()
+    assert body["prompt_token_ids"] == engine.tokenizer.encode("user: hi\n",
+                                                               add_special_tokens=False)
+    assert body["choices"][0]["token_ids"] == engine.cycle[:3]
+    chunks = _events(_post(server, _CHAT, return_token_ids=True, stream=True))
+    assert chunks[0]["prompt_token_ids"] == body["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks[1:] for t in c["choices"][0]["token_ids"]] == engine.cycle[:3]
+    plain = _events(_post(server, _CHAT, stream=True))
+    assert all("token_ids" not in ch for c in plain for ch in c["choices"])

@@ -54,8 +54,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
             "server",
     "watermarking": "watermarking is not implemented by this server",
     "logprob_token_ids": "logprobs of chosen token ids are not implemented; send top_logprobs",
-    "return_token_ids": "token ids in responses are not implemented; send logprobs with "
-                        "return_tokens_as_token_ids",
     "return_token_offsets": "token offsets are only for vLLM's render routes, which this server "
                             "does not have",
     "return_prompt_text": "the rendered prompt is not returned; POST /tokenize renders a chat",
@@ -163,6 +161,8 @@ class SamplingRequest(OpenAIModel):
     # UTF-8 alone); the response id's suffix (the X-Request-Id header wins, as in vLLM); a salt
     # that keeps this request's prefix-cache blocks apart from those of other salts.
     return_tokens_as_token_ids: StrictBool = False
+    # vLLM's extra: answers carry the prompt's token ids and each choice's generated ones.
+    return_token_ids: StrictBool = False
     request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # Known fields we do not implement: accepted only at their no-op value (best_of == n).
@@ -309,6 +309,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # vLLM's return_token_ids (streamed: the prompt's in a choice's first chunk, then deltas)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -347,6 +350,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -357,6 +361,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class DeltaFunctionCall(BaseModel):
@@ -386,6 +391,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's tokens
 
 
 class ChatCompletionChunk(BaseModel):
@@ -395,6 +401,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk only
 
 
 class CompletionChunk(BaseModel):

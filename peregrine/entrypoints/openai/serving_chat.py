@@ -164,9 +164,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                                 'server generates text only (only ["text"])', "modalities")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
-    if not req.include_reasoning and req.logprobs and ctx.reasoning_parser is not None:
-        raise bad_request("include_reasoning false hides the reasoning, but logprobs would show "
-                          "its tokens; drop one of them", "include_reasoning")
+    if not req.include_reasoning and ctx.reasoning_parser is not None:
+        shown = "logprobs" if req.logprobs else "return_token_ids" if req.return_token_ids else None
+        if shown is not None:
+            raise bad_request(f"include_reasoning false hides the reasoning, but {shown} would "
+                              "show its tokens; drop one of them", "include_reasoning")
     check_prompt_logprobs(req)
     tool_parser, structure = _tool_parser(ctx, req)
     ids = await render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
@@ -206,6 +208,7 @@ class _ChatBuilder:
         n = req.n
         self.text: list[list[str]] = [[] for _ in range(n)]
         self.num_tokens = [0] * n
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]  # for return_token_ids
         self.logprobs: list[list[ChatTokenLogprob]] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
         self.stop_reason: list[int | str | None] = [None] * n
@@ -244,6 +247,8 @@ class _ChatBuilder:
             self.logprobs[k].extend(rows)
         self.text[k].append(c.text)
         self.num_tokens[k] += len(c.token_ids)
+        if self.req.return_token_ids:
+            self.token_ids[k].extend(c.token_ids)
         self.finish[k] = c.finish_reason
         self.stop_reason[k] = c.stop_reason
         return bool(c.text or c.token_ids or c.finish_reason is not None), rows
@@ -276,21 +281,30 @@ class _ChatBuilder:
                 index=k, message=ChatResponseMessage(content=content, reasoning_content=reasoning,
                                                      tool_calls=calls),
                 logprobs=ChatLogprobs(content=self.logprobs[k]) if self.req.logprobs else None,
-                finish_reason=finish, stop_reason=self.stop_reason[k]))
+                finish_reason=finish, stop_reason=self.stop_reason[k],
+                token_ids=self.token_ids[k] if self.req.return_token_ids else None))
         plp = None
         if self.req.prompt_logprobs is not None:
             plp = prompt_logprob_rows(self.prompt_ids, self.prompt_logprobs,
                                       self.req.prompt_logprobs, self.token_text)
-        return ChatCompletionResponse(id=self.request_id, model=self.ctx.model_name,
-                                      choices=choices, usage=self.usage(), prompt_logprobs=plp)
+        return ChatCompletionResponse(
+            id=self.request_id, model=self.ctx.model_name, choices=choices, usage=self.usage(),
+            prompt_logprobs=plp,
+            prompt_token_ids=self.prompt_ids if self.req.return_token_ids else None)
 
-    def _chunk(self, choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
+    def _chunk(self, choices: list[ChatStreamChoice], usage: Usage | None = None,
+               prompt_token_ids: list[int] | None = None) -> str:
         """One SSE chunk as OpenAI sends it: a delta holds only the fields it sets, and `usage`
-        is there only when stream_options.include_usage asked for it."""
+        is there only when stream_options.include_usage asked for it (vLLM's token ids only
+        when return_token_ids asked for them)."""
         chunk = ChatCompletionChunk(id=self.request_id, created=self.created,
-                                    model=self.ctx.model_name, choices=choices,
-                                    usage=usage).model_dump(mode="json")
+                                    model=self.ctx.model_name, choices=choices, usage=usage,
+                                    prompt_token_ids=prompt_token_ids).model_dump(mode="json")
+        if chunk["prompt_token_ids"] is None:
+            del chunk["prompt_token_ids"]
         for choice in chunk["choices"]:
+            if choice["token_ids"] is None:
+                del choice["token_ids"]
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
             for call in choice["delta"].get("tool_calls", ()):
                 call["function"] = {k: v for k, v in call["function"].items() if v is not None}
@@ -309,7 +323,8 @@ class _ChatBuilder:
         # NOTE: like OpenAI, the first chunk of every choice carries only the role.
         yield self._chunk([ChatStreamChoice(index=k, delta=DeltaMessage(role="assistant",
                                                                         content=""))
-                           for k in range(self.req.n)], self.usage() if every_chunk else None)
+                           for k in range(self.req.n)], self.usage() if every_chunk else None,
+                          self.prompt_ids if self.req.return_token_ids else None)
         async for out in stream:
             err = output_error(out)
             if err is not None:
@@ -327,14 +342,16 @@ class _ChatBuilder:
                 finish = c.finish_reason
                 if finish == "stop" and parser.called_tools:
                     finish = self.calls_finish
-                if not (reasoning or content or calls or rows or finish):
+                token_ids = list(c.token_ids) if self.req.return_token_ids else None
+                # NOTE: a chunk the parsers have no text for still carries its token ids.
+                if not (reasoning or content or calls or rows or finish or token_ids):
                     continue
                 delta = DeltaMessage(content=content or None, reasoning_content=reasoning or None,
                                      tool_calls=calls or None)
                 choices.append(ChatStreamChoice(
                     index=c.index, delta=delta,
                     logprobs=ChatLogprobs(content=rows) if rows is not None else None,
-                    finish_reason=finish, stop_reason=c.stop_reason))
+                    finish_reason=finish, stop_reason=c.stop_reason, token_ids=token_ids))
             if choices:
                 yield self._chunk(choices, self.usage() if every_chunk else None)
         if include_usage:

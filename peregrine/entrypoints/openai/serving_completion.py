@@ -89,6 +89,8 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     started: bool = False  # streaming: the echoed prompt was sent
+    token_ids: list[int] = field(default_factory=list)  # generated ones, for return_token_ids
+    prompt_ids_sent: bool = False  # streaming: the prompt's token ids were sent
 
 
 async def _parse_prompts(ctx: ServingContext, req: CompletionRequest) -> list[_Prompt]:
@@ -212,6 +214,8 @@ class _Builder:
                 self._add_logprobs(ch, c.token_ids, c.logprobs)
             ch.text.append(text)
             ch.num_tokens += len(c.token_ids)
+            if self.req.return_token_ids:
+                ch.token_ids.extend(c.token_ids)
             ch.finish_reason = c.finish_reason
             ch.stop_reason = c.stop_reason
             if text or c.token_ids or c.finish_reason is not None:
@@ -263,9 +267,13 @@ class _Builder:
         if self.req.prompt_logprobs is not None:
             plp = [prompt_logprob_rows(p.token_ids, rows, self.req.prompt_logprobs, self.token_text)
                    for p, rows in zip(self.prompts, self.prompt_logprobs)]
+        ids = self.req.return_token_ids
         choices = [CompletionChoice(index=k, text="".join(ch.text), logprobs=ch.logprobs,
                                     finish_reason=ch.finish_reason, stop_reason=ch.stop_reason,
-                                    prompt_logprobs=plp[k // self.req.n] if plp else None)
+                                    prompt_logprobs=plp[k // self.req.n] if plp else None,
+                                    prompt_token_ids=(self.prompts[k // self.req.n].token_ids
+                                                      if ids else None),
+                                    token_ids=ch.token_ids if ids else None)
                    for k, ch in enumerate(self.choices)]
         return CompletionResponse(id=self.request_id, model=self.ctx.model_name, choices=choices,
                                   usage=self.usage())
@@ -314,9 +322,16 @@ class _Builder:
                         token_logprobs=ch.logprobs.token_logprobs[start:],
                         tokens=ch.logprobs.tokens[start:],
                         top_logprobs=ch.logprobs.top_logprobs[start:])
+                prompt_ids = token_ids = None
+                if self.req.return_token_ids:
+                    token_ids = list(c.token_ids)
+                    if not ch.prompt_ids_sent:
+                        ch.prompt_ids_sent = True
+                        prompt_ids = self.prompts[idx // self.req.n].token_ids
                 choices.append(CompletionChoice(index=idx, text=text, logprobs=lps,
                                                 finish_reason=c.finish_reason,
-                                                stop_reason=c.stop_reason))
+                                                stop_reason=c.stop_reason,
+                                                prompt_token_ids=prompt_ids, token_ids=token_ids))
             if choices:
                 yield self._chunk(choices, self.usage() if every_chunk else None, include_usage)
         if include_usage:
@@ -326,8 +341,12 @@ class _Builder:
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None,
                include_usage: bool) -> str:
         """One SSE chunk; `usage` is left out unless stream_options.include_usage asked for it."""
-        # NOTE: prompt_logprobs is never streamed (check_prompt_logprobs), so it is left out too.
-        exclude: dict[str, Any] = {"choices": {"__all__": {"prompt_logprobs"}}}
+        # NOTE: prompt_logprobs is never streamed (check_prompt_logprobs), so it is left out too,
+        # and so are the token ids unless return_token_ids asked for them.
+        left_out = {"prompt_logprobs"}
+        if not self.req.return_token_ids:
+            left_out |= {"prompt_token_ids", "token_ids"}
+        exclude: dict[str, Any] = {"choices": {"__all__": left_out}}
         if not include_usage:
             exclude["usage"] = True
         chunk = CompletionChunk(id=self.request_id, created=self.created,
