@@ -170,6 +170,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             raise bad_request(f"include_reasoning false hides the reasoning, but {shown} would "
                               "show its tokens; drop one of them", "include_reasoning")
     check_prompt_logprobs(req)
+    request_id, engine_id = response_id(raw, req, "chatcmpl")
     tool_parser, structure = _tool_parser(ctx, req)
     ids = await render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
                             continue_final_message=req.continue_final_message,
@@ -184,7 +185,6 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                                    prompt_logprobs=req.prompt_logprobs, structure=structure)
     if tool_parser is not None and tool_parser.needs_special_tokens:
         params.skip_special_tokens = False  # NOTE: the call markers are special tokens
-    request_id, engine_id = response_id(raw, req, "chatcmpl")
     stream = await add_requests(ctx, [EngineRequest(engine_id, ids, params, req.priority)])
     # NOTE: under a grammar the output has no room for a <think> block: no reasoning split.
     builder = _ChatBuilder(ctx, req, request_id, ids, tool_parser,

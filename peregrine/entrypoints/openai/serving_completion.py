@@ -142,9 +142,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
         raise bad_request("max_tokens 0 is only valid with echo=true (scoring the prompt)",
                           "max_tokens")
     check_prompt_logprobs(req)
+    request_id, engine_id = response_id(raw, req, "cmpl")
     prompts = await _parse_prompts(ctx, req)
     structure = requested_structure(req)
-    request_id, engine_id = response_id(raw, req, "cmpl")
     engine_reqs = []
     for i, prompt in enumerate(prompts):
         # NOTE: max_tokens 0 runs one step (the prompt's logprobs come with its first token),
