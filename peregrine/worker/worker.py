@@ -102,7 +102,8 @@ class Worker:
             attn = self.model.layers[0].self_attn
             with STARTUP.phase("precompile", self.device):
                 precompile(attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                           cfg.cache.block_size, cfg.model.dtype, self.device, cache_dtype)
+                           cfg.cache.block_size, cfg.model.dtype, self.device, cache_dtype,
+                           max_context=r.max_blocks_per_req * cfg.cache.block_size)
         if self._captures_graphs():
             logger.info("capturing CUDA graphs (--enforce-eager skips them)")
             self._capture_graphs()
