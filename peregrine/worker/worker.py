@@ -41,10 +41,11 @@ class Worker:
         with STARTUP.phase("device", dev):  # the CUDA context is created by the phase's sync
             if dev.type == "cuda":
                 torch.cuda.set_device(dev)
+        with STARTUP.phase("attention_backend"):  # the Triton backend's first import of triton
+            backend = get_attention_backend(config.attention_backend)
         # NOTE: load_model chooses the fused kernels for the device when it builds the layers.
         with STARTUP.phase("model", dev):
-            self.model = load_model(config.model, get_attention_backend(config.attention_backend),
-                                    dev)
+            self.model = load_model(config.model, backend, dev)
         with STARTUP.phase("runner", dev):
             self.model_runner = ModelRunner(config, self.model, dev)
         self.num_blocks: int | None = None
