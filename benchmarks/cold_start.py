@@ -8,6 +8,7 @@ run compiles most kernels there), kv_alloc, swap_space, precompile, decode_graph
 piecewise_graphs, sampler_warmup, and each level's `other`. From the timestamps it adds
 ready_s (the phases line), first_output_s and teardown_s (last output to exit). The import_time
 run repeats the warm demo under `python -X importtime` and lists the slowest top-level imports.
+Each run also lists what it added to Triton's cache (kernel variants by name, host modules).
 
     python benchmarks/cold_start.py --out $OUT/cold_start.json
 """
@@ -100,6 +101,23 @@ def slowest_imports(lines: list[tuple[float, str]], top: int = 15) -> list[dict]
     return sorted(rows, key=lambda r: -r["cumulative_s"])[:top]
 
 
+def cache_files(cache: str) -> set[str]:
+    return {str(p.relative_to(cache)) for p in Path(cache).rglob("*") if p.is_file()}
+
+
+def new_compiles(before: set[str], after: set[str]) -> dict[str, int]:
+    """What a run added to Triton's cache: kernel variants by name (one .json of metadata each
+    beside its binary) and compiled host modules (.so: launchers, driver utilities)."""
+    counts: dict[str, int] = {}
+    for f in sorted(after - before):
+        name = Path(f).name
+        if name.endswith(".so"):
+            counts["host_modules(.so)"] = counts.get("host_modules(.so)", 0) + 1
+        elif name.endswith(".json") and not name.startswith("__grp__"):
+            counts[name[:-5]] = counts.get(name[:-5], 0) + 1
+    return counts
+
+
 def report(r: dict) -> None:
     print(f"{r['case']:18s} {r['cache']:22s} rc={r['rc']} {r['wall_s']:7.2f} s  ready "
           f"{r['ready_s']}  first output {r['first_output_s']}  teardown {r['teardown_s']}",
@@ -107,6 +125,9 @@ def report(r: dict) -> None:
     for p in r["phases"]:
         body = "  ".join(f"{k}={v:.2f}" for k, v in p["phases"].items())
         print(f"    [{p['where']}] {body}", flush=True)
+    if r.get("compiled"):
+        print("    compiled: " + "  ".join(f"{k} x{v}" for k, v in r["compiled"].items()),
+              flush=True)
     for t, line in r["lines"]:
         if (("INFO" in line and LINE_PREFIX not in line) or "Output" in line or "rror" in line) \
                 and not line.startswith("import time:"):
@@ -121,6 +142,9 @@ def main() -> int:
                    help="a config .json served with dummy weights for the large-model row")
     p.add_argument("--skip-big", action="store_true")
     p.add_argument("--skip-import-time", action="store_true")
+    p.add_argument("--only", default=None,
+                   help="comma-separated cases to run (demo, demo_eager, demo_core_process, "
+                        "llama-3-8b); the first of them in that order runs cold")
     p.add_argument("--child-big", default=None, help=argparse.SUPPRESS)
     ns = p.parse_args()
     if ns.child_big:
@@ -135,12 +159,19 @@ def main() -> int:
                  ("demo_core_process", [*demo, "--engine-core-process"], ("warm",))]
         if not ns.skip_big:
             cases.append(("llama-3-8b", ["--child-big", ns.big_config], ("cold", "warm")))
+        if ns.only:
+            wanted = ns.only.split(",")
+            unknown = sorted(set(wanted) - {c[0] for c in cases})
+            if unknown:
+                p.error(f"--only: unknown case(s) {', '.join(unknown)}")
+            cases = [c for c in cases if c[0] in wanted]
         for name, args, temps in cases:
             for temp in temps:
                 if temp == "cold" and name != cases[0][0]:
                     temp = "cold-for-new-kernels"  # the cache already holds the demo's kernels
+                before = cache_files(cache)
                 r = run_once(args, env)
-                r.update(case=name, cache=temp)
+                r.update(case=name, cache=temp, compiled=new_compiles(before, cache_files(cache)))
                 analyse(r)
                 results.append(r)
                 report(r)
