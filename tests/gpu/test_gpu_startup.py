@@ -32,8 +32,8 @@ def test_the_demo_kv_pool_is_capped_at_a_full_batch(demo_llm) -> None:
     # 256 sequences of 512 tokens in bf16: about 0.5 GiB of KV, not the whole GPU.
     kv = demo_llm.engine.core_client.core.executor.worker.model_runner.kv_caches
     assert sum(t.numel() * t.element_size() for pair in kv for t in pair) < 2**30
-    out = demo_llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=16, temperature=0),
-                            use_tqdm=False)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    out = demo_llm.generate(["def fibonacci(n):"], params, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 16
 
 
