@@ -2,9 +2,10 @@
 
 Each run is a fresh subprocess; its log lines are timestamped as they arrive. The engine logs one
 "start-up phases (s):" line when it is ready (a core or worker process logs its own), which this
-script parses: imports, torch import, config, tokenizer, and in engine_core/: device (CUDA
-context), attention_backend (imports triton), model (build + weights), runner (step buffers), kv_profile (the worst-case step; a cold
-run compiles most kernels there), kv_alloc, swap_space, precompile, decode_graphs,
+script parses: pre_engine (interpreter start-up and imports), import_torch, config, tokenizer,
+and in engine_core/: device (CUDA context), attention_backend (imports triton), model (build +
+weights), runner (step buffers), kv_profile (the worst-case step; a cold run compiles most
+kernels there), kv_alloc, swap_space, precompile, decode_graphs,
 piecewise_graphs, sampler_warmup, and each level's `other`. From the timestamps it adds
 ready_s (the phases line), first_output_s and teardown_s (last output to exit). The import_time
 run repeats the warm demo under `python -X importtime` and lists the slowest top-level imports.

@@ -3,12 +3,13 @@
 The engine's front end (`LLMEngine`) and every worker record their phases into the one
 `STARTUP` of their process (start-up happens once per process); the line reads
 
-    start-up phases (s): imports=4.51 config=0.02 tokenizer=1.60 engine_core=5.10
+    start-up phases (s): pre_engine=4.51 config=0.02 tokenizer=1.60 engine_core=5.10
     engine_core/device=0.80 engine_core/model=0.40 ... engine_core/other=0.05 other=0.01 total=11.24
 
 A phase opened inside another is named parent/child; `other` is the time no phase covers, so the
-phases of each level add up to their parent (and the top level to `total`). `imports` is the
-time from the process's start to the engine's first phase: interpreter start-up and imports.
+phases of each level add up to their parent (and the top level to `total`). `pre_engine` is the
+time from the process's start to the engine's first phase: interpreter start-up, imports, and
+whatever the program did before it built the engine.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ class StartupPhases:
         self.seconds: dict[str, float] = {}
         self._open: list[str] = []
         self._begun: float | None = None
-        self._imports_taken = False
+        self._pre_engine_taken = False
         self._active = False
 
     @property
@@ -56,7 +57,7 @@ class StartupPhases:
         return self._active
 
     def begin(self, join: bool = False) -> None:
-        """Start timing an engine's start-up afresh (the first time: after the imports); with
+        """Start timing an engine's start-up afresh (the first time: after pre_engine); with
         join, only when none is being timed already."""
         if join and self._active:
             return
@@ -64,16 +65,17 @@ class StartupPhases:
         self._open.clear()
         self._begun = self._clock()
         self._active = True
-        self.take_imports()
+        self.take_pre_engine()
 
-    def take_imports(self) -> None:
-        """Record the process's age as `imports`, once per process (later engines have none)."""
-        if self._imports_taken:
+    def take_pre_engine(self) -> None:
+        """Record the process's age as `pre_engine`, once per process (later engines have
+        none)."""
+        if self._pre_engine_taken:
             return
-        self._imports_taken = True
+        self._pre_engine_taken = True
         age = self._age()
         if age is not None:
-            self.seconds["imports"] = age
+            self.seconds["pre_engine"] = age
 
     @contextmanager
     def phase(self, name: str, device: Any = None) -> Iterator[None]:
@@ -97,7 +99,7 @@ class StartupPhases:
             self.seconds[key] = self.seconds.get(key, 0.0) + self._clock() - t0
 
     def summary(self) -> dict[str, float]:
-        """Every phase, each level's `other`, and `total` (imports + the time since begin)."""
+        """Every phase, each level's `other`, and `total` (pre_engine + the time since begin)."""
         out: dict[str, float] = {}
         elapsed = self._clock() - self._begun if self._begun is not None else 0.0
         top = {k: v for k, v in self.seconds.items() if "/" not in k}
@@ -108,9 +110,9 @@ class StartupPhases:
                 out.update(nested)
                 direct = sum(v for k, v in nested.items() if k.count("/") == 1)
                 out[key + "/other"] = max(0.0, secs - direct)
-        timed = sum(v for k, v in top.items() if k != "imports")
+        timed = sum(v for k, v in top.items() if k != "pre_engine")
         out["other"] = max(0.0, elapsed - timed)
-        out["total"] = top.get("imports", 0.0) + elapsed
+        out["total"] = top.get("pre_engine", 0.0) + elapsed
         return out
 
     def line(self) -> str:
@@ -119,7 +121,7 @@ class StartupPhases:
 
     def finish(self, where: str = "") -> dict[str, float]:
         """Log the line (tagged with `where`), forget the phases, and return the summary."""
-        self.take_imports()
+        self.take_pre_engine()
         summary = self.summary()
         logger.info("%s%s", self.line(), f" [{where}]" if where else "")
         self.seconds.clear()

@@ -39,26 +39,26 @@ def test_phases_nest_and_each_level_adds_up_to_its_parent() -> None:
             clock.advance(1.0)
     clock.advance(0.125)
     s = p.summary()
-    assert list(s) == ["imports", "config", "engine_core", "engine_core/model",
+    assert list(s) == ["pre_engine", "config", "engine_core", "engine_core/model",
                        "engine_core/graphs", "engine_core/other", "other", "total"]
-    assert s["imports"] == 3.0 and s["config"] == 0.5
+    assert s["pre_engine"] == 3.0 and s["config"] == 0.5
     assert s["engine_core"] == pytest.approx(3.25)
     assert s["engine_core/other"] == pytest.approx(0.25)
     assert s["other"] == pytest.approx(0.125)
     assert s["total"] == pytest.approx(3.0 + 0.5 + 3.25 + 0.125)
 
 
-def test_imports_are_counted_once_per_process() -> None:
+def test_the_time_before_the_engine_is_counted_once_per_process() -> None:
     p, clock = _phases(age=2.0)
     p.begin()
     with p.phase("config"):
         clock.advance(1.0)
-    assert p.finish()["imports"] == 2.0
+    assert p.finish()["pre_engine"] == 2.0
     p.begin()  # a second engine in the same process
     with p.phase("config"):
         clock.advance(1.0)
     s = p.finish()
-    assert "imports" not in s and s["total"] == pytest.approx(1.0)
+    assert "pre_engine" not in s and s["total"] == pytest.approx(1.0)
 
 
 def test_begin_with_join_keeps_the_phases_of_a_start_up_in_progress() -> None:

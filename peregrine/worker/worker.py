@@ -37,7 +37,7 @@ class Worker:
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", local_rank)
         self.device = dev
-        STARTUP.take_imports()  # a worker in a process of its own: that process's imports
+        STARTUP.take_pre_engine()  # a worker in a process of its own: its process's imports
         with STARTUP.phase("device", dev):  # the CUDA context is created by the phase's sync
             if dev.type == "cuda":
                 torch.cuda.set_device(dev)

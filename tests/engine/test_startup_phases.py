@@ -43,7 +43,7 @@ def test_a_second_engine_starts_its_phases_afresh(caplog) -> None:
     LLMEngine.from_engine_args(_args())
     with caplog.at_level(logging.INFO, logger="peregrine"):
         s = LLMEngine(_args(skip_tokenizer_init=True).create_engine_config()).startup_seconds
-    assert "imports" not in s and "config" not in s  # built from a config: no config phase
+    assert "pre_engine" not in s and "config" not in s  # built from a config: no config phase
     assert s["engine_core/model"] > 0 and len(_lines(caplog)) == 1
 
 
