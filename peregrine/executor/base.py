@@ -8,6 +8,10 @@ from peregrine.config import EngineConfig
 from peregrine.messages import ModelRunnerOutput, SchedulerOutput
 
 
+class WorkerFailedError(RuntimeError):
+    """A worker died or its step raised; the executor cannot serve any more."""
+
+
 class StepFuture(Protocol):
     """A launched step; `result()` waits for it (the step's one device->host sync)."""
 
