@@ -14,6 +14,7 @@ __all__ = ["EXECUTOR_BACKENDS", "Executor", "MultiprocExecutor", "StepFuture", "
 EXECUTOR_BACKENDS: dict[str, tuple[str, str]] = {
     "uni": ("peregrine.executor.uniproc", "UniprocExecutor"),  # one in-process worker
     "mp": ("peregrine.executor.multiproc", "MultiprocExecutor"),  # one process per rank
+    "ray": ("peregrine.executor.ray_executor", "RayExecutor"),  # one Ray actor per rank
 }
 
 
