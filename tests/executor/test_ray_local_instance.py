@@ -72,3 +72,79 @@ def test_the_driver_stops_the_ray_instance_it_started(tmp_path) -> None:
     assert got["started"] and got["tokens"] == 4 and got["stopped"]
     assert {"gcs_server", "raylet"} <= set(got["processes"])  # it did start its own instance
     assert got["left"] == [], f"left running after shutdown: {got['left']}"
+
+
+_CTRL_C_SCRIPT = """
+import os, sys
+from peregrine import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], dtype="float32", device="cpu", max_model_len=64,
+              tensor_parallel_size=2, distributed_executor_backend="ray")
+    print(os.getpid(), flush=True)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    while True:
+        llm.generate([[5, 6, 7]] * 4, params, use_tqdm=False)
+"""
+
+
+def _ray_processes(root: int) -> dict[int, str]:
+    """root's descendant processes: pid -> name."""
+    out: dict[int, str] = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                kids = []
+            for k in kids:
+                try:
+                    with open(f"/proc/{k}/comm") as f:
+                        out[k] = f.read().strip()
+                except OSError:
+                    continue
+                todo.append(k)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_ctrl_c_in_the_driver_leaves_no_ray_process(tmp_path) -> None:
+    import signal
+    import time
+    script = tmp_path / "drive.py"
+    script.write_text(_CTRL_C_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.Popen([sys.executable, str(script), str(tiny_checkpoint("llama"))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline().strip()
+        assert line, proc.stderr.read() if proc.wait(60) is not None else "no output"
+        time.sleep(1.0)  # generating
+        started = _ray_processes(proc.pid)
+        assert {"gcs_server", "raylet"} <= set(started.values())
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 15
+    while any(map(_alive, started)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = sorted({name for pid, name in started.items() if _alive(pid)})
+    assert left == [], f"left running after Ctrl-C: {left}"
