@@ -366,8 +366,12 @@ def _reserve(ray, world: int, on_cuda: bool) -> tuple[Any, list[int]]:
                            f"{have:g} (`ray status` lists them; `ray start --address=HEAD:6379` "
                            f"adds a node)")
     pg = placement_group([{kind: 1} for _ in range(world)], strategy="PACK")
+    ready, first_s = pg.ready(), min(5.0, _PLACEMENT_TIMEOUT_S)
+    if not ray.wait([ready], timeout=first_s)[0]:
+        logger.info("waiting up to %.0f s for the Ray cluster to free %d %ss for the workers",
+                    _PLACEMENT_TIMEOUT_S, world, kind)
     try:
-        ray.get(pg.ready(), timeout=_PLACEMENT_TIMEOUT_S)
+        ray.get(ready, timeout=_PLACEMENT_TIMEOUT_S - first_s)
     except ray.exceptions.GetTimeoutError:
         from ray.util.placement_group import remove_placement_group
         remove_placement_group(pg)

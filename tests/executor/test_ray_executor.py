@@ -186,3 +186,27 @@ def test_an_engine_core_process_joins_the_running_cluster(ray, want, monkeypatch
     assert _wait_until(lambda: ray.util.placement_group_table()[ours[0]["placement_group_id"]]
                        ["state"] == "REMOVED")
     assert ray.is_initialized()
+
+
+def test_a_cluster_without_room_for_the_ranks_fails_the_start_clearly(ray, monkeypatch):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    import peregrine.executor.ray_executor as ray_executor
+    monkeypatch.setattr(ray_executor, "_PLACEMENT_TIMEOUT_S", 2.0)
+    config = _config()
+    total = int(ray.cluster_resources()["CPU"])
+    with pytest.raises(RuntimeError, match=f"{total + 1} ranks need {total + 1} CPUs, but the "
+                                           f"Ray cluster has {total}"):
+        ray_executor._reserve(ray, total + 1, on_cuda=False)
+    hog = placement_group([{"CPU": total}])  # another job holds every CPU
+    ray.get(hog.ready())
+    before = set(ray.util.placement_group_table())
+    try:
+        with pytest.raises(RuntimeError, match="did not free 2 CPUs for the workers within 2 s"):
+            RayExecutor(config)
+        left = {pid: pg["state"] for pid, pg in ray.util.placement_group_table().items()
+                if pid not in before}
+        assert set(left.values()) <= {"REMOVED"}, left  # its own placement group is given up
+    finally:
+        remove_placement_group(hog)
+    assert ray.is_initialized()
