@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ logger = logging.getLogger("peregrine")
 RAY_INSTALL = "pip install 'peregrine-llm[ray]'"
 _PLACEMENT_TIMEOUT_S = 300.0  # how long the cluster may take to free the ranks' bundles
 _OUTPUT_RANK = 0  # the rank whose sampled tokens the driver returns
+_PROBE_S = 1.0  # check_health probes idle actors at most this often
 
 
 def ray_missing() -> str | None:
@@ -188,6 +190,7 @@ class RayExecutor(Executor):
         self._error: str | None = None
         self._calls: dict[Any, tuple[int, str]] = {}  # ObjectRef in flight -> (rank, method)
         self._pinging: set[int] = set()
+        self._last_sent = 0.0  # when every actor was last sent a call (a step or a probe)
         self._num_sent = 0
         try:
             a.owns_ray = _connect(ray, config)
@@ -244,6 +247,7 @@ class RayExecutor(Executor):
         self._num_sent += 1
         for rank in range(self.world_size):
             self._call(rank, "execute_model", seq, ref)
+        self._last_sent = time.monotonic()
         return RayStepFuture(self, seq)
 
     def _result_of(self, seq: int) -> ModelRunnerOutput:
@@ -252,12 +256,20 @@ class RayExecutor(Executor):
         return self._wait_for([self._call(_OUTPUT_RANK, "collect", seq)])[0]
 
     def check_health(self) -> None:
-        """Raise if a call failed or an actor died; probes each idle actor without waiting."""
+        """Raise if a call failed or an actor died; never waits.
+
+        A dead actor fails the next call sent to it, so while steps flow they are the probes;
+        otherwise each actor is sent a no-op (at most every _PROBE_S), whose failure a later
+        check sees.
+        """
         self._harvest(0.0)
+        now = time.monotonic()
+        if self._pinging or now - self._last_sent < _PROBE_S:
+            return
+        self._last_sent = now
         for rank in range(self.world_size):
-            if rank not in self._pinging:
-                self._pinging.add(rank)
-                self._call(rank, "ping")
+            self._pinging.add(rank)
+            self._call(rank, "ping")
 
     def shutdown(self) -> None:
         self._finalizer()
