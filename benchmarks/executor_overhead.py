@@ -7,7 +7,7 @@ For each backend it builds an engine (a tiny random-weight Qwen3-architecture ch
 greedy), generates --num-seqs sequences of --output-len tokens once to warm up, then times the
 same run again and reports the mean step time (decode steps dominate: prompts are 16 tokens) and
 output tokens/s. `uni` (one in-process worker, tensor_parallel_size 1) is the floor to compare
-with. The ray backend starts a local Ray instance unless one is running (`ray start --head`).
+with. Exits 1 if the tensor-parallel backends' greedy tokens differ. The ray backend starts a local Ray instance unless one is running (`ray start --head`).
 """
 from __future__ import annotations
 
@@ -80,12 +80,17 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"{backend:>4}: start {row['start_s']:6.1f} s, step {row['step_ms']:7.3f} ms, "
                   f"{row['output_tok_per_s']:9.1f} output tok/s", flush=True)
-    same = all(r["tokens"] == rows[0]["tokens"] for r in rows)
-    print(f"greedy tokens identical across backends: {same}")
+    # NOTE: the tensor-parallel backends run the same ranks with the same reductions, so their
+    # tokens must be identical; against one worker, float32 rounding may rarely flip a near-tie.
+    parallel = [r["tokens"] for r in rows[1:]]
+    same = all(t == parallel[0] for t in parallel)
+    as_uni = all(t == rows[0]["tokens"] for t in parallel)
+    print(f"greedy tokens identical across {', '.join(args.backends)}: {same}; "
+          f"equal to one worker's: {as_uni}")
     result = {"device": args.device if args.device != "auto" else (
         "cuda" if torch.cuda.is_available() else "cpu"),
               "num_seqs": args.num_seqs, "output_len": args.output_len,
-              "tokens_identical": same,
+              "tokens_identical": same, "tokens_equal_to_uni": as_uni,
               "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
