@@ -59,8 +59,9 @@ class EngineArgs:
     device: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    # How the workers run: mp, one process per rank; uni, one worker in this process.
-    distributed_executor_backend: Literal["mp", "uni"] | None = None  # None: mp when world > 1
+    # How the workers run: mp, one process per rank; ray, one Ray actor per rank (on one node or
+    # several); uni, one worker in this process. None: mp when world > 1, else uni.
+    distributed_executor_backend: Literal["mp", "ray", "uni"] | None = None
     quantization: str | None = None  # None: as the checkpoint's quantization_config says
     kv_cache_dtype: str = "auto"  # auto: the model dtype
     swap_space: float = 4.0  # GiB of (pinned) CPU memory per GPU for swapped-out KV blocks
@@ -111,10 +112,13 @@ ENGINE_ARGS_HELP: dict[str, str] = {
                          "$PEREGRINE_ATTENTION_BACKEND",
     "device": "auto, cpu or cuda[:N]",
     "tensor_parallel_size": "GPUs (or CPU processes) to split each layer over, one worker "
-                            "process each on this host",
+                            "each (on this host; on a Ray cluster's nodes with "
+                            "--distributed-executor-backend ray)",
     "pipeline_parallel_size": "stages to split the layers into, one GPU group each (only 1 so far)",
-    "distributed_executor_backend": "how the workers run: mp (one process per rank, spawned) or "
-                                    "uni (one worker in the engine's process) (default: mp when "
+    "distributed_executor_backend": "how the workers run: mp (one process per rank, spawned), "
+                                    "ray (one Ray actor per rank, on one node or several; needs "
+                                    "the ray extra) or uni (one worker in the engine's process) "
+                                    "(default: mp when "
                                     "tensor_parallel_size x pipeline_parallel_size > 1, else uni)",
     "quantization": "quantization method (default: the checkpoint's quantization_config; "
                     "must agree with it when both are given)",
@@ -279,7 +283,7 @@ class EngineConfig:
     max_prefill_graph_tokens: int = 0
     engine_core_process: bool = False
     pipeline_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"  # mp | uni
+    distributed_executor_backend: str = "uni"  # a key of executor.EXECUTOR_BACKENDS
 
     @property
     def world_size(self) -> int:
@@ -353,7 +357,7 @@ class EngineConfig:
 
 
 def _check_parallel(args: EngineArgs, model: ModelConfig) -> str:
-    """Validate the tensor-parallel split; return the executor backend (mp or uni)."""
+    """Validate the tensor-parallel split; return the executor backend (mp, ray or uni)."""
     tp, world = args.tensor_parallel_size, args.tensor_parallel_size * args.pipeline_parallel_size
     if tp < 1:
         raise _bad("tensor_parallel_size", f"must be >= 1, got {tp}")
@@ -365,16 +369,24 @@ def _check_parallel(args: EngineArgs, model: ModelConfig) -> str:
         if size is not None and int(size) % tp:
             raise _bad("tensor_parallel_size", f"{tp} does not divide the model's {name} "
                        f"({size}); each rank holds an equal share")
+    from peregrine.executor import EXECUTOR_BACKENDS
     backend = args.distributed_executor_backend or ("mp" if world > 1 else "uni")
-    if backend not in ("mp", "uni"):
-        raise _bad("distributed_executor_backend", f"{backend!r} (expected mp or uni)")
+    if backend not in EXECUTOR_BACKENDS:
+        raise _bad("distributed_executor_backend", f"{backend!r} (expected "
+                   f"{', '.join(sorted(EXECUTOR_BACKENDS))})")
     if backend == "uni" and world > 1:
         raise _bad("distributed_executor_backend", f"uni runs one worker, but tensor_parallel_size"
-                   f" x pipeline_parallel_size is {world}: use mp")
+                   f" x pipeline_parallel_size is {world}: use mp (or ray)")
+    if backend == "ray":
+        from peregrine.executor.ray_executor import ray_missing
+        missing = ray_missing()
+        if missing:
+            raise _bad("distributed_executor_backend", missing)
     if world > 1 and args.device.startswith("cuda:"):
         raise _bad("device", f"{args.device!r} names one GPU, but {world} workers use cuda:0 to "
                    f"cuda:{world - 1}: pass cuda (or limit CUDA_VISIBLE_DEVICES)")
-    if world > 1 and args.device in ("auto", "cuda"):
+    # NOTE: Ray places the ranks on its cluster's GPUs, which need not be this host's.
+    if world > 1 and args.device in ("auto", "cuda") and backend != "ray":
         import torch
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if args.device == "cuda" or visible > 0:
