@@ -126,7 +126,8 @@ ENGINE_ARGS_HELP: dict[str, str] = {
                       "fp8 (= fp8_e4m3, 1 byte: twice the tokens; scaled by the checkpoint's "
                       "k_scale / v_scale, else 1.0), fp8_e5m2",
     "swap_space": "CPU memory per GPU, in GiB, that holds the KV blocks of requests preempted by "
-                  "swapping (pinned on CUDA; 0 turns swapping off)",
+                  "swapping (pinned on CUDA; 0 turns swapping off; at most what max_num_seqs "
+                  "sequences of max_model_len tokens can hold)",
     "preemption_mode": "how a request preempted for lack of KV blocks keeps its work: swap (its "
                        "blocks are copied to CPU memory and back), recompute (they are dropped "
                        "and its tokens prefilled again) or auto (per request, whichever costs "
@@ -413,7 +414,10 @@ def _swap_config(args: EngineArgs, cache: CacheConfig, model: ModelConfig,
     per_block = kv_cache_bytes_per_block(cache, model) // args.tensor_parallel_size
     num_cpu = 0
     if args.preemption_mode != "recompute":
-        num_cpu = int(args.swap_space * 2**30) // per_block
+        # NOTE: no more than max_num_seqs full-length sequences can ever be swapped out, so a
+        # larger swap space would only cost pinning time at start-up.
+        most = args.max_num_seqs * -(-model.max_model_len // cache.block_size)
+        num_cpu = min(int(args.swap_space * 2**30) // per_block, most)
     hf = model.hf_config
     cost = SwapCostModel.for_model(
         bytes_per_block=per_block, block_size=cache.block_size, num_layers=model.num_layers,
