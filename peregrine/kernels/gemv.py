@@ -76,10 +76,10 @@ def launch_buffers(x2: torch.Tensor, n: int, tiles: int, split: int
 
 @triton.jit
 def store_partial(part_ptr, c_ptr, val, m, M, N, split, offs_n, n_mask, stride_cm,
-                  SPLIT_K: tl.constexpr):
+                  HAS_SPLIT: tl.constexpr):
     """Row m's (BLOCK_N,) float32 sums of this program's K range: the output itself without a
     split, else this split's partial."""
-    if SPLIT_K == 1:
+    if not HAS_SPLIT:
         tl.store(c_ptr + m * stride_cm + offs_n, val.to(c_ptr.dtype.element_ty),
                  mask=n_mask & ((offs_n * 0 + m) < M))
     else:
@@ -89,9 +89,10 @@ def store_partial(part_ptr, c_ptr, val, m, M, N, split, offs_n, n_mask, stride_c
 
 @triton.jit
 def finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, stride_cm,
-                   SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   SPLIT_K, HAS_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
     """The last program of a column tile adds its SPLIT_K partials in split order."""
-    if SPLIT_K > 1:
+    if HAS_SPLIT:
         # NOTE: every thread's partial stores are issued before the ticket (barrier), and the
         # ticket is a gpu-scope acq_rel atomic, so the last program sees all partials; it reads
         # them from L2 (.cg), never a stale L1 line.
@@ -117,12 +118,14 @@ def _row_dot(w, a_ptr, m, M, stride_am, offs_k, k_mask):
     return tl.sum(w * x.to(tl.float32)[None, :], axis=1)
 
 
-@triton.jit(do_not_specialize=["M", "stride_am", "stride_cm"])
+# NOTE: nothing that changes with the batch is specialised on: M, x's row stride; nor the K
+# loop's trip count and split, so layers of one kind share a compiled variant.
+@triton.jit(do_not_specialize=["M", "stride_am", "stride_cm", "K_ITERS", "SPLIT_K"])
 def _w8_gemv_kernel(
     a_ptr, w_ptr, s_ptr, part_ptr, lock_ptr, c_ptr,
-    M, N, K, stride_am, stride_wn, stride_cm, K_ITERS, scale_cols,
+    M, N, K, stride_am, stride_wn, stride_cm, K_ITERS, SPLIT_K, scale_cols,
     BLOCK_SCALE: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -162,26 +165,26 @@ def _w8_gemv_kernel(
     s = tl.full((BLOCK_N,), 1.0, tl.float32)
     if not BLOCK_SCALE:  # one scale per output channel, applied once to the sums
         s = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
-    store_partial(part_ptr, c_ptr, acc0 * s, 0, M, N, split, offs_n, n_mask, stride_cm, SPLIT_K)
+    store_partial(part_ptr, c_ptr, acc0 * s, 0, M, N, split, offs_n, n_mask, stride_cm, HAS_SPLIT)
     if BLOCK_M > 1:
         store_partial(part_ptr, c_ptr, acc1 * s, 1, M, N, split, offs_n, n_mask, stride_cm,
-                      SPLIT_K)
+                      HAS_SPLIT)
     if BLOCK_M > 2:
         store_partial(part_ptr, c_ptr, acc2 * s, 2, M, N, split, offs_n, n_mask, stride_cm,
-                      SPLIT_K)
+                      HAS_SPLIT)
         store_partial(part_ptr, c_ptr, acc3 * s, 3, M, N, split, offs_n, n_mask, stride_cm,
-                      SPLIT_K)
+                      HAS_SPLIT)
     if BLOCK_M > 4:
         store_partial(part_ptr, c_ptr, acc4 * s, 4, M, N, split, offs_n, n_mask, stride_cm,
-                      SPLIT_K)
+                      HAS_SPLIT)
         store_partial(part_ptr, c_ptr, acc5 * s, 5, M, N, split, offs_n, n_mask, stride_cm,
-                      SPLIT_K)
+                      HAS_SPLIT)
         store_partial(part_ptr, c_ptr, acc6 * s, 6, M, N, split, offs_n, n_mask, stride_cm,
-                      SPLIT_K)
+                      HAS_SPLIT)
         store_partial(part_ptr, c_ptr, acc7 * s, 7, M, N, split, offs_n, n_mask, stride_cm,
-                      SPLIT_K)
+                      HAS_SPLIT)
     finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, stride_cm,
-                   SPLIT_K, BLOCK_M, BLOCK_N)
+                   SPLIT_K, HAS_SPLIT, BLOCK_M, BLOCK_N)
 
 
 class W8GemvConfig(NamedTuple):
@@ -263,9 +266,9 @@ def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     bn_scale, bk_scale = block if block is not None else (1, 1)
     _w8_gemv_kernel[(tiles, cfg.split_k)](
         a, weight, scale, part, lock, out, m, n, k, a.stride(0), weight.stride(0), out.stride(0),
-        cfg.k_iters, scale_cols, BLOCK_SCALE=block is not None, BN_SCALE=bn_scale,
+        cfg.k_iters, cfg.split_k, scale_cols, BLOCK_SCALE=block is not None, BN_SCALE=bn_scale,
         BK_SCALE=bk_scale, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, num_warps=cfg.num_warps)
+        HAS_SPLIT=cfg.split_k > 1, num_warps=cfg.num_warps)
     return out
 
 

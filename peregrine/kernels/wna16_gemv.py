@@ -34,12 +34,12 @@ def _x_col(a_ptr, m, M, stride_am, kk, k_mask):
     return tl.load(a_ptr + m * stride_am + kk, mask=k_mask & row_ok, other=0.0).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["M", "stride_am", "stride_cm"])
+@triton.jit(do_not_specialize=["M", "stride_am", "stride_cm", "K_ITERS", "SPLIT_K"])
 def _wna16_gemv_kernel(
     a_ptr, q_ptr, qhi_ptr, s_ptr, z_ptr, part_ptr, lock_ptr, c_ptr,
-    M, N, K, stride_am, stride_cm, K_ITERS,
+    M, N, K, stride_am, stride_cm, K_ITERS, SPLIT_K,
     GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZP: tl.constexpr, PER_WORD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
 ):
     PACK: tl.constexpr = 4 if BITS == 8 else 8  # values per word of the main plane
     WIDTH: tl.constexpr = 8 if BITS == 8 else 4  # bits per value in the main plane
@@ -124,26 +124,26 @@ def _wna16_gemv_kernel(
             acc6 += t6 * s
             acc7 += t7 * s
     store_partial(part_ptr, c_ptr, tl.sum(acc0, axis=0), 0, M, N, split, offs_n, n_mask,
-                  stride_cm, SPLIT_K)
+                  stride_cm, HAS_SPLIT)
     if BLOCK_M > 1:
         store_partial(part_ptr, c_ptr, tl.sum(acc1, axis=0), 1, M, N, split, offs_n, n_mask,
-                      stride_cm, SPLIT_K)
+                      stride_cm, HAS_SPLIT)
     if BLOCK_M > 2:
         store_partial(part_ptr, c_ptr, tl.sum(acc2, axis=0), 2, M, N, split, offs_n, n_mask,
-                      stride_cm, SPLIT_K)
+                      stride_cm, HAS_SPLIT)
         store_partial(part_ptr, c_ptr, tl.sum(acc3, axis=0), 3, M, N, split, offs_n, n_mask,
-                      stride_cm, SPLIT_K)
+                      stride_cm, HAS_SPLIT)
     if BLOCK_M > 4:
         store_partial(part_ptr, c_ptr, tl.sum(acc4, axis=0), 4, M, N, split, offs_n, n_mask,
-                      stride_cm, SPLIT_K)
+                      stride_cm, HAS_SPLIT)
         store_partial(part_ptr, c_ptr, tl.sum(acc5, axis=0), 5, M, N, split, offs_n, n_mask,
-                      stride_cm, SPLIT_K)
+                      stride_cm, HAS_SPLIT)
         store_partial(part_ptr, c_ptr, tl.sum(acc6, axis=0), 6, M, N, split, offs_n, n_mask,
-                      stride_cm, SPLIT_K)
+                      stride_cm, HAS_SPLIT)
         store_partial(part_ptr, c_ptr, tl.sum(acc7, axis=0), 7, M, N, split, offs_n, n_mask,
-                      stride_cm, SPLIT_K)
+                      stride_cm, HAS_SPLIT)
     finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, stride_cm,
-                   SPLIT_K, BLOCK_M, BLOCK_N)
+                   SPLIT_K, HAS_SPLIT, BLOCK_M, BLOCK_N)
 
 
 class GemvConfig(NamedTuple):
@@ -207,9 +207,9 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     _wna16_gemv_kernel[(tiles, cfg.split_k)](
         a, q, w.qweight_hi if w.qweight_hi is not None else q, w.scales,
         w.zeros if w.zeros is not None else w.scales, part, lock, out,
-        m, n, k, a.stride(0), out.stride(0), cfg.k_iters,
+        m, n, k, a.stride(0), out.stride(0), cfg.k_iters, cfg.split_k,
         GROUP=w.group_size, BITS=w.bits, HAS_ZP=w.zeros is not None, PER_WORD=per_word,
-        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_SPLIT=cfg.split_k > 1,
         num_warps=cfg.num_warps)
     return out.reshape(*lead, n)
 
