@@ -72,7 +72,7 @@ def kernel_rows() -> list[dict]:
             ms = _time_ms(lambda: wna16_gemv(x, w))
             rows.append(dict(shape=name, K=k, N=n, weights=label, kernel="GEMV", ms=ms,
                              GBps=moved / ms / 1e6,
-                             split_k=gemv_config(1, w, dev).split_k))
+                             split_k=gemv_config(w, dev).split_k))
     return rows
 
 

@@ -197,8 +197,9 @@ class W8GemvConfig(NamedTuple):
 
 def w8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None,
                    device: torch.device) -> W8GemvConfig:
-    """Tiles of 256 weight bytes per row along K (128 when block scales are that narrow), 32
-    output channels per program, K split to fill the SMs."""
+    """Tiles of 256 weight bytes per row along K (less when block scales are that narrow), 32
+    output channels per program at 1-2 rows, 16 above, K split to fill the SMs. Compiled for
+    sm_90 with 4 warps: 56 / 96 / 80 / 96 registers at BLOCK_M 1 / 2 / 4 / 8, no spills."""
     block_k = 256
     if block is not None:
         while block_k > 16 and block[1] % block_k:

@@ -99,9 +99,10 @@ def test_every_config_fits_the_h200s_shared_memory(bits: int) -> None:
         for a_bytes in (2, 4):
             c = choose_config(m, 4096, 14336, 128, False, 132, bits, a_bytes, limit)
             assert smem_bytes(c.block_m, c.block_n, c.block_k, c.num_stages, bits,
-                              a_bytes) <= limit - 16 * 1024, (m, a_bytes, c)
+                              a_bytes) <= limit - 4 * 1024, (m, a_bytes, c)
             assert c.num_stages >= 2 and 128 % c.block_k == 0
-    # 4 and 8 bits keep the pipeline they had; only 6 bits give up a stage.
+    # 4 and 8 bits keep the pipeline they had; only 6 bits give up a stage, where it must.
     four = choose_config(64, 4096, 4096, 128, False, 132, 4)
     six = choose_config(64, 4096, 4096, 128, False, 132, 6)
     assert four.num_stages == 4 and six.num_stages == 3
+    assert choose_config(16, 4096, 4096, 128, False, 132, 6).num_stages == 4  # 225,280 B fit
