@@ -111,7 +111,8 @@ def test_engine_bf16_matches_rounded_reference(tmp_path: Path, scheme: str, grou
         _needs_fp8()
     src = tiny_checkpoint("qwen3", dtype=torch.bfloat16)
     path = fp8_pack.write_compressed_tensors(src, tmp_path / "ct", scheme, block=(32, 32))
+    # NOTE: decode steps (one row) take the weight-only GEMV, x not rounded; prompt chunks do.
     scores = fp8_pack.score_generation(path, tmp_path / "ct-reference", act, group,
-                                       dtype="bfloat16")
+                                       dtype="bfloat16", decode_unrounded=True)
     diff = torch.tensor(scores["quantized"]) - torch.tensor(scores["reference_rounded"])
     assert diff.abs().max() < 0.5 and diff.abs().mean() < 0.1, diff.tolist()

@@ -86,3 +86,32 @@ def test_bad_inputs_are_named() -> None:
         w8_gemv(torch.zeros(1, K), wq.float(), ws)
     assert not w8_gemv_supported(wq.t())  # column-major
     assert not w8_gemv_supported(wq, (128, 24))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme, act", [("int8_dynamic", torch.int8),
+                                         ("fp8_dynamic", FP8_DTYPE)], ids=["int8", "fp8"])
+def test_engine_decode_steps_take_weight_only_math(tmp_path, monkeypatch, scheme: str,
+                                                   act: torch.dtype) -> None:
+    """The CUDA dispatch (GEMV at most GEMV_MAX_M rows) run here through the interpreter: the
+    greedy tokens' logprobs follow the reference that rounds only the prompt's linear inputs."""
+    import peregrine.layers.quantization.fp8 as fp8_mod
+    import peregrine.layers.quantization.int8 as int8_mod
+    from peregrine.kernels.gemv import GEMV_MAX_M
+    from peregrine.testing.checkpoints import tiny_checkpoint
+    taken = []
+
+    def small(x: torch.Tensor) -> bool:
+        taken.append(0 < x.numel() // x.shape[-1] <= GEMV_MAX_M)
+        return taken[-1]
+
+    for mod in (fp8_mod, int8_mod):
+        monkeypatch.setattr(mod, "use_gemv", small)
+        monkeypatch.setattr(mod, "w8_gemv_ready", lambda w, block=None: True)
+    src = tiny_checkpoint("qwen3", dtype=torch.bfloat16)
+    path = fp8_pack.write_compressed_tensors(src, tmp_path / "ct", scheme)
+    scores = fp8_pack.score_generation(path, tmp_path / "ct-reference", act,
+                                       decode_unrounded=True)
+    assert any(taken) and not all(taken)  # decode steps took the GEMV, prompt chunks did not
+    q, ref = torch.tensor(scores["quantized"]), torch.tensor(scores["reference_rounded"])
+    assert (q - ref).abs().max() < 0.2 and (q - ref).abs().mean() < 0.06, (q - ref).tolist()
