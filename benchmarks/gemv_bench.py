@@ -98,7 +98,7 @@ def _int_mm(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor
 
 def shape_rows(model: str, proj: str, k: int, n: int, rows: list[int], iters: int,
                sweep: bool, dev: torch.device = torch.device("cuda")) -> list[dict]:
-    from peregrine.kernels.gemv import GEMV_MAX_M, w8_gemv
+    from peregrine.kernels.gemv import GEMV_MAX_M, block_m_for, w8_gemv
     from peregrine.kernels.wna16_gemm import wna16_gemm
     from peregrine.kernels.wna16_gemv import gemv_config, wna16_gemv
     from peregrine.testing import fp8_pack
@@ -132,7 +132,7 @@ def shape_rows(model: str, proj: str, k: int, n: int, rows: list[int], iters: in
         for m in rows:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             if m <= GEMV_MAX_M:
-                cfg = gemv_config(w, dev)
+                cfg = gemv_config(w, dev, block_m_for(m))
                 timed(f"{label} GEMV", m, [lambda v=v: wna16_gemv(x, v) for v in ws],
                       wbytes + io(m), config=cfg._asdict())
                 if sweep and m in (1, GEMV_MAX_M):

@@ -154,13 +154,11 @@ class GemvConfig(NamedTuple):
     num_warps: int
 
 
-# 16 rows of 64 words per K block, over 8 warps: one 16-byte load per thread, and 4 words of
-# accumulator per thread and batch row. Compiled for sm_90, BLOCK_M 1 / 2 / 4 / 8 take about 40 /
-# 64 / 97 / 169 registers at 4 bits and 48 / 75 / 117 / 215 at 8 bits, without spills (twice
-# the words per thread spill at BLOCK_M 8).
+# 16 rows of 64 words per K block. Compiled for sm_90 (4-bit, zero points): 4 warps at 1 / 2 /
+# 4 rows take 56 / 89 / 128 registers and about 6.6 / 8.9 / 12.3 instructions per weight value
+# in the K loop; 8 rows take 8 warps (169 registers, 22.7 per value) where 4 would use all 255.
 _WORDS = 16
 _BLOCK_N = 64
-_WARPS = 8
 
 
 def _block_k(bits: int) -> int:
@@ -178,12 +176,12 @@ def gemv_supported(w: WNA16Layout, block_k: int | None = None) -> bool:
     return g % bk == 0 or g == w.in_features or (bk % g == 0 and g % pack == 0)
 
 
-def gemv_config(w: WNA16Layout, device: torch.device) -> GemvConfig:
+def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1) -> GemvConfig:
     """64 output columns (256 bytes of words per row) per program; K split to fill the SMs."""
     block_k = _block_k(w.bits)
     tiles = triton.cdiv(w.out_features, _BLOCK_N)
     split, k_iters = choose_split(tiles, triton.cdiv(w.in_features, block_k), device)
-    return GemvConfig(_BLOCK_N, block_k, split, k_iters, _WARPS)
+    return GemvConfig(_BLOCK_N, block_k, split, k_iters, 8 if block_m > 4 else 4)
 
 
 def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None) -> torch.Tensor:
@@ -197,7 +195,7 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
         a = a.contiguous()
     m = a.shape[0]
     bm = block_m_for(m)
-    cfg = config or gemv_config(w, x.device)
+    cfg = config or gemv_config(w, x.device, bm)
     if cfg.block_k & (cfg.block_k - 1) or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"wna16_gemv: block_k {cfg.block_k} and block_n {cfg.block_n} must be "
                          "powers of two")
