@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from peregrine.config import EngineArgs, ModelConfig
+    from peregrine.sampling_params import SamplingParams
 
 SPEC_METHODS = ("ngram", "draft_model")
 SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
@@ -139,3 +140,12 @@ class SpeculativeConfig:
                        f"target's {target.vocab_size}; both must share one tokenizer")
         return cls("draft_model", k, model=folder, quantization=quant,
                    disable_by_batch_size=disable, draft=draft)
+
+
+def speculation_allowed(params: SamplingParams) -> bool:
+    """Whether a request may verify drafts: a verify step samples each position as its own row,
+    which is exact unless sampling depends on the tokens drawn earlier in the same step
+    (repetition, presence and frequency penalties, bad_words, structured outputs)."""
+    return (params.repetition_penalty == 1.0 and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0 and not params.bad_words
+            and params.structured_outputs is None)

@@ -9,6 +9,7 @@ from peregrine.attention import get_attention_backend
 from peregrine.attention.kv_dtype import kv_cache_torch_dtype
 from peregrine.config import EngineConfig
 from peregrine.messages import ModelRunnerOutput, SchedulerOutput
+from peregrine.spec_decode.proposer import build_proposer
 from peregrine.worker.cuda_graphs import (CudaGraphRunner, PiecewiseGraphs, decode_graph_bytes,
                                           prefill_graph_sizes)
 from peregrine.worker.kv_memory import allocate_kv_caches, determine_num_blocks
@@ -40,6 +41,11 @@ class Worker:
         # NOTE: load_model chooses the fused kernels for the device when it builds the layers.
         self.model = load_model(config.model, get_attention_backend(config.attention_backend), dev)
         self.model_runner = ModelRunner(config, self.model, dev)
+        # Speculative decoding: the proposer loads what it runs once the target is loaded.
+        self.proposer = build_proposer(config, dev)
+        if self.proposer is not None:
+            self.proposer.load_model(self.model)
+            self.model_runner.proposer = self.proposer
         self.num_blocks: int | None = None
 
     def determine_num_blocks(self) -> int:
@@ -54,7 +60,9 @@ class Worker:
             profile_run(self.model, r.buffers, self.config.model, sc.max_num_batched_tokens,
                         sc.max_num_seqs, self.config.cache.block_size)
 
-        return determine_num_blocks(self.config, self.device, profile, self._graph_reserve())
+        extra = self.proposer.kv_cache_bytes_per_block() if self.proposer is not None else 0
+        return determine_num_blocks(self.config, self.device, profile, self._graph_reserve(),
+                                    extra)
 
     def _captures_graphs(self) -> bool:
         """Whether initialize_cache will capture CUDA graphs."""
@@ -83,6 +91,8 @@ class Worker:
         kv = allocate_kv_caches(cfg.model, num_blocks, cfg.cache.block_size, self.device,
                                 cache_dtype)
         r.initialize_kv_cache(kv)
+        if self.proposer is not None:
+            self.proposer.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         if self.device.type != "cuda":
             return
