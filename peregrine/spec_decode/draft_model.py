@@ -124,9 +124,22 @@ class DraftModelProposer(Proposer):
         attn = self.model.layers[0].self_attn
         precompile(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.block_size, mc.dtype,
                    self.device, dtype)
+        self._warm_up()
         if not cfg.enforce_eager:
             self.graphs = CudaGraphRunner(self.model, self.buffers, self.kv_caches,
                                           self.max_num_reqs, self.max_positions)
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """One eager pass of a decode beside a chunk, writing nothing: the draft's shapes compile
+        their Triton kernels here rather than in the first proposal."""
+        q = np.array([1, 3], np.int64)
+        qsl = np.array([0, 1, 4], np.int64)
+        table = np.zeros((2, 3), np.int32)  # block 0, whatever the block size
+        p = self._fill(np.zeros(4, np.int64), np.array([0, 0, 1, 2]), np.array([0, 1, 1, 1]),
+                       table, np.arange(2), q, qsl, q)
+        self.buffers.slot_mapping_np[:4] = -1
+        self._run(p, np.array([0, 3]))
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         for rid in req_ids:

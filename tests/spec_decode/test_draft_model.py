@@ -10,6 +10,7 @@ from peregrine.config import EngineArgs
 from peregrine.spec_decode import ProposeInput
 from peregrine.spec_decode.draft_model import DraftModelProposer
 from peregrine.testing.checkpoints import tiny_checkpoint
+from peregrine.worker.cuda_graphs import CudaGraphRunner
 
 BLOCK = 4
 NUM_BLOCKS = 96
@@ -216,3 +217,33 @@ def test_a_draft_shorter_than_max_model_len_is_refused():
     short = str(tiny_checkpoint("llama", max_position_embeddings=64, **DRAFT_KW))
     with pytest.raises(ValueError, match="max_model_len: 128 exceeds the model's limit 64"):
         make_proposer(spec={"model": short})
+
+
+def test_warm_up_writes_no_kv(hf_draft):
+    proposer = make_proposer()
+    proposer._warm_up()  # run on CUDA before the graphs are captured
+    assert not any(k.any() or v.any() for k, v in proposer.kv_caches)
+    reqs = Requests(seed=6)
+    reqs.add("a", 6)
+    check(proposer, reqs, hf_draft, {"a": 3})
+
+
+def test_decode_graph_path_gives_the_same_drafts(hf_draft):
+    # NOTE: capture=False runs the graphs' exact steps eagerly: padded batches over the fixed
+    # step buffers, the drafts written into the input-id buffer on the device.
+    proposer = make_proposer(max_num_seqs=6)
+    proposer.graphs = CudaGraphRunner(proposer.model, proposer.buffers, proposer.kv_caches,
+                                      proposer.max_num_reqs, proposer.max_positions,
+                                      capture=False)
+    replays: list[int] = []
+    replay = proposer.graphs.replay
+    proposer.graphs.replay = lambda b: replays.append(b) or replay(b)
+    reqs = Requests(seed=7)
+    for rid, n in (("a", 7), ("b", 12), ("c", 2)):
+        reqs.add(rid, n)
+    d = check(proposer, reqs, hf_draft, {"a": 3, "b": 3, "c": 2})
+    assert replays == [3, 2]  # the catch-up is a prefill: eager; then two decode passes
+    for rid in "abc":
+        reqs.append(rid, d[rid][:1] + [9])
+    check(proposer, reqs, hf_draft, {"a": 3, "b": 1, "c": 3})
+    assert replays[2:] == [3, 2, 2]  # an all-decode catch-up replays too
