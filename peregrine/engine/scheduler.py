@@ -333,17 +333,21 @@ class Scheduler:
                         self.spec_num_accepted_tokens += num_accepted
                 assert req.num_computed_tokens <= req.num_tokens + max(len(tokens) - 1, 0), \
                     f"{req} computed past its tokens"
-            cache_computed_blocks(req)
             if not tokens:
+                cache_computed_blocks(req)
                 continue  # a prefill chunk that did not reach the end of the known tokens
             assert in_flight or req.num_computed_tokens == req.num_tokens + len(tokens) - 1, \
                 f"{req} sampled before its last token"
+            status = None
             for token in tokens:
                 req.append_output_token(token)
                 status = self._check_stop(req, token)
                 if status is not None:
-                    self._finish(req, status)
                     break
+            # NOTE: after the append: a verify step's accepted drafts complete blocks too.
+            cache_computed_blocks(req)
+            if status is not None:
+                self._finish(req, status)
             else:
                 req.spec_token_ids = draft_out.get(req.request_id, []) if draft_out else []
             changed.append(req)
