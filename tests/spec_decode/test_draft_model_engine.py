@@ -45,7 +45,7 @@ def generate(spec: dict | None, **engine) -> tuple[list[list[int]], object]:
     try:
         outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
         return ([list(o.outputs[0].token_ids) for o in outs],
-                llm.engine.core_client.core.scheduler.make_stats())
+                llm.engine.get_stats())
     finally:
         del llm
         gc.collect()
