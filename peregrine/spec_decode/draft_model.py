@@ -26,7 +26,7 @@ from peregrine.attention import get_attention_backend
 from peregrine.attention.kv_dtype import kv_cache_bytes_per_block, kv_cache_torch_dtype
 from peregrine.spec_decode.proposer import Proposer, ProposeInput
 from peregrine.transfer import to_device
-from peregrine.worker.cuda_graphs import CudaGraphRunner, KVCaches
+from peregrine.worker.cuda_graphs import CudaGraphRunner, KVCaches, decode_graph_bytes
 from peregrine.worker.kv_memory import allocate_kv_caches
 from peregrine.worker.loader import load_model
 from peregrine.worker.step_buffers import StepBuffers
@@ -107,6 +107,21 @@ class DraftModelProposer(Proposer):
     def kv_cache_bytes_per_block(self) -> int:
         return kv_cache_bytes_per_block(self.engine_config.cache, self.draft_config)
 
+    def captures_graphs(self) -> bool:
+        """Whether initialize_kv_cache captures decode graphs (as the target does: CUDA, the
+        Triton backend, not enforce_eager)."""
+        cfg = self.engine_config
+        return (self.device.type == "cuda" and cfg.attention_backend == "triton"
+                and not cfg.enforce_eager)
+
+    def graph_memory_bytes(self) -> int:
+        """GPU memory the draft's decode graphs keep for their logits (allocated after the KV
+        cache is sized, like the target's graphs)."""
+        if not self.captures_graphs():
+            return 0
+        return decode_graph_bytes(self.max_num_reqs, self.draft_config.vocab_size,
+                                  self.draft_config.dtype)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """The draft's K/V pools (the target pool's block count and cache dtype); decode graphs
         when the target captures them."""
@@ -125,7 +140,7 @@ class DraftModelProposer(Proposer):
         precompile(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.block_size, mc.dtype,
                    self.device, dtype)
         self._warm_up()
-        if not cfg.enforce_eager:
+        if self.captures_graphs():
             self.graphs = CudaGraphRunner(self.model, self.buffers, self.kv_caches,
                                           self.max_num_reqs, self.max_positions)
 

@@ -247,3 +247,17 @@ def test_decode_graph_path_gives_the_same_drafts(hf_draft):
         reqs.append(rid, d[rid][:1] + [9])
     check(proposer, reqs, hf_draft, {"a": 3, "b": 1, "c": 3})
     assert replays[2:] == [3, 2, 2]  # an all-decode catch-up replays too
+
+
+def test_graph_memory_is_reserved_only_where_graphs_are_captured():
+    import dataclasses
+
+    from peregrine.worker.cuda_graphs import decode_graph_bytes
+    proposer = make_proposer(max_num_seqs=8)
+    assert not proposer.captures_graphs() and proposer.graph_memory_bytes() == 0
+    proposer.device = torch.device("cuda")  # what the sizing would see on a GPU
+    proposer.engine_config = dataclasses.replace(proposer.engine_config,
+                                                 attention_backend="triton")
+    assert proposer.graph_memory_bytes() == decode_graph_bytes(8, 512, torch.float32)
+    proposer.engine_config = dataclasses.replace(proposer.engine_config, enforce_eager=True)
+    assert proposer.graph_memory_bytes() == 0
