@@ -106,6 +106,7 @@ class ModelRunner:
         tm["sample_launch"] += time.perf_counter() - t2
         tm["steps"] += 1
         tm["decode_only_steps"] += plan.num_decodes == plan.num_seqs
+        tm["verify_steps"] += plan.draft_tokens is not None
         return handle
 
     def _swap(self, sched: SchedulerOutput) -> None:
@@ -167,6 +168,7 @@ class ModelRunner:
         meta.max_query_len = plan.max_query_len
         meta.max_seq_len = plan.max_seq_len
         if pieces:
+            self.timing["piecewise_graph_steps"] += 1
             return self.prefill_graphs.run(t, meta), None
         return self.model(input_ids, positions, self.kv_caches, meta), None
 
