@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from peregrine.bench.offline import build_parser, run_latency, run_throughput
 from peregrine.testing.checkpoints import tiny_checkpoint
 
@@ -30,3 +32,17 @@ def test_throughput_reports_acceptance() -> None:
     res = run_throughput(_args("throughput", "--num-prompts", "4", "--min-input", "8",
                                "--max-input", "16", "--min-output", "8", "--max-output", "16"))
     assert set(res["speculative"]) == KEYS
+
+
+@pytest.mark.slow
+def test_spec_bench_case_runs_on_the_cpu() -> None:
+    import argparse
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import spec_bench
+    ns = argparse.Namespace(k=3, output_len=6, num_prompts=1, batches=[1, 2])
+    res = spec_bench.run_case("ngram-code", ns, device="cpu", dtype="float32")
+    assert res["same_tokens_as_plain"] == 1.0
+    assert set(res["sweep_speedup"]) == {1, 2}
+    assert res["predicted_speedup"] > 0 and res["spec"]["num_drafts"] >= 0
