@@ -363,6 +363,11 @@ class EngineConfig:
             spec = SpeculativeConfig.from_raw(args.speculative_config, args, model)
             # NOTE: a verify step's accepted count decides the next step's inputs, so steps
             # cannot be launched ahead; speculation runs synchronously.
+            if async_scheduling is not False:
+                import logging
+                logging.getLogger("peregrine").info(
+                    "speculative decoding (%s, k=%d) runs with async scheduling off",
+                    spec.method, spec.num_speculative_tokens)
             async_scheduling = False
         return cls(model, cache, sched, device, backend, args.enforce_eager,
                    args.tensor_parallel_size, async_scheduling,

@@ -239,7 +239,11 @@ class ModelRunner:
 
     def _add_grammar_masks(self, meta, plan: StepPlan, sched: SchedulerOutput) -> None:
         """Point the step's grammar bitmask rows at the sampler rows of their requests."""
-        sample_row = {plan.req_ids[i]: j for j, i in enumerate(plan.order[plan.sample_idx].tolist())}
+        # NOTE: constrained requests never verify drafts: each has one logits row, after the
+        # rows of the sampled rows before it (k + 1 for a verify row).
+        first = np.cumsum(plan.sample_counts) - plan.sample_counts  # (S,)
+        sample_row = {plan.req_ids[i]: int(f) for i, f in zip(
+            plan.order[plan.sample_idx].tolist(), first.tolist())}
         ids = sched.structured_req_ids
         missing = [r for r in ids if r not in sample_row]
         if missing:

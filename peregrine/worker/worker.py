@@ -58,11 +58,21 @@ class Worker:
             logger.info("profiling one worst-case step to size the KV cache (a first run also "
                         "compiles the Triton kernels; later runs reuse Triton's cache)")
             profile_run(self.model, r.buffers, self.config.model, sc.max_num_batched_tokens,
-                        sc.max_num_seqs, self.config.cache.block_size)
+                        sc.max_num_seqs, self.config.cache.block_size, self._max_sampled_rows())
 
         extra = self.proposer.kv_cache_bytes_per_block() if self.proposer is not None else 0
         return determine_num_blocks(self.config, self.device, profile, self._graph_reserve(),
                                     extra)
+
+    def _max_sampled_rows(self) -> int:
+        """Most logits rows one step samples: a verify step samples k + 1 per sequence."""
+        spec, sc = self.config.speculative, self.config.scheduler
+        if spec is None:
+            return sc.max_num_seqs
+        seqs = sc.max_num_seqs
+        if spec.disable_by_batch_size is not None:
+            seqs = min(seqs, spec.disable_by_batch_size)
+        return max(sc.max_num_seqs, seqs * (spec.num_speculative_tokens + 1))
 
     def _captures_graphs(self) -> bool:
         """Whether initialize_cache will capture CUDA graphs."""

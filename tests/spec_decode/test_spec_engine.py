@@ -48,9 +48,11 @@ def reference() -> list:
 
 @pytest.mark.parametrize("kw", [
     {},
-    {"enable_prefix_caching": False},
-    {"max_num_batched_tokens": 7},  # chunked prefill; drafts trimmed to the budget
-    {"num_gpu_blocks_override": 12, "block_size": 4},  # preemption (recompute)
+    pytest.param({"enable_prefix_caching": False}, marks=pytest.mark.slow),
+    # chunked prefill; drafts trimmed to the budget
+    pytest.param({"max_num_batched_tokens": 7}, marks=pytest.mark.slow),
+    # preemption (recompute)
+    pytest.param({"num_gpu_blocks_override": 12, "block_size": 4}, marks=pytest.mark.slow),
 ], ids=["default", "no-prefix-caching", "chunked", "preemption"])
 def test_greedy_tokens_equal_without_speculation(reference, kw) -> None:
     llm = _llm(NGRAM, **kw)
@@ -102,8 +104,10 @@ class _OracleDrafts:
 
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=11, max_tokens=20, ignore_eos=True),
-    SamplingParams(temperature=1.0, min_p=0.05, seed=3, max_tokens=20, ignore_eos=True, n=2),
-    SamplingParams(temperature=0.8, seed=5, max_tokens=20, min_tokens=12),
+    pytest.param(SamplingParams(temperature=1.0, min_p=0.05, seed=3, max_tokens=20,
+                                ignore_eos=True, n=2), marks=pytest.mark.slow),
+    pytest.param(SamplingParams(temperature=0.8, seed=5, max_tokens=20, min_tokens=12),
+                 marks=pytest.mark.slow),
 ], ids=["top-p-top-k", "n2-min-p", "min-tokens"])
 def test_seeded_sampling_gives_the_same_tokens(monkeypatch, params) -> None:
     ref_llm = _llm()
@@ -117,6 +121,7 @@ def test_seeded_sampling_gives_the_same_tokens(monkeypatch, params) -> None:
     assert 0 < accepted < proposed
 
 
+@pytest.mark.slow
 def test_drafts_of_eos_respect_min_tokens(monkeypatch) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=8)
     ref = _run(_llm(), params)[0]
@@ -128,6 +133,7 @@ def test_drafts_of_eos_respect_min_tokens(monkeypatch) -> None:
     assert all(EOS_ID not in seq[:8] for seqs in got for seq in seqs)
 
 
+@pytest.mark.slow
 def test_a_plain_step_above_disable_by_batch_size() -> None:
     llm = _llm({**NGRAM, "disable_by_batch_size": 1})
     got = _run(llm, GREEDY)[0]
@@ -135,3 +141,17 @@ def test_a_plain_step_above_disable_by_batch_size() -> None:
     # four requests run together for most steps: only the last one alone speculates, if any
     proposed, _ = _accepted(llm)
     assert proposed < 4 * 24
+
+
+@pytest.mark.slow
+def test_structured_request_beside_speculating_ones() -> None:
+    from peregrine.structured_output.params import StructuredOutputsParams
+    regex = SamplingParams(temperature=0.0, max_tokens=20,
+                           structured_outputs=StructuredOutputsParams(regex=r"[a-c]{3,8}"))
+    params = [GREEDY, regex, GREEDY, GREEDY]
+    ref = _run(_llm(), params)[0]
+    llm = _llm(NGRAM)
+    got, outs = _run(llm, params)
+    assert got == ref
+    assert all(ch in "abc" for ch in outs[1].outputs[0].text)
+    assert _accepted(llm)[1] > 0
