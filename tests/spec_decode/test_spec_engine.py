@@ -155,3 +155,20 @@ def test_structured_request_beside_speculating_ones() -> None:
     assert got == ref
     assert all(ch in "abc" for ch in outs[1].outputs[0].text)
     assert _accepted(llm)[1] > 0
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_speculate_like_one_plain_process() -> None:
+    # NOTE: every rank runs the proposer and verifies with the same gathered logits and noise,
+    # so the ranks agree; rank 0's drafts are the ones scheduled.
+    params = [GREEDY, GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=24,
+                                             ignore_eos=True), GREEDY]
+    want_llm = _llm()
+    want = _run(want_llm, params)[0]
+    want_llm.engine.shutdown()
+    llm = _llm(NGRAM, tensor_parallel_size=2, num_gpu_blocks_override=40, block_size=4)
+    try:
+        assert _run(llm, params)[0] == want
+        assert _accepted(llm)[1] > 0
+    finally:
+        llm.engine.shutdown()
