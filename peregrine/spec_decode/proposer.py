@@ -28,9 +28,12 @@ class ProposeInput:
     req_ids: list[str]
     # Per request: every token so far (prompt + outputs, including those accepted this step).
     token_ids: list[np.ndarray]
-    # Per request: its block-table row; slots exist for positions < len(token_ids[i]) + k.
+    # Per request: its block-table row; slots exist for positions < len(token_ids[i]) +
+    # num_draft[i] (k + 1 past the step's tokens when the pool had room). Read-only views.
     block_ids: list[np.ndarray]
-    num_draft: np.ndarray  # (R,) tokens to propose per request (<= k; may be 0)
+    # (R,) tokens to propose per request, in 1..k: capped so that the verify step fits the block
+    # table, max_model_len and max_tokens.
+    num_draft: np.ndarray
 
 
 class Proposer(ABC):
