@@ -66,8 +66,10 @@ class SchedulerOutput:
     # Speculative decoding: request id -> the draft tokens scheduled after its last token (its
     # num_scheduled_tokens counts them); the step verifies them (spec_decode/verify.py).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    # Whether the workers propose drafts for their requests after this step.
+    # Whether the workers propose drafts for their requests after this step, and requests that
+    # want none (backing off after rejected drafts).
     propose_drafts: bool = False
+    no_propose_req_ids: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -25,6 +25,11 @@ if TYPE_CHECKING:
     from peregrine.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("peregrine")
+# A request whose drafts were all rejected this many verify steps in a row decodes plainly for a
+# while (2, 4, 8, ... steps, at most SPEC_MAX_BACKOFF), so text the proposer cannot predict costs
+# little more than plain decoding; one accepted draft resets it.
+SPEC_BACKOFF_AFTER = 2
+SPEC_MAX_BACKOFF = 32
 
 
 @dataclass
@@ -87,6 +92,7 @@ class Scheduler:
         self.num_lookahead = speculative.num_speculative_tokens + 1 if speculative else 0
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
         self._speculate = False  # this step's decision (see schedule)
+        self._no_propose: list[str] = []  # backing off: no drafts wanted after this step
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -194,6 +200,7 @@ class Scheduler:
         finished_ids, self._finished_ids = self._finished_ids, []
         out = self._make_output(scheduled, [r.request_id for r in preempted], finished_ids)
         out.propose_drafts = speculate
+        out.no_propose_req_ids, self._no_propose = self._no_propose, []
         if drafts:
             out.scheduled_spec_decode_tokens = {r.request_id: d for r, d in drafts.items()}
         assert not (self._swap_out and self._swap_in), "a step both swaps out and admits"
@@ -209,6 +216,11 @@ class Scheduler:
         proposed, req.spec_token_ids = req.spec_token_ids, []
         if not speculation_allowed(req.sampling_params):
             return False
+        if req.spec_skip:
+            req.spec_skip -= 1
+            proposed = []
+            if req.spec_skip:
+                self._no_propose.append(req.request_id)
         cfg = self.config
         num_d = 0
         if proposed and num_new == 1 and req.num_computed_tokens == req.num_tokens - 1:
@@ -328,6 +340,14 @@ class Scheduler:
                             raise ValueError(f"request {req.request_id!r} verified {num_d} "
                                              f"drafts but got {len(tokens)} tokens")
                         req.num_computed_tokens -= num_d - num_accepted
+                        if num_accepted:
+                            req.spec_misses = 0
+                        else:
+                            req.spec_misses += 1
+                            if req.spec_misses >= SPEC_BACKOFF_AFTER:
+                                req.spec_skip = min(
+                                    2 ** (req.spec_misses - SPEC_BACKOFF_AFTER + 1),
+                                    SPEC_MAX_BACKOFF)
                         self.spec_num_drafts += 1
                         self.spec_num_draft_tokens += num_d
                         self.spec_num_accepted_tokens += num_accepted

@@ -46,6 +46,7 @@ class StepHandle:
     # drafts once the step's tokens are known.
     sample_counts: np.ndarray | None = None
     propose: bool = False
+    no_propose: list[str] | None = None
 
 
 class ModelRunner:
@@ -235,7 +236,8 @@ class ModelRunner:
         return StepHandle(step_id, plan.req_ids, order, [plan.req_ids[i] for i in order],
                           generations, positions, batch.sampling.num_logprobs[rows].tolist(),
                           prompt_lp, host, event, plan.sample_counts if verify else None,
-                          sched.propose_drafts and self.proposer is not None)
+                          sched.propose_drafts and self.proposer is not None,
+                          sched.no_propose_req_ids)
 
     def _add_grammar_masks(self, meta, plan: StepPlan, sched: SchedulerOutput) -> None:
         """Point the step's grammar bitmask rows at the sampler rows of their requests."""
@@ -335,6 +337,9 @@ class ModelRunner:
         batch, k = self.batch, self.config.speculative.num_speculative_tokens
         rows = np.fromiter((batch.row_of.get(r, -1) for r in handle.sample_req_ids), np.int64,
                            len(handle.sample_req_ids))  # (S,)
+        if handle.no_propose:
+            skip = set(handle.no_propose)
+            rows[[i for i, r in enumerate(handle.sample_req_ids) if r in skip]] = -1
         rows = rows[rows >= 0]
         rows = rows[batch.can_speculate[rows]]
         lens = batch.num_tokens[rows]  # (R,)

@@ -192,3 +192,22 @@ def test_tight_pool_drops_drafts_instead_of_preempting() -> None:
     out = s.schedule()
     assert not out.preempted_req_ids
     assert sum(out.num_scheduled_tokens.values()) >= 2
+
+
+def test_requests_back_off_after_drafts_are_rejected_in_a_row() -> None:
+    s = make_sched()
+    req = make_req("a", 6, max_tokens=50, ignore_eos=True)
+    prefill(s, req, [8, 9, 10])
+    verified = []
+    for step in range(24):
+        out = s.schedule()
+        verified.append(bool(out.scheduled_spec_decode_tokens))
+        assert out.no_propose_req_ids in ([], ["a"])
+        # every draft is rejected, except in step 18
+        tokens = [8, 20] if step == 18 else [20]
+        run(s, out, {"a": tokens[:1 + len(out.scheduled_spec_decode_tokens.get("a", []))]},
+            {} if out.no_propose_req_ids else {"a": [8, 9, 10]})
+    T, F = True, False
+    # misses 1, 2 -> skip 2 steps; miss 3 -> skip 4; miss 4 -> skip 8; step 18 accepts and
+    # resets; misses 1, 2 -> skip 2
+    assert verified == [T, T, F, F, T, F, F, F, F, T] + [F] * 8 + [T, T, T, F, F, T]
