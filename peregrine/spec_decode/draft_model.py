@@ -6,8 +6,9 @@ target's block tables, so it needs no allocator. Per request it remembers how ma
 its cache holds (the valid prefix): drafts it fed itself stay valid while the target accepts them.
 A proposal is one batched catch-up forward (new prompts as chunks under max_num_batched_tokens,
 typically 1-2 tokens for running requests) whose last positions give the first drafts, then
-k - 1 batched single-token decodes (CUDA graphs when the target uses them). Greedy drafts are
-one-hot proposals, which the verification accepts losslessly at any temperature.
+k - 1 batched single-token decodes. When the target uses CUDA graphs the draft has its own:
+decode graphs for all-decode passes, piecewise graphs for catch-ups with chunks. Greedy drafts
+are one-hot proposals, which the verification accepts losslessly at any temperature.
 
 A new request always starts from an empty valid prefix: a prefix-cache hit shares the target's
 blocks, but the draft's entries in those blocks may never have been written.
@@ -26,7 +27,8 @@ from peregrine.attention import get_attention_backend
 from peregrine.attention.kv_dtype import kv_cache_bytes_per_block, kv_cache_torch_dtype
 from peregrine.spec_decode.proposer import Proposer, ProposeInput
 from peregrine.transfer import to_device
-from peregrine.worker.cuda_graphs import CudaGraphRunner, KVCaches, decode_graph_bytes
+from peregrine.worker.cuda_graphs import (CudaGraphRunner, KVCaches, PiecewiseGraphs,
+                                          decode_graph_bytes, prefill_graph_sizes)
 from peregrine.worker.kv_memory import allocate_kv_caches
 from peregrine.worker.loader import load_model
 from peregrine.worker.step_buffers import StepBuffers
@@ -85,6 +87,7 @@ class DraftModelProposer(Proposer):
         self.model: nn.Module | None = None
         self.kv_caches: KVCaches = []
         self.graphs: CudaGraphRunner | None = None
+        self.prefill_graphs: PiecewiseGraphs | None = None  # catch-up passes with chunks
         self._state: dict[str, _DraftState] = {}
 
     # ---- set-up ------------------------------------------------------------------------------
@@ -143,6 +146,10 @@ class DraftModelProposer(Proposer):
         if self.captures_graphs():
             self.graphs = CudaGraphRunner(self.model, self.buffers, self.kv_caches,
                                           self.max_num_reqs, self.max_positions)
+            sizes = prefill_graph_sizes(min(cfg.max_prefill_graph_tokens, self.token_budget))
+            if sizes:
+                self.prefill_graphs = PiecewiseGraphs(self.model, self.buffers, self.kv_caches,
+                                                      sizes, pool=self.graphs.pool)
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
@@ -293,7 +300,10 @@ class DraftModelProposer(Proposer):
         buf = self.buffers
         graph = self.graphs is not None and p.num_decodes == p.b and self.graphs.can_run(p.b)
         pad = self.graphs.padded(p.b) if graph else None
-        ids, positions, meta = buf.to_device(p.t, p.b, p.width, pad_t=pad, pad_b=pad)
+        pieces = (not graph and self.prefill_graphs is not None
+                  and self.prefill_graphs.can_run(p.t))
+        pad_t = self.prefill_graphs.padded(p.t) if pieces else pad
+        ids, positions, meta = buf.to_device(p.t, p.b, p.width, pad_t=pad_t, pad_b=pad)
         if input_ids is not None:
             buf.d_input_ids[:p.t].copy_(input_ids)
         sample_dev = to_device(sample, self.device)  # (S,)
@@ -303,7 +313,10 @@ class DraftModelProposer(Proposer):
             meta.num_decodes = p.num_decodes
             meta.max_query_len = p.max_query_len
             meta.max_seq_len = p.max_seq_len
-            hidden = self.model(ids, positions, self.kv_caches, meta)  # (T, hidden)
+            if pieces:
+                hidden = self.prefill_graphs.run(p.t, meta)  # (T, hidden)
+            else:
+                hidden = self.model(ids, positions, self.kv_caches, meta)  # (T, hidden)
             if not sample.size:  # a chunk that only fills the cache
                 return torch.zeros(0, dtype=torch.int64, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, sample_dev))  # (S, V)

@@ -38,7 +38,8 @@ def _self_draft(quant: str) -> dict:
 
 
 def _run(spec: dict | None, params: SamplingParams = GREEDY, **engine_args):
-    """(outputs, scheduler stats, whether the draft captured graphs, propose seconds per step)."""
+    """(outputs, engine stats, whether the draft captured its decode and piecewise graphs,
+    propose seconds per step)."""
     args = dict(num_gpu_blocks_override=512, seed=0, dtype="float32")
     llm = LLM(str(demo.demo_model_path()), speculative_config=spec, **{**args, **engine_args})
     try:
@@ -47,8 +48,9 @@ def _run(spec: dict | None, params: SamplingParams = GREEDY, **engine_args):
         proposer = getattr(worker, "proposer", None)
         timing = worker.model_runner.timing
         per_step = timing.get("propose", 0.0) / max(timing.get("steps", 1), 1)
-        return (outs, llm.engine.get_stats(), getattr(proposer, "graphs", None) is not None,
-                per_step)
+        graphs = (getattr(proposer, "graphs", None) is not None
+                  and getattr(proposer, "prefill_graphs", None) is not None)
+        return outs, llm.engine.get_stats(), graphs, per_step
     finally:
         del llm
         gc.collect()

@@ -10,7 +10,7 @@ from peregrine.config import EngineArgs
 from peregrine.spec_decode import ProposeInput
 from peregrine.spec_decode.draft_model import DraftModelProposer
 from peregrine.testing.checkpoints import tiny_checkpoint
-from peregrine.worker.cuda_graphs import CudaGraphRunner
+from peregrine.worker.cuda_graphs import CudaGraphRunner, PiecewiseGraphs
 
 BLOCK = 4
 NUM_BLOCKS = 96
@@ -261,3 +261,23 @@ def test_graph_memory_is_reserved_only_where_graphs_are_captured():
     assert proposer.graph_memory_bytes() == decode_graph_bytes(8, 512, torch.float32)
     proposer.engine_config = dataclasses.replace(proposer.engine_config, enforce_eager=True)
     assert proposer.graph_memory_bytes() == 0
+
+
+def test_piecewise_graph_path_gives_the_same_drafts(hf_draft):
+    # NOTE: capture=False runs the pieces eagerly over the fixed buffers, padded to a size.
+    proposer = make_proposer(max_num_batched_tokens=16)
+    proposer.prefill_graphs = PiecewiseGraphs(proposer.model, proposer.buffers,
+                                              proposer.kv_caches, [8, 16], capture=False)
+    runs: list[int] = []
+    run = proposer.prefill_graphs.run
+    proposer.prefill_graphs.run = lambda t, meta: runs.append(t) or run(t, meta)
+    reqs = Requests(seed=8)
+    for rid, n in (("a", 5), ("b", 14)):
+        reqs.add(rid, n)
+    d = check(proposer, reqs, hf_draft, {"a": 3, "b": 2})
+    reqs.append("a", d["a"] + [3])
+    reqs.append("b", [4])
+    check(proposer, reqs, hf_draft, {"a": 2, "b": 3})
+    # 19 prompt tokens in passes of 16 and 3, decodes of 2 and 1 requests (no decode graphs
+    # here); then a's 2 new tokens beside b's 1, decodes again.
+    assert runs == [16, 3, 2, 1, 3, 2, 1]
