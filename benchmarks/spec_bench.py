@@ -150,6 +150,9 @@ class Bench:
         return out
 
 
+_PLAIN: dict[tuple, dict[str, Any]] = {}  # plain runs shared by cases on the same model
+
+
 def run_case(case: str, ns: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
     """One case's results; `overrides` go to the engines (the CPU smoke test's device)."""
     from peregrine import demo
@@ -177,13 +180,20 @@ def run_case(case: str, ns: argparse.Namespace, **overrides: Any) -> dict[str, A
             return {"skipped": f"the draft-model proposer is not available: {why}"}
     result: dict[str, Any] = {"model": model if case != "ngram-code" else "demo", "spec": spec}
     temperature = 1.0 if case == "ngram-random" else 0.0
+    key = (case.startswith("ngram-code") or case == "draft-demo", temperature, ns.output_len,
+           ns.num_prompts, tuple(ns.batches), tuple(sorted(overrides.items())))
     for name, s in (("plain", None), ("spec", spec)):
+        if name == "plain" and key in _PLAIN:
+            result[name] = dict(_PLAIN[key])
+            continue
         b = Bench(model, s, temperature, **engine_args)
         try:
             result[name] = b.latency(prompts, ns.output_len)
             result[name]["sweep_tokens_per_s"] = b.sweep(prompts, ns.output_len, ns.batches)
         finally:
             b.close()
+        if name == "plain":
+            _PLAIN[key] = dict(result[name])
     plain, sp = result["plain"], result["spec"]
     t_plain = 1.0 / plain["tokens_per_s"]
     t_prop = sp["propose_ms_per_step"] / 1e3
