@@ -135,7 +135,7 @@ ENGINE_ARGS_HELP: dict[str, str] = {
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
                           "\"prompt_lookup_min\": 2}' or '{\"model\": DRAFT_PATH, "
                           "\"num_speculative_tokens\": 4}' (optional keys: quantization of "
-                          "the draft, disable_by_batch_size); turns async scheduling off",
+                          "the draft, disable_by_batch_size); turns async scheduling off (default: off)",
 }
 
 
