@@ -173,6 +173,8 @@ def run_case(case: str, ns: argparse.Namespace, **overrides: Any) -> dict[str, A
         spec = {"model": str(demo.demo_draft_path()), "num_speculative_tokens": k}
     else:
         spec = {"model": model, "quantization": case.split("-")[1], "num_speculative_tokens": k}
+    # NOTE: graphs only for what the run uses, so that engines start quickly.
+    engine_args.update(max_num_seqs=max(ns.batches), max_prefill_graph_tokens=512)
     engine_args.update(overrides)
     if not case.startswith("ngram"):
         why = draft_model_available()

@@ -37,7 +37,9 @@ TIE_NATS = 0.1
 
 def _run(spec: dict | None, params: SamplingParams = GREEDY, **engine_args):
     """(outputs, engine stats, the runner's step counters)."""
-    args = dict(num_gpu_blocks_override=512, seed=0, dtype="float32")
+    # NOTE: graphs for 16 sequences and 512-token steps only, so the engines start quickly.
+    args = dict(num_gpu_blocks_override=512, seed=0, dtype="float32", max_num_seqs=16,
+                max_prefill_graph_tokens=512)
     llm = LLM(str(demo.demo_model_path()), speculative_config=spec, **{**args, **engine_args})
     try:
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
