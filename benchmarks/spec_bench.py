@@ -216,7 +216,8 @@ def run_case(case: str, ns: argparse.Namespace, **overrides: Any) -> dict[str, A
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="write the results as JSON here")
-    p.add_argument("--cases", default=",".join(CASES), help="comma-separated, of: " + ", ".join(CASES))
+    p.add_argument("--cases", default=",".join(CASES),
+                   help="comma-separated, of: " + ", ".join(CASES))
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--batches", default="1,4,16,64")

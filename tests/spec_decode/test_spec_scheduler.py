@@ -18,7 +18,8 @@ def make_sched(num_blocks: int = 64, block_size: int = 4, max_batched: int = 64,
                caching: bool = True) -> Scheduler:
     sc = SchedulerConfig(8, max_batched, max_model_len, True, "fcfs", None, "recompute")
     cc = CacheConfig(block_size, 0.9, 1.0, None, caching)
-    return Scheduler(sc, cc, num_blocks, SpeculativeConfig("ngram", k, disable_by_batch_size=disable))
+    spec = SpeculativeConfig("ngram", k, disable_by_batch_size=disable)
+    return Scheduler(sc, cc, num_blocks, spec)
 
 
 def make_req(rid: str, num_prompt: int, max_tokens: int = 20, **sp) -> Request:
