@@ -74,6 +74,10 @@ class ModelRunner:
         self._num_launched = 0
         self._in_flight: dict[int, torch.Tensor] = {}  # uncollected step id -> sampled (S,) tokens
         self.proposer: Proposer | None = None  # speculative decoding (set by the worker)
+        # A verify step's tokens reach the batch only when it is collected; a worker that
+        # launches the next step first (tensor-parallel ranks > 0) gets it collected here.
+        self._uncollected_verify: StepHandle | None = None
+        self._collected_early: dict[int, ModelRunnerOutput] = {}
         self.timing: dict[str, float] = defaultdict(float)
 
     def initialize_kv_cache(self, kv_caches: KVCaches) -> None:
@@ -88,6 +92,9 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> StepHandle:
         """Queue one step's forward pass and sampling on the device; return without waiting."""
         t0 = time.perf_counter()
+        if self._uncollected_verify is not None:
+            early = self._uncollected_verify
+            self._collected_early[early.step_id] = self.collect(early)
         if sched.blocks_to_swap_out or sched.blocks_to_swap_in:
             self._swap(sched)
         self._update_states(sched)
@@ -101,6 +108,8 @@ class ModelRunner:
         hidden, all_logits = self._forward(plan)
         t2 = time.perf_counter()
         handle = self._launch_sampling(plan, hidden, all_logits, sched)
+        if handle.sample_counts is not None:
+            self._uncollected_verify = handle
         tm = self.timing
         tm["prepare"] += t1 - t0
         tm["forward_launch"] += t2 - t1
@@ -263,6 +272,11 @@ class ModelRunner:
     # ---- results --------------------------------------------------------------------------
     def collect(self, handle: StepHandle) -> ModelRunnerOutput:
         """Wait for a launched step and turn its device results into Python lists."""
+        early = self._collected_early.pop(handle.step_id, None)
+        if early is not None:
+            return early
+        if self._uncollected_verify is handle:
+            self._uncollected_verify = None
         t0 = time.perf_counter()
         if handle.event is not None:
             handle.event.synchronize()  # the step's one device->host sync

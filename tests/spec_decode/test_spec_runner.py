@@ -51,3 +51,23 @@ def test_grammar_row_after_a_verify_row_gets_its_own_mask() -> None:
     res = w.collect(w.execute_model(out))
     assert res.sampled_token_ids[1] == [77]
     assert 1 <= len(res.sampled_token_ids[0]) <= 3
+
+
+def test_a_verify_step_launched_past_is_collected_before_the_next() -> None:
+    # NOTE: tensor-parallel ranks > 0 may launch step N + 1 before collecting step N.
+    w = _worker()
+    a1 = _first_token(w)
+    out = Step({"a": 3}, computed={"a": 6}).output()
+    out.scheduled_spec_decode_tokens = {"a": [7, 8]}
+    first = w.execute_model(out)
+    accepted = None
+    ref = _worker()
+    assert _first_token(ref) == a1
+    ref_out = Step({"a": 3}, computed={"a": 6}).output()
+    ref_out.scheduled_spec_decode_tokens = {"a": [7, 8]}
+    accepted = ref.collect(ref.execute_model(ref_out)).sampled_token_ids[0]
+    computed = 6 + len(accepted)
+    second = w.execute_model(Step({"a": 1}, computed={"a": computed}).output())
+    assert w.collect(first).sampled_token_ids == [accepted]
+    want = ref.collect(ref.execute_model(Step({"a": 1}, computed={"a": computed}).output()))
+    assert w.collect(second).sampled_token_ids == want.sampled_token_ids
