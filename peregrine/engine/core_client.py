@@ -137,7 +137,9 @@ class _PipeSender:
 class ProcessCoreClient:
     """The core in a child process, reached through two pipes (requests in, step outputs out)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, wait: bool = True) -> None:
+        """Spawn the core; with wait=False the caller calls wait_ready() before using it (so
+        its own start-up work overlaps the core's)."""
         # NOTE: spawn, not fork: the child initialises CUDA, which a forked child cannot.
         ctx = multiprocessing.get_context("spawn")
         to_core_r, self._to_core = ctx.Pipe(duplex=False)
@@ -156,6 +158,11 @@ class ProcessCoreClient:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until the core process says it is ready; on failure shut it down and raise."""
         if not self._from_core.poll(_STARTUP_TIMEOUT_S):
             self.shutdown()
             raise EngineCoreDeadError("the engine core did not start in time")

@@ -12,7 +12,7 @@ import numpy as np
 
 from peregrine.config import EngineArgs, EngineConfig
 from peregrine.engine.core import EngineCoreOutputs, EngineCoreRequest
-from peregrine.engine.core_client import CoreClient, make_core_client
+from peregrine.engine.core_client import CoreClient, ProcessCoreClient, make_core_client
 from peregrine.engine.detokenizer import IncrementalDetokenizer
 from peregrine.engine.output_processor import RequestGroup, SequenceState, to_position_logprobs
 from peregrine.engine.request import Request, RequestStatus
@@ -50,12 +50,26 @@ class LLMEngine:
         self.config = config
         mc = config.model
         STARTUP.begin(join=True)  # from_engine_args began it, before the config
-        with STARTUP.phase("tokenizer"):
-            self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(mc.tokenizer)
-        # NOTE: in this process the workers' phases nest under engine_core; a core process logs
-        # its own line.
-        with STARTUP.phase("engine_core"):
-            self.core_client = core_client if core_client is not None else make_core_client(config)
+        # NOTE: a core in its own process is spawned first, so its start-up (imports, CUDA,
+        # weights, graphs) overlaps loading the tokenizer here.
+        spawned = None
+        if core_client is None and config.engine_core_process:
+            with STARTUP.phase("engine_core_spawn"):
+                spawned = core_client = ProcessCoreClient(config, wait=False)
+        try:
+            with STARTUP.phase("tokenizer"):
+                self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(mc.tokenizer)
+            # NOTE: in this process the workers' phases nest under engine_core; a core process
+            # logs its own line.
+            with STARTUP.phase("engine_core"):
+                if spawned is not None:
+                    spawned.wait_ready()
+                self.core_client = core_client if core_client is not None \
+                    else make_core_client(config)
+        except BaseException:
+            if spawned is not None:
+                spawned.shutdown()
+            raise
         self._groups: dict[str, RequestGroup] = {}
         self._seqs: dict[str, tuple[RequestGroup, SequenceState]] = {}  # sequence id -> state
         self._unscheduled: set[str] = set()  # sequences not yet scheduled: the waiting queue

@@ -108,3 +108,23 @@ def test_a_burst_of_requests_does_not_deadlock_the_two_pipes() -> None:
         assert len(done) == 1500 and set(done.values()) == {8}
     finally:
         engine.shutdown()
+
+
+def test_a_failing_tokenizer_stops_the_core_process_spawned_before_it(monkeypatch) -> None:
+    """The core process starts before the tokenizer loads (so the two overlap); when the
+    tokenizer fails, the error propagates and no core process is left behind."""
+    import multiprocessing
+
+    import peregrine.engine.llm_engine as llm_engine
+    before = {p.pid for p in multiprocessing.active_children()}
+    seen: list[set[int]] = []
+
+    def failing_load(path: str):
+        seen.append({p.pid for p in multiprocessing.active_children()} - before)
+        raise ValueError("could not load a tokenizer (broken on purpose)")
+
+    monkeypatch.setattr(llm_engine, "load_tokenizer", failing_load)
+    with pytest.raises(ValueError, match="broken on purpose"):
+        _engine(engine_core_process=True)
+    assert len(seen) == 1 and len(seen[0]) == 1  # the core was already starting
+    assert {p.pid for p in multiprocessing.active_children()} <= before
