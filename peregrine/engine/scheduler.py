@@ -74,6 +74,13 @@ class Scheduler:
         self._sent_blocks: dict[str, int] = {}
         # The Request objects of each step not yet updated, keyed by id(SchedulerOutput).
         self._steps: dict[int, list[Request]] = {}
+        # Pipeline parallelism (max_concurrent_batches > 1): several steps are in flight, each
+        # with requests no other one has; a request in one is not scheduled again until it is
+        # updated (its next input token is not known yet), and the workers learn the tokens
+        # sampled since a request was last sent (CachedRequestData.new_token_ids).
+        self._batch_queue = config.max_concurrent_batches > 1
+        self._in_flight_ids: set[str] = set()
+        self._sent_outputs: dict[str, int] = {}  # output tokens of each request the workers hold
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -139,6 +146,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if self._in_flight_ids and req.request_id in self._in_flight_ids:
+                i += 1
+                continue
             num_new = self._num_new_tokens(req)
             num_new = min(num_new, budget)
             if num_new <= 0:
@@ -197,9 +207,18 @@ class Scheduler:
                 cached.req_ids.append(rid)
                 cached.new_block_ids.append(block_ids[sent:])
                 cached.num_computed_tokens.append(req.num_computed_tokens)
+            if self._batch_queue:
+                self._add_new_tokens(req, cached, sent is None)
         # NOTE: running requests come first and the workers know them all; admitted ones (new or
         # resumed after preemption) follow, so the batch order is cached requests, then new ones.
         return SchedulerOutput(new_reqs, cached, counts, total, preempted_ids, finished_ids)
+
+    def _add_new_tokens(self, req: Request, cached: CachedRequestData, is_new: bool) -> None:
+        """Pipeline parallelism: the output tokens the workers lack go with a cached request."""
+        outputs = req.output_token_ids
+        if not is_new:
+            cached.new_token_ids.append(outputs[self._sent_outputs[req.request_id]:])
+        self._sent_outputs[req.request_id] = len(outputs)
 
     def take_finished(self) -> list[Request]:
         """Requests finished (any reason) since the last call."""
@@ -230,6 +249,8 @@ class Scheduler:
         for req in self._steps.get(id(out), ()):
             if req.status != running:
                 continue
+            if self._batch_queue:
+                self._in_flight_ids.add(req.request_id)
             num = counts[req.request_id]
             if req.num_computed_tokens + num >= len(req.all_token_ids) + req.num_output_placeholders:
                 req.num_output_placeholders += 1
@@ -243,6 +264,8 @@ class Scheduler:
         error inside the preceding schedule(), so call this even for an empty batch).
         """
         reqs = self._steps.pop(id(out), [])
+        if self._in_flight_ids:
+            self._in_flight_ids.difference_update(out.num_scheduled_tokens)
         if result.req_ids != [r.request_id for r in reqs]:
             raise ValueError(f"the step's output names {len(result.req_ids)} requests, not the "
                              f"{len(reqs)} it scheduled in that order")
@@ -276,6 +299,7 @@ class Scheduler:
     def fail_step(self, out: SchedulerOutput, error: str) -> list[Request]:
         """The workers could not run a step: finish its requests with `error`; returns them."""
         failed = [r for r in self._steps.pop(id(out), []) if not r.is_finished]
+        self._in_flight_ids.difference_update(out.num_scheduled_tokens)
         for req in failed:
             req.error = error
             self._finish(req, RequestStatus.FINISHED_ERROR)
@@ -362,14 +386,20 @@ class Scheduler:
         return None
 
     def _select_victim(self) -> Request:
+        # NOTE: a request in an in-flight step is never preempted: it could be admitted again
+        # while that step still holds it. The request being scheduled is not in flight.
+        running = self.running
+        if self._in_flight_ids:
+            running = [r for r in running if r.request_id not in self._in_flight_ids]
         if self.config.policy == "fcfs":
-            return self.running[-1]
+            return running[-1]
         # Largest (priority, arrival_time); among equals, the most recently admitted.
-        return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
+        return max(reversed(running), key=lambda r: (r.priority, r.arrival_time))
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._sent_blocks.pop(req.request_id, None)  # the workers drop it; resumed, it is new
+        self._sent_outputs.pop(req.request_id, None)
         req.num_preemptions += 1
         self.num_preemptions += 1
         if not self._swap_out_request(req):
@@ -479,6 +509,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = status
         self._sent_blocks.pop(req.request_id, None)
+        self._sent_outputs.pop(req.request_id, None)
         del self.requests[req.request_id]
         del self._add_order[req.request_id]
         self._finished_ids.append(req.request_id)

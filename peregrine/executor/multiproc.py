@@ -1,13 +1,16 @@
-"""MultiprocExecutor: one spawned worker process per tensor-parallel rank (NCCL on CUDA, gloo on
-the CPU); the scheduler stays in the driver.
+"""MultiprocExecutor: one spawned worker process per rank, tensor_parallel_size x
+pipeline_parallel_size of them (NCCL on CUDA, gloo on the CPU); the scheduler stays in the driver.
+
+Rank = pp_rank * tensor_parallel_size + tp_rank (distributed.py): each pipeline stage's ranks
+form its tensor-parallel group, and a stage hands its hidden states to the next one's ranks.
 
 Each step's SchedulerOutput is pickled once and broadcast through a shared-memory ring
-(shm_broadcast.py); a one-byte notice down each worker's pipe says a message is there. Every rank
-runs the same model runner on its shard and samples the same tokens (the LM head gathers the full
-logits on every rank, the sampler's noise is keyed on seed and position), so each keeps its own
-batch state. Rank 0 sends the ModelRunnerOutput back; the other ranks send only errors. The driver
-waits on the result pipes and the processes' sentinels together, so a dead worker is noticed at
-once.
+(shm_broadcast.py) to every rank of every stage; a one-byte notice down each worker's pipe says a
+message is there. Every rank keeps the same batch state. The last stage's ranks sample the same
+tokens (the LM head gathers the full logits on every rank, the sampler's noise is keyed on seed
+and position); its first rank sends the ModelRunnerOutput back, the other ranks send only errors.
+The driver waits on the result pipes and the processes' sentinels together, so a dead worker is
+noticed at once.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ logger = logging.getLogger("peregrine")
 _JOIN_S = 5.0  # a worker asked to stop is killed after this long
 _SPIN_S = 2e-4  # a worker polls its launched step's event this often while no step is queued
 _STEP, _INIT, _QUIT = b"s", b"i", b"q"  # notices down a worker's pipe
+_STATS = b"t"  # + b"1" to reset: the worker answers with its pipeline stage's timers
 
 
 class WorkerFailedError(RuntimeError):
@@ -103,14 +107,25 @@ def _may_start_children():
         proc._config["daemon"] = was  # noqa: SLF001
 
 
+def output_rank(config: EngineConfig) -> int:
+    """The rank that returns each step's output: the first of the last pipeline stage."""
+    return (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
+
+
+def describe_rank(config: EngineConfig, rank: int) -> str:
+    """How errors and logs name a worker."""
+    if config.pipeline_parallel_size == 1:
+        return f"tensor-parallel worker rank {rank}"
+    tp = config.tensor_parallel_size
+    return f"worker rank {rank} (pipeline stage {rank // tp}, tensor-parallel rank {rank % tp})"
+
+
 class MultiprocExecutor(Executor):
-    """tensor_parallel_size worker processes on one host; rank r runs on cuda:r or the CPU."""
+    """tensor_parallel_size x pipeline_parallel_size worker processes on one host; rank r runs on
+    cuda:r or the CPU."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        if config.pipeline_parallel_size != 1:
-            raise ValueError("MultiprocExecutor runs tensor parallelism only "
-                             f"(pipeline_parallel_size {config.pipeline_parallel_size})")
         import torch.distributed as dist
 
         world = config.world_size
@@ -128,7 +143,7 @@ class MultiprocExecutor(Executor):
             for rank in range(world):
                 cmd_r, cmd_w = ctx.Pipe(duplex=False)
                 res_r, res_w = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=run_worker, name=f"peregrine-tp{rank}", daemon=True,
+                p = ctx.Process(target=run_worker, name=f"peregrine-rank{rank}", daemon=True,
                                 args=(config, rank, w.store.port, w.ring.spec(), cmd_r, res_w,
                                       level))
                 with _may_start_children():
@@ -141,9 +156,9 @@ class MultiprocExecutor(Executor):
             sized = self._gather("sized")
             from peregrine.worker.kv_memory import common_num_blocks
             for rank, info in enumerate(sized):
-                logger.info("tensor-parallel rank %d on %s: weights %.2f GiB, room for %d KV "
-                            "blocks", rank, info["device"], info["weight_bytes"] / 2**30,
-                            info["num_blocks"])
+                logger.info("%s on %s: weights %.2f GiB, room for %d KV blocks",
+                            describe_rank(config, rank), info["device"],
+                            info["weight_bytes"] / 2**30, info["num_blocks"])
             self.num_blocks = common_num_blocks([info["num_blocks"] for info in sized])
             self.weight_bytes = sum(info["weight_bytes"] for info in sized)
             for conn in w.cmd:
@@ -173,12 +188,21 @@ class MultiprocExecutor(Executor):
         self._w.ring.write(data, notify=self._notify, wait=lambda: self._poll(0.0))
         return MultiprocStepFuture(self, seq)
 
-    def _notify(self) -> None:
+    def _notify(self, notice: bytes = _STEP) -> None:
         for rank, conn in enumerate(self._w.cmd):
             try:
-                conn.send_bytes(_STEP)
+                conn.send_bytes(notice)
             except OSError:
-                self._fail(f"tensor-parallel worker rank {rank} is gone (its pipe is closed)")
+                self._fail(f"{describe_rank(self.config, rank)} is gone (its pipe is closed)")
+
+    def stage_stats(self, reset: bool = False) -> list[dict[str, float]]:
+        """Per rank (pipeline parallelism): steps, busy and idle time of its stage since the last
+        reset (worker/stage_io.py); [] without pipeline stages. Waits for the steps sent."""
+        if self.config.pipeline_parallel_size == 1:
+            return []
+        self._poll(0.0)
+        self._notify(_STATS + (b"1" if reset else b"0"))
+        return self._gather("stats")
 
     def _result_of(self, seq: int) -> ModelRunnerOutput:
         while seq not in self._outputs:
@@ -217,7 +241,7 @@ class MultiprocExecutor(Executor):
                     seq, out = payload
                     self._outputs[seq] = out
                 elif kind == "error":
-                    self._fail(f"tensor-parallel worker rank {rank} failed: {payload}")
+                    self._fail(f"{describe_rank(self.config, rank)} failed: {payload}")
                 else:
                     got.append((rank, kind, payload))
         for obj in ready:
@@ -225,7 +249,7 @@ class MultiprocExecutor(Executor):
                 rank = sentinels[obj]
                 p = w.procs[rank]
                 p.join(1.0)  # NOTE: the exit code is known only once the process is reaped
-                self._fail(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited "
+                self._fail(f"{describe_rank(self.config, rank)} (pid {p.pid}) exited "
                            f"unexpectedly with exit code {p.exitcode}")
         return got
 
@@ -241,7 +265,8 @@ class MultiprocExecutor(Executor):
         while len(got) < self.world_size:
             for rank, k, payload in self._poll(None):
                 if k != kind:
-                    self._fail(f"tensor-parallel worker rank {rank} sent {k!r}, expected {kind!r}")
+                    self._fail(f"{describe_rank(self.config, rank)} sent {k!r}, expected "
+                               f"{kind!r}")
                 got[rank] = payload
         return [got[r] for r in range(self.world_size)]
 
@@ -252,8 +277,10 @@ def run_worker(config: EngineConfig, rank: int, store_port: int, ring_spec: tupl
     """A worker process: join the group, load the shard, size the KV cache, then run steps."""
     # NOTE: Ctrl-C reaches the whole process group; the driver decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    tp = config.tensor_parallel_size
+    who = f"tp{rank}" if config.pipeline_parallel_size == 1 else f"pp{rank // tp} tp{rank % tp}"
     logging.basicConfig(level=log_level,
-                        format=f"%(asctime)s %(levelname)s %(name)s (tp{rank}): %(message)s")
+                        format=f"%(asctime)s %(levelname)s %(name)s ({who}): %(message)s")
     # NOTE: NVLink multicast (NVLS) is off on the machines we target; NCCL fails to start when
     # it tries it there.
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -289,7 +316,8 @@ def _serve(config: EngineConfig, rank: int, store_port: int, ring_spec: tuple, c
         # NOTE: the ranks share the host's cores; more threads each would only fight.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
-    init_worker_group(rank, world, store, device)
+    init_worker_group(rank, world, store, device,
+                      pipeline_parallel_size=config.pipeline_parallel_size)
     worker = Worker(config, rank=rank, local_rank=rank, device=device)
     weight_bytes = sum(p.numel() * p.element_size() for p in worker.model.parameters())
     res.send(("sized", {"num_blocks": worker.determine_num_blocks(), "device": str(device),
@@ -307,12 +335,12 @@ def _serve(config: EngineConfig, rank: int, store_port: int, ring_spec: tuple, c
             raise EOFError("the driver exited")
 
     try:
-        _step_loop(worker, ring, rank, cmd, res, driver_alive)
+        _step_loop(worker, ring, rank == output_rank(config), cmd, res, driver_alive)
     finally:
         ring.close()
 
 
-def _step_loop(worker, ring: ShmRing, rank: int, cmd, res, driver_alive) -> None:
+def _step_loop(worker, ring: ShmRing, returns_output: bool, cmd, res, driver_alive) -> None:
     """Launch each step as it comes; collect a launched step once the next one is queued behind
     it on the device, or once the device is done with it (so the device never waits for us)."""
     pending = None  # (seq, handle) launched, not collected
@@ -323,22 +351,28 @@ def _step_loop(worker, ring: ShmRing, rank: int, cmd, res, driver_alive) -> None
             if handle.event is not None and not handle.event.query():
                 cmd.poll(_SPIN_S)
                 continue
-            _collect(worker, pending, rank, res)
+            _collect(worker, pending, returns_output, res)
             pending = None
             continue
         notice = cmd.recv_bytes()
+        if notice[:1] == _STATS:
+            if pending is not None:
+                _collect(worker, pending, returns_output, res)
+                pending = None
+            res.send(("stats", worker.model_runner.stage_stats(reset=notice[1:2] == b"1")))
+            continue
         if notice != _STEP:
             return  # _QUIT
-        sched = pickle.loads(ring.read(rank, wait=driver_alive))
+        sched = pickle.loads(ring.read(worker.rank, wait=driver_alive))
         handle = worker.execute_model(sched)
         if pending is not None:
-            _collect(worker, pending, rank, res)
+            _collect(worker, pending, returns_output, res)
         pending = (seq, handle)
         seq += 1
 
 
-def _collect(worker, pending: tuple, rank: int, res) -> None:
+def _collect(worker, pending: tuple, returns_output: bool, res) -> None:
     seq, handle = pending
     out = worker.collect(handle)
-    if rank == 0:
+    if returns_output:
         res.send(("out", (seq, out)))

@@ -11,7 +11,9 @@ from peregrine.config import EngineConfig
 from peregrine.messages import ModelRunnerOutput, SchedulerOutput
 from peregrine.worker.cuda_graphs import (CudaGraphRunner, PiecewiseGraphs, decode_graph_bytes,
                                           prefill_graph_sizes)
-from peregrine.worker.kv_memory import allocate_kv_caches, determine_num_blocks
+from peregrine.distributed import pp_rank
+from peregrine.models.protocol import PipelineStage
+from peregrine.worker.kv_memory import allocate_kv_caches, determine_num_blocks, rank_model_config
 from peregrine.worker.loader import load_model
 from peregrine.worker.model_runner import ModelRunner, StepHandle
 from peregrine.worker.profile import profile_run
@@ -37,9 +39,14 @@ class Worker:
         self.device = dev
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
+        # This rank's pipeline stage (the whole model without pipeline parallelism).
+        self.stage = PipelineStage.of(config.pp_layer_partition, pp_rank())
         # NOTE: load_model chooses the fused kernels for the device when it builds the layers.
-        self.model = load_model(config.model, get_attention_backend(config.attention_backend), dev)
-        self.model_runner = ModelRunner(config, self.model, dev)
+        self.model = load_model(config.model, get_attention_backend(config.attention_backend), dev,
+                                stage=self.stage)
+        # The KV cache holds this rank's heads of its stage's layers.
+        self.kv_model_config = rank_model_config(config, len(self.model.layers))
+        self.model_runner = ModelRunner(config, self.model, dev, self.stage)
         self.num_blocks: int | None = None
 
     def determine_num_blocks(self) -> int:
@@ -51,16 +58,19 @@ class Worker:
             # seconds); say so, or a cold start looks like a hang.
             logger.info("profiling one worst-case step to size the KV cache (a first run also "
                         "compiles the Triton kernels; later runs reuse Triton's cache)")
-            profile_run(self.model, r.buffers, self.config.model, sc.max_num_batched_tokens,
+            profile_run(self.model, r.buffers, self.kv_model_config, sc.max_num_batched_tokens,
                         sc.max_num_seqs, self.config.cache.block_size)
 
-        return determine_num_blocks(self.config, self.device, profile, self._graph_reserve())
+        return determine_num_blocks(self.config, self.device, profile, self._graph_reserve(),
+                                    self.kv_model_config)
 
     def _captures_graphs(self) -> bool:
         """Whether initialize_cache will capture CUDA graphs."""
         cfg = self.config
+        # NOTE: pipeline stages run eagerly: a graph would have to capture the receive of the
+        # previous stage's hidden states (and a middle stage has no token ids to start from).
         return (self.device.type == "cuda" and cfg.attention_backend == "triton"
-                and not cfg.enforce_eager)
+                and not cfg.enforce_eager and cfg.pipeline_parallel_size == 1)
 
     def _decode_graph_batch(self) -> int:
         # NOTE: a decode batch of B sequences is B tokens, so B is capped by the token budget too.
@@ -80,8 +90,8 @@ class Worker:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         cfg, r = self.config, self.model_runner
         cache_dtype = kv_cache_torch_dtype(cfg.cache, cfg.model)
-        kv = allocate_kv_caches(cfg.model, num_blocks, cfg.cache.block_size, self.device,
-                                cache_dtype)
+        kv = allocate_kv_caches(self.kv_model_config, num_blocks, cfg.cache.block_size,
+                                self.device, cache_dtype)
         r.initialize_kv_cache(kv)
         self.num_blocks = num_blocks
         if self.device.type != "cuda":
@@ -94,6 +104,10 @@ class Worker:
         if self._captures_graphs():
             logger.info("capturing CUDA graphs (--enforce-eager skips them)")
             self._capture_graphs()
+        elif cfg.pipeline_parallel_size > 1 and not cfg.enforce_eager:
+            logger.info("pipeline stage %d of %d (layers %d-%d) runs its steps eagerly: no CUDA "
+                        "graphs under pipeline parallelism", pp_rank(), cfg.pipeline_parallel_size,
+                        self.stage.start_layer, self.model.end_layer - 1)
         # Compile the sampling kernel now, not inside the first (timed) steps.
         r.sampler.warm_up(r.vocab_size, self.device)
 
