@@ -143,8 +143,11 @@ class Scheduler:
         self._errored = []  # only the update right after this schedule() reports them
         scheduled: dict[Request, int] = {}  # insertion-ordered: the batch order
         preempted: list[Request] = []
+        cap = self._step_request_cap()
         i = 0
         while i < len(self.running) and budget > 0:
+            if cap is not None and len(scheduled) >= cap:
+                break
             req = self.running[i]
             if self._in_flight_ids and req.request_id in self._in_flight_ids:
                 i += 1
@@ -175,7 +178,7 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         if not preempted:
-            self._admit(scheduled, budget)
+            self._admit(scheduled, budget, cap)
         finished_ids, self._finished_ids = self._finished_ids, []
         out = self._make_output(scheduled, [r.request_id for r in preempted], finished_ids)
         assert not (self._swap_out and self._swap_in), "a step both swaps out and admits"
@@ -212,6 +215,15 @@ class Scheduler:
         # NOTE: running requests come first and the workers know them all; admitted ones (new or
         # resumed after preemption) follow, so the batch order is cached requests, then new ones.
         return SchedulerOutput(new_reqs, cached, counts, total, preempted_ids, finished_ids)
+
+    def _step_request_cap(self) -> int | None:
+        """Pipeline parallelism: the most requests one step takes, so that the requests split
+        evenly over the steps in flight (one step taking them all would leave the other stages
+        idle); None without a batch queue."""
+        if not self._batch_queue:
+            return None
+        live = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
+        return max(1, -(-live // self.config.max_concurrent_batches))
 
     def _add_new_tokens(self, req: Request, cached: CachedRequestData, is_new: bool) -> None:
         """Pipeline parallelism: the output tokens the workers lack go with a cached request."""
@@ -314,13 +326,15 @@ class Scheduler:
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _admit(self, scheduled: dict[Request, int], budget: int) -> None:
+    def _admit(self, scheduled: dict[Request, int], budget: int, cap: int | None = None) -> None:
         cfg = self.config
         if budget <= 0 or len(self.running) >= cfg.max_num_seqs or not self.waiting:
             return
         admitted: set[int] = set()
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
+                break
+            if cap is not None and len(scheduled) >= cap:
                 break
             if req.status == RequestStatus.SWAPPED:
                 num_new = self._resume_swapped(req, budget)

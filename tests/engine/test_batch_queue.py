@@ -49,9 +49,24 @@ def test_a_request_in_flight_is_not_scheduled_again_until_its_step_is_collected(
     assert third.scheduled_cached_reqs.new_token_ids == [[7]]
     collect(s, second, 9)
     collect(s, third, 11)
-    fourth = launch(s)
-    assert fourth.scheduled_cached_reqs.req_ids == ["a", "b"]
-    assert fourth.scheduled_cached_reqs.new_token_ids == [[11], [9]]
+    fourth = launch(s)  # one request per step: two running split over two steps
+    assert fourth.scheduled_cached_reqs.req_ids == ["a"]
+    assert fourth.scheduled_cached_reqs.new_token_ids == [[11]]
+    fifth = launch(s)
+    assert fifth.scheduled_cached_reqs.req_ids == ["b"]
+    assert fifth.scheduled_cached_reqs.new_token_ids == [[9]]
+
+
+def test_the_requests_split_evenly_over_the_steps_in_flight() -> None:
+    s = make_sched(depth=2)
+    for i in range(5):
+        s.add_request(make_req(f"r{i}", 3))
+    first, second = launch(s), launch(s)
+    assert list(first.num_scheduled_tokens) == ["r0", "r1", "r2"]  # ceil(5 / 2)
+    assert list(second.num_scheduled_tokens) == ["r3", "r4"]
+    assert launch(s).total_num_scheduled_tokens == 0
+    collect(s, first, 7)
+    assert list(launch(s).num_scheduled_tokens) == ["r0", "r1", "r2"]
 
 
 def test_a_victim_is_never_a_request_in_flight() -> None:
