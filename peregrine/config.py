@@ -442,8 +442,9 @@ def _check_parallel(args: EngineArgs, model: ModelConfig) -> str:
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if args.device == "cuda" or visible > 0:
             if visible < world:
-                raise _bad("tensor_parallel_size", f"{world} workers need {world} GPUs, "
-                           f"{visible} are visible")
+                flag = ("tensor_parallel_size" if args.pipeline_parallel_size == 1 else
+                        "tensor_parallel_size x pipeline_parallel_size")
+                raise _bad(flag, f"{world} workers need {world} GPUs, {visible} are visible")
     return backend
 
 

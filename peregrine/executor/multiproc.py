@@ -228,6 +228,7 @@ class MultiprocExecutor(Executor):
         sentinels = {p.sentinel: rank for rank, p in enumerate(w.procs)}
         ready = multiprocessing.connection.wait(w.res + list(sentinels), timeout)
         got: list[tuple[int, str, Any]] = []
+        errors: list[str] = []
         for obj in ready:
             if obj in sentinels:
                 continue
@@ -241,16 +242,22 @@ class MultiprocExecutor(Executor):
                     seq, out = payload
                     self._outputs[seq] = out
                 elif kind == "error":
-                    self._fail(f"{describe_rank(self.config, rank)} failed: {payload}")
+                    errors.append(f"{describe_rank(self.config, rank)} failed: {payload}")
                 else:
                     got.append((rank, kind, payload))
+        exits: list[str] = []
         for obj in ready:
             if obj in sentinels:
                 rank = sentinels[obj]
                 p = w.procs[rank]
                 p.join(1.0)  # NOTE: the exit code is known only once the process is reaped
-                self._fail(f"{describe_rank(self.config, rank)} (pid {p.pid}) exited "
-                           f"unexpectedly with exit code {p.exitcode}")
+                reason = (f"{describe_rank(self.config, rank)} (pid {p.pid}) exited "
+                          f"unexpectedly with exit code {p.exitcode}")
+                if p.exitcode != 0:  # killed or crashed: its peers' errors follow from it
+                    self._fail(reason)
+                exits.append(reason)
+        if errors or exits:
+            self._fail((errors + exits)[0])
         return got
 
     def _fail(self, reason: str) -> None:
