@@ -114,3 +114,20 @@ def test_pipeline_settings_are_validated_with_the_flag_named(monkeypatch) -> Non
     assert cfg.pp_layer_partition == (1, 1) and cfg.world_size == 4
     assert cfg.distributed_executor_backend == "mp"
     assert cfg.scheduler.max_concurrent_batches == 2
+
+
+def test_a_feature_pipeline_stages_do_not_run_with_is_refused_by_name() -> None:
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class WithSpeculation(EngineArgs):  # the field a speculative-decoding feature would add
+        num_speculative_tokens: int | None = None
+
+    path = str(tiny_checkpoint("llama"))
+    args = WithSpeculation(model=path, device="cpu", pipeline_parallel_size=2,
+                           num_speculative_tokens=3)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size: 2 stages do not run with "
+                                         r"speculative decoding \(num_speculative_tokens is set\)"):
+        args.create_engine_config()
+    assert WithSpeculation(model=path, device="cpu", num_speculative_tokens=3) \
+        .create_engine_config().pipeline_parallel_size == 1
