@@ -29,6 +29,11 @@ def root(tmp_path_factory: pytest.TempPathFactory):
     return tmp_path_factory.mktemp("pp")
 
 
+@pytest.fixture(scope="module")
+def fp32_path(root) -> str:
+    return _checkpoint(root / "fp32", torch.float32)
+
+
 def _generate(path: str, prompts, params: SamplingParams, **engine_args):
     engine_args.setdefault("num_gpu_blocks_override", 512)
     llm = LLM(path, max_model_len=512, **engine_args)
@@ -57,9 +62,9 @@ def _tokens(outs) -> list[list[int]]:
     # chunked prefill and preemption
     ("1,3", {"max_num_batched_tokens": 64, "num_gpu_blocks_override": 60, "block_size": 16}),
 ], ids=["even", "uneven", "chunked-preempted"])
-def test_two_stages_give_the_one_gpu_fp32_greedy_tokens(root, monkeypatch, partition,
+def test_two_stages_give_the_one_gpu_fp32_greedy_tokens(fp32_path: str, monkeypatch, partition,
                                                          engine_args: dict) -> None:
-    path = _checkpoint(root / "fp32", torch.float32)
+    path = fp32_path
     want = _tokens(_generate(path, _prompts(), GREEDY, dtype="float32", **engine_args))
     if partition is not None:
         monkeypatch.setenv("PEREGRINE_PP_LAYER_PARTITION", partition)
@@ -104,8 +109,8 @@ def test_two_stages_agree_with_one_gpu_in_bf16_within_rounding(root, record_prop
     assert len(gaps) <= math.floor(expected + 3 * math.sqrt(expected)), (len(gaps), expected)
 
 
-def test_a_killed_stage_worker_fails_the_requests_and_the_health_check(root) -> None:
-    path = _checkpoint(root / "fp32", torch.float32)
+def test_a_killed_stage_worker_fails_the_requests_and_the_health_check(fp32_path: str) -> None:
+    path = fp32_path
     llm = LLM(path, dtype="float32", max_model_len=512, num_gpu_blocks_override=512,
               pipeline_parallel_size=2)
     try:
