@@ -1,7 +1,7 @@
-"""Weight-only int quantization on the GPU: (a) the dequant-GEMM's achieved GB/s at batch 1 for
-Llama-3-8B's projections against the HBM ceiling, beside bf16 F.linear; (b) Llama-3-8B batch-1
-decode tok/s with dummy weights: bf16, int4 (AWQ layout, group 128), int6 and int8 RTN, each
-through `peregrine bench latency` in its own process, in one table.
+"""Weight-only int quantization on the GPU: (a) the dequant-GEMM's and the small-batch GEMV's
+achieved GB/s at batch 1 for Llama-3-8B's projections against the HBM ceiling, beside bf16
+F.linear; (b) Llama-3-8B batch-1 decode tok/s with dummy weights: bf16, int4 (AWQ layout, group
+128), int6 and int8 RTN, each through `peregrine bench latency` in its own process, in one table.
 
 Usage: python benchmarks/quant_bench.py [--skip-e2e] [--output-json PATH]
 """
@@ -49,6 +49,7 @@ def _dense_ms(x: torch.Tensor, n: int) -> float:
 
 def kernel_rows() -> list[dict]:
     from peregrine.kernels.wna16_gemm import choose_config, wna16_gemm, _num_sms
+    from peregrine.kernels.wna16_gemv import gemv_config, wna16_gemv
     from peregrine.layers.quantization.wna16 import WNA16Layout
     dev, rows = torch.device("cuda"), []
     for name, (k, n) in SHAPES.items():
@@ -62,10 +63,16 @@ def kernel_rows() -> list[dict]:
             w = WNA16Layout.build(q, scales, zeros, None, bits, torch.bfloat16)
             del q
             moved = sum(t.numel() * t.element_size() for t in w.tensors().values()) + (k + n) * 2
+            label = f"int{bits}" + ("+zp" if zp else "")
             ms = _time_ms(lambda: wna16_gemm(x, w))
-            cfg = choose_config(1, n, k, 128, False, _num_sms(dev.index))
-            rows.append(dict(shape=name, K=k, N=n, weights=f"int{bits}" + ("+zp" if zp else ""),
-                             ms=ms, GBps=moved / ms / 1e6, split_k=cfg.split_k))
+            cfg = choose_config(1, n, k, 128, False, _num_sms(dev.index), bits)
+            rows.append(dict(shape=name, K=k, N=n, weights=label, kernel="GEMM", ms=ms,
+                             GBps=moved / ms / 1e6, split_k=cfg.split_k))
+            # the path a decode step takes (layers/quantization/wna16.py: M <= GEMV_MAX_M)
+            ms = _time_ms(lambda: wna16_gemv(x, w))
+            rows.append(dict(shape=name, K=k, N=n, weights=label, kernel="GEMV", ms=ms,
+                             GBps=moved / ms / 1e6,
+                             split_k=gemv_config(w, dev).split_k))
     return rows
 
 
@@ -107,11 +114,13 @@ def main() -> int:
         print("quant_bench needs a CUDA GPU", file=sys.stderr)
         return 2
     result: dict = {"kernel_m1": kernel_rows()}
-    print(f"\n(a) dequant-GEMM at M=1 (ceiling {HBM_GBPS:.0f} GB/s)")
-    print(f"{'shape':8} {'K':>6} {'N':>6} {'weights':9} {'us':>8} {'GB/s':>7} {'% HBM':>6} split")
+    print(f"\n(a) dequant-GEMM and GEMV at M=1 (ceiling {HBM_GBPS:.0f} GB/s)")
+    print(f"{'shape':8} {'K':>6} {'N':>6} {'weights':9} {'kernel':6} {'us':>8} {'GB/s':>7} "
+          f"{'% HBM':>6} split")
     for r in result["kernel_m1"]:
-        print(f"{r['shape']:8} {r['K']:6d} {r['N']:6d} {r['weights']:9} {r['ms'] * 1e3:8.1f} "
-              f"{r['GBps']:7.0f} {100 * r['GBps'] / HBM_GBPS:5.0f}% {r.get('split_k', '')}")
+        print(f"{r['shape']:8} {r['K']:6d} {r['N']:6d} {r['weights']:9} {r.get('kernel', ''):6} "
+              f"{r['ms'] * 1e3:8.1f} {r['GBps']:7.0f} {100 * r['GBps'] / HBM_GBPS:5.0f}% "
+              f"{r.get('split_k', '')}")
     if not ns.skip_e2e:
         with tempfile.TemporaryDirectory() as d:
             result["e2e"] = e2e_rows(Path(d))

@@ -59,8 +59,9 @@ class EngineArgs:
     device: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    # How the workers run: mp, one process per rank; uni, one worker in this process.
-    distributed_executor_backend: Literal["mp", "uni"] | None = None  # None: mp when world > 1
+    # How the workers run: mp, one process per rank; ray, one Ray actor per rank (on one node or
+    # several); uni, one worker in this process. None: mp when world > 1, else uni.
+    distributed_executor_backend: Literal["mp", "ray", "uni"] | None = None
     quantization: str | None = None  # None: as the checkpoint's quantization_config says
     kv_cache_dtype: str = "auto"  # auto: the model dtype
     swap_space: float = 4.0  # GiB of (pinned) CPU memory per GPU for swapped-out KV blocks
@@ -111,12 +112,15 @@ ENGINE_ARGS_HELP: dict[str, str] = {
                          "$PEREGRINE_ATTENTION_BACKEND",
     "device": "auto, cpu or cuda[:N]",
     "tensor_parallel_size": "GPUs (or CPU processes) to split each layer over, one worker "
-                            "process each on this host",
+                            "each (on this host; on a Ray cluster's nodes with "
+                            "--distributed-executor-backend ray)",
     "pipeline_parallel_size": "stages to split the decoder layers into, one group of "
                               "tensor_parallel_size workers each (uneven splits: "
                               "$PEREGRINE_PP_LAYER_PARTITION, e.g. 5,4)",
-    "distributed_executor_backend": "how the workers run: mp (one process per rank, spawned) or "
-                                    "uni (one worker in the engine's process) (default: mp when "
+    "distributed_executor_backend": "how the workers run: mp (one process per rank, spawned), "
+                                    "ray (one Ray actor per rank, on one node or several; needs "
+                                    "the ray extra) or uni (one worker in the engine's process) "
+                                    "(default: mp when "
                                     "tensor_parallel_size x pipeline_parallel_size > 1, else uni)",
     "quantization": "quantization method (default: the checkpoint's quantization_config; "
                     "must agree with it when both are given)",
@@ -124,7 +128,8 @@ ENGINE_ARGS_HELP: dict[str, str] = {
                       "fp8 (= fp8_e4m3, 1 byte: twice the tokens; scaled by the checkpoint's "
                       "k_scale / v_scale, else 1.0), fp8_e5m2",
     "swap_space": "CPU memory per GPU, in GiB, that holds the KV blocks of requests preempted by "
-                  "swapping (pinned on CUDA; 0 turns swapping off)",
+                  "swapping (pinned on CUDA; 0 turns swapping off; at most what max_num_seqs "
+                  "sequences of max_model_len tokens can hold)",
     "preemption_mode": "how a request preempted for lack of KV blocks keeps its work: swap (its "
                        "blocks are copied to CPU memory and back), recompute (they are dropped "
                        "and its tokens prefilled again) or auto (per request, whichever costs "
@@ -283,7 +288,7 @@ class EngineConfig:
     max_prefill_graph_tokens: int = 0
     engine_core_process: bool = False
     pipeline_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"  # mp | uni
+    distributed_executor_backend: str = "uni"  # a key of executor.EXECUTOR_BACKENDS
     # Decoder layers per pipeline stage, in stage order (sums to model.num_layers).
     pp_layer_partition: tuple[int, ...] = ()
 
@@ -416,7 +421,7 @@ def pipeline_layer_partition(num_layers: int, pp: int, spec: str | None = None
 
 
 def _check_parallel(args: EngineArgs, model: ModelConfig) -> str:
-    """Validate the tensor-parallel split; return the executor backend (mp or uni)."""
+    """Validate the tensor-parallel split; return the executor backend (mp, ray or uni)."""
     tp, world = args.tensor_parallel_size, args.tensor_parallel_size * args.pipeline_parallel_size
     if tp < 1:
         raise _bad("tensor_parallel_size", f"must be >= 1, got {tp}")
@@ -428,16 +433,24 @@ def _check_parallel(args: EngineArgs, model: ModelConfig) -> str:
         if size is not None and int(size) % tp:
             raise _bad("tensor_parallel_size", f"{tp} does not divide the model's {name} "
                        f"({size}); each rank holds an equal share")
+    from peregrine.executor import EXECUTOR_BACKENDS
     backend = args.distributed_executor_backend or ("mp" if world > 1 else "uni")
-    if backend not in ("mp", "uni"):
-        raise _bad("distributed_executor_backend", f"{backend!r} (expected mp or uni)")
+    if backend not in EXECUTOR_BACKENDS:
+        raise _bad("distributed_executor_backend", f"{backend!r} (expected "
+                   f"{', '.join(sorted(EXECUTOR_BACKENDS))})")
     if backend == "uni" and world > 1:
         raise _bad("distributed_executor_backend", f"uni runs one worker, but tensor_parallel_size"
-                   f" x pipeline_parallel_size is {world}: use mp")
+                   f" x pipeline_parallel_size is {world}: use mp (or ray)")
+    if backend == "ray":
+        from peregrine.executor.ray_executor import ray_missing
+        missing = ray_missing()
+        if missing:
+            raise _bad("distributed_executor_backend", missing)
     if world > 1 and args.device.startswith("cuda:"):
         raise _bad("device", f"{args.device!r} names one GPU, but {world} workers use cuda:0 to "
                    f"cuda:{world - 1}: pass cuda (or limit CUDA_VISIBLE_DEVICES)")
-    if world > 1 and args.device in ("auto", "cuda"):
+    # NOTE: Ray places the ranks on its cluster's GPUs, which need not be this host's.
+    if world > 1 and args.device in ("auto", "cuda") and backend != "ray":
         import torch
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if args.device == "cuda" or visible > 0:
@@ -468,7 +481,10 @@ def _swap_config(args: EngineArgs, cache: CacheConfig, model: ModelConfig,
                  // args.tensor_parallel_size)
     num_cpu = 0
     if args.preemption_mode != "recompute":
-        num_cpu = int(args.swap_space * 2**30) // per_block
+        # NOTE: no more than max_num_seqs full-length sequences can ever be swapped out, so a
+        # larger swap space would only cost pinning time at start-up.
+        most = args.max_num_seqs * -(-model.max_model_len // cache.block_size)
+        num_cpu = min(int(args.swap_space * 2**30) // per_block, most)
     hf = model.hf_config
     cost = SwapCostModel.for_model(
         bytes_per_block=per_block, block_size=cache.block_size, num_layers=model.num_layers,

@@ -22,6 +22,7 @@ MAX_BAD_WORD_TOKENS = 64  # tokens in one tokenized bad word (checked where it i
 # NOTE: OpenAI allows [0, 2]; vLLM has no bound. Past ~100 the distribution is uniform anyway, and
 # a bound keeps 1 / temperature and logits / temperature far from overflow and underflow.
 MAX_TEMPERATURE = 100.0
+MAX_CACHE_SALT_CHARS = 1024  # vLLM's bound on cache_salt
 
 
 class RequestOutputKind(enum.Enum):
@@ -52,7 +53,12 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # With skip_special_tokens False: False renders two adjacent added tokens of the output with
+    # nothing between them, even where the tokenizer's decoder would put a space (vLLM's rule).
     spaces_between_special_tokens: bool = True
+    # Requests with different salts never share prefix-cache blocks (the salt enters every block
+    # hash of the request); equal salts, or none, share as usual.
+    cache_salt: str | None = None
     # token id -> added to that token's logit before sampling, in [-100, 100] (as in OpenAI's API)
     logit_bias: dict[int, float] | None = None
     # Only these token ids may be sampled (non-empty; each in [0, vocab), checked by the engine).
@@ -131,6 +137,14 @@ class SamplingParams:
                       f"{longest}")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if not isinstance(self.spaces_between_special_tokens, bool):
+            raise bad("spaces_between_special_tokens",
+                      f"must be a boolean, got {self.spaces_between_special_tokens!r}")
+        salt = self.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not salt
+                                 or len(salt) > MAX_CACHE_SALT_CHARS):
+            raise bad("cache_salt", f"must be a non-empty string of at most "
+                      f"{MAX_CACHE_SALT_CHARS} characters, got {salt!r:.64}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         if self.logit_bias is not None:

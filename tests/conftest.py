@@ -30,15 +30,17 @@ def _needs_interpreter(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """gpu tests: selected only when -m names them, skipped without CUDA; tests that need the
-    interpreter: skipped where the kernels are compiled."""
+    """gpu and ray tests: selected only when -m names them; gpu tests skipped without CUDA; tests
+    that need the interpreter: skipped where the kernels are compiled."""
     markexpr = config.getoption("markexpr") or ""
-    if "gpu" not in markexpr:
-        # NOTE: the CPU tiers (`pytest`, `pytest -m "not slow"`) never try the GPU tests.
-        gpu = [item for item in items if item.get_closest_marker("gpu")]
-        if gpu:
-            config.hook.pytest_deselected(items=gpu)
-            items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+    # NOTE: the CPU tiers (`pytest`, `pytest -m "not slow"`) never try the GPU tests, nor the Ray
+    # tests (their own tier, `pytest -m ray`, with the ray extra installed).
+    for tier in ("gpu", "ray"):
+        if tier not in markexpr:
+            out = [item for item in items if item.get_closest_marker(tier)]
+            if out:
+                config.hook.pytest_deselected(items=out)
+                items[:] = [item for item in items if not item.get_closest_marker(tier)]
     no_cuda = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")
     compiled = pytest.mark.skip(reason="hands CPU tensors to Triton kernels, which needs the "
                                        "interpreter (CPU-only machines); `pytest -m gpu` runs "

@@ -173,3 +173,13 @@ def test_the_cpu_engine_runs_without_triton_installed(tmp_path) -> None:
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "triton modules: []" in proc.stdout
+
+
+def test_swap_space_holds_at_most_what_max_num_seqs_full_sequences_can_use() -> None:
+    from peregrine.attention.kv_dtype import kv_cache_bytes_per_block
+    small = _config(swap_space=4, max_num_seqs=3, max_model_len=100, block_size=16)
+    assert small.cache.num_cpu_blocks == 3 * 7  # 3 sequences x ceil(100 / 16) blocks
+    tight = _config(swap_space=0.001, max_num_seqs=256, max_model_len=128, block_size=16)
+    per_block = kv_cache_bytes_per_block(tight.cache, tight.model)
+    assert tight.cache.num_cpu_blocks == int(0.001 * 2**30) // per_block < 256 * 8
+    assert _config(swap_space=4, preemption_mode="recompute").cache.num_cpu_blocks == 0

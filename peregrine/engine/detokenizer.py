@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 from peregrine.sampling_params import SamplingParams
@@ -21,6 +22,24 @@ def _decoder(tokenizer: Any, skip_special_tokens: bool):
                                         clean_up_tokenization_spaces=False)
 
 
+_ADDED_TOKENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _added_tokens(tokenizer: Any) -> dict[int, str]:
+    """Token id -> text of the tokenizer's added tokens (special or not), built once per tokenizer."""
+    try:
+        return _ADDED_TOKENS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    added = {int(tid): str(getattr(tok, "content", tok)) for tid, tok in decoder.items()}
+    try:
+        _ADDED_TOKENS[tokenizer] = added
+    except TypeError:  # NOTE: not weak-referenceable: build it per request instead
+        pass
+    return added
+
+
 class IncrementalDetokenizer:
     """Turns a sequence's output token ids into text step by step and watches for stop strings.
 
@@ -28,10 +47,19 @@ class IncrementalDetokenizer:
     already rendered and give context; tokens from `read` on are new. Each step decodes only that window,
     so the cost per token does not grow with the sequence. A window whose text ends in U+FFFD stops in the
     middle of a UTF-8 character and is held back until the character is complete.
+
+    With special tokens kept and `spaces_between_special_tokens` false, an added token right after
+    another one renders as its own text alone, without the space some decoders (WordPiece, ...) put
+    between tokens: the rule vLLM applies.
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self._decode = _decoder(tokenizer, params.skip_special_tokens)
+        # Added tokens by id, only when adjacent ones must be joined without a space.
+        self._added: dict[int, str] | None = None
+        if not params.skip_special_tokens and not params.spaces_between_special_tokens:
+            self._added = _added_tokens(tokenizer) or None
+        self._last_added = False  # whether the last output token was an added token
         self.stop: list[str] = list(params.stop or [])
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self._stops = StopStringMatcher(self.stop) if self.stop else None
@@ -75,6 +103,15 @@ class IncrementalDetokenizer:
 
     def _render(self, token_id: int) -> str:
         """Add one token to the window; return the new complete text it unlocks (maybe '')."""
+        if self._added is not None:
+            content = self._added.get(token_id)
+            follows_added, self._last_added = self._last_added, content is not None
+            if content is not None and follows_added and self._read == len(self._ids):
+                # NOTE: everything before it is rendered, so its text is exactly its content.
+                self._ids[:] = [token_id]
+                self._prefix, self._read = 0, 1
+                self._prefix_text = None
+                return content
         self._ids.append(token_id)
         if self._prefix_text is None:
             self._prefix_text = self._decode(self._ids[self._prefix:self._read])

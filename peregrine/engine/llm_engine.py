@@ -19,6 +19,7 @@ from peregrine.engine.request import Request, RequestStatus
 from peregrine.engine.stats import EngineStats
 from peregrine.outputs import RequestOutput
 from peregrine.sampling_params import SamplingParams
+from peregrine.startup_timing import STARTUP
 from peregrine.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger("peregrine")
@@ -48,8 +49,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, core_client: CoreClient | None = None) -> None:
         self.config = config
         mc = config.model
-        self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(mc.tokenizer)
-        self.core_client = core_client if core_client is not None else make_core_client(config)
+        STARTUP.begin(join=True)  # from_engine_args began it, before the config
+        with STARTUP.phase("tokenizer"):
+            self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(mc.tokenizer)
+        # NOTE: in this process the workers' phases nest under engine_core; a core process logs
+        # its own line.
+        with STARTUP.phase("engine_core"):
+            self.core_client = core_client if core_client is not None else make_core_client(config)
         self._groups: dict[str, RequestGroup] = {}
         self._seqs: dict[str, tuple[RequestGroup, SequenceState]] = {}  # sequence id -> state
         self._unscheduled: set[str] = set()  # sequences not yet scheduled: the waiting queue
@@ -60,10 +66,16 @@ class LLMEngine:
         self._structure_compiler = None  # built on the first structured_outputs request
         self._structure_lock = threading.Lock()
         self.timing: dict[str, float] = defaultdict(float)  # cumulative host seconds per phase
+        self.startup_seconds = STARTUP.finish()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        return cls(args.create_engine_config())
+        STARTUP.begin()
+        with STARTUP.phase("import_torch"):
+            import torch  # noqa: F401  (the config's first torch use would import it)
+        with STARTUP.phase("config"):
+            config = args.create_engine_config()
+        return cls(config)
 
     # ---- requests -------------------------------------------------------------------------
     def get_default_sampling_params(self) -> SamplingParams:

@@ -56,7 +56,9 @@ class Request:
         self.seed = seed  # always set: the sampler's random stream is keyed on it
         # NOTE: a sibling of an n>1 request shares the prompt blocks its fork_source computed.
         self.fork_source = fork_source
-        self.cache_salt = cache_salt  # extra key for prefix hashes (adapters, tenants)
+        # Extra key for prefix hashes (tenants, later adapters): SamplingParams.cache_salt unless
+        # given here.
+        self.cache_salt = cache_salt if cache_salt is not None else sampling_params.cache_salt
 
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

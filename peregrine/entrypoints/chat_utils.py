@@ -20,9 +20,11 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], *,
                         add_generation_prompt: bool = True, continue_final_message: bool = False,
                         chat_template: str | None = None,
                         template_kwargs: dict[str, Any] | None = None,
-                        tools: list[dict[str, Any]] | None = None) -> str:
+                        tools: list[dict[str, Any]] | None = None,
+                        documents: list[dict[str, str]] | None = None) -> str:
     """The conversation as prompt text, rendered with `chat_template` or the tokenizer's own
-    (`tools`: OpenAI tool definitions, for templates that describe them to the model)."""
+    (`tools`: OpenAI tool definitions, for templates that describe them to the model;
+    `documents`: retrieval results, for templates that show them)."""
     if chat_template is None and not has_chat_template(tokenizer):
         raise ValueError("the tokenizer has no chat template; pass chat_template=...")
     if not messages:
@@ -38,7 +40,8 @@ def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], *,
     return tokenizer.apply_chat_template(
         messages, tokenize=False, chat_template=chat_template,
         add_generation_prompt=add_generation_prompt and not continue_final_message,
-        continue_final_message=continue_final_message, tools=tools, **(template_kwargs or {}))
+        continue_final_message=continue_final_message, tools=tools, documents=documents,
+        **(template_kwargs or {}))
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,

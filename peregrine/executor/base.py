@@ -8,6 +8,10 @@ from peregrine.config import EngineConfig
 from peregrine.messages import ModelRunnerOutput, SchedulerOutput
 
 
+class WorkerFailedError(RuntimeError):
+    """A worker died or its step raised; the executor cannot serve any more."""
+
+
 class StepFuture(Protocol):
     """A launched step; `result()` waits for it (the step's one device->host sync)."""
 
@@ -16,7 +20,7 @@ class StepFuture(Protocol):
 
 class Executor(ABC):
     """Owns tensor_parallel_size x pipeline_parallel_size workers (uniproc.py: one in this
-    process; multiproc.py: one process per rank).
+    process; multiproc.py: one process per rank; ray_executor.py: one Ray actor per rank).
 
     After construction every worker has loaded its shard of the model, the KV cache is allocated
     with `num_blocks` blocks (the minimum any worker can hold) and CUDA graphs are captured.

@@ -27,8 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from peregrine.config import EngineConfig
-from peregrine.executor.base import Executor
+from peregrine.executor.base import Executor, WorkerFailedError
 from peregrine.executor.shm_broadcast import ShmRing
+from peregrine.executor.worker_setup import (build_worker, choose_num_blocks, describe_rank,
+                                             output_rank, rank_device, rank_tag)
 from peregrine.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("peregrine")
@@ -36,10 +38,6 @@ _JOIN_S = 5.0  # a worker asked to stop is killed after this long
 _SPIN_S = 2e-4  # a worker polls its launched step's event this often while no step is queued
 _STEP, _INIT, _QUIT = b"s", b"i", b"q"  # notices down a worker's pipe
 _STATS = b"t"  # + b"1" to reset: the worker answers with its pipeline stage's timers
-
-
-class WorkerFailedError(RuntimeError):
-    """A worker process died or its step raised; the executor cannot serve any more."""
 
 
 class MultiprocStepFuture:
@@ -107,19 +105,6 @@ def _may_start_children():
         proc._config["daemon"] = was  # noqa: SLF001
 
 
-def output_rank(config: EngineConfig) -> int:
-    """The rank that returns each step's output: the first of the last pipeline stage."""
-    return (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
-
-
-def describe_rank(config: EngineConfig, rank: int) -> str:
-    """How errors and logs name a worker."""
-    if config.pipeline_parallel_size == 1:
-        return f"tensor-parallel worker rank {rank}"
-    tp = config.tensor_parallel_size
-    return f"worker rank {rank} (pipeline stage {rank // tp}, tensor-parallel rank {rank % tp})"
-
-
 class MultiprocExecutor(Executor):
     """tensor_parallel_size x pipeline_parallel_size worker processes on one host; rank r runs on
     cuda:r or the CPU."""
@@ -154,12 +139,7 @@ class MultiprocExecutor(Executor):
                 w.cmd.append(cmd_w)
                 w.res.append(res_r)
             sized = self._gather("sized")
-            from peregrine.worker.kv_memory import common_num_blocks
-            for rank, info in enumerate(sized):
-                logger.info("%s on %s: weights %.2f GiB, room for %d KV blocks",
-                            describe_rank(config, rank), info["device"],
-                            info["weight_bytes"] / 2**30, info["num_blocks"])
-            self.num_blocks = common_num_blocks([info["num_blocks"] for info in sized])
+            self.num_blocks = choose_num_blocks(config, sized)
             self.weight_bytes = sum(info["weight_bytes"] for info in sized)
             for conn in w.cmd:
                 conn.send_bytes(_INIT + self.num_blocks.to_bytes(8, "little"))
@@ -284,13 +264,8 @@ def run_worker(config: EngineConfig, rank: int, store_port: int, ring_spec: tupl
     """A worker process: join the group, load the shard, size the KV cache, then run steps."""
     # NOTE: Ctrl-C reaches the whole process group; the driver decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    tp = config.tensor_parallel_size
-    who = f"tp{rank}" if config.pipeline_parallel_size == 1 else f"pp{rank // tp} tp{rank % tp}"
-    logging.basicConfig(level=log_level,
-                        format=f"%(asctime)s %(levelname)s %(name)s ({who}): %(message)s")
-    # NOTE: NVLink multicast (NVLS) is off on the machines we target; NCCL fails to start when
-    # it tries it there.
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s "
+                                                f"({rank_tag(config, rank)}): %(message)s")
     try:
         _serve(config, rank, store_port, ring_spec, cmd, res)
     except (EOFError, BrokenPipeError):
@@ -307,28 +282,12 @@ def run_worker(config: EngineConfig, rank: int, store_port: int, ring_spec: tupl
 
 
 def _serve(config: EngineConfig, rank: int, store_port: int, ring_spec: tuple, cmd, res) -> None:
-    import torch
     import torch.distributed as dist
 
-    from peregrine.distributed import init_worker_group
-    from peregrine.worker.worker import Worker
-
-    world = config.world_size
-    device = torch.device(config.device)
-    if device.type == "cuda" and (world > 1 or device.index is None):
-        device = torch.device("cuda", rank)  # NOTE: config refuses cuda:N with several ranks
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        # NOTE: the ranks share the host's cores; more threads each would only fight.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    device = rank_device(config, local_rank=rank, ranks_on_host=config.world_size)
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
-    init_worker_group(rank, world, store, device,
-                      pipeline_parallel_size=config.pipeline_parallel_size)
-    worker = Worker(config, rank=rank, local_rank=rank, device=device)
-    weight_bytes = sum(p.numel() * p.element_size() for p in worker.model.parameters())
-    res.send(("sized", {"num_blocks": worker.determine_num_blocks(), "device": str(device),
-                        "weight_bytes": weight_bytes}))
+    worker, sized = build_worker(config, rank, rank, store, device)
+    res.send(("sized", sized))
     notice = cmd.recv_bytes()
     if notice[:1] != _INIT:
         return

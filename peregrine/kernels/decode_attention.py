@@ -138,7 +138,7 @@ def decode_split_len(batch: int, num_kv_heads: int, max_blocks: int, block_size:
                      device: torch.device, block_n: int) -> int:
     """Tokens per split, from shapes only: enough programs to fill the GPU, at most _MAX_SPLITS."""
     max_ctx = max_blocks * block_size
-    max_splits = max(1, min(_MAX_SPLITS, math.ceil(max_ctx / _MIN_SPLIT_LEN)))
+    max_splits = max_decode_splits(max_ctx)
     want = math.ceil(_PROGRAMS_PER_SM * num_sms(device) / max(1, batch * num_kv_heads))
     splits = max(1, min(want, max_splits))
     return math.ceil(math.ceil(max_ctx / splits) / block_n) * block_n
@@ -206,19 +206,29 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
+def max_decode_splits(max_context: int) -> int:
+    """The most splits decode_split_len gives a block table of max_context tokens (or fewer)."""
+    return max(1, min(_MAX_SPLITS, math.ceil(max_context / _MIN_SPLIT_LEN)))
+
+
 def precompile(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                dtype: torch.dtype, device: torch.device,
-               cache_dtype: torch.dtype | None = None) -> None:
+               cache_dtype: torch.dtype | None = None, max_context: int | None = None) -> None:
     """Compile every merge variant (one per power-of-two split count) now, so that no batch
     size met later compiles one on the request path. dtype: q's; cache_dtype: the KV cache's
-    (default: dtype)."""
+    (default: dtype); max_context: the widest block table in tokens (default: any), which bounds
+    the split counts a decode can use (a 512-token model needs 2 of the 7 variants)."""
+    # NOTE: decode_split_len never gives a table of max_context tokens more than
+    # max_decode_splits(max_context) splits, so the merge's BLOCK_S stays below its next power
+    # of two; a caller passing split_len itself may go further and compile on first use.
+    limit = _MAX_SPLITS if max_context is None else next_pow2(max_decode_splits(max_context))
     q = torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=device)
     cache = torch.zeros(1, block_size, num_kv_heads, head_dim, dtype=cache_dtype or dtype,
                         device=device)
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
     block_n = 16 if not is_gpu(q) else 32 if dtype == torch.float32 else 64
     splits = 1
-    while splits <= _MAX_SPLITS:  # splits of block_n tokens over a table of splits * block_n
+    while splits <= limit:  # splits of block_n tokens over a table of splits * block_n
         table = torch.zeros(1, -(-splits * block_n // block_size), dtype=torch.int32,
                             device=device)
         paged_decode_attention(q, cache, cache, table, seq_lens, 1.0, split_len=block_n,

@@ -43,21 +43,26 @@ def per_token_group_quant_ref(x: torch.Tensor, dtype: torch.dtype,
     group = group or k
     ng = triton.cdiv(k, group)
     xf = torch.nn.functional.pad(x.float(), (0, ng * group - k)).view(m, ng, group)
-    scale = (xf.abs().amax(-1) / _qmax(dtype)).clamp(min=_MIN_SCALE)  # (M, ng)
+    # NOTE: scale = amax * fp32(1 / qmax), computed the same way by the kernel, so both round
+    # identically: one ulp of scale moves near-tie quotients, and an FP8 step near the top of the
+    # range is 1/16 of the value.
+    scale = (xf.abs().amax(-1) * (1.0 / _qmax(dtype))).clamp(min=_MIN_SCALE)  # (M, ng)
     q = quantize_with_scale(xf, scale[..., None], dtype).view(m, ng * group)[:, :k]
     return q.contiguous(), scale
 
 
 @triton.jit(do_not_specialize=["M", "K", "stride_x", "stride_q"])
-def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, num_groups, qmax,
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, num_groups, qmax, inv_qmax,
                         GROUP: tl.constexpr, BLOCK: tl.constexpr, IS_INT: tl.constexpr):
     row = tl.program_id(0)
     g = tl.program_id(1)
     offs = g * GROUP + tl.arange(0, BLOCK)
     mask = (tl.arange(0, BLOCK) < GROUP) & (offs < K)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / qmax, 1e-12)
-    q = tl.minimum(tl.maximum(x / scale, -qmax), qmax)
+    # NOTE: div_rn is IEEE division, as torch's tensor / tensor; the default fp32 division on
+    # NVIDIA GPUs is approximate (2 ulp) and rounds some quotients near a tie the other way.
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) * inv_qmax, 1e-12)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -qmax), qmax)
     if IS_INT:
         q = tl.where(q >= 0, tl.floor(q + 0.5), -tl.floor(-q + 0.5))
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -86,7 +91,7 @@ def per_token_group_quant_triton(x: torch.Tensor, dtype: torch.dtype,
     scale = torch.empty((m, ng), dtype=torch.float32, device=x.device)
     if m:
         block = triton.next_power_of_2(group)
-        _group_quant_kernel[(m, ng)](x, q, scale, m, k, x.stride(0), q.stride(0), ng, qmax,
+        _group_quant_kernel[(m, ng)](x, q, scale, m, k, x.stride(0), q.stride(0), ng, qmax, 1.0 / qmax,
                                      GROUP=group, BLOCK=block, IS_INT=dtype == torch.int8,
                                      num_warps=min(16, max(1, block // 256)))
     return q, scale

@@ -111,8 +111,41 @@ def _num_sms(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index or 0).multi_processor_count
 
 
-def choose_config(m: int, n: int, k: int, group: int, gather: bool, num_sms: int) -> GemmConfig:
-    """Tile sizes by batch size; split-K until the grid covers the SMs about twice."""
+# H100 / H200: the most shared memory one block may opt into.
+_HOPPER_SMEM = 232_448
+# Left free for what the estimate below does not count (a few hundred bytes of scratch).
+_SMEM_MARGIN = 4 * 1024
+
+
+@functools.lru_cache(maxsize=8)
+def _smem_limit(device_index: int | None) -> int:
+    if not torch.cuda.is_available():
+        return _HOPPER_SMEM
+    props = torch.cuda.get_device_properties(device_index or 0)
+    return getattr(props, "shared_memory_per_block_optin", _HOPPER_SMEM)
+
+
+def smem_bytes(block_m: int, block_n: int, block_k: int, stages: int, bits: int,
+               a_bytes: int = 2) -> int:
+    """Shared memory the GEMM needs for one config. Triton's software pipeline keeps stages - 1
+    copies of each loaded tile in flight: the A tile (BM x BK activations) and the weight words
+    as loaded, one int32 per value (BK x BN x 4 bytes, twice for 6 bits: the low-4 and high-2
+    planes); the dot's B operand (BK x BN, the activation dtype) is staged once more, and from
+    BM 64 on (Hopper's wgmma) the A operand too:
+        (stages - 1) * (BM*BK*a + planes * BK*BN*4) + BK*BN*a [+ BM*BK*a]
+    e.g. 6 bits, bf16, BM 32, BN 64, BK 128, 4 stages: 3 * (8 + 2 * 32) KiB + 16 KiB = 232 KiB
+    = 237,568 B, over the H200's 232,448 B; 3 stages: 2 * 72 + 16 = 160 KiB. Triton's sm_90
+    compiles of every config here match this to within 512 bytes."""
+    planes = 2 if bits == 6 else 1
+    a_tile = block_m * block_k * a_bytes
+    return ((stages - 1) * (a_tile + planes * block_k * block_n * 4)
+            + block_k * block_n * a_bytes + (a_tile if block_m >= 64 else 0))
+
+
+def choose_config(m: int, n: int, k: int, group: int, gather: bool, num_sms: int, bits: int = 4,
+                  a_bytes: int = 2, smem_limit: int = _HOPPER_SMEM) -> GemmConfig:
+    """Tile sizes by batch size; split-K until the grid covers the SMs about twice; fewer
+    pipeline stages (then a shorter K block) where the tile would not fit in shared memory."""
     block_k = 128
     while block_k > 16 and (k % block_k or (not gather and group % block_k)):
         block_k //= 2
@@ -128,6 +161,15 @@ def choose_config(m: int, n: int, k: int, group: int, gather: bool, num_sms: int
     else:
         block_m, block_n, warps, stages = 128, 128, 8, 3
         block_k = min(block_k, 64)
+    budget = smem_limit - _SMEM_MARGIN
+    while smem_bytes(block_m, block_n, block_k, stages, bits, a_bytes) > budget:
+        if stages > 2:
+            stages -= 1
+        elif block_k > 16:
+            block_k //= 2
+        else:
+            raise ValueError(f"wna16_gemm: no tile of {bits}-bit weights fits in {smem_limit} "
+                             "bytes of shared memory")
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     k_blocks = k // block_k
     split = 1
@@ -147,8 +189,9 @@ def wna16_gemm(x: torch.Tensor, w: WNA16Layout, config: GemmConfig | None = None
         a = a.contiguous()
     m = a.shape[0]
     if config is None:
-        config = choose_config(m, n, k, w.group_size, w.g_idx is not None,
-                               _num_sms(x.device.index if x.is_cuda else None))
+        index = x.device.index if x.is_cuda else None
+        config = choose_config(m, n, k, w.group_size, w.g_idx is not None, _num_sms(index),
+                               w.bits, x.element_size(), _smem_limit(index))
     bm, bn, bk, split = config.block_m, config.block_n, config.block_k, config.split_k
     if m == 0:
         return torch.empty((*lead, n), dtype=x.dtype, device=x.device)

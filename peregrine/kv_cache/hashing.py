@@ -1,7 +1,9 @@
 """Chained content hashes of full KV blocks, the keys of the prefix cache.
 
-A block's hash covers its parent's hash, its own token ids and an extra key (the request's
-cache_salt; later adapter ids), so equal hashes mean equal whole prefixes, not just equal blocks.
+A block's hash covers its parent's hash and its own token ids, so equal hashes mean equal whole
+prefixes, not just equal blocks. The first block's hash also covers an extra key (the request's
+cache_salt; later adapter ids), which the chain carries into every later block: requests whose
+extra keys differ share no block.
 
 NOTE: we use SHA-256 rather than Python's `hash()`. A 64-bit, non-cryptographic hash lets a client
 craft a prompt whose block hash collides with another tenant's prefix, then read or poison that KV;
@@ -48,10 +50,11 @@ def update_block_hashes(req: Request, block_size: int) -> int:
     num_full = req.num_tokens // block_size
     if len(hashes) >= num_full:
         return len(hashes)
-    extra = request_extra_key(req)
     tokens = req.all_token_ids
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), num_full):
+        # NOTE: the extra key enters the first block only; the chain carries it onwards.
+        extra = request_extra_key(req) if i == 0 else None
         parent = hash_block_tokens(parent, tokens[i * block_size:(i + 1) * block_size], extra)
         hashes.append(parent)
     return num_full

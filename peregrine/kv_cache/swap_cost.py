@@ -34,12 +34,13 @@ class DeviceCosts:
     copy_launch_s: float  # per gather/scatter launch (two per layer: K and V)
 
 
-# NOTE: CUDA: an H100/H200 on PCIe Gen5 x16 moves ~25 GB/s each way in practice for pinned,
-# gathered copies (the link's peak is ~64 GB/s); bf16 prefill reaches ~400 TFLOP/s (about 40-50% of
-# peak). CPU: a "swap" is a memcpy (~5 GB/s on a busy host) and fp32 matmuls reach ~50 GFLOP/s on
+# NOTE: CUDA: measured on an H200 with Llama-3-8B (benchmarks/swap_bench.py --measure): pinned,
+# gathered block copies move ~45 GB/s each way, a one-block swap costs ~0.5 ms of fixed work, and
+# bf16 prefill reaches ~520 TFLOP/s by the cost model's count; the swap-or-recompute crossover is
+# then ~108 tokens in use. CPU: a "swap" is a memcpy (~5 GB/s on a busy host) and fp32 matmuls reach ~50 GFLOP/s on
 # a few cores. Re-measure with benchmarks/swap_bench.py --measure.
 DEVICE_COSTS: dict[str, DeviceCosts] = {
-    "cuda": DeviceCosts(copy_bandwidth=25e9, flops_per_s=400e12, fixed_s=100e-6,
+    "cuda": DeviceCosts(copy_bandwidth=45e9, flops_per_s=520e12, fixed_s=485e-6,
                         copy_launch_s=5e-6),
     "cpu": DeviceCosts(copy_bandwidth=5e9, flops_per_s=50e9, fixed_s=20e-6, copy_launch_s=2e-6),
 }

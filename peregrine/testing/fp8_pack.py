@@ -206,9 +206,10 @@ def write_compressed_tensors(src: Path, dst: Path, scheme: str, *,
 
 
 def round_linear_inputs(model: torch.nn.Module, dtype: torch.dtype,
-                        group: int | None = None) -> list[Any]:
+                        group: int | None = None, rows: int | None = None) -> list[Any]:
     """Forward pre-hooks on every linear layer of a float model that round its input the way a
-    W8A8 layer does (dynamic, per token or per group of inputs); returns the hook handles."""
+    W8A8 layer does (dynamic, per token or per group of inputs), only its first `rows` rows when
+    given; returns the hook handles."""
     from peregrine.kernels.fp8_quant import per_token_group_quant_ref
     from peregrine.layers.linear import LinearBase
 
@@ -216,7 +217,8 @@ def round_linear_inputs(model: torch.nn.Module, dtype: torch.dtype,
         x = args[0]  # (T, K)
         q, s = per_token_group_quant_ref(x, dtype, group)  # (T, K), (T, K / group)
         k = x.shape[1]
-        return ((q.float() * s.repeat_interleave(group or k, 1)[:, :k]).to(x.dtype),)
+        r = (q.float() * s.repeat_interleave(group or k, 1)[:, :k]).to(x.dtype)
+        return (r if rows is None else torch.cat([r[:rows], x[rows:]]),)
 
     return [m.register_forward_pre_hook(hook) for m in model.modules()
             if isinstance(m, LinearBase)]
@@ -228,12 +230,15 @@ def engine_model(llm: Any) -> torch.nn.Module:
 
 
 def score_generation(path: Path, ref_path: Path, act_dtype: torch.dtype, group: int | None = None,
-                     max_tokens: int = 6, dtype: str = "float32") -> dict[str, list[float]]:
+                     max_tokens: int = 6, dtype: str = "float32",
+                     decode_unrounded: bool = False) -> dict[str, list[float]]:
     """Greedy generation from the quantized checkpoint at `path` (in `dtype`, prefix caching,
     chunked prefill in 16-token steps; the second prompt reuses the first one's prefix blocks),
     then the same tokens teacher-forced through the reference twin, plainly and with its linear
-    inputs rounded like W8A8 activations. Returns the generated tokens' logprobs under each:
-    {"quantized": [...], "reference": [...], "reference_rounded": [...]}."""
+    inputs rounded like W8A8 activations (with decode_unrounded, only the prompt's rows: where
+    decode steps of one row multiply x as it is, the CUDA GEMV path). Returns the generated
+    tokens' logprobs under each: {"quantized": [...], "reference": [...],
+    "reference_rounded": [...]}."""
     from peregrine.entrypoints.llm import LLM
     from peregrine.sampling_params import SamplingParams
     prefix = [(7 * i + 3) % 500 + 4 for i in range(40)]
@@ -250,12 +255,13 @@ def score_generation(path: Path, ref_path: Path, act_dtype: torch.dtype, group: 
     ref = LLM(str(ref_path), enable_prefix_caching=False, **common)
     forced = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     for key in ("reference", "reference_rounded"):
-        hooks = round_linear_inputs(engine_model(ref), act_dtype, group) if key != "reference" \
-            else []
         scores[key] = []
         for p, o in zip(prompts, outs):
+            rows = len(p) if decode_unrounded else None
+            hooks = round_linear_inputs(engine_model(ref), act_dtype, group, rows) \
+                if key != "reference" else []
             plp = ref.generate([p + list(o.token_ids)], forced, use_tqdm=False)[0].prompt_logprobs
             scores[key] += [plp[len(p) + i][t].logprob for i, t in enumerate(o.token_ids)]
-        for h in hooks:
-            h.remove()
+            for h in hooks:
+                h.remove()
     return scores

@@ -70,6 +70,24 @@ def available_memory_bytes() -> int:
     return min(found)
 
 
+def full_batch_blocks(config: EngineConfig) -> int:
+    """Blocks that max_num_seqs sequences of max_model_len tokens hold at once."""
+    cc, sc = config.cache, config.scheduler
+    return -(-sc.max_model_len // cc.block_size) * sc.max_num_seqs
+
+
+def gpu_blocks_cap(config: EngineConfig) -> int:
+    """The most blocks a GPU pool sized from memory takes: a full batch (full_batch_blocks) plus
+    one block per sequence.
+
+    NOTE: blocks past these can only keep more finished prefixes cached, so a small model does
+    not take the whole GPU (allocated, zeroed and freed again on every start). The margin is room
+    for a step that holds slots for tokens past a full-length sequence's last one (speculative
+    tokens); cached prefixes live in whatever the running sequences leave free.
+    """
+    return full_batch_blocks(config) + config.scheduler.max_num_seqs
+
+
 def cpu_num_blocks(config: EngineConfig, per_block: int, available: int | None = None) -> int:
     """The CPU pool: cpu_kv_cache_gb when given; else blocks for max_num_seqs sequences of
     max_model_len tokens, capped at CPU_KV_MEMORY_FRACTION of `available` bytes (default: the
@@ -78,7 +96,7 @@ def cpu_num_blocks(config: EngineConfig, per_block: int, available: int | None =
     if cc.cpu_kv_cache_gb is not None:
         return int(cc.cpu_kv_cache_gb * GiB) // per_block
     per_seq = -(-sc.max_model_len // cc.block_size)
-    wanted = per_seq * sc.max_num_seqs
+    wanted = full_batch_blocks(config)
     avail = available_memory_bytes() if available is None else available
     cap = int(avail * CPU_KV_MEMORY_FRACTION) // per_block
     return min(wanted, max(per_seq, cap))
@@ -97,7 +115,7 @@ def determine_num_blocks(config: EngineConfig, device: torch.device,
                          profile: Callable[[], None], reserve_bytes: int = 0,
                          model_config: ModelConfig | None = None) -> int:
     """Pool size: the override, else the CPU sizing (cpu_num_blocks), else profiled free GPU
-    memory.
+    memory, capped at gpu_blocks_cap.
 
     profile: runs the worst-case step on `device` (with the model loaded and no KV cache yet).
     reserve_bytes: GPU memory allocated after the KV cache (CUDA graphs), left out of its budget.
@@ -110,7 +128,8 @@ def determine_num_blocks(config: EngineConfig, device: torch.device,
     elif device.type != "cuda":
         num_blocks = cpu_num_blocks(config, per_block)
     else:
-        num_blocks = _profile_gpu_blocks(device, config, per_block, profile, reserve_bytes)
+        num_blocks = capped_gpu_blocks(
+            config, _profile_gpu_blocks(device, config, per_block, profile, reserve_bytes))
     need = -(-mc.max_model_len // cc.block_size)
     tokens = num_blocks * cc.block_size
     logger.info("KV cache: %d blocks of %d tokens (%.2f GiB%s, %d tokens); max concurrency at "
@@ -125,6 +144,18 @@ def determine_num_blocks(config: EngineConfig, device: torch.device,
             f"the KV cache holds {tokens} tokens but one request of max_model_len={mc.max_model_len} "
             f"needs {need * cc.block_size}: lower --max-model-len or raise --gpu-memory-utilization")
     return num_blocks
+
+
+def capped_gpu_blocks(config: EngineConfig, room: int) -> int:
+    """`room` blocks fit in the memory budget; the pool takes at most gpu_blocks_cap of them."""
+    cap = gpu_blocks_cap(config)
+    if room <= cap:
+        return room
+    sc = config.scheduler
+    logger.info("KV cache capped at %d blocks (max_num_seqs %d x max_model_len %d, + one block per "
+                "sequence); memory had room for %d (num_gpu_blocks_override sets the size)",
+                cap, sc.max_num_seqs, sc.max_model_len, room)
+    return cap
 
 
 def common_num_blocks(per_rank: list[int]) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -9,6 +10,7 @@ from peregrine.attention import get_attention_backend
 from peregrine.attention.kv_dtype import kv_cache_torch_dtype
 from peregrine.config import EngineConfig
 from peregrine.messages import ModelRunnerOutput, SchedulerOutput
+from peregrine.startup_timing import STARTUP
 from peregrine.worker.cuda_graphs import (CudaGraphRunner, PiecewiseGraphs, decode_graph_bytes,
                                           prefill_graph_sizes)
 from peregrine.distributed import pp_rank
@@ -37,16 +39,21 @@ class Worker:
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", local_rank)
         self.device = dev
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
+        STARTUP.take_pre_engine()  # a worker in a process of its own: its process's imports
+        with STARTUP.phase("device", dev):  # the CUDA context is created by the phase's sync
+            if dev.type == "cuda":
+                torch.cuda.set_device(dev)
+        with STARTUP.phase("attention_backend"):  # the Triton backend's first import of triton
+            backend = get_attention_backend(config.attention_backend)
         # This rank's pipeline stage (the whole model without pipeline parallelism).
         self.stage = PipelineStage.of(config.pp_layer_partition, pp_rank())
         # NOTE: load_model chooses the fused kernels for the device when it builds the layers.
-        self.model = load_model(config.model, get_attention_backend(config.attention_backend), dev,
-                                stage=self.stage)
+        with STARTUP.phase("model", dev):
+            self.model = load_model(config.model, backend, dev, stage=self.stage)
         # The KV cache holds this rank's heads of its stage's layers.
         self.kv_model_config = rank_model_config(config, len(self.model.layers))
-        self.model_runner = ModelRunner(config, self.model, dev, self.stage)
+        with STARTUP.phase("runner", dev):
+            self.model_runner = ModelRunner(config, self.model, dev, self.stage)
         self.num_blocks: int | None = None
 
     def determine_num_blocks(self) -> int:
@@ -58,8 +65,10 @@ class Worker:
             # seconds); say so, or a cold start looks like a hang.
             logger.info("profiling one worst-case step to size the KV cache (a first run also "
                         "compiles the Triton kernels; later runs reuse Triton's cache)")
-            profile_run(self.model, r.buffers, self.kv_model_config, sc.max_num_batched_tokens,
-                        sc.max_num_seqs, self.config.cache.block_size)
+            with STARTUP.phase("kv_profile", self.device):
+                profile_run(self.model, r.buffers, self.kv_model_config,
+                            sc.max_num_batched_tokens, sc.max_num_seqs,
+                            self.config.cache.block_size)
 
         return determine_num_blocks(self.config, self.device, profile, self._graph_reserve(),
                                     self.kv_model_config)
@@ -90,17 +99,22 @@ class Worker:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         cfg, r = self.config, self.model_runner
         cache_dtype = kv_cache_torch_dtype(cfg.cache, cfg.model)
-        kv = allocate_kv_caches(self.kv_model_config, num_blocks, cfg.cache.block_size,
-                                self.device, cache_dtype)
-        r.initialize_kv_cache(kv)
+        with STARTUP.phase("kv_alloc", self.device):
+            kv = allocate_kv_caches(self.kv_model_config, num_blocks, cfg.cache.block_size,
+                                    self.device, cache_dtype)
+        with STARTUP.phase("swap_space", self.device):
+            r.initialize_kv_cache(kv)
         self.num_blocks = num_blocks
         if self.device.type != "cuda":
+            self._startup_done()
             return
         if cfg.attention_backend == "triton":
             from peregrine.kernels.decode_attention import precompile
             attn = self.model.layers[0].self_attn
-            precompile(attn.num_heads, attn.num_kv_heads, attn.head_dim, cfg.cache.block_size,
-                       cfg.model.dtype, self.device, cache_dtype)
+            with STARTUP.phase("precompile", self.device):
+                precompile(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                           cfg.cache.block_size, cfg.model.dtype, self.device, cache_dtype,
+                           max_context=r.max_blocks_per_req * cfg.cache.block_size)
         if self._captures_graphs():
             logger.info("capturing CUDA graphs (--enforce-eager skips them)")
             self._capture_graphs()
@@ -109,17 +123,26 @@ class Worker:
                         "graphs under pipeline parallelism", pp_rank(), cfg.pipeline_parallel_size,
                         self.stage.start_layer, self.model.end_layer - 1)
         # Compile the sampling kernel now, not inside the first (timed) steps.
-        r.sampler.warm_up(r.vocab_size, self.device)
+        with STARTUP.phase("sampler_warmup", self.device):
+            r.sampler.warm_up(r.vocab_size, self.device)
+        self._startup_done()
+
+    def _startup_done(self) -> None:
+        # NOTE: an engine in this process logs the phases itself; a worker process logs its own.
+        if not STARTUP.active and self.rank == 0:
+            STARTUP.finish(f"worker rank {self.rank}, pid {os.getpid()}")
 
     def _capture_graphs(self) -> None:
         r, sc = self.model_runner, self.config.scheduler
         free_before = torch.cuda.mem_get_info(self.device)[0]
-        r.graphs = CudaGraphRunner(self.model, r.buffers, r.kv_caches, self._decode_graph_batch(),
-                                   sc.max_model_len)
+        with STARTUP.phase("decode_graphs", self.device):
+            r.graphs = CudaGraphRunner(self.model, r.buffers, r.kv_caches,
+                                       self._decode_graph_batch(), sc.max_model_len)
         sizes = prefill_graph_sizes(self.config.max_prefill_graph_tokens)
         if sizes:
-            r.prefill_graphs = PiecewiseGraphs(self.model, r.buffers, r.kv_caches, sizes,
-                                               pool=r.graphs.pool)
+            with STARTUP.phase("piecewise_graphs", self.device):
+                r.prefill_graphs = PiecewiseGraphs(self.model, r.buffers, r.kv_caches, sizes,
+                                                   pool=r.graphs.pool)
         # NOTE: the KV sizing reserved only the decode graphs' logits; the rest comes out of the
         # (1 - gpu_memory_utilization) slack. Say how much.
         logger.info("CUDA graphs use %.2f GiB of GPU memory (decode graphs %.2f GiB; %.2f GiB was "

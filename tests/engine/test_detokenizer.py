@@ -203,3 +203,72 @@ def test_sentencepiece_style_first_token_keeps_its_space():
     for t in ids[cut:]:
         d.update([t])
     assert d.output_text == " there quick fox"
+
+
+# ------------------------------------------------------------- spaces between special tokens
+@pytest.fixture(scope="module")
+def wordpiece() -> PreTrainedTokenizerFast:
+    """A WordPiece decoder joins tokens with spaces, added (special) tokens included."""
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "##s": 3}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
+                                   additional_special_tokens=["<a>", "<b>"],
+                                   clean_up_tokenization_spaces=False)
+
+
+_SPECIAL_TEXT = "hello<a><b>worlds<b><a><b>"
+
+
+def _wp_stream(wordpiece, step: int, **params) -> tuple[str, str]:
+    """(output text, joined deltas) of _SPECIAL_TEXT's ids fed `step` tokens per update."""
+    ids = wordpiece.encode(_SPECIAL_TEXT, add_special_tokens=False)
+    d = IncrementalDetokenizer(wordpiece, wordpiece.encode("world <a>", add_special_tokens=False),
+                               SamplingParams(skip_special_tokens=False, **params))
+    deltas = []
+    for i in range(0, len(ids), step):
+        d.update(ids[i:i + step])
+        deltas.append(d.get_delta_text())
+    deltas.append(d.get_delta_text(final=True))
+    return d.output_text, "".join(deltas)
+
+
+@pytest.mark.parametrize("step", [1, 2, 7])
+def test_adjacent_special_tokens_join_without_spaces_when_asked(wordpiece, step):
+    text, streamed = _wp_stream(wordpiece, step, spaces_between_special_tokens=False)
+    # NOTE: the decoder's space between a word and a special token stays (as in vLLM), and so
+    # does the one after the prompt.
+    assert text == streamed == " hello <a><b> worlds <b><a><b>"
+
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_by_default_special_tokens_keep_the_decoders_spaces(wordpiece, step):
+    ids = wordpiece.encode(_SPECIAL_TEXT, add_special_tokens=False)
+    text, streamed = _wp_stream(wordpiece, step)
+    assert text == streamed == " " + wordpiece.decode(ids, skip_special_tokens=False)
+    assert text == " hello <a> <b> worlds <b> <a> <b>"
+
+
+def test_spaces_flag_does_nothing_when_special_tokens_are_skipped(wordpiece):
+    ids = wordpiece.encode(_SPECIAL_TEXT, add_special_tokens=False)
+    d = IncrementalDetokenizer(wordpiece, [1], SamplingParams(spaces_between_special_tokens=False))
+    d.update(ids)
+    assert d.output_text == " " + wordpiece.decode(ids, skip_special_tokens=True)
+    assert d.output_text == " hello worlds"
+
+
+def test_byte_level_special_tokens_are_unchanged_by_the_flag(tokenizer):
+    ids = _ids(tokenizer, "hello<|sep|><|sep|>world<eos>")
+    outs = []
+    for spaces in (True, False):
+        d = IncrementalDetokenizer(tokenizer, _ids(tokenizer, "hi"), SamplingParams(
+            skip_special_tokens=False, spaces_between_special_tokens=spaces))
+        d.update(ids)
+        outs.append(d.output_text)
+    assert outs[0] == outs[1] == "hello<|sep|><|sep|>world<eos>"
+
+
+def test_spaces_between_special_tokens_must_be_a_boolean():
+    with pytest.raises(ValueError, match="spaces_between_special_tokens"):
+        SamplingParams(spaces_between_special_tokens="no")

@@ -116,3 +116,15 @@ def test_streamed_answers_are_documented_as_server_sent_events(server, schema, p
     r = httpx.post(server.base_url + path, json=body)
     assert r.status_code == 200 and r.headers["content-type"].split(";")[0] in ok["content"]
     assert r.text.rstrip().endswith("data: [DONE]")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_generation_routes_document_the_request_id_header_and_extras(schema, path):
+    op = schema["paths"][path]["post"]
+    [header] = [p for p in op["parameters"] if p["in"] == "header"]
+    assert header["name"] == "X-Request-Id" and header["required"] is False
+    ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"].split("/")[-1]
+    fields = set(schema["components"]["schemas"][ref]["properties"])
+    assert {"request_id", "cache_salt", "return_tokens_as_token_ids", "return_token_ids",
+            "spaces_between_special_tokens", "truncation_side"} <= fields
+    assert ("documents" in fields) == (path == "/v1/chat/completions")

@@ -70,11 +70,13 @@ def test_named_tool_choice_forces_that_call(client):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS, max_tokens=32,
                                        tool_choice=choice, seed=4)
     [call] = r.choices[0].message.tool_calls
-    assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
+    # NOTE: OpenAI ends a call forced by name with "stop" ("tool_calls" is for auto / required).
+    assert call.function.name == "get_weather" and r.choices[0].finish_reason == "stop"
     assert json.loads(call.function.arguments)["city"] in ("Paris", "Lyon")
     chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS,
                                                  max_tokens=32, tool_choice=choice, seed=4,
                                                  stream=True))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
     assert deltas[0].function.name == "get_weather" and deltas[0].id
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments

@@ -3,6 +3,7 @@ client, over an engine that answers with canned text in pieces split inside tags
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -114,6 +115,23 @@ def test_reasoning_goes_to_reasoning_content(client, engine):
     assert _stream(client, messages=CHAT)[:2] == ("Add them: 2+2.", "It is 4.")
 
 
+def test_include_reasoning_false_leaves_the_reasoning_out(client, engine):
+    engine.pieces = _pieces("<think>\nAdd them: 2+2.</think>\n\nIt is 4.", 3)
+    kw = {"messages": CHAT, "extra_body": {"include_reasoning": False}}
+    msg = client.chat.completions.create(model=MODEL, **kw).choices[0].message
+    assert msg.model_extra["reasoning_content"] is None and msg.content == "It is 4."
+    chunks = list(client.chat.completions.create(model=MODEL, stream=True, **kw))
+    assert all(getattr(c.choices[0].delta, "reasoning_content", None) is None
+               for c in chunks if c.choices)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "It is 4."
+
+
+def test_include_reasoning_false_with_logprobs_is_400(server):
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={
+        "messages": CHAT, "include_reasoning": False, "logprobs": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "include_reasoning"
+
+
 def test_template_that_opens_the_think_block_starts_in_reasoning(client, engine):
     """chat_template_kwargs reach the template; a prompt ending in <think> makes the output
     reasoning until </think>."""
@@ -212,9 +230,39 @@ def test_named_tool_choice_asks_for_the_arguments_schema(client, engine):
     [call] = r.choices[0].message.tool_calls
     assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Paris"}')
     _, content, calls, finish = _stream(client, messages=CHAT, tools=TOOLS, tool_choice=choice)
-    assert content == "" and finish == "tool_calls"
+    assert content == "" and finish == "stop"
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         ("get_weather", '{"city": "Paris"}')]
+
+
+def test_a_call_forced_by_name_finishes_with_stop_as_in_openai(client, engine):
+    engine.pieces = _pieces('{"city": "Oslo"}', 4)
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS, tool_choice=choice)
+    assert r.choices[0].finish_reason == "stop" and len(r.choices[0].message.tool_calls) == 1
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS,
+                                                 tool_choice=choice, stream=True))
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "stop" and finishes[:-1] == [None] * (len(finishes) - 1)
+
+
+def test_auto_and_required_calls_finish_with_tool_calls(client, engine):
+    engine.pieces = _pieces(CALL, 6)
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS, tool_choice="auto")
+    assert r.choices[0].message.tool_calls and r.choices[0].finish_reason == "tool_calls"
+    assert _stream(client, messages=CHAT, tools=TOOLS, tool_choice="auto")[3] == "tool_calls"
+    engine.pieces = _pieces('[{"name": "get_weather", "parameters": {"city": "Rome"}}]', 5)
+    assert _stream(client, messages=CHAT, tools=TOOLS, tool_choice="required")[3] == "tool_calls"
+
+
+def test_a_forced_call_cut_by_max_tokens_finishes_with_length(client, engine):
+    engine.pieces = _pieces('{"city": "Paris"}', 2)
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS, tool_choice=choice,
+                                       max_tokens=3)
+    assert r.choices[0].finish_reason == "length"
+    assert _stream(client, messages=CHAT, tools=TOOLS, tool_choice=choice, max_tokens=3)[3] == \
+        "length"
 
 
 def test_required_tool_choice_asks_for_an_array_of_calls(client, engine):
@@ -236,3 +284,25 @@ def test_auto_tool_choice_needs_the_server_flags():
         r = httpx.post(s.base_url + "/v1/chat/completions",
                        json={"messages": CHAT, "tools": TOOLS, "tool_choice": "none"})
         assert r.status_code == 200, r.text
+
+
+def test_streamed_token_ids_include_tokens_the_parsers_hold_back(client, engine, monkeypatch):
+    engine.pieces = _pieces("<think>Why.</think>\n" + CALL, 4)
+    step = engine.step
+
+    def slow_step():
+        time.sleep(0.005)  # NOTE: one piece per chunk, so held-back pieces make chunks of their own
+        return step()
+    monkeypatch.setattr(engine, "step", slow_step)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS,
+                                                 stream=True,
+                                                 extra_body={"return_token_ids": True}))
+    ids = [t for c in chunks if c.choices for t in c.choices[0].model_extra.get("token_ids") or []]
+    assert ids == [engine.cycle[0]] * len(engine.pieces)
+    assert chunks[0].model_extra["prompt_token_ids"]
+
+
+def test_include_reasoning_false_with_token_ids_is_400(server):
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={
+        "messages": CHAT, "include_reasoning": False, "return_token_ids": True})
+    assert r.status_code == 400 and "return_token_ids" in r.json()["error"]["message"]

@@ -101,6 +101,28 @@ def test_precompile_covers_every_merge_variant(monkeypatch) -> None:
     assert seen == want
 
 
+@pytest.mark.parametrize("max_context,want", [(16, [1]), (256, [1]), (512, [1, 2]),
+                                               (4096, [1, 2, 4, 8, 16]),
+                                               (8192, [1, 2, 4, 8, 16, 32])])
+def test_precompile_skips_the_merge_variants_a_shorter_context_cannot_reach(
+        monkeypatch, max_context: int, want: list[int]) -> None:
+    """With max_context, precompile() compiles the split counts up to the next power of two of
+    the most splits decode_split_len gives such a table, at any batch size and block width."""
+    import peregrine.kernels.decode_attention as da
+    seen: list[int] = []
+    monkeypatch.setattr(da, "paged_decode_attention",
+                        lambda q, k, v, table, lens, scale, **kw:
+                        seen.append(math.ceil(table.shape[1] * k.shape[1] / kw["split_len"])))
+    da.precompile(4, 2, 16, 16, torch.float32, torch.device("cpu"), max_context=max_context)
+    assert seen == want
+    cpu = torch.device("cpu")
+    reached = {da.next_pow2(math.ceil(blocks * 16 / da.decode_split_len(batch, kv_heads, blocks,
+                                                                        16, cpu, block_n)))
+               for batch in (1, 3, 64) for kv_heads in (1, 8) for block_n in (16, 64)
+               for blocks in range(1, max_context // 16 + 1)}
+    assert reached <= set(want)
+
+
 @pytest.mark.parametrize("window", [1, 7, 64, 300])
 @pytest.mark.parametrize("split_len", [16, 64])
 def test_decode_sliding_window_matches_reference(window: int, split_len: int) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peregrine.kernels.wna16_gemm import GemmConfig, choose_config, wna16_gemm
+from peregrine.kernels.wna16_gemm import GemmConfig, choose_config, smem_bytes, wna16_gemm
 from peregrine.layers.quantization.wna16 import WNA16Layout, pack_int32, unpack_int32
 
 
@@ -85,3 +85,24 @@ def test_config_splits_k_for_small_batches_only() -> None:
     prefill = choose_config(2048, 4096, 4096, 128, False, num_sms=132)
     assert decode.split_k > 1 and prefill.split_k == 1
     assert 128 % decode.block_k == 0 and 128 % prefill.block_k == 0
+
+
+def test_shared_memory_estimate_matches_the_failed_six_bit_compile() -> None:
+    # The H200 refused 6-bit BM 32, BN 64, BK 128, 4 stages: it asked for 237,568 bytes.
+    assert smem_bytes(32, 64, 128, 4, bits=6) == 237_568
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
+def test_every_config_fits_the_h200s_shared_memory(bits: int) -> None:
+    limit = 232_448
+    for m in (1, 16, 17, 64, 65, 256, 257, 4096):
+        for a_bytes in (2, 4):
+            c = choose_config(m, 4096, 14336, 128, False, 132, bits, a_bytes, limit)
+            assert smem_bytes(c.block_m, c.block_n, c.block_k, c.num_stages, bits,
+                              a_bytes) <= limit - 4 * 1024, (m, a_bytes, c)
+            assert c.num_stages >= 2 and 128 % c.block_k == 0
+    # 4 and 8 bits keep the pipeline they had; only 6 bits give up a stage, where it must.
+    four = choose_config(64, 4096, 4096, 128, False, 132, 4)
+    six = choose_config(64, 4096, 4096, 128, False, 132, 6)
+    assert four.num_stages == 4 and six.num_stages == 3
+    assert choose_config(16, 4096, 4096, 128, False, 132, 6).num_stages == 4  # 225,280 B fit

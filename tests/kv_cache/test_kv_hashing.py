@@ -56,3 +56,23 @@ def test_cache_salt_separates_requests():
     update_block_hashes(a, 4)
     update_block_hashes(b, 4)
     assert a.block_hashes != b.block_hashes
+
+
+def test_salt_enters_the_first_block_and_the_chain_carries_it():
+    plain, salted = _req(list(range(8))), _req(list(range(8)), salt="t")
+    update_block_hashes(plain, 4)
+    update_block_hashes(salted, 4)
+    assert salted.block_hashes[0] == hash_block_tokens(None, [0, 1, 2, 3], ("salt", "t"))
+    assert salted.block_hashes[1] == hash_block_tokens(salted.block_hashes[0], [4, 5, 6, 7])
+    assert plain.block_hashes[1] != salted.block_hashes[1]
+
+
+def test_salt_comes_from_the_sampling_params():
+    req = Request("r", [1, 2, 3, 4], SamplingParams(cache_salt="t"), arrival_time=0.0,
+                  max_tokens=4)
+    update_block_hashes(req, 4)
+    assert req.cache_salt == "t" and req.block_hashes == [_salted([1, 2, 3, 4], "t")]
+
+
+def _salted(tokens: list[int], salt: str) -> bytes:
+    return hash_block_tokens(None, tokens, ("salt", salt))

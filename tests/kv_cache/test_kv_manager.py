@@ -140,6 +140,28 @@ def test_cache_salt_prevents_sharing():
     assert _admit(mgr, b) == 0
 
 
+def test_same_salt_shares_and_other_salts_get_their_own_blocks():
+    mgr = KVCacheManager(16, 4, enable_caching=True)
+    a = _req("a", range(9), cache_salt="tenant-a")
+    assert _admit(mgr, a) == 0
+    b = _req("b", range(9), cache_salt="tenant-a")
+    assert _admit(mgr, b) == 8 and b.block_ids[:2] == a.block_ids[:2]
+    c = _req("c", range(9), cache_salt="tenant-c")
+    assert _admit(mgr, c) == 0 and not set(c.block_ids) & set(a.block_ids)
+    d = _req("d", range(9))  # no salt: shares with neither
+    assert _admit(mgr, d) == 0 and not set(d.block_ids) & set(a.block_ids + c.block_ids)
+    assert _admit(mgr, _req("e", range(9))) == 8  # but with other unsalted requests
+
+
+def test_salt_changes_the_first_block_hash_and_so_every_later_one():
+    a, b = _req("a", range(12)), _req("b", range(12), cache_salt="s")
+    mgr = KVCacheManager(16, 4, enable_caching=True)
+    _admit(mgr, a)
+    _admit(mgr, b)
+    assert all(x != y for x, y in zip(a.block_hashes, b.block_hashes))
+    assert len(a.block_hashes) == len(b.block_hashes) == 3
+
+
 def test_prompt_logprobs_skip_lookup_but_populate_cache():
     mgr = KVCacheManager(8, 4, enable_caching=True)
     _admit(mgr, _req("a", range(9)))

@@ -20,8 +20,9 @@ from peregrine.entrypoints.openai.errors import (GuardMiddleware, OpenAIError, b
                                                  error_response, install_error_handlers,
                                                  require_json_body)
 from peregrine.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                   DetokenizeRequest, ErrorResponse, ModelCard,
-                                                   ModelList, TokenizeRequest)
+                                                   DetokenizeRequest, ErrorResponse,
+                                                   MAX_REQUEST_ID_CHARS, ModelCard, ModelList,
+                                                   TokenizeRequest)
 from peregrine.entrypoints.openai.serving_chat import create_chat_completion, render_chat
 from peregrine.entrypoints.openai.serving_common import (ServingContext, check_model,
                                                          prompt_char_limit)
@@ -57,6 +58,11 @@ _GENERATION_ERRORS = _errors({
     404: _MODEL_NOT_FOUND,
     429: "The waiting queue is full (`queue_full`; see Retry-After).",
     503: "The engine is dead or the server is shutting down."})
+# NOTE: documented only: serving_common.response_id reads and checks it (a 400 naming it).
+_REQUEST_ID_HEADER = {"parameters": [{
+    "name": "X-Request-Id", "in": "header", "required": False,
+    "description": "The response id's suffix (wins over the request_id field, as in vLLM).",
+    "schema": {"type": "string", "minLength": 1, "maxLength": MAX_REQUEST_ID_CHARS}}]}
 
 
 @dataclass(frozen=True)
@@ -171,11 +177,13 @@ def build_app(engine: AsyncEngine, args: ServerArgs | None = None) -> FastAPI:
     # encode, before it runs.
     json_body: dict[str, Any] = {"dependencies": [Depends(require_json_body)]}
 
-    @app.post("/v1/completions", responses=_GENERATION_ERRORS, **json_body)
+    @app.post("/v1/completions", responses=_GENERATION_ERRORS, openapi_extra=_REQUEST_ID_HEADER,
+              **json_body)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await _unless_draining(raw.app, create_completion, ctx, body, raw)
 
-    @app.post("/v1/chat/completions", responses=_GENERATION_ERRORS, **json_body)
+    @app.post("/v1/chat/completions", responses=_GENERATION_ERRORS,
+              openapi_extra=_REQUEST_ID_HEADER, **json_body)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await _unless_draining(raw.app, create_chat_completion, ctx, body, raw)
 

@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
+from peregrine.sampling_params import MAX_CACHE_SALT_CHARS
+
 # NOTE: OpenAI caps top_logprobs at 20; the same cap bounds the work one request can ask for.
 MAX_LOGPROBS = 20
 # NOTE: n sequences per prompt. Each may run to max_model_len (chat's default max_tokens is the
@@ -17,6 +19,8 @@ MAX_N = 16
 # the engine's own bounds in sampling_params.py hold, as they do for the offline LLM).
 OPENAI_MAX_TEMPERATURE = 2.0
 OPENAI_MAX_STOP_STRINGS = 4
+# NOTE: a request id travels into logs and the response id; a bound keeps both readable.
+MAX_REQUEST_ID_CHARS = 512
 
 _GUIDED = ("vLLM's older guided decoding fields are not accepted; send structured_outputs "
            "(json, json_object, regex, choice or grammar) or response_format instead")
@@ -44,6 +48,23 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "logits_processors": "logits processors cannot be sent in requests",
     "prompt_embeds": "prompt embeddings are not implemented by this server",
     "mm_processor_kwargs": "multimodal input is not implemented by this server",
+    "media_io_kwargs": "multimodal input is not implemented by this server",
+    "return_mm_kwargs": "multimodal input is not implemented by this server",
+    "echo": "chat's echo (the last message prepended to the answer) is not implemented by this "
+            "server",
+    "watermarking": "watermarking is not implemented by this server",
+    "logprob_token_ids": "logprobs of chosen token ids are not implemented; send top_logprobs",
+    "return_token_offsets": "token offsets are only for vLLM's render routes, which this server "
+                            "does not have",
+    "return_prompt_text": "the rendered prompt is not returned; POST /tokenize renders a chat",
+    "thinking_token_budget": "thinking budgets are not implemented by this server",
+    "repetition_detection": "repetition detection is not implemented by this server",
+    "stream_interval": "every engine step is streamed; stream intervals are not implemented",
+    "session_id": "session-aware scheduling is not implemented by this server",
+    "kv_transfer_params": "disaggregated serving (KV transfer) is not implemented by this server",
+    "ec_transfer_params": "disaggregated serving (encoder cache transfer) is not implemented by "
+                          "this server",
+    "vllm_xargs": "custom request extensions are not implemented by this server",
 }
 
 
@@ -114,6 +135,9 @@ class SamplingRequest(OpenAIModel):
     min_tokens: StrictInt = Field(0, ge=0)
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    # vLLM's extra: with skip_special_tokens false, false joins adjacent special tokens without a
+    # space (the detokenizer's rule).
+    spaces_between_special_tokens: StrictBool = True
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     priority: StrictInt = 0
@@ -125,11 +149,22 @@ class SamplingRequest(OpenAIModel):
     # vLLM's extras: keep only the last k prompt tokens (-1: the last max_model_len - 1 ones);
     # logprobs of the prompt's tokens (and the top-k at each position), non-streaming only.
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1)
+    # vLLM's extra: which end truncate_prompt_tokens cuts ("left", the default, keeps the last
+    # tokens; "right" keeps the first).
+    truncation_side: Literal["left", "right"] | None = None
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # vLLM's extras: only these token ids may be sampled; words that must not be generated.
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[str] | None = None
+    # vLLM's extras: logprobs name tokens "token_id:N" (for tokens whose text is not valid
+    # UTF-8 alone); the response id's suffix (the X-Request-Id header wins, as in vLLM); a salt
+    # that keeps this request's prefix-cache blocks apart from those of other salts.
+    return_tokens_as_token_ids: StrictBool = False
+    # vLLM's extra: answers carry the prompt's token ids and each choice's generated ones.
+    return_token_ids: StrictBool = False
+    request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # Known fields we do not implement: accepted only at their no-op value (best_of == n).
     best_of: StrictInt | None = None
     # The text must match: a JSON schema, any JSON object (OpenAI's), or vLLM's kinds.
@@ -198,6 +233,9 @@ class ChatCompletionRequest(SamplingRequest):
     # unless the server runs with --trust-request-chat-template, here or in chat_template_kwargs).
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
+    # vLLM's extra: documents for retrieval-augmented generation, passed to the chat template
+    # (templates that do not read them render as without).
+    documents: list[dict[str, str]] | None = None
     modalities: list[str] | None = None  # accepted only as ["text"]
     # vLLM's extra: the rendered chat gets the tokenizer's special tokens on top of what the
     # template wrote (off by default: templates write their own BOS).
@@ -205,6 +243,8 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    # vLLM's extra: false leaves the reasoning parser's reasoning_content out of the answer.
+    include_reasoning: StrictBool = True
 
 
 class TokenizeRequest(OpenAIModel):
@@ -269,6 +309,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # vLLM's return_token_ids (streamed: the prompt's in a choice's first chunk, then deltas)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -307,6 +350,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -317,6 +361,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class DeltaFunctionCall(BaseModel):
@@ -346,6 +391,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's tokens
 
 
 class ChatCompletionChunk(BaseModel):
@@ -355,6 +401,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk only
 
 
 class CompletionChunk(BaseModel):

@@ -19,13 +19,14 @@ from peregrine.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChu
                                                    ChatCompletionRequest, ChatCompletionResponse,
                                                    ChatLogprobs, ChatMessage, ChatResponseMessage,
                                                    ChatStreamChoice, ChatTokenLogprob, DeltaMessage,
-                                                   PromptTokensDetails, TopLogprob, Usage,
-                                                   random_id, ChatTool)
+                                                   NamedToolChoice, PromptTokensDetails,
+                                                   TopLogprob, Usage, ChatTool)
 from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ServingContext, TokenText,
                                                          add_requests, build_sampling_params,
                                                          check_model, clamp_logprob,
                                                          output_error, check_request,
-                                                         resolve_max_tokens, respond, sse,
+                                                         resolve_max_tokens, respond,
+                                                         response_id, sse,
                                                          top_entries, truncate_prompt,
                                                          check_prompt_logprobs,
                                                          prompt_logprob_rows, requested_structure)
@@ -67,6 +68,7 @@ async def render_chat(ctx: ServingContext, messages: list[ChatMessage], *,
                       chat_template: str | None = None,
                       template_kwargs: dict[str, Any] | None = None,
                       tools: list[ChatTool] | None = None,
+                      documents: list[dict[str, str]] | None = None,
                       add_special_tokens: bool = False) -> list[int]:
     """Apply the chat template and tokenize, both in the thread pool (the template writes the
     special tokens itself; add_special_tokens adds the tokenizer's on top)."""
@@ -87,7 +89,8 @@ async def render_chat(ctx: ServingContext, messages: list[ChatMessage], *,
         text = await ctx.run(apply_chat_template, tok, dumped,
                              add_generation_prompt=add_generation_prompt,
                              continue_final_message=continue_final_message,
-                             chat_template=template, template_kwargs=kwargs, tools=tool_dicts)
+                             chat_template=template, template_kwargs=kwargs, tools=tool_dicts,
+                             documents=documents)
     except ValueError as e:
         raise bad_request(str(e), "messages") from e
     except Exception as e:  # noqa: BLE001 - template errors (jinja raise_exception) are user errors
@@ -161,14 +164,20 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                                 'server generates text only (only ["text"])', "modalities")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    if not req.include_reasoning and ctx.reasoning_parser is not None:
+        shown = "logprobs" if req.logprobs else "return_token_ids" if req.return_token_ids else None
+        if shown is not None:
+            raise bad_request(f"include_reasoning false hides the reasoning, but {shown} would "
+                              "show its tokens; drop one of them", "include_reasoning")
     check_prompt_logprobs(req)
+    request_id, engine_id = response_id(raw, req, "chatcmpl")
     tool_parser, structure = _tool_parser(ctx, req)
     ids = await render_chat(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
                             continue_final_message=req.continue_final_message,
                             chat_template=req.chat_template,
                             template_kwargs=req.chat_template_kwargs, tools=req.tools,
-                            add_special_tokens=req.add_special_tokens)
-    ids = truncate_prompt(ctx, ids, req.truncate_prompt_tokens)
+                            documents=req.documents, add_special_tokens=req.add_special_tokens)
+    ids = truncate_prompt(ctx, ids, req.truncate_prompt_tokens, req.truncation_side)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(ctx, len(ids), requested, None, "messages")
     params = build_sampling_params(ctx, req, max_tokens=max_tokens,
@@ -176,8 +185,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                                    prompt_logprobs=req.prompt_logprobs, structure=structure)
     if tool_parser is not None and tool_parser.needs_special_tokens:
         params.skip_special_tokens = False  # NOTE: the call markers are special tokens
-    request_id = random_id("chatcmpl")
-    stream = await add_requests(ctx, [EngineRequest(request_id, ids, params, req.priority)])
+    stream = await add_requests(ctx, [EngineRequest(engine_id, ids, params, req.priority)])
     # NOTE: under a grammar the output has no room for a <think> block: no reasoning split.
     builder = _ChatBuilder(ctx, req, request_id, ids, tool_parser,
                            reasoning=structure is None)
@@ -193,10 +201,14 @@ class _ChatBuilder:
         self.num_prompt_tokens = len(prompt_ids)
         self.prompt_logprobs: list[PositionLogprobs | None] = []
         self.created = int(time.time())
-        self.token_text = TokenText(ctx.tokenizer)
+        self.token_text = TokenText(ctx.tokenizer, req.return_tokens_as_token_ids)
+        # NOTE: OpenAI ends a call forced by name with "stop"; auto and required calls end with
+        # "tool_calls".
+        self.calls_finish = "stop" if isinstance(req.tool_choice, NamedToolChoice) else "tool_calls"
         n = req.n
         self.text: list[list[str]] = [[] for _ in range(n)]
         self.num_tokens = [0] * n
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]  # for return_token_ids
         self.logprobs: list[list[ChatTokenLogprob]] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
         self.stop_reason: list[int | str | None] = [None] * n
@@ -215,8 +227,9 @@ class _ChatBuilder:
         positions: list[PositionLogprobs | None] = list(c.logprobs or [])
         for tid, pos in zip(c.token_ids, positions):
             chosen = pos.get(tid) if pos else None
-            text = self.token_text(tid, chosen)
-            tops = [TopLogprob(token=(t := self.token_text(i, lp)), logprob=clamp_logprob(lp.logprob),
+            text = self.token_text.label(tid, chosen)
+            tops = [TopLogprob(token=(t := self.token_text.label(i, lp)),
+                               logprob=clamp_logprob(lp.logprob),
                                bytes=list(t.encode("utf-8")))
                     for i, lp in top_entries(pos or {}, num)]
             rows.append(ChatTokenLogprob(
@@ -234,6 +247,8 @@ class _ChatBuilder:
             self.logprobs[k].extend(rows)
         self.text[k].append(c.text)
         self.num_tokens[k] += len(c.token_ids)
+        if self.req.return_token_ids:
+            self.token_ids[k].extend(c.token_ids)
         self.finish[k] = c.finish_reason
         self.stop_reason[k] = c.stop_reason
         return bool(c.text or c.token_ids or c.finish_reason is not None), rows
@@ -257,28 +272,39 @@ class _ChatBuilder:
         choices = []
         for k in range(self.req.n):
             reasoning, content, calls = self.parsers[k].whole("".join(self.text[k]))
+            if not self.req.include_reasoning:
+                reasoning = None
             finish = self.finish[k]
             if calls and finish == "stop":
-                finish = "tool_calls"
+                finish = self.calls_finish
             choices.append(ChatChoice(
                 index=k, message=ChatResponseMessage(content=content, reasoning_content=reasoning,
                                                      tool_calls=calls),
                 logprobs=ChatLogprobs(content=self.logprobs[k]) if self.req.logprobs else None,
-                finish_reason=finish, stop_reason=self.stop_reason[k]))
+                finish_reason=finish, stop_reason=self.stop_reason[k],
+                token_ids=self.token_ids[k] if self.req.return_token_ids else None))
         plp = None
         if self.req.prompt_logprobs is not None:
             plp = prompt_logprob_rows(self.prompt_ids, self.prompt_logprobs,
                                       self.req.prompt_logprobs, self.token_text)
-        return ChatCompletionResponse(id=self.request_id, model=self.ctx.model_name,
-                                      choices=choices, usage=self.usage(), prompt_logprobs=plp)
+        return ChatCompletionResponse(
+            id=self.request_id, model=self.ctx.model_name, choices=choices, usage=self.usage(),
+            prompt_logprobs=plp,
+            prompt_token_ids=self.prompt_ids if self.req.return_token_ids else None)
 
-    def _chunk(self, choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
+    def _chunk(self, choices: list[ChatStreamChoice], usage: Usage | None = None,
+               prompt_token_ids: list[int] | None = None) -> str:
         """One SSE chunk as OpenAI sends it: a delta holds only the fields it sets, and `usage`
-        is there only when stream_options.include_usage asked for it."""
+        is there only when stream_options.include_usage asked for it (vLLM's token ids only
+        when return_token_ids asked for them)."""
         chunk = ChatCompletionChunk(id=self.request_id, created=self.created,
-                                    model=self.ctx.model_name, choices=choices,
-                                    usage=usage).model_dump(mode="json")
+                                    model=self.ctx.model_name, choices=choices, usage=usage,
+                                    prompt_token_ids=prompt_token_ids).model_dump(mode="json")
+        if chunk["prompt_token_ids"] is None:
+            del chunk["prompt_token_ids"]
         for choice in chunk["choices"]:
+            if choice["token_ids"] is None:
+                del choice["token_ids"]
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
             for call in choice["delta"].get("tool_calls", ()):
                 call["function"] = {k: v for k, v in call["function"].items() if v is not None}
@@ -297,7 +323,8 @@ class _ChatBuilder:
         # NOTE: like OpenAI, the first chunk of every choice carries only the role.
         yield self._chunk([ChatStreamChoice(index=k, delta=DeltaMessage(role="assistant",
                                                                         content=""))
-                           for k in range(self.req.n)], self.usage() if every_chunk else None)
+                           for k in range(self.req.n)], self.usage() if every_chunk else None,
+                          self.prompt_ids if self.req.return_token_ids else None)
         async for out in stream:
             err = output_error(out)
             if err is not None:
@@ -310,17 +337,21 @@ class _ChatBuilder:
                     continue
                 parser = self.parsers[c.index]
                 reasoning, content, calls = parser.feed(c.text, c.finish_reason is not None)
+                if not self.req.include_reasoning:
+                    reasoning = ""
                 finish = c.finish_reason
                 if finish == "stop" and parser.called_tools:
-                    finish = "tool_calls"
-                if not (reasoning or content or calls or rows or finish):
+                    finish = self.calls_finish
+                token_ids = list(c.token_ids) if self.req.return_token_ids else None
+                # NOTE: a chunk the parsers have no text for still carries its token ids.
+                if not (reasoning or content or calls or rows or finish or token_ids):
                     continue
                 delta = DeltaMessage(content=content or None, reasoning_content=reasoning or None,
                                      tool_calls=calls or None)
                 choices.append(ChatStreamChoice(
                     index=c.index, delta=delta,
                     logprobs=ChatLogprobs(content=rows) if rows is not None else None,
-                    finish_reason=finish, stop_reason=c.stop_reason))
+                    finish_reason=finish, stop_reason=c.stop_reason, token_ids=token_ids))
             if choices:
                 yield self._chunk(choices, self.usage() if every_chunk else None)
         if include_usage:

@@ -7,6 +7,7 @@ import functools
 import json
 import math
 import re
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -19,9 +20,9 @@ from peregrine.engine.async_engine import (AsyncEngine, EngineDeadError, EngineR
 from peregrine.engine.llm_engine import QueueFullError
 from peregrine.entrypoints.openai.errors import (OpenAIError, bad_request, error_body,
                                                  unsupported_value)
-from peregrine.entrypoints.openai.protocol import (OPENAI_MAX_STOP_STRINGS,
+from peregrine.entrypoints.openai.protocol import (MAX_REQUEST_ID_CHARS, OPENAI_MAX_STOP_STRINGS,
                                                    OPENAI_MAX_TEMPERATURE,
-                                                   PromptLogprob, SamplingRequest)
+                                                   PromptLogprob, SamplingRequest, random_id)
 from peregrine.entrypoints.openai.reasoning_parsers import ReasoningParser
 from peregrine.entrypoints.openai.tool_parsers import ToolParser
 from peregrine.outputs import Logprob, PositionLogprobs, RequestOutput
@@ -135,17 +136,41 @@ def check_request(ctx: ServingContext, req: SamplingRequest) -> None:
                           f"up to {MAX_STOP_STRINGS}", "stop")
 
 
-def truncate_prompt(ctx: ServingContext, token_ids: list[int], keep: int | None) -> list[int]:
-    """The last `keep` tokens of a prompt (vLLM's truncate_prompt_tokens; -1 keeps as many as
-    leave room for one generated token)."""
+def truncate_prompt(ctx: ServingContext, token_ids: list[int], keep: int | None,
+                    side: str | None = None) -> list[int]:
+    """`keep` tokens of a prompt (vLLM's truncate_prompt_tokens; -1 keeps as many as leave room
+    for one generated token): the last ones, or the first with side "right"."""
     if keep is None:
+        if side is not None:
+            raise bad_request("truncation_side needs truncate_prompt_tokens", "truncation_side")
         return token_ids
     if keep == 0:
         raise bad_request("truncate_prompt_tokens must be >= 1, or -1 for the model's limit",
                           "truncate_prompt_tokens")
     if keep == -1:
         keep = ctx.max_model_len - 1
-    return token_ids[-keep:]
+    return token_ids[:keep] if side == "right" else token_ids[-keep:]
+
+
+# NOTE: a request id ends up in logs and the response id: no control characters.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def response_id(raw: Request, req: SamplingRequest, prefix: str) -> tuple[str, str]:
+    """(the response's id, the engine's id for it). The id is `prefix-` and the X-Request-Id
+    header, else the request_id field, else a random one (vLLM's order). The engine's id adds a
+    random suffix to a client's id, so two requests sent with one id never collide."""
+    header = raw.headers.get("x-request-id")
+    given, param = (header, "X-Request-Id") if header is not None else (req.request_id,
+                                                                         "request_id")
+    if given is None:
+        rid = random_id(prefix)
+        return rid, rid
+    if not 1 <= len(given) <= MAX_REQUEST_ID_CHARS or _CONTROL.search(given):
+        raise bad_request(f"{param} must be 1 to {MAX_REQUEST_ID_CHARS} characters without "
+                          "control characters", param)
+    rid = f"{prefix}-{given}"
+    return rid, f"{rid}-{uuid.uuid4().hex[:16]}"
 
 
 def resolve_max_tokens(ctx: ServingContext, prompt_len: int, requested: int | None,
@@ -238,7 +263,9 @@ def build_sampling_params(ctx: ServingContext, req: SamplingRequest, *, max_toke
         stop=req.stop, stop_token_ids=_stop_token_ids(ctx, req.stop_token_ids), seed=req.seed,
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens, max_tokens=max_tokens, logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        cache_salt=req.cache_salt, max_tokens=max_tokens, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, output_kind=RequestOutputKind.DELTA,
         logit_bias=_logit_bias(ctx, req.logit_bias), allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words, structured_outputs=structure)
@@ -364,11 +391,17 @@ def clamp_logprob(lp: float) -> float:
 
 
 class TokenText:
-    """Token id -> its text, from the engine's decoded_token or the tokenizer (cached)."""
+    """Token id -> its text, from the engine's decoded_token or the tokenizer (cached); `label`
+    is how logprobs name the token ("token_id:N" with return_tokens_as_token_ids)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, as_token_ids: bool = False) -> None:
         self._tok = tokenizer
         self._cache: dict[int, str] = {}
+        self.as_token_ids = as_token_ids
+
+    def label(self, token_id: int, lp: Logprob | None = None) -> str:
+        """The token as logprobs name it: its text, or "token_id:N"."""
+        return f"token_id:{token_id}" if self.as_token_ids else self(token_id, lp)
 
     def __call__(self, token_id: int, lp: Logprob | None = None) -> str:
         if lp is not None and lp.decoded_token is not None:

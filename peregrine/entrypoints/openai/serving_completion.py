@@ -13,13 +13,13 @@ from peregrine.engine.async_engine import EngineRequest, RequestStream
 from peregrine.entrypoints.openai.errors import bad_request
 from peregrine.entrypoints.openai.protocol import (CompletionChoice, CompletionChunk,
                                                    CompletionLogprobs, CompletionRequest,
-                                                   CompletionResponse, PromptTokensDetails, Usage,
-                                                   random_id)
+                                                   CompletionResponse, PromptTokensDetails, Usage)
 from peregrine.entrypoints.openai.serving_common import (SSE_DONE, ServingContext, TokenText,
                                                          add_requests, build_sampling_params,
                                                          check_model, clamp_logprob,
                                                          output_error, check_request,
-                                                         resolve_max_tokens, respond, sse,
+                                                         resolve_max_tokens, respond,
+                                                         response_id, sse,
                                                          top_entries, truncate_prompt,
                                                          check_prompt_logprobs,
                                                          prompt_logprob_rows, requested_structure)
@@ -89,6 +89,8 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     started: bool = False  # streaming: the echoed prompt was sent
+    token_ids: list[int] = field(default_factory=list)  # generated ones, for return_token_ids
+    prompt_ids_sent: bool = False  # streaming: the prompt's token ids were sent
 
 
 async def _parse_prompts(ctx: ServingContext, req: CompletionRequest) -> list[_Prompt]:
@@ -117,7 +119,8 @@ async def _parse_prompts(ctx: ServingContext, req: CompletionRequest) -> list[_P
                                                     param="prompt"))
         else:
             prompt = _Prompt(None, list(item))
-        kept = truncate_prompt(ctx, prompt.token_ids, req.truncate_prompt_tokens)
+        kept = truncate_prompt(ctx, prompt.token_ids, req.truncate_prompt_tokens,
+                               req.truncation_side)
         if len(kept) < len(prompt.token_ids):
             prompt = _Prompt(None, kept)  # NOTE: echo then shows the decoded kept tokens
         if req.echo:
@@ -139,9 +142,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
         raise bad_request("max_tokens 0 is only valid with echo=true (scoring the prompt)",
                           "max_tokens")
     check_prompt_logprobs(req)
+    request_id, engine_id = response_id(raw, req, "cmpl")
     prompts = await _parse_prompts(ctx, req)
     structure = requested_structure(req)
-    request_id = random_id("cmpl")
     engine_reqs = []
     for i, prompt in enumerate(prompts):
         # NOTE: max_tokens 0 runs one step (the prompt's logprobs come with its first token),
@@ -154,7 +157,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest,
         params = build_sampling_params(ctx, req, max_tokens=max_tokens, logprobs=req.logprobs,
                                        prompt_logprobs=max(wanted) if wanted else None,
                                        structure=structure)
-        engine_reqs.append(EngineRequest(f"{request_id}-{i}", prompt.token_ids, params,
+        engine_reqs.append(EngineRequest(f"{engine_id}-{i}", prompt.token_ids, params,
                                          req.priority))
     stream = await add_requests(ctx, engine_reqs)
     index_of = {r.request_id: i for i, r in enumerate(engine_reqs)}
@@ -170,7 +173,7 @@ class _Builder:
         self.ctx, self.req, self.prompts, self.index_of = ctx, req, prompts, index_of
         self.request_id = request_id
         self.created = int(time.time())
-        self.token_text = TokenText(ctx.tokenizer)
+        self.token_text = TokenText(ctx.tokenizer, req.return_tokens_as_token_ids)
         self.choices = [_Choice() for _ in range(len(prompts) * req.n)]
         self.cached_tokens = [0] * len(prompts)
         self.prompt_logprobs: list[list[PositionLogprobs | None]] = [[] for _ in prompts]
@@ -211,6 +214,8 @@ class _Builder:
                 self._add_logprobs(ch, c.token_ids, c.logprobs)
             ch.text.append(text)
             ch.num_tokens += len(c.token_ids)
+            if self.req.return_token_ids:
+                ch.token_ids.extend(c.token_ids)
             ch.finish_reason = c.finish_reason
             ch.stop_reason = c.stop_reason
             if text or c.token_ids or c.finish_reason is not None:
@@ -225,15 +230,16 @@ class _Builder:
         for tid, pos in zip(token_ids, positions):
             chosen = pos.get(tid) if pos else None
             text = self.token_text(tid, chosen)
-            new.tokens.append(text)
+            label = self.token_text.label(tid, chosen)
+            new.tokens.append(label)
             new.token_logprobs.append(clamp_logprob(chosen.logprob) if chosen else None)
             if pos is None:
                 new.top_logprobs.append(None)
             else:
-                top = {self.token_text(t, lp): clamp_logprob(lp.logprob)
+                top = {self.token_text.label(t, lp): clamp_logprob(lp.logprob)
                        for t, lp in top_entries(pos, num)}
                 if chosen is not None:
-                    top.setdefault(text, clamp_logprob(chosen.logprob))
+                    top.setdefault(label, clamp_logprob(chosen.logprob))
                 new.top_logprobs.append(top)
             new.text_offset.append(ch.text_len)
             ch.text_len += len(text)
@@ -261,9 +267,13 @@ class _Builder:
         if self.req.prompt_logprobs is not None:
             plp = [prompt_logprob_rows(p.token_ids, rows, self.req.prompt_logprobs, self.token_text)
                    for p, rows in zip(self.prompts, self.prompt_logprobs)]
+        ids = self.req.return_token_ids
         choices = [CompletionChoice(index=k, text="".join(ch.text), logprobs=ch.logprobs,
                                     finish_reason=ch.finish_reason, stop_reason=ch.stop_reason,
-                                    prompt_logprobs=plp[k // self.req.n] if plp else None)
+                                    prompt_logprobs=plp[k // self.req.n] if plp else None,
+                                    prompt_token_ids=(self.prompts[k // self.req.n].token_ids
+                                                      if ids else None),
+                                    token_ids=ch.token_ids if ids else None)
                    for k, ch in enumerate(self.choices)]
         return CompletionResponse(id=self.request_id, model=self.ctx.model_name, choices=choices,
                                   usage=self.usage())
@@ -312,9 +322,16 @@ class _Builder:
                         token_logprobs=ch.logprobs.token_logprobs[start:],
                         tokens=ch.logprobs.tokens[start:],
                         top_logprobs=ch.logprobs.top_logprobs[start:])
+                prompt_ids = token_ids = None
+                if self.req.return_token_ids:
+                    token_ids = list(c.token_ids)
+                    if not ch.prompt_ids_sent:
+                        ch.prompt_ids_sent = True
+                        prompt_ids = self.prompts[idx // self.req.n].token_ids
                 choices.append(CompletionChoice(index=idx, text=text, logprobs=lps,
                                                 finish_reason=c.finish_reason,
-                                                stop_reason=c.stop_reason))
+                                                stop_reason=c.stop_reason,
+                                                prompt_token_ids=prompt_ids, token_ids=token_ids))
             if choices:
                 yield self._chunk(choices, self.usage() if every_chunk else None, include_usage)
         if include_usage:
@@ -324,8 +341,12 @@ class _Builder:
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None,
                include_usage: bool) -> str:
         """One SSE chunk; `usage` is left out unless stream_options.include_usage asked for it."""
-        # NOTE: prompt_logprobs is never streamed (check_prompt_logprobs), so it is left out too.
-        exclude: dict[str, Any] = {"choices": {"__all__": {"prompt_logprobs"}}}
+        # NOTE: prompt_logprobs is never streamed (check_prompt_logprobs), so it is left out too,
+        # and so are the token ids unless return_token_ids asked for them.
+        left_out = {"prompt_logprobs"}
+        if not self.req.return_token_ids:
+            left_out |= {"prompt_token_ids", "token_ids"}
+        exclude: dict[str, Any] = {"choices": {"__all__": left_out}}
         if not include_usage:
             exclude["usage"] = True
         chunk = CompletionChunk(id=self.request_id, created=self.created,

@@ -5,6 +5,9 @@ Activations are quantized per token at run time (or with a static per-tensor `in
 On GPUs with FP8 tensor cores (compute capability 8.9+) the matmul is `torch._scaled_mm` with
 row-wise scales (per-channel weights) or the block-scaled Triton GEMM (kernels/fp8_quant.py);
 elsewhere, the CPU included, the same quantized values are dequantized and multiplied in float32.
+Small batches on those GPUs (at most GEMV_MAX_M rows, decode) instead compute x @ dequant(W) with
+x as it is (kernels/gemv.py): weight-only math, which reads the same FP8 weight bytes, is more
+accurate than rounding x to FP8, and ignores a static input_scale.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from peregrine.kernels.gemv import precompile_w8_gemv, use_gemv, w8_gemv, w8_gemv_ready
 from peregrine.kernels.fp8_quant import (FP8_DTYPE, FP8_MAX, per_token_group_quant,
                                          quantize_with_scale, w8a8_block_fp8_matmul,
                                          w8a8_block_matmul_ref)
@@ -49,6 +53,9 @@ def apply_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
                      input_scale: torch.Tensor | None,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """y (M, N) = quant(x) @ weight^T with weight (N, K) fp8 and weight_scale (1, N) fp32."""
+    if use_gemv(x) and w8_gemv_ready(weight):  # decode: x @ dequant(W), x not rounded
+        y = w8_gemv(x, weight, weight_scale)  # (M, N)
+        return y if bias is None else y + bias
     x = x.contiguous()  # (M, K)
     xq, xs = quantize_input(x, FP8_DTYPE, input_scale)  # (M, K) fp8, (M, 1) fp32
     n, k = weight.shape
@@ -78,6 +85,7 @@ class W8A8Method(QuantMethod):
 
     def create_weights(self, layer: LinearBase, in_features: int, out_sizes: list[int],
                        dtype: torch.dtype) -> None:
+        self.act_dtype = dtype
         layer.weight = linear_param((sum(out_sizes), in_features), self.weight_dtype,
                                     output_dim=0, input_dim=1)
         if self.weight_strategy == "channel":
@@ -109,6 +117,7 @@ class W8A8Method(QuantMethod):
             # NOTE: fused projections share one input; the largest scale covers all of them.
             layer.input_scale = nn.Parameter(layer.input_scale.data.max().reshape(1, 1),
                                              requires_grad=False)
+        precompile_w8_gemv(layer.weight, layer.weight_scale, self.act_dtype)
 
 
 def _per_shard_scalar(num_shards: int) -> nn.Parameter:
@@ -134,6 +143,7 @@ class Fp8OnlineMethod(Fp8W8A8Method):
 
     def create_weights(self, layer: LinearBase, in_features: int, out_sizes: list[int],
                        dtype: torch.dtype) -> None:
+        self.act_dtype = dtype
         layer.weight = linear_param((sum(out_sizes), in_features), dtype, output_dim=0,
                                     input_dim=1)
         layer.input_scale = None
@@ -143,6 +153,7 @@ class Fp8OnlineMethod(Fp8W8A8Method):
         scale = (w.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)  # (N, 1)
         layer.weight = nn.Parameter(quantize_with_scale(w, scale, FP8_DTYPE), requires_grad=False)
         layer.weight_scale = nn.Parameter(scale.reshape(1, -1).contiguous(), requires_grad=False)
+        precompile_w8_gemv(layer.weight, layer.weight_scale, self.act_dtype)
 
 
 class Fp8BlockMethod(QuantMethod):
@@ -157,6 +168,7 @@ class Fp8BlockMethod(QuantMethod):
     def create_weights(self, layer: LinearBase, in_features: int, out_sizes: list[int],
                        dtype: torch.dtype) -> None:
         bn, bk = self.block
+        self.act_dtype = dtype
         out = sum(out_sizes)
         if layer.shards_output and (len(out_sizes) > 1 or layer.tp_size > 1) and \
                 any(s % bn for s in out_sizes):
@@ -172,10 +184,17 @@ class Fp8BlockMethod(QuantMethod):
                              packed_dim=packed_dim if factor > 1 else None, pack_factor=factor)
         setattr(layer, self.scale_name, scale)
 
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        precompile_w8_gemv(layer.weight, getattr(layer, self.scale_name), self.act_dtype,
+                           self.block)
+
     def apply(self, layer: LinearBase, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        x = x.contiguous()  # (M, K)
         scale = getattr(layer, self.scale_name)  # (N / bn, K / bk)
+        if use_gemv(x) and w8_gemv_ready(layer.weight, self.block):  # decode: x not rounded
+            y = w8_gemv(x, layer.weight, scale, self.block)  # (M, N)
+            return y if bias is None else y + bias
+        x = x.contiguous()  # (M, K)
         xq, xs = per_token_group_quant(x, FP8_DTYPE, self.block[1])  # (M, K), (M, K / bk)
         if fp8_gemm_supported(x):
             y = w8a8_block_fp8_matmul(xq, xs, layer.weight, scale, self.block, x.dtype)

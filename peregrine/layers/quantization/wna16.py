@@ -12,8 +12,10 @@ which repacks them into the one layout the fused Triton dequant-GEMM reads (kern
 - `g_idx` (K,) int32 or None: each input's group when the groups are not contiguous (GPTQ
   act-order).
 
-w[k, n] = (q[k, n] - zero[g(k), n]) * scale[g(k), n]. Without CUDA the layer dequantizes and
-calls F.linear, which is also the reference the kernel is tested against.
+w[k, n] = (q[k, n] - zero[g(k), n]) * scale[g(k), n]. On CUDA a batch of at most GEMV_MAX_M rows
+runs the split-K GEMV (kernels/wna16_gemv.py, compiled at load), larger ones the GEMM. Without
+CUDA the layer dequantizes and calls F.linear, which is also the reference the kernels are tested
+against.
 """
 from __future__ import annotations
 
@@ -167,13 +169,19 @@ class WNA16LinearMethod(QuantMethod):
         for name, t in layout.tensors().items():
             layer.register_parameter(f"wna16_{name}", nn.Parameter(t, requires_grad=False))
         layer.wna16 = layout
+        if _use_kernel(layout.qweight):  # no kernel compiles on the request path
+            from peregrine.kernels.wna16_gemv import precompile_wna16_gemv
+            precompile_wna16_gemv(layout, dtype)
 
     def apply(self, layer: LinearBase, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
         layout: WNA16Layout = layer.wna16
         if _use_kernel(x):
+            from peregrine.kernels.gemv import use_gemv
             from peregrine.kernels.wna16_gemm import wna16_gemm
-            y = wna16_gemm(x, layout)  # (T, out_per_rank)
+            from peregrine.kernels.wna16_gemv import gemv_supported, wna16_gemv
+            gemv = use_gemv(x) and gemv_supported(layout)
+            y = wna16_gemv(x, layout) if gemv else wna16_gemm(x, layout)  # (T, out_per_rank)
             return y if bias is None else y + bias
         return F.linear(x, layout.dequantize(x.dtype), bias)
 

@@ -1,0 +1,284 @@
+"""Small-batch GEMVs: y (M, N) = x (M, K) @ dequant(W)^T for M <= GEMV_MAX_M rows, where a
+decode step is bound by reading the weight once. The weight-only int layout has its own kernel
+(wna16_gemv.py); this module holds what both share, and the 8-bit one: FP8 e4m3 or int8 weights
+(N, K) with per-channel or (bn x bk) block scales, multiplied by 16/32-bit activations as they are
+(weight-only math: no activation quantization at these sizes).
+
+Every kernel here multiplies in float32 registers (no tl.dot, which would pad M to 16) and splits
+K over programs so a few rows still spread the read over every SM. Split-K is deterministic: each
+program writes its float32 partial sums, then takes a ticket on its column tile's counter; the
+last of the SPLIT_K programs adds the partials in split order (whatever order they arrived in),
+writes the output in x's dtype and resets the counter. One launch, and the same bits every run.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from peregrine.kernels._utils import next_pow2, num_sms
+
+# The one cut-off: a linear with at most this many rows uses a GEMV on CUDA, more use the GEMMs.
+GEMV_MAX_M = 8
+# Programs launched per SM (at least): enough column tiles x K splits to hide memory latency.
+_WAVES = 4
+_MAX_SPLIT = 32
+# Per-device split-K tickets (one int32 per column tile), zero between launches.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTER_SLOTS = 1 << 14
+
+
+def use_gemv(x: torch.Tensor) -> bool:
+    """Whether x (..., K) is a small batch for the GEMVs (CUDA, 1..GEMV_MAX_M rows)."""
+    return x.is_cuda and 0 < x.numel() // max(x.shape[-1], 1) <= GEMV_MAX_M
+
+
+def block_m_for(m: int) -> int:
+    """The compiled row count that serves m rows (a power of two up to GEMV_MAX_M)."""
+    if not 0 < m <= GEMV_MAX_M:
+        raise ValueError(f"the GEMV takes 1 to {GEMV_MAX_M} rows, got {m}")
+    return next_pow2(m)
+
+
+def counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The split-K tickets of `device` (allocated once, before any graph capture uses them)."""
+    if tiles > _COUNTER_SLOTS:
+        raise ValueError(f"GEMV: {tiles} column tiles exceed the {_COUNTER_SLOTS} split-K slots")
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        buf = _COUNTERS[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return buf
+
+
+def choose_split(tiles: int, k_blocks: int, device: torch.device) -> tuple[int, int]:
+    """(split_k, k_iters): the fewest power-of-two K splits that launch _WAVES programs per SM,
+    then trimmed so that no split is left without a K block."""
+    target = _WAVES * (num_sms(device) if device.type == "cuda" else 8)
+    split = 1
+    while tiles * split < target and split * 2 <= min(_MAX_SPLIT, k_blocks):
+        split *= 2
+    k_iters = triton.cdiv(k_blocks, split)
+    return triton.cdiv(k_blocks, k_iters), k_iters
+
+
+def launch_buffers(x2: torch.Tensor, n: int, tiles: int, split: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out (M, N) in x's dtype, float32 partials (split, M, N), tickets) for one launch."""
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    part = torch.empty((split, m, n) if split > 1 else (1,), dtype=torch.float32,
+                       device=x2.device)
+    return out, part, counters(x2.device, tiles)
+
+
+@triton.jit
+def store_partial(part_ptr, c_ptr, val, m, M, N, split, offs_n, n_mask, stride_cm,
+                  HAS_SPLIT: tl.constexpr):
+    """Row m's (BLOCK_N,) float32 sums of this program's K range: the output itself without a
+    split, else this split's partial."""
+    if not HAS_SPLIT:
+        tl.store(c_ptr + m * stride_cm + offs_n, val.to(c_ptr.dtype.element_ty),
+                 mask=n_mask & ((offs_n * 0 + m) < M))
+    else:
+        row = (split * M + m).to(tl.int64)
+        tl.store(part_ptr + row * N + offs_n, val, mask=n_mask & ((offs_n * 0 + m) < M))
+
+
+@triton.jit
+def finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, stride_cm,
+                   SPLIT_K, HAS_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """The last program of a column tile adds its SPLIT_K partials in split order."""
+    if HAS_SPLIT:
+        # NOTE: every thread's partial stores are issued before the ticket (barrier), and the
+        # ticket is a gpu-scope acq_rel atomic, so the last program sees all partials; it reads
+        # them from L2 (.cg), never a stale L1 line.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            for m in tl.static_range(BLOCK_M):
+                if m < M:
+                    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                    for s in range(SPLIT_K):
+                        total += tl.load(part_ptr + (s * M + m).to(tl.int64) * N + offs_n,
+                                         mask=n_mask, other=0.0, cache_modifier=".cg")
+                    tl.store(c_ptr + m * stride_cm + offs_n,
+                             total.to(c_ptr.dtype.element_ty), mask=n_mask)
+            tl.atomic_xchg(lock_ptr + pid_n, 0)
+
+
+@triton.jit
+def _row_dot(w, a_ptr, m, M, stride_am, offs_k, k_mask):
+    """sum_k w[n, k] * x[m, k] over this K block: (BLOCK_N,) float32 (zeros past row M)."""
+    row_ok = (offs_k * 0 + m) < M  # (BK,): a tensor mask, also under the interpreter
+    x = tl.load(a_ptr + m * stride_am + offs_k, mask=k_mask & row_ok, other=0.0)  # (BK,)
+    return tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+
+
+# NOTE: nothing that changes with the batch is specialised on: M, x's row stride; nor the K
+# loop's trip count and split, so layers of one kind share a compiled variant.
+@triton.jit(do_not_specialize=["M", "stride_am", "stride_cm", "K_ITERS", "SPLIT_K"])
+def _w8_gemv_kernel(
+    a_ptr, w_ptr, s_ptr, part_ptr, lock_ptr, c_ptr,
+    M, N, K, stride_am, stride_wn, stride_cm, K_ITERS, SPLIT_K, scale_cols,
+    BLOCK_SCALE: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BN, 1)
+    acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc4 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc5 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc6 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc7 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for it in range(0, K_ITERS):
+        k0 = (split * K_ITERS + it) * BLOCK_K
+        offs_k = k0 + tl.arange(0, BLOCK_K)  # (BK,)
+        k_mask = offs_k < K
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                    other=0.0).to(tl.float32)  # (BN, BK)
+        if BLOCK_SCALE:
+            # NOTE: BK_SCALE is a multiple of BLOCK_K: one scale per weight row in this block.
+            s = tl.load(s_ptr + (offs_n // BN_SCALE) * scale_cols + k0 // BK_SCALE,
+                        mask=n_mask, other=0.0)  # (BN,)
+            w = w * s[:, None]
+        acc0 += _row_dot(w, a_ptr, 0, M, stride_am, offs_k, k_mask)
+        if BLOCK_M > 1:
+            acc1 += _row_dot(w, a_ptr, 1, M, stride_am, offs_k, k_mask)
+        if BLOCK_M > 2:
+            acc2 += _row_dot(w, a_ptr, 2, M, stride_am, offs_k, k_mask)
+            acc3 += _row_dot(w, a_ptr, 3, M, stride_am, offs_k, k_mask)
+        if BLOCK_M > 4:
+            acc4 += _row_dot(w, a_ptr, 4, M, stride_am, offs_k, k_mask)
+            acc5 += _row_dot(w, a_ptr, 5, M, stride_am, offs_k, k_mask)
+            acc6 += _row_dot(w, a_ptr, 6, M, stride_am, offs_k, k_mask)
+            acc7 += _row_dot(w, a_ptr, 7, M, stride_am, offs_k, k_mask)
+    s = tl.full((BLOCK_N,), 1.0, tl.float32)
+    if not BLOCK_SCALE:  # one scale per output channel, applied once to the sums
+        s = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
+    store_partial(part_ptr, c_ptr, acc0 * s, 0, M, N, split, offs_n, n_mask, stride_cm, HAS_SPLIT)
+    if BLOCK_M > 1:
+        store_partial(part_ptr, c_ptr, acc1 * s, 1, M, N, split, offs_n, n_mask, stride_cm,
+                      HAS_SPLIT)
+    if BLOCK_M > 2:
+        store_partial(part_ptr, c_ptr, acc2 * s, 2, M, N, split, offs_n, n_mask, stride_cm,
+                      HAS_SPLIT)
+        store_partial(part_ptr, c_ptr, acc3 * s, 3, M, N, split, offs_n, n_mask, stride_cm,
+                      HAS_SPLIT)
+    if BLOCK_M > 4:
+        store_partial(part_ptr, c_ptr, acc4 * s, 4, M, N, split, offs_n, n_mask, stride_cm,
+                      HAS_SPLIT)
+        store_partial(part_ptr, c_ptr, acc5 * s, 5, M, N, split, offs_n, n_mask, stride_cm,
+                      HAS_SPLIT)
+        store_partial(part_ptr, c_ptr, acc6 * s, 6, M, N, split, offs_n, n_mask, stride_cm,
+                      HAS_SPLIT)
+        store_partial(part_ptr, c_ptr, acc7 * s, 7, M, N, split, offs_n, n_mask, stride_cm,
+                      HAS_SPLIT)
+    finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, stride_cm,
+                   SPLIT_K, HAS_SPLIT, BLOCK_M, BLOCK_N)
+
+
+class W8GemvConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    split_k: int
+    k_iters: int
+    num_warps: int
+
+
+def w8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None,
+                   device: torch.device) -> W8GemvConfig:
+    """Tiles of 32 output channels x 256 weight bytes along K (less when block scales are that
+    narrow), K split to fill the SMs. Compiled for sm_90 (FP8): 4 warps at 1 / 2 rows take 56 /
+    96 registers and about 4.3 / 6.6 instructions per weight value in the K loop; 8 warps at
+    4 / 8 rows 80 / 99 registers and 11.9 / 21.8 per value."""
+    block_k = 256
+    if block is not None:
+        while block_k > 16 and block[1] % block_k:
+            block_k //= 2
+    block_n = 32
+    tiles = triton.cdiv(n, block_n)
+    split, k_iters = choose_split(tiles, triton.cdiv(k, block_k), device)
+    return W8GemvConfig(block_n, block_k, split, k_iters, 4 if m <= 2 else 8)
+
+
+def w8_gemv_supported(weight: torch.Tensor, block: tuple[int, int] | None = None) -> bool:
+    """Whether w8_gemv reads this weight: (N, K) row-major FP8 e4m3 or int8, block scales
+    whose K width is a multiple of 16."""
+    return (weight.dtype in (torch.float8_e4m3fn, torch.int8) and weight.dim() == 2
+            and weight.stride(1) == 1 and (block is None or block[1] % 16 == 0))
+
+
+@functools.lru_cache(maxsize=8)
+def _has_fp8_cvt(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def w8_gemv_ready(weight: torch.Tensor, block: tuple[int, int] | None = None) -> bool:
+    """Whether w8_gemv serves this weight on its device: CUDA, a supported layout, and for FP8
+    compute capability 8.9+ (Triton's e4m3 conversions)."""
+    if not (weight.is_cuda and w8_gemv_supported(weight, block)):
+        return False
+    return weight.dtype == torch.int8 or _has_fp8_cvt(weight.device.index or 0)
+
+
+def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+            block: tuple[int, int] | None = None,
+            config: W8GemvConfig | None = None) -> torch.Tensor:
+    """y (M, N) = x (M, K) @ (weight (N, K) * scale)^T in x's dtype, for M <= GEMV_MAX_M.
+    scale: (1, N) or (N, 1) per channel, or (ceil(N / bn), ceil(K / bk)) for block=(bn, bk)."""
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"w8_gemv: x {tuple(x.shape)} does not match the weight ({n}, {k})")
+    if not w8_gemv_supported(weight, block):
+        raise ValueError(f"w8_gemv: weight {weight.dtype} {tuple(weight.shape)} with block "
+                         f"{block} is not supported (row-major fp8 e4m3 / int8, block K % 16)")
+    if block is None:
+        if scale.numel() != n:
+            raise ValueError(f"w8_gemv: {scale.numel()} per-channel scales for {n} outputs")
+        scale = scale.reshape(n).float().contiguous()
+        scale_cols = 1
+    else:
+        want = (triton.cdiv(n, block[0]), triton.cdiv(k, block[1]))
+        if tuple(scale.shape) != want:
+            raise ValueError(f"w8_gemv: block scales {tuple(scale.shape)}, expected {want}")
+        scale = scale.float().contiguous()
+        scale_cols = want[1]
+    m = x.shape[0]
+    a = x if x.stride(1) == 1 else x.contiguous()
+    bm = block_m_for(m)
+    cfg = config or w8_gemv_config(bm, n, k, block, x.device)
+    if cfg.block_k & (cfg.block_k - 1) or cfg.block_n & (cfg.block_n - 1):
+        raise ValueError(f"w8_gemv: block_k {cfg.block_k} and block_n {cfg.block_n} must be "
+                         "powers of two")
+    if block is not None and block[1] % cfg.block_k:
+        raise ValueError(f"w8_gemv: block_k {cfg.block_k} does not divide the scale blocks "
+                         f"{block[1]}")
+    tiles = triton.cdiv(n, cfg.block_n)
+    out, part, lock = launch_buffers(a, n, tiles, cfg.split_k)
+    bn_scale, bk_scale = block if block is not None else (1, 1)
+    _w8_gemv_kernel[(tiles, cfg.split_k)](
+        a, weight, scale, part, lock, out, m, n, k, a.stride(0), weight.stride(0), out.stride(0),
+        cfg.k_iters, cfg.split_k, scale_cols, BLOCK_SCALE=block is not None, BN_SCALE=bn_scale,
+        BK_SCALE=bk_scale, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        HAS_SPLIT=cfg.split_k > 1, num_warps=cfg.num_warps)
+    return out
+
+
+def precompile_w8_gemv(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                       block: tuple[int, int] | None = None) -> None:
+    """Compile this weight's GEMV for every row count it can serve (call at load time)."""
+    if not w8_gemv_ready(weight, block):
+        return
+    for rows in sorted({block_m_for(m) for m in range(1, GEMV_MAX_M + 1)}):
+        w8_gemv(torch.zeros(rows, weight.shape[1], dtype=dtype, device=weight.device), weight,
+                scale, block)

@@ -1,0 +1,185 @@
+"""The small-batch GEMVs compiled at Llama-3-8B shapes, through the quantization methods' dispatch
+(GEMV up to GEMV_MAX_M rows, the GEMMs above): weight-only int (4, 6, 8 bits, zero points,
+groups, per channel, fp16), FP8 per channel and 128x128 blocks, int8 per channel, each against
+dequantize-then-matmul of x as it is at M <= GEMV_MAX_M; bit-identical repeats (deterministic
+split-K), CUDA-graph replay, nothing compiled after load, 6-bit GEMM tiles that compile at every
+batch size."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gpu_cases import DEV, rel_err
+from peregrine.kernels.fp8_quant import FP8_DTYPE, block_dequantize, per_token_group_quant_ref
+from peregrine.kernels.gemv import GEMV_MAX_M, precompile_w8_gemv, w8_gemv
+from peregrine.kernels.wna16_gemm import wna16_gemm
+from peregrine.kernels.wna16_gemv import (_wna16_gemv_kernel, precompile_wna16_gemv,
+                                          wna16_gemv)
+from peregrine.layers.quantization.fp8 import Fp8BlockMethod, apply_fp8_linear, fp8_gemm_supported
+from peregrine.layers.quantization.int8 import apply_int8_linear
+from peregrine.layers.quantization.wna16 import WNA16LinearMethod, WNA16Layout
+from peregrine.testing import fp8_pack
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+          "down": (14336, 4096)}
+ROWS = (1, 2, 3, 4, 5, 8, 9, 16)  # across the cut-off
+GEMM_TOL = 2 ** -6
+
+
+def _layout(k: int, n: int, bits: int, zp: bool, dtype: torch.dtype = torch.bfloat16,
+            group: int = 128) -> WNA16Layout:
+    q = torch.randint(0, 1 << bits, (k, n), device=DEV, dtype=torch.int32)
+    scales = torch.rand(k // group, n, device=DEV) * 0.01 + 0.002
+    zeros = torch.randint(0, 1 << bits, (k // group, n), device=DEV).float() if zp else None
+    return WNA16Layout.build(q, scales, zeros, None, bits, dtype)
+
+
+def _wna16_apply(w: WNA16Layout, x: torch.Tensor) -> torch.Tensor:
+    # NOTE: the method's apply reads only layer.wna16; this is the layers' own dispatch.
+    return WNA16LinearMethod.apply(None, SimpleNamespace(wna16=w), x)
+
+
+def _check_wna16(x: torch.Tensor, w: WNA16Layout) -> None:
+    want = x.float() @ w.dequantize(torch.float32).t()  # (M, N)
+    got = _wna16_apply(w, x)
+    assert got.dtype == x.dtype and got.shape == want.shape
+    # NOTE: x and the integers are exact in 16 bits, the sums float32: the output's rounding
+    # dominates (as in test_gpu_wna16.py), measured against the output's RMS.
+    err = (got.float() - want).abs().max().item() / want.pow(2).mean().sqrt().item()
+    assert err < (2e-2 if x.dtype == torch.bfloat16 else 4e-3), err
+
+
+def _needs_fp8() -> None:
+    if not fp8_gemm_supported(torch.empty(1, device=DEV, dtype=torch.bfloat16)):
+        pytest.skip("FP8 needs compute capability 8.9+")
+
+
+def _compiled(fn) -> int:
+    return sum(len(c[0]) for c in fn.device_caches.values())
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_int4_awq_style_across_the_cut_off(shape: str, m: int) -> None:
+    k, n = SHAPES[shape]
+    w = _layout(k, n, 4, zp=True)
+    _check_wna16(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), w)
+
+
+@pytest.mark.parametrize("m", (1, 3, 8))
+@pytest.mark.parametrize("bits, zp, group", [(6, False, 128), (8, False, 128), (4, False, 32),
+                                             (8, True, 64), (6, True, 4096), (4, True, 4096)])
+def test_bits_zero_points_and_groups(bits: int, zp: bool, group: int, m: int) -> None:
+    k, n = SHAPES["qkv"]
+    _check_wna16(torch.randn(m, k, device=DEV, dtype=torch.bfloat16),
+                 _layout(k, n, bits, zp, group=group))
+
+
+@pytest.mark.parametrize("m", (1, 8))
+def test_fp16_activations_and_the_long_k_projection(m: int) -> None:
+    k, n = SHAPES["down"]
+    _check_wna16(torch.randn(m, k, device=DEV, dtype=torch.float16),
+                 _layout(k, n, 4, zp=True, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("m", (16, 17, 64, 65, 256, 2048))
+def test_six_bit_gemm_compiles_and_matches_at_every_batch_size(m: int) -> None:
+    k, n = SHAPES["o"]
+    w = _layout(k, n, 6, zp=False)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    want = x.float() @ w.dequantize(torch.float32).t()
+    err = (wna16_gemm(x, w).float() - want).abs().max().item() / want.pow(2).mean().sqrt().item()
+    assert err < 2e-2, err
+
+
+def test_split_k_is_deterministic_and_graph_capturable() -> None:
+    k, n = SHAPES["o"]  # the most K splits of the four shapes
+    w = _layout(k, n, 4, zp=True)
+    x = torch.randn(3, k, device=DEV, dtype=torch.bfloat16)
+    first = wna16_gemv(x, w)
+    for _ in range(50):
+        assert torch.equal(wna16_gemv(x, w), first)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = wna16_gemv(x, w)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert torch.equal(out, wna16_gemv(x, w))
+
+
+def test_nothing_compiles_after_load_time_precompile() -> None:
+    k, n = SHAPES["gate_up"]
+    w = _layout(k, n, 4, zp=True)
+    precompile_wna16_gemv(w, torch.bfloat16)
+    before = _compiled(_wna16_gemv_kernel)
+    for m in range(1, GEMV_MAX_M + 1):
+        wna16_gemv(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), w)
+    assert _compiled(_wna16_gemv_kernel) == before
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_fp8_per_channel_across_the_cut_off(shape: str, m: int) -> None:
+    _needs_fp8()
+    k, n = SHAPES[shape]
+    wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=DEV) * 0.02, FP8_DTYPE)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    got = apply_fp8_linear(x, wq, ws.t().contiguous(), None, None)
+    if m <= GEMV_MAX_M:  # weight-only: x as it is
+        want = x.float() @ (wq.float() * ws).t()
+    else:
+        xq, xs = per_token_group_quant_ref(x, FP8_DTYPE)
+        want = (xq.float() * xs) @ (wq.float() * ws).t()
+    assert got.dtype == torch.bfloat16 and rel_err(got.float(), want) < GEMM_TOL
+
+
+@pytest.mark.parametrize("m", (1, 4, 8, 9))
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_fp8_block_scales_across_the_cut_off(shape: str, m: int) -> None:
+    _needs_fp8()
+    k, n = SHAPES[shape]
+    block = (128, 128)
+    wq, ws = fp8_pack.quantize_blocks(torch.randn(n, k, device=DEV) * 0.02, block)
+    layer = SimpleNamespace(weight=wq, weight_scale_inv=ws)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    got = Fp8BlockMethod(block).apply(layer, x)
+    if m <= GEMV_MAX_M:
+        want = x.float() @ block_dequantize(wq, ws, block).t()
+    else:
+        xq, xs = per_token_group_quant_ref(x, FP8_DTYPE, 128)
+        want = (xq.float() * xs.repeat_interleave(128, 1)) @ block_dequantize(wq, ws, block).t()
+    assert rel_err(got.float(), want) < GEMM_TOL
+
+
+@pytest.mark.parametrize("m", (1, 3, 8))
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_int8_weights_at_small_batches(shape: str, m: int) -> None:
+    k, n = SHAPES[shape]
+    wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=DEV) * 0.02, torch.int8)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    got = apply_int8_linear(x, wq, ws.t().contiguous(), None, None)
+    want = x.float() @ (wq.float() * ws).t()
+    assert rel_err(got.float(), want) < GEMM_TOL
+
+
+def test_w8_gemv_is_deterministic_and_precompiled() -> None:
+    _needs_fp8()
+    from peregrine.kernels.gemv import _w8_gemv_kernel
+    k, n = SHAPES["down"]
+    wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=DEV) * 0.02, FP8_DTYPE)
+    ws = ws.t().contiguous()
+    precompile_w8_gemv(wq, ws, torch.bfloat16)
+    before = _compiled(_w8_gemv_kernel)
+    x = torch.randn(5, k, device=DEV, dtype=torch.bfloat16)
+    first = w8_gemv(x, wq, ws)
+    for _ in range(50):
+        assert torch.equal(w8_gemv(x, wq, ws), first)
+    for m in range(1, GEMV_MAX_M + 1):
+        w8_gemv(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), wq, ws)
+    assert _compiled(_w8_gemv_kernel) == before

@@ -1,0 +1,117 @@
+"""The small-batch GEMV for 8-bit weights (under Triton's interpreter, tiny shapes): FP8 e4m3 with
+per-channel, per-tensor and block scales and int8 with per-channel scales, multiplied by x as it
+is, equal dequantize-then-matmul (the reference of the weight-only small-batch path)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peregrine.kernels.fp8_quant import FP8_DTYPE, block_dequantize
+from peregrine.kernels.gemv import W8GemvConfig, w8_gemv, w8_gemv_supported
+from peregrine.testing import fp8_pack
+
+K, N = 256, 64
+
+
+def _weight(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) quantized per channel and its (1, N) float32 scales, as W8A8Method stores them."""
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.02
+    wq, ws = fp8_pack.quantize_per_channel(w, dtype)  # (N, K), (N, 1)
+    return wq, ws.t().contiguous()
+
+
+def _x(m: int, dtype: torch.dtype = torch.float32, seed: int = 1) -> torch.Tensor:
+    return torch.randn(m, K, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [FP8_DTYPE, torch.int8], ids=["fp8", "int8"])
+def test_per_channel_matches_dequantized_matmul(dtype: torch.dtype, m: int) -> None:
+    wq, ws = _weight(dtype)
+    x = _x(m)
+    want = x @ (wq.float() * ws.t()).t()  # (M, N)
+    got = w8_gemv(x, wq, ws)
+    assert got.shape == (m, N) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_per_tensor_scale_is_one_scale_for_every_channel() -> None:
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(2)) * 0.02
+    scale = (w.abs().max() / 448).reshape(1, 1)
+    wq = (w / scale).clamp(-448, 448).to(FP8_DTYPE)
+    x = _x(2)
+    got = w8_gemv(x, wq, scale.expand(1, N))
+    torch.testing.assert_close(got, x @ (wq.float() * scale).t(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [(32, 64), (128, 128), (16, 32)])
+def test_block_scales_match_block_dequantize(block: tuple[int, int]) -> None:
+    wq, ws = fp8_pack.quantize_blocks(
+        torch.randn(N, K, generator=torch.Generator().manual_seed(3)) * 0.02, block)
+    x = _x(3, seed=4)
+    want = x @ block_dequantize(wq, ws, block).t()
+    torch.testing.assert_close(w8_gemv(x, wq, ws, block), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_16_bit_activations_round_only_the_output(dtype: torch.dtype) -> None:
+    wq, ws = _weight(FP8_DTYPE, seed=5)
+    x = _x(4, dtype)
+    got = w8_gemv(x, wq, ws)
+    want = x.float() @ (wq.float() * ws.t()).t()
+    assert got.dtype == dtype
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3  # the interpreter truncates bf16
+    assert ((got.float() - want).abs() / want.abs().max()).max() < tol
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_split_k_adds_every_split_and_repeats_bit_for_bit(split: int) -> None:
+    wq, ws = _weight(torch.int8, seed=6)
+    x = _x(5, seed=7)
+    cfg = W8GemvConfig(block_n=16, block_k=64, split_k=split, k_iters=4 // split, num_warps=4)
+    first = w8_gemv(x, wq, ws, config=cfg)
+    torch.testing.assert_close(first, x @ (wq.float() * ws.t()).t(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(first, w8_gemv(x, wq, ws, config=cfg))
+
+
+def test_bad_inputs_are_named() -> None:
+    wq, ws = _weight(FP8_DTYPE)
+    with pytest.raises(ValueError, match="does not match the weight"):
+        w8_gemv(torch.zeros(1, K + 1), wq, ws)
+    with pytest.raises(ValueError, match="per-channel scales"):
+        w8_gemv(torch.zeros(1, K), wq, ws[:, :3])
+    with pytest.raises(ValueError, match="block scales"):
+        w8_gemv(torch.zeros(1, K), wq, torch.ones(1, 1), (128, 128))
+    with pytest.raises(ValueError, match="not supported"):
+        w8_gemv(torch.zeros(1, K), wq.float(), ws)
+    assert not w8_gemv_supported(wq.t())  # column-major
+    assert not w8_gemv_supported(wq, (128, 24))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme, act", [("int8_dynamic", torch.int8),
+                                         ("fp8_dynamic", FP8_DTYPE)], ids=["int8", "fp8"])
+def test_engine_decode_steps_take_weight_only_math(tmp_path, monkeypatch, scheme: str,
+                                                   act: torch.dtype) -> None:
+    """The CUDA dispatch (GEMV at most GEMV_MAX_M rows) run here through the interpreter: the
+    greedy tokens' logprobs follow the reference that rounds only the prompt's linear inputs."""
+    import peregrine.layers.quantization.fp8 as fp8_mod
+    import peregrine.layers.quantization.int8 as int8_mod
+    from peregrine.kernels.gemv import GEMV_MAX_M
+    from peregrine.testing.checkpoints import tiny_checkpoint
+    taken = []
+
+    def small(x: torch.Tensor) -> bool:
+        taken.append(0 < x.numel() // x.shape[-1] <= GEMV_MAX_M)
+        return taken[-1]
+
+    for mod in (fp8_mod, int8_mod):
+        monkeypatch.setattr(mod, "use_gemv", small)
+        monkeypatch.setattr(mod, "w8_gemv_ready", lambda w, block=None: True)
+    src = tiny_checkpoint("qwen3", dtype=torch.bfloat16)
+    path = fp8_pack.write_compressed_tensors(src, tmp_path / "ct", scheme)
+    scores = fp8_pack.score_generation(path, tmp_path / "ct-reference", act,
+                                       decode_unrounded=True)
+    assert any(taken) and not all(taken)  # decode steps took the GEMV, prompt chunks did not
+    q, ref = torch.tensor(scores["quantized"]), torch.tensor(scores["reference_rounded"])
+    assert (q - ref).abs().max() < 0.2 and (q - ref).abs().mean() < 0.06, (q - ref).tolist()

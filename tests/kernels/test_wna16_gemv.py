@@ -1,0 +1,111 @@
+"""The small-batch split-K GEMV for weight-only int weights (under Triton's interpreter, tiny
+shapes) equals dequantize-then-matmul for 4, 6 and 8 bits, with and without zero points, groups of
+32 / 64 / 128 inputs and one group per channel, 1 to 8 rows, 16-bit activations; its split-K sums
+are the same bits every run; act-order weights are left to the GEMM."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peregrine.kernels.gemv import GEMV_MAX_M, block_m_for, choose_split
+from peregrine.kernels.wna16_gemv import GemvConfig, gemv_supported, wna16_gemv
+from peregrine.layers.quantization.wna16 import WNA16Layout
+
+K, N = 256, 64
+
+
+def _layout(bits: int, group: int, zp: bool, dtype: torch.dtype = torch.float32,
+            act_order: bool = False, k: int = K, n: int = N, seed: int = 0) -> WNA16Layout:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 1 << bits, (k, n), generator=g)
+    groups = k // group
+    scales = torch.rand(groups, n, generator=g) * 0.02 + 0.005
+    zeros = torch.randint(0, 1 << bits, (groups, n), generator=g).float() if zp else None
+    g_idx = (torch.arange(k) // group)[torch.randperm(k, generator=g)] if act_order else None
+    return WNA16Layout.build(q, scales, zeros, g_idx, bits, dtype)
+
+
+def _x(m: int, dtype: torch.dtype = torch.float32, k: int = K, seed: int = 1) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _reference(x: torch.Tensor, w: WNA16Layout) -> torch.Tensor:
+    return x.float() @ w.dequantize(torch.float32).t()  # (M, N) float32
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, K], ids=["g32", "g64", "g128", "channel"])
+@pytest.mark.parametrize("zp", [False, True], ids=["sym", "zp"])
+@pytest.mark.parametrize("bits", [4, 6, 8])
+def test_gemv_matches_dequantized_matmul(bits: int, zp: bool, group: int) -> None:
+    w = _layout(bits, group, zp)
+    x = _x(3)  # padded to 4 compiled rows: the fourth must not leak into the output
+    got = wna16_gemv(x, w)
+    assert got.shape == (3, N) and got.dtype == torch.float32
+    torch.testing.assert_close(got, _reference(x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+def test_every_row_count_up_to_the_cut_off(m: int) -> None:
+    w = _layout(4, 64, zp=True, seed=2)
+    x = _x(m, seed=m)
+    torch.testing.assert_close(wna16_gemv(x, w), _reference(x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("bits", [4, 6])
+def test_16_bit_activations_round_only_the_output(dtype: torch.dtype, bits: int) -> None:
+    w = _layout(bits, 128, zp=bits == 4, dtype=dtype, seed=3)
+    x = _x(2, dtype)
+    got = wna16_gemv(x, w)
+    want = _reference(x, w)  # the same 16-bit scales, zeros and x, summed in float32
+    assert got.dtype == dtype
+    # NOTE: one rounding of each output (the interpreter truncates bf16: up to 2^-7 relative).
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    assert ((got.float() - want).abs() / want.abs().max()).max() < tol
+
+
+@pytest.mark.parametrize("split", [1, 2, 4])
+def test_split_k_adds_every_split_and_repeats_bit_for_bit(split: int) -> None:
+    w = _layout(8, 32, zp=True, seed=4)
+    x = _x(3, seed=5)
+    cfg = GemvConfig(block_n=32, block_k=64, split_k=split, k_iters=4 // split, num_warps=4)
+    first = wna16_gemv(x, w, cfg)
+    torch.testing.assert_close(first, _reference(x, w), rtol=1e-5, atol=1e-4)
+    assert torch.equal(first, wna16_gemv(x, w, cfg))
+
+
+def test_ragged_n_and_k_and_leading_dims() -> None:
+    w = _layout(6, 16, zp=True, k=144, n=40, seed=6)  # K = 144: the last K block is partial
+    x = torch.randn(2, 2, 144, generator=torch.Generator().manual_seed(7))
+    got = wna16_gemv(x, w, GemvConfig(block_n=16, block_k=64, split_k=2, k_iters=2,
+                                      num_warps=4))
+    assert got.shape == (2, 2, 40)
+    torch.testing.assert_close(got, _reference(x.reshape(4, 144), w).reshape(2, 2, 40),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_act_order_and_odd_groups_are_left_to_the_gemm() -> None:
+    assert not gemv_supported(_layout(4, 32, zp=True, act_order=True))
+    assert gemv_supported(_layout(4, 32, zp=True))
+    w = _layout(4, 32, zp=False, act_order=True)
+    with pytest.raises(ValueError, match="act-order: True"):
+        wna16_gemv(_x(1), w)
+
+
+def test_bad_inputs_are_named() -> None:
+    w = _layout(4, 128, zp=False)
+    with pytest.raises(ValueError, match="x has 128 inputs"):
+        wna16_gemv(torch.zeros(1, 128), w)
+    with pytest.raises(ValueError, match=f"1 to {GEMV_MAX_M} rows"):
+        wna16_gemv(torch.zeros(GEMV_MAX_M + 1, K), w)
+    with pytest.raises(ValueError, match="powers of two"):
+        wna16_gemv(_x(1), w, GemvConfig(block_n=16, block_k=96, split_k=1, k_iters=3,
+                                        num_warps=4))
+
+
+def test_row_buckets_and_split_choice() -> None:
+    assert [block_m_for(m) for m in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    dev = torch.device("cpu")
+    split, iters = choose_split(tiles=1, k_blocks=5, device=dev)
+    assert split * iters >= 5 and (split - 1) * iters < 5  # every split has a K block
+    assert choose_split(tiles=10_000, k_blocks=64, device=dev) == (1, 64)
