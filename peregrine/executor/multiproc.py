@@ -41,7 +41,7 @@ _STATS = b"t"  # + b"1" to reset: the worker answers with its pipeline stage's t
 
 
 class MultiprocStepFuture:
-    """A step broadcast to the workers; `result()` waits for the output rank's output (worker_setup.output_rank)."""
+    """A step broadcast to the workers; `result()` waits for the output rank's (output_rank)."""
 
     def __init__(self, executor: MultiprocExecutor, seq: int) -> None:
         self._executor = executor

@@ -5,16 +5,18 @@ The driver joins the cluster it runs in (`ray start` on this node, or RAY_ADDRES
 local Ray instance that it stops again at shutdown. A placement group reserves one bundle per rank
 (a GPU each on CUDA, a CPU each on the CPU), packed onto as few nodes as possible; ranks on one node
 are numbered together, the driver's node first, so a pipeline stage's ranks (rank = pp_rank x
-tensor_parallel_size + tp_rank, worker_setup.py) share a node where they fit. Rank 0 hosts the torch.distributed store on a port
-its node chooses, and every rank joins the group through it at rank 0's node address.
+tensor_parallel_size + tp_rank, worker_setup.py) share a node where they fit. Rank 0 hosts the
+torch.distributed store on a port its node chooses, and every rank joins the group through it at
+rank 0's node address.
 
 Each step's SchedulerOutput is put into Ray's object store once and the reference is sent to every
 actor (each node fetches it once). An actor launches each step as it arrives and collects the step
 before it once the new one is queued behind it on the device; the output rank (the first of the
 last pipeline stage, worker_setup.output_rank) keeps its outputs for the driver's `collect`. A
 later stage's actor waits inside its step for the previous stage's hidden states, so up to
-pipeline_parallel_size steps flow through the stages at once, as with the mp executor. The driver watches every call in flight, so a rank that raises or dies fails
-the executor at the next wait, with the rank in the message.
+pipeline_parallel_size steps flow through the stages at once, as with the mp executor. The driver
+watches every call in flight, so a rank that raises or dies fails the executor at the next wait,
+with the rank in the message.
 """
 from __future__ import annotations
 
@@ -123,7 +125,7 @@ class RayWorker:
         return self._outputs.pop(seq)
 
     def stage_stats(self, reset: bool = False) -> dict[str, float]:
-        """This rank's pipeline-stage timers (ModelRunner.stage_stats), the pending step counted."""
+        """This rank's pipeline-stage timers (ModelRunner.stage_stats), its pending step in."""
         if self._pending is not None:
             self._collect_pending()
         return self.worker.model_runner.stage_stats(reset)
