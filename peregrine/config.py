@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
     from peregrine.kv_cache.swap_cost import SwapCostModel
     from peregrine.layers.quantization import QuantizationConfig
+    from peregrine.spec_decode.config import SpeculativeConfig
 
 # NOTE: torch is imported inside the functions that need it, so that `peregrine --help` (whose
 # flags come from EngineArgs) starts without importing torch.
@@ -66,6 +67,9 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # auto: the model dtype
     swap_space: float = 4.0  # GiB of (pinned) CPU memory per GPU for swapped-out KV blocks
     preemption_mode: Literal["auto", "recompute", "swap"] = "auto"
+    # vLLM's keys: {"method": "ngram", "num_speculative_tokens": 4, ...} or {"model": PATH, ...};
+    # a JSON string on the CLI (spec_decode/config.py).
+    speculative_config: dict[str, Any] | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model folder and validate every field."""
@@ -134,6 +138,11 @@ ENGINE_ARGS_HELP: dict[str, str] = {
                        "blocks are copied to CPU memory and back), recompute (they are dropped "
                        "and its tokens prefilled again) or auto (per request, whichever costs "
                        "less: kv_cache/swap_cost.py)",
+    "speculative_config": "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+                          "\"prompt_lookup_min\": 2}' or '{\"model\": DRAFT_PATH, "
+                          "\"num_speculative_tokens\": 4}' (optional keys: quantization of "
+                          "the draft, disable_by_batch_size); turns async scheduling off (default: off)",
 }
 
 
@@ -289,6 +298,7 @@ class EngineConfig:
     engine_core_process: bool = False
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str = "uni"  # a key of executor.EXECUTOR_BACKENDS
+    speculative: SpeculativeConfig | None = None
     # Decoder layers per pipeline stage, in stage order (sums to model.num_layers).
     pp_layer_partition: tuple[int, ...] = ()
 
@@ -357,11 +367,24 @@ class EngineConfig:
                                 args.enable_chunked_prefill, args.scheduling_policy,
                                 args.max_queue_len, args.preemption_mode, swap_cost,
                                 args.pipeline_parallel_size)
+        spec = None
+        async_scheduling = args.async_scheduling
+        if args.speculative_config is not None:
+            from peregrine.spec_decode.config import SpeculativeConfig
+            spec = SpeculativeConfig.from_raw(args.speculative_config, args, model)
+            # NOTE: a verify step's accepted count decides the next step's inputs, so steps
+            # cannot be launched ahead; speculation runs synchronously.
+            if async_scheduling is not False:
+                import logging
+                logging.getLogger("peregrine").info(
+                    "speculative decoding (%s, k=%d) runs with async scheduling off",
+                    spec.method, spec.num_speculative_tokens)
+            async_scheduling = False
         return cls(model, cache, sched, device, backend, args.enforce_eager,
-                   args.tensor_parallel_size, args.async_scheduling,
+                   args.tensor_parallel_size, async_scheduling,
                    min(args.max_prefill_graph_tokens, max_batched),
                    bool(args.engine_core_process), args.pipeline_parallel_size, executor_backend,
-                   partition)
+                   spec, partition)
 
 
 # EngineArgs fields (added by other features) that pipeline parallelism does not run with yet,

@@ -26,6 +26,7 @@ class NewRequestData:
     num_computed_tokens: int  # prefix-cache hit (or shared fork prefix) already in the KV cache
     # Tokens generated before a preemption; the recompute feeds them as input again.
     output_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int | None = None  # resolved output limit (caps speculative drafts); None: none
 
 
 @dataclass
@@ -65,6 +66,13 @@ class SchedulerOutput:
     # allowed next tokens as a (G, ceil(V / 32)) int32 bitmask (bit t of a row allows token t).
     structured_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
+    # Speculative decoding: request id -> the draft tokens scheduled after its last token (its
+    # num_scheduled_tokens counts them); the step verifies them (spec_decode/verify.py).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Whether the workers propose drafts for their requests after this step, and requests that
+    # want none (backing off after rejected drafts).
+    propose_drafts: bool = False
+    no_propose_req_ids: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -84,6 +92,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]  # parallel to req_ids; [] for a chunk that samples nothing
     logprobs: dict[str, TokenLogprobs]  # request id -> logprobs of this step's sampled tokens
     prompt_logprobs: dict[str, TokenLogprobs]  # request id -> logprobs of this chunk's prompt tokens
+    # Speculative decoding: request id -> drafts proposed after this step, for the next one.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 EMPTY_RUNNER_OUTPUT = ModelRunnerOutput([], [], {}, {})

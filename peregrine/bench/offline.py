@@ -56,6 +56,7 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
         t.clear()
     if ns.torch_profile:
         _profile_steps(llm.engine, ns.torch_profile, ns.torch_profile_out)
+    spec_before = llm.engine.get_stats()
     outs = llm.generate(prompts, params, use_tqdm=False)
     _sync()
     elapsed = time.perf_counter() - t0
@@ -68,6 +69,8 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
               "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
               "engine_args": {k: v for k, v in args.items() if k != "model"},
               "host_profile_s": profile}
+    if llm.engine.config.speculative is not None:
+        result["speculative"] = spec_decode_report(spec_before, llm.engine.get_stats())
     del llm
     if ns.compare_transformers:
         result["transformers"] = _hf_continuous_batching(ns, prompts, out_lens)
@@ -157,7 +160,10 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
     prompt = [random.randint(0, top) for _ in range(ns.input_len)]
     params = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True)
     runs = []
+    spec_before = engine.get_stats()
     for it in range(ns.warmup + ns.iters):
+        if it == ns.warmup:
+            spec_before = engine.get_stats()
         engine.add_request(f"lat-{it}", prompt, params)
         _sync()
         t0 = time.perf_counter()
@@ -186,10 +192,23 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
               "weight_bytes": weight_bytes, "achieved_GBps": bytes_per_token * tps / 1e9,
               "hbm_ceiling_GBps": 4200.0 * engine.config.world_size,
               "tensor_parallel_size": engine.config.tensor_parallel_size}
+    if engine.config.speculative is not None:
+        result["speculative"] = spec_decode_report(spec_before, engine.get_stats())
     del engine
     if ns.compare_transformers:
         result["transformers"] = _hf_generate_latency(ns, prompt)
     return result
+
+
+def spec_decode_report(before, after) -> dict[str, Any]:
+    """Speculative decoding between two EngineStats: drafts, acceptance rate, mean acceptance
+    length (tokens a verify step emits per request)."""
+    drafts = after.spec_num_drafts - before.spec_num_drafts
+    proposed = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    return {"num_drafts": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0}
 
 
 def _hf_generate_latency(ns, prompt) -> dict[str, Any]:

@@ -72,7 +72,8 @@ class EngineCore:
         from peregrine.executor import executor_class_for
         self.config = config
         self.executor = (executor_class or executor_class_for(config))(config)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks,
+                                   config.speculative)
         self.pipeline = StepPipeline(config)
         self.structured = StructuredOutputManager(config.model.vocab_size)
         self.timing: dict[str, float] = defaultdict(float)  # cumulative host seconds per phase
@@ -191,7 +192,13 @@ class EngineCore:
             new_token_ids.append(output_ids[req.num_reported_tokens:])
             req.num_reported_tokens = len(output_ids)
             if rid in logprobs:
-                out.logprobs[rid] = logprobs[rid]
+                lp = logprobs[rid]
+                num_new = len(new_token_ids[-1])
+                if len(lp.token_ids) > num_new:
+                    # NOTE: a stop inside a verify step's accepted tokens cut the rest.
+                    lp = TokenLogprobs(lp.token_ids[:num_new], lp.logprobs[:num_new],
+                                       lp.ranks[:num_new])
+                out.logprobs[rid] = lp
         self.timing["update"] += time.perf_counter() - t1
 
     def _advance_grammars(self) -> None:

@@ -290,7 +290,9 @@ class LLMEngine:
                 num_swapped_out=st.num_swapped_out, num_swapped_in=st.num_swapped_in,
                 num_swapped=st.num_swapped, cpu_cache_usage=st.cpu_cache_usage,
                 prompt_tokens_total=self._prompt_tokens_total,
-                generation_tokens_total=self._generation_tokens_total, step_time=out.step_time)
+                generation_tokens_total=self._generation_tokens_total, step_time=out.step_time,
+                spec_num_drafts=st.spec_num_drafts, spec_num_draft_tokens=st.spec_num_draft_tokens,
+                spec_num_accepted_tokens=st.spec_num_accepted_tokens)
 
     def _on_new_tokens(self, seq: SequenceState, new: list[int], out: EngineCoreOutputs,
                        finished) -> bool:

@@ -75,6 +75,10 @@ class Request:
         self.num_preemptions = 0
         self.scheduled_time: float | None = None
         self.num_reported_tokens = 0  # output tokens the core has reported to the front end
+        # Speculative decoding: drafts proposed after the last step, verified by the next one.
+        self.spec_token_ids: list[int] = []
+        self.spec_misses = 0  # verify steps in a row that accepted no draft
+        self.spec_skip = 0  # steps to decode plainly before verifying drafts again
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,11 +18,18 @@ from peregrine.engine.request import Request, RequestStatus
 from peregrine.kv_cache.manager import NO_COMPUTED_BLOCKS, KVCacheManager
 from peregrine.messages import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                 SchedulerOutput)
+from peregrine.spec_decode.config import speculation_allowed
 
 if TYPE_CHECKING:
     from peregrine.config import CacheConfig, SchedulerConfig
+    from peregrine.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("peregrine")
+# A request whose drafts were all rejected this many verify steps in a row decodes plainly for a
+# while (2, 4, 8, ... steps, at most SPEC_MAX_BACKOFF), so text the proposer cannot predict costs
+# little more than plain decoding; one accepted draft resets it.
+SPEC_BACKOFF_AFTER = 2
+SPEC_MAX_BACKOFF = 32
 
 
 @dataclass
@@ -39,12 +46,17 @@ class SchedulerStats:
     num_swapped_in: int = 0  # swapped requests resumed
     num_swapped: int = 0  # requests whose blocks are in the CPU swap space now
     cpu_cache_usage: float = 0.0  # fraction of CPU swap blocks in use, 0..1
+    # Speculative decoding, cumulative: verify steps of a request, drafts verified, accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 class Scheduler:
     """Owns the waiting queue, the running list and the KV cache manager."""
 
-    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+                 speculative: SpeculativeConfig | None = None) -> None:
         if config.policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {config.policy!r} "
                              "(expected fcfs or priority)")
@@ -81,6 +93,13 @@ class Scheduler:
         self._batch_queue = config.max_concurrent_batches > 1
         self._in_flight_ids: set[str] = set()
         self._sent_outputs: dict[str, int] = {}  # output tokens of each request the workers hold
+        # Speculative decoding: requests that may verify drafts get slots for this many positions
+        # past the step's tokens, so the next step's drafts (and a draft model's KV) fit.
+        self.speculative = speculative
+        self.num_lookahead = speculative.num_speculative_tokens + 1 if speculative else 0
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
+        self._speculate = False  # this step's decision (see schedule)
+        self._no_propose: list[str] = []  # backing off: no drafts wanted after this step
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -133,7 +152,9 @@ class Scheduler:
                               kv.prefix_cache_queries, kv.prefix_cache_hits,
                               self.num_preemptions, self.num_swapped_out, self.num_swapped_in,
                               kv.num_swapped_requests,
-                              1.0 - kv.num_free_cpu_blocks / num_cpu if num_cpu else 0.0)
+                              1.0 - kv.num_free_cpu_blocks / num_cpu if num_cpu else 0.0,
+                              self.spec_num_drafts, self.spec_num_draft_tokens,
+                              self.spec_num_accepted_tokens)
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -144,6 +165,13 @@ class Scheduler:
         scheduled: dict[Request, int] = {}  # insertion-ordered: the batch order
         preempted: list[Request] = []
         cap = self._step_request_cap()
+        spec = self.speculative
+        # NOTE: past disable_by_batch_size running requests a verify step stops paying: decode
+        # plainly (and propose nothing) until the batch shrinks.
+        speculate = spec is not None and (spec.disable_by_batch_size is None
+                                          or len(self.running) <= spec.disable_by_batch_size)
+        self._speculate = speculate
+        drafts: dict[Request, list[int]] = {}
         i = 0
         while i < len(self.running) and budget > 0:
             if cap is not None and len(scheduled) >= cap:
@@ -157,6 +185,8 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            if speculate and self._with_drafts(req, num_new, budget, drafts):
+                num_new += len(drafts[req])
             while not self.kv.allocate_slots(req, num_new):
                 victim = self._select_victim()
                 if victim is req and len(self.running) == 1:
@@ -169,6 +199,7 @@ class Scheduler:
                 self._preempt(victim)
                 preempted.append(victim)
                 budget += scheduled.pop(victim, 0)
+                drafts.pop(victim, None)
                 if victim is req:
                     break
                 if victim_index < i:
@@ -181,11 +212,47 @@ class Scheduler:
             self._admit(scheduled, budget, cap)
         finished_ids, self._finished_ids = self._finished_ids, []
         out = self._make_output(scheduled, [r.request_id for r in preempted], finished_ids)
+        out.propose_drafts = speculate
+        out.no_propose_req_ids, self._no_propose = self._no_propose, []
+        if drafts:
+            out.scheduled_spec_decode_tokens = {r.request_id: d for r, d in drafts.items()}
         assert not (self._swap_out and self._swap_in), "a step both swaps out and admits"
         out.blocks_to_swap_out, self._swap_out = self._swap_out, []
         out.blocks_to_swap_in, self._swap_in = self._swap_in, []
         self._steps[id(out)] = list(scheduled)
         return out
+
+    def _with_drafts(self, req: Request, num_new: int, budget: int,
+                     drafts: dict[Request, list[int]]) -> bool:
+        """Take req's proposed drafts into this step (trimmed to the budget, max_model_len and
+        max_tokens) and hold lookahead slots; True when some drafts are scheduled."""
+        proposed, req.spec_token_ids = req.spec_token_ids, []
+        if not speculation_allowed(req.sampling_params):
+            return False
+        if req.spec_skip:
+            req.spec_skip -= 1
+            proposed = []
+            if req.spec_skip:
+                self._no_propose.append(req.request_id)
+        cfg = self.config
+        num_d = 0
+        if proposed and num_new == 1 and req.num_computed_tokens == req.num_tokens - 1:
+            # NOTE: the step emits up to num_d + 1 tokens; none may pass a length limit.
+            num_d = min(len(proposed), budget - 1, cfg.max_model_len - req.num_tokens - 1,
+                        req.max_tokens - req.num_output_tokens - 1)
+        num_d = max(num_d, 0)
+        total = num_new + num_d
+        look = 0
+        if req.num_computed_tokens + num_new >= req.num_tokens:  # it samples: drafts may follow
+            look = max(0, min(self.num_lookahead,
+                              cfg.max_model_len - req.num_computed_tokens - total))
+        # NOTE: drafts and lookahead are an optimisation: when the pool is tight they are dropped
+        # (a plain decode follows) rather than preempting another request for them.
+        if (num_d or look) and not self.kv.allocate_slots(req, total + look):
+            return False
+        if num_d:
+            drafts[req] = proposed[:num_d]
+        return num_d > 0
 
     def _make_output(self, scheduled: dict[Request, int], preempted_ids: list[str],
                      finished_ids: list[str]) -> SchedulerOutput:
@@ -205,7 +272,8 @@ class Scheduler:
             if sent is None:
                 new_reqs.append(NewRequestData(
                     rid, req.prompt_token_ids, req.sampling_params, req.seed, req.eos_token_ids,
-                    list(block_ids), req.num_computed_tokens, list(req.output_token_ids)))
+                    list(block_ids), req.num_computed_tokens, list(req.output_token_ids),
+                    req.max_tokens))
             else:
                 cached.req_ids.append(rid)
                 cached.new_block_ids.append(block_ids[sent:])
@@ -278,6 +346,10 @@ class Scheduler:
         reqs = self._steps.pop(id(out), [])
         if self._in_flight_ids:
             self._in_flight_ids.difference_update(out.num_scheduled_tokens)
+        spec_tokens = out.scheduled_spec_decode_tokens
+        draft_out = result.draft_token_ids
+        if spec_tokens and in_flight:
+            raise ValueError("speculative steps run without async scheduling")
         if result.req_ids != [r.request_id for r in reqs]:
             raise ValueError(f"the step's output names {len(result.req_ids)} requests, not the "
                              f"{len(reqs)} it scheduled in that order")
@@ -293,18 +365,46 @@ class Scheduler:
                 req.num_output_placeholders -= len(tokens)
             else:
                 req.num_computed_tokens += counts[req.request_id]
-                assert req.num_computed_tokens <= req.num_tokens, f"{req} computed past its tokens"
-            cache_computed_blocks(req)
+                if spec_tokens:
+                    num_d = len(spec_tokens.get(req.request_id, ()))
+                    if num_d:
+                        # NOTE: the KV of rejected drafts is garbage: roll back past it (the
+                        # slots stay held, and blocks enter the prefix cache only when verified).
+                        num_accepted = len(tokens) - 1
+                        if not 0 <= num_accepted <= num_d:
+                            raise ValueError(f"request {req.request_id!r} verified {num_d} "
+                                             f"drafts but got {len(tokens)} tokens")
+                        req.num_computed_tokens -= num_d - num_accepted
+                        if num_accepted:
+                            req.spec_misses = 0
+                        else:
+                            req.spec_misses += 1
+                            if req.spec_misses >= SPEC_BACKOFF_AFTER:
+                                req.spec_skip = min(
+                                    2 ** (req.spec_misses - SPEC_BACKOFF_AFTER + 1),
+                                    SPEC_MAX_BACKOFF)
+                        self.spec_num_drafts += 1
+                        self.spec_num_draft_tokens += num_d
+                        self.spec_num_accepted_tokens += num_accepted
+                assert req.num_computed_tokens <= req.num_tokens + max(len(tokens) - 1, 0), \
+                    f"{req} computed past its tokens"
             if not tokens:
+                cache_computed_blocks(req)
                 continue  # a prefill chunk that did not reach the end of the known tokens
-            assert in_flight or req.num_computed_tokens == req.num_tokens, \
+            assert in_flight or req.num_computed_tokens == req.num_tokens + len(tokens) - 1, \
                 f"{req} sampled before its last token"
+            status = None
             for token in tokens:
                 req.append_output_token(token)
                 status = self._check_stop(req, token)
                 if status is not None:
-                    self._finish(req, status)
                     break
+            # NOTE: after the append: a verify step's accepted drafts complete blocks too.
+            cache_computed_blocks(req)
+            if status is not None:
+                self._finish(req, status)
+            else:
+                req.spec_token_ids = draft_out.get(req.request_id, []) if draft_out else []
             changed.append(req)
         return changed
 
@@ -359,16 +459,19 @@ class Scheduler:
                 if not cfg.enable_chunked_prefill:
                     break
                 num_new = budget
+            look = self._admit_lookahead(req, start + num_new)
             if shared:
                 assert req.fork_source is not None
                 self.kv.fork(req.fork_source, req, shared)
                 req.num_computed_tokens = shared
-                ok = self.kv.allocate_slots(req, num_new)
+                ok = (look and self.kv.allocate_slots(req, num_new + look)
+                      or self.kv.allocate_slots(req, num_new))
                 if not ok:
                     self.kv.free(req)
                     req.num_computed_tokens = 0
             else:
-                ok = self.kv.allocate_slots(req, num_new, computed)
+                ok = (look and self.kv.allocate_slots(req, num_new + look, computed)
+                      or self.kv.allocate_slots(req, num_new, computed))
             if not ok:
                 break  # out of blocks: later requests wait too
             req.num_computed_tokens = start
@@ -381,6 +484,14 @@ class Scheduler:
             budget -= num_new
         if admitted:
             self.waiting = [r for r in self.waiting if id(r) not in admitted]
+
+    def _admit_lookahead(self, req: Request, end: int) -> int:
+        """Lookahead slots for an admitted request whose chunk ends at token `end`: it samples
+        there and may then get drafts."""
+        if (not self._speculate or end < req.num_tokens
+                or not speculation_allowed(req.sampling_params)):
+            return 0
+        return max(0, min(self.num_lookahead, self.config.max_model_len - end))
 
     def _fork_tokens(self, req: Request) -> int | None:
         """Tokens req can share with its fork source now (0: go alone), or None to keep waiting."""
@@ -414,6 +525,7 @@ class Scheduler:
         self.running.remove(req)
         self._sent_blocks.pop(req.request_id, None)  # the workers drop it; resumed, it is new
         self._sent_outputs.pop(req.request_id, None)
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         if not self._swap_out_request(req):

@@ -21,6 +21,23 @@ class EngineStats:
     prompt_tokens_total: int = 0  # cumulative prompt tokens computed (prefill)
     generation_tokens_total: int = 0  # cumulative tokens sampled
     step_time: float = 0.0  # seconds the last step took
+    # Speculative decoding, cumulative: verify steps (one per request verified), drafts verified,
+    # drafts accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0 before any)."""
+        return self.spec_num_accepted_tokens / max(self.spec_num_draft_tokens, 1)
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens a verify step emits per request on average: accepted drafts + 1 (0 before any)."""
+        if self.spec_num_drafts <= 0:
+            return 0.0
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts
 
     @property
     def prefix_cache_hit_rate(self) -> float:

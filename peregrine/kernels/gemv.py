@@ -21,8 +21,15 @@ import triton.language as tl
 
 from peregrine.kernels._utils import next_pow2, num_sms
 
-# The one cut-off: a linear with at most this many rows uses a GEMV on CUDA, more use the GEMMs.
-GEMV_MAX_M = 8
+# The cut-offs, measured on an H200 at Llama-3-8B's shapes (benchmarks/gemv_bench.py): a linear
+# with at most this many rows uses a GEMV on CUDA, more use the GEMMs. The int layout's GEMV beats
+# its GEMM up to 4 rows (e.g. gate_up 76 against 131 us at 4 rows, 200 against 131 at 8); the
+# 8-bit GEMV beats quantize + _scaled_mm / _int_mm up to 2 rows (36 against 52 us at 2, 87
+# against 51 at 4).
+GEMV_MAX_M = 4
+W8_GEMV_MAX_M = 2
+# The most rows the kernels take (compiled as 1, 2, 4 or 8).
+GEMV_MAX_ROWS = 8
 # Programs launched per SM (at least): enough column tiles x K splits to hide memory latency.
 _WAVES = 4
 _MAX_SPLIT = 32
@@ -31,15 +38,15 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _COUNTER_SLOTS = 1 << 14
 
 
-def use_gemv(x: torch.Tensor) -> bool:
-    """Whether x (..., K) is a small batch for the GEMVs (CUDA, 1..GEMV_MAX_M rows)."""
-    return x.is_cuda and 0 < x.numel() // max(x.shape[-1], 1) <= GEMV_MAX_M
+def use_gemv(x: torch.Tensor, max_m: int = GEMV_MAX_M) -> bool:
+    """Whether x (..., K) is a small batch for the GEMVs (CUDA, 1..max_m rows)."""
+    return x.is_cuda and 0 < x.numel() // max(x.shape[-1], 1) <= max_m
 
 
 def block_m_for(m: int) -> int:
-    """The compiled row count that serves m rows (a power of two up to GEMV_MAX_M)."""
-    if not 0 < m <= GEMV_MAX_M:
-        raise ValueError(f"the GEMV takes 1 to {GEMV_MAX_M} rows, got {m}")
+    """The compiled row count that serves m rows (a power of two up to GEMV_MAX_ROWS)."""
+    if not 0 < m <= GEMV_MAX_ROWS:
+        raise ValueError(f"the GEMV takes 1 to {GEMV_MAX_ROWS} rows, got {m}")
     return next_pow2(m)
 
 
@@ -234,7 +241,7 @@ def w8_gemv_ready(weight: torch.Tensor, block: tuple[int, int] | None = None) ->
 def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             block: tuple[int, int] | None = None,
             config: W8GemvConfig | None = None) -> torch.Tensor:
-    """y (M, N) = x (M, K) @ (weight (N, K) * scale)^T in x's dtype, for M <= GEMV_MAX_M.
+    """y (M, N) = x (M, K) @ (weight (N, K) * scale)^T in x's dtype, for M <= GEMV_MAX_ROWS.
     scale: (1, N) or (N, 1) per channel, or (ceil(N / bn), ceil(K / bk)) for block=(bn, bk)."""
     n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != k:
@@ -279,6 +286,6 @@ def precompile_w8_gemv(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     """Compile this weight's GEMV for every row count it can serve (call at load time)."""
     if not w8_gemv_ready(weight, block):
         return
-    for rows in sorted({block_m_for(m) for m in range(1, GEMV_MAX_M + 1)}):
+    for rows in sorted({block_m_for(m) for m in range(1, W8_GEMV_MAX_M + 1)}):
         w8_gemv(torch.zeros(rows, weight.shape[1], dtype=dtype, device=weight.device), weight,
                 scale, block)

@@ -92,6 +92,13 @@ class _StatsCollector:
                       s.num_swapped_in)
         yield counter("prompt_tokens", "Prompt tokens processed (prefill).", s.prompt_tokens_total)
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens_total)
+        # vLLM's names; mean acceptance length = 1 + accepted_tokens / num_drafts.
+        yield counter("spec_decode_num_drafts", "Speculative verify steps (one per request "
+                      "verified).", s.spec_num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.",
+                      s.spec_num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      s.spec_num_accepted_tokens)
 
 
 @dataclass

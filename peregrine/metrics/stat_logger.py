@@ -23,7 +23,18 @@ def format_stats_line(prev: EngineStats, cur: EngineStats, dt: float) -> str:
     return (f"prompt throughput: {prompt_tps:.1f} tokens/s, generation throughput: "
             f"{gen_tps:.1f} tokens/s, running: {cur.num_running} reqs, waiting: "
             f"{cur.num_waiting} reqs, KV cache usage: {cur.kv_cache_usage * 100:.1f}%, "
-            f"prefix cache hit rate: {hit_rate * 100:.1f}%")
+            f"prefix cache hit rate: {hit_rate * 100:.1f}%{_spec_part(prev, cur)}")
+
+
+def _spec_part(prev: EngineStats, cur: EngineStats) -> str:
+    """Speculative decoding over the interval: draft acceptance rate and mean acceptance length."""
+    drafts = cur.spec_num_drafts - prev.spec_num_drafts
+    if drafts <= 0:
+        return ""
+    proposed = cur.spec_num_draft_tokens - prev.spec_num_draft_tokens
+    accepted = cur.spec_num_accepted_tokens - prev.spec_num_accepted_tokens
+    return (f", draft acceptance rate: {accepted / max(proposed, 1) * 100:.1f}%, mean acceptance "
+            f"length: {1 + accepted / drafts:.2f}")
 
 
 def _is_idle(prev: EngineStats, cur: EngineStats) -> bool:

@@ -15,6 +15,7 @@ import torch
 from peregrine.messages import NewRequestData
 from peregrine.sample.metadata import SamplingRows
 from peregrine.sampling_params import SamplingParams
+from peregrine.spec_decode.config import speculation_allowed
 
 
 @dataclass
@@ -33,7 +34,8 @@ class InputBatch:
 
     # Per-row arrays that move with a row on condense (token ids and block table separately).
     _ROW_ARRAYS = ("num_tokens", "num_known_tokens", "num_prompt_tokens", "num_computed_tokens",
-                   "num_blocks", "prompt_logprobs", "pending_step", "pending_index", "generation")
+                   "num_blocks", "prompt_logprobs", "pending_step", "pending_index", "generation",
+                   "max_tokens", "can_speculate")
 
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int,
                  vocab_size: int, device: torch.device) -> None:
@@ -54,6 +56,9 @@ class InputBatch:
         self.pending_step = np.full(n, -1, np.int64)  # (R,)
         self.pending_index = np.zeros(n, np.int64)  # (R,)
         self.generation = np.zeros(n, np.int64)  # (R,) tells a resumed request from its old self
+        # Speculative decoding: output limit (caps drafts) and whether the row may verify drafts.
+        self.max_tokens = np.zeros(n, np.int64)  # (R,)
+        self.can_speculate = np.zeros(n, np.bool_)  # (R,)
         self._num_added = 0
         self.sampling = SamplingRows(n, vocab_size, device)
         self.states: list[RequestState | None] = [None] * n
@@ -98,6 +103,9 @@ class InputBatch:
         p = new.sampling_params
         self.prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
         self.pending_step[row] = -1
+        self.max_tokens[row] = (self.max_model_len if new.max_tokens is None
+                                else min(new.max_tokens, self.max_model_len))
+        self.can_speculate[row] = speculation_allowed(p)
         self._num_added += 1
         self.generation[row] = self._num_added
         self.sampling.add_row(row, p, new.seed, new.eos_token_ids, new.prompt_token_ids,
@@ -186,6 +194,21 @@ class InputBatch:
         # NOTE: steps are collected in launch order, so the known tokens grow contiguously.
         self.num_known_tokens[rows] = np.maximum(self.num_known_tokens[rows], pos + 1)
         self.pending_step[rows[self.pending_step[rows] == step_id]] = -1
+
+    def append_accepted(self, rows: np.ndarray, positions: np.ndarray, counts: np.ndarray,
+                        token_ids: np.ndarray) -> None:
+        """Verify steps: after the sampled token at `positions` (filled by fill_sampled), append
+        counts[i] more tokens to rows[i], taken in order from the flat `token_ids`."""
+        total = int(counts.sum())
+        if total == 0:
+            return
+        first = np.zeros(counts.size, np.int64)  # (A,)
+        np.cumsum(counts[:-1], out=first[1:])
+        offsets = np.arange(total, dtype=np.int64) - np.repeat(first, counts)  # (sum counts,)
+        self.token_ids[np.repeat(rows, counts), np.repeat(positions + 1, counts) + offsets] = \
+            token_ids
+        self.num_tokens[rows] += counts
+        self.num_known_tokens[rows] = self.num_tokens[rows]
 
     def output_token_ids(self, req_id: str) -> list[int]:
         """The request's output tokens (an in-flight one reads 0 until its step is collected)."""

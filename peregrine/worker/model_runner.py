@@ -19,6 +19,8 @@ from peregrine.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from peregrine.models.protocol import PipelineStage
 from peregrine.sample.logprobs import compute_token_logprobs
 from peregrine.sample.sampler import Sampler
+from peregrine.spec_decode.proposer import ProposeInput, Proposer
+from peregrine.spec_decode.verify import accepted_counts
 from peregrine.transfer import to_device
 from peregrine.worker.cuda_graphs import CudaGraphRunner, KVCaches, PiecewiseGraphs
 from peregrine.worker.input_batch import InputBatch
@@ -42,6 +44,11 @@ class StepHandle:
     prompt_lp: list[tuple[str, int, int]]  # (request id, positions, top-k) per prompt-logprobs chunk
     host: dict[str, torch.Tensor]  # device->host copies in flight (pinned on CUDA)
     event: torch.cuda.Event | None  # recorded after the copies
+    # Speculative decoding: logits rows per sampled row (None: one each), and whether to propose
+    # drafts once the step's tokens are known.
+    sample_counts: np.ndarray | None = None
+    propose: bool = False
+    no_propose: list[str] | None = None
     stage_timer: tuple | None = None  # pipeline stages: (start, end) of the step's work here
 
 
@@ -74,6 +81,11 @@ class ModelRunner:
         self.prefill_graphs: PiecewiseGraphs | None = None
         self._num_launched = 0
         self._in_flight: dict[int, torch.Tensor] = {}  # uncollected step id -> sampled (S,) tokens
+        self.proposer: Proposer | None = None  # speculative decoding (set by the worker)
+        # A verify step's tokens reach the batch only when it is collected; a worker that
+        # launches the next step first (tensor-parallel ranks > 0) gets it collected here.
+        self._uncollected_verify: StepHandle | None = None
+        self._collected_early: dict[int, ModelRunnerOutput] = {}
         self.timing: dict[str, float] = defaultdict(float)
 
     def initialize_kv_cache(self, kv_caches: KVCaches) -> None:
@@ -88,6 +100,9 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> StepHandle:
         """Queue one step's forward pass and sampling on the device; return without waiting."""
         t0 = time.perf_counter()
+        if self._uncollected_verify is not None:
+            early = self._uncollected_verify
+            self._collected_early[early.step_id] = self.collect(early)
         if sched.blocks_to_swap_out or sched.blocks_to_swap_in:
             self._swap(sched)
         self._update_states(sched)
@@ -106,19 +121,22 @@ class ModelRunner:
         handle = self._launch_sampling(plan, hidden, all_logits, sched)
         if self.stage_io is not None:
             handle.stage_timer = self.stage_io.end_step()
+        if handle.sample_counts is not None:
+            self._uncollected_verify = handle
         tm = self.timing
         tm["prepare"] += t1 - t0
         tm["forward_launch"] += t2 - t1
         tm["sample_launch"] += time.perf_counter() - t2
         tm["steps"] += 1
         tm["decode_only_steps"] += plan.num_decodes == plan.num_seqs
+        tm["verify_steps"] += plan.draft_tokens is not None
         return handle
 
     def _stage_handle(self, timer: tuple) -> StepHandle:
         """A pipeline stage before the last: nothing to collect but the step's timer."""
         end = timer[1]
         return StepHandle(-1, [], [], [], np.zeros(0, np.int64), np.zeros(0, np.int64), [], [],
-                          {}, None if isinstance(end, float) else end, timer)
+                          {}, None if isinstance(end, float) else end, stage_timer=timer)
 
     def stage_stats(self, reset: bool = False) -> dict[str, float]:
         """Pipeline parallelism: this stage's steps, busy and idle time (StageIO.stats)."""
@@ -141,6 +159,8 @@ class ModelRunner:
             batch.remove_request(rid)
         for rid in sched.preempted_req_ids:
             batch.remove_request(rid)
+        if self.proposer is not None and (sched.finished_req_ids or sched.preempted_req_ids):
+            self.proposer.remove_requests([*sched.finished_req_ids, *sched.preempted_req_ids])
         for new in sched.scheduled_new_reqs:
             batch.remove_request(new.req_id)  # sent again: its new data replaces what we hold
             batch.add_request(new)
@@ -186,6 +206,7 @@ class ModelRunner:
         meta.max_query_len = plan.max_query_len
         meta.max_seq_len = plan.max_seq_len
         if pieces:
+            self.timing["piecewise_graph_steps"] += 1
             return self.prefill_graphs.run(t, meta), None
         if self.stage_io is not None:
             # (2, T, hidden) from the previous stage; None on the first
@@ -209,26 +230,36 @@ class ModelRunner:
         batch = self.batch
         step_id = self._num_launched
         self._num_launched += 1
-        logits = self._logits(plan, hidden, all_logits)  # (S + P, V)
-        s = plan.sample_idx.size
+        logits = self._logits(plan, hidden, all_logits)  # (S' + P, V)
+        s = plan.num_sampled_rows
         rows = plan.rows[plan.sample_idx]  # (S,)
+        verify = plan.draft_tokens is not None
         host: dict[str, torch.Tensor] = {}
         positions = generations = np.zeros(0, np.int64)
         if s:
-            meta = batch.sampling.metadata(rows, plan.sample_steps)
+            # NOTE: a verify row's positions are sampled as rows of their own, keyed on their
+            # token index like plain decodes: accepting while sampled == draft is then exact.
+            meta_rows = np.repeat(rows, plan.sample_counts) if verify else rows  # (S',)
+            meta = batch.sampling.metadata(meta_rows, plan.flat_steps)
             if sched.structured_req_ids:
                 self._add_grammar_masks(meta, plan, sched)
             so = self.sampler(logits[:s], meta)
             # NOTE: penalties count this step's tokens on the device: exact with a step in flight.
             batch.sampling.record_sampled(meta, so.sampled_token_ids)
-            host["sampled"] = self._to_host(so.sampled_token_ids)
+            sampled = so.sampled_token_ids  # (S',)
+            if verify:
+                # (S' + S,): the tokens, then each sampled row's accepted draft count.
+                sampled = torch.cat([sampled, accepted_counts(
+                    sampled, plan.draft_tokens, plan.sample_counts, self.device)])
+            host["sampled"] = self._to_host(sampled)
             if so.logprobs is not None:
                 host["lp_ids"] = self._to_host(so.logprob_token_ids)
                 host["lp_vals"] = self._to_host(so.logprobs)
                 host["lp_ranks"] = self._to_host(so.ranks)
             generations = batch.generation[rows].copy()
             positions = batch.append_placeholders(rows, step_id)
-            self._in_flight[step_id] = so.sampled_token_ids
+            if not verify:  # NOTE: speculation runs synchronously: no later step reads these
+                self._in_flight[step_id] = so.sampled_token_ids
         prompt_lp: list[tuple[str, int, int]] = []
         if plan.prompt_idx.size:
             ks = batch.prompt_logprobs[plan.rows[plan.prompt_idx]]  # (P rows,)
@@ -246,11 +277,17 @@ class ModelRunner:
         order = plan.order[plan.sample_idx].tolist()
         return StepHandle(step_id, plan.req_ids, order, [plan.req_ids[i] for i in order],
                           generations, positions, batch.sampling.num_logprobs[rows].tolist(),
-                          prompt_lp, host, event)
+                          prompt_lp, host, event, plan.sample_counts if verify else None,
+                          sched.propose_drafts and self.proposer is not None,
+                          sched.no_propose_req_ids)
 
     def _add_grammar_masks(self, meta, plan: StepPlan, sched: SchedulerOutput) -> None:
         """Point the step's grammar bitmask rows at the sampler rows of their requests."""
-        sample_row = {plan.req_ids[i]: j for j, i in enumerate(plan.order[plan.sample_idx].tolist())}
+        # NOTE: constrained requests never verify drafts: each has one logits row, after the
+        # rows of the sampled rows before it (k + 1 for a verify row).
+        first = np.cumsum(plan.sample_counts) - plan.sample_counts  # (S,)
+        sample_row = {plan.req_ids[i]: int(f) for i, f in zip(
+            plan.order[plan.sample_idx].tolist(), first.tolist())}
         ids = sched.structured_req_ids
         missing = [r for r in ids if r not in sample_row]
         if missing:
@@ -268,6 +305,11 @@ class ModelRunner:
     # ---- results --------------------------------------------------------------------------
     def collect(self, handle: StepHandle) -> ModelRunnerOutput:
         """Wait for a launched step and turn its device results into Python lists."""
+        early = self._collected_early.pop(handle.step_id, None)
+        if early is not None:
+            return early
+        if self._uncollected_verify is handle:
+            self._uncollected_verify = None
         t0 = time.perf_counter()
         if handle.event is not None:
             handle.event.synchronize()  # the step's one device->host sync
@@ -280,7 +322,10 @@ class ModelRunner:
         host = handle.host
         sampled: list[list[int]] = [[] for _ in handle.req_ids]
         logprobs: dict[str, TokenLogprobs] = {}
-        if "sampled" in host:
+        firsts = num_emitted = None
+        if "sampled" in host and handle.sample_counts is not None:
+            firsts, num_emitted = self._collect_verified(handle, host["sampled"].numpy(), sampled)
+        elif "sampled" in host:
             tokens = host["sampled"].tolist()
             self.batch.fill_sampled(handle.sample_req_ids, handle.sample_generations,
                                     handle.sample_positions, tokens, handle.step_id)
@@ -290,8 +335,11 @@ class ModelRunner:
             ids, lps = host["lp_ids"].tolist(), host["lp_vals"].tolist()
             ranks = host["lp_ranks"].tolist()
             for j, (rid, k) in enumerate(zip(handle.sample_req_ids, handle.num_logprobs)):
-                if k >= 0:
-                    logprobs[rid] = TokenLogprobs([ids[j][:k + 1]], [lps[j][:k + 1]], [ranks[j]])
+                if k < 0:
+                    continue
+                f, n = (j, 1) if firsts is None else (int(firsts[j]), int(num_emitted[j]))
+                logprobs[rid] = TokenLogprobs([x[:k + 1] for x in ids[f:f + n]],
+                                              [x[:k + 1] for x in lps[f:f + n]], ranks[f:f + n])
         prompt_logprobs: dict[str, TokenLogprobs] = {}
         if handle.prompt_lp:
             ids, lps = host["plp_ids"].tolist(), host["plp_vals"].tolist()
@@ -302,4 +350,68 @@ class ModelRunner:
                     [x[:k + 1] for x in ids[off:off + count]],
                     [x[:k + 1] for x in lps[off:off + count]], ranks[off:off + count])
                 off += count
-        return ModelRunnerOutput(handle.req_ids, sampled, logprobs, prompt_logprobs)
+        drafts = self._propose(handle) if handle.propose else {}
+        return ModelRunnerOutput(handle.req_ids, sampled, logprobs, prompt_logprobs, drafts)
+
+    def _collect_verified(self, handle: StepHandle, flat: np.ndarray, sampled: list[list[int]]
+                          ) -> tuple[np.ndarray, np.ndarray]:
+        """A verify step's results: each sampled row emits its accepted drafts plus the next
+        sampled token; returns each row's first logits row and emitted count."""
+        counts = handle.sample_counts  # (S,)
+        num_rows = int(counts.sum())
+        tokens, accepted = flat[:num_rows], flat[num_rows:]  # (S',), (S,)
+        firsts = np.zeros(counts.size, np.int64)  # (S,)
+        np.cumsum(counts[:-1], out=firsts[1:])
+        self.batch.fill_sampled(handle.sample_req_ids, handle.sample_generations,
+                                handle.sample_positions, tokens[firsts].tolist(), handle.step_id)
+        more = np.flatnonzero(accepted > 0)
+        if more.size:
+            batch = self.batch
+            rows = np.fromiter((batch.row_of[handle.sample_req_ids[j]] for j in more.tolist()),
+                               np.int64, more.size)
+            n = accepted[more]
+            offsets = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+            batch.append_accepted(rows, handle.sample_positions[more], n,
+                                  tokens[np.repeat(firsts[more] + 1, n) + offsets])
+        num_emitted = accepted + 1  # (S,)
+        ends = (firsts + num_emitted).tolist()
+        toks = tokens.tolist()
+        for i, f, e in zip(handle.sample_order, firsts.tolist(), ends):
+            sampled[i] = toks[f:e]
+        return firsts, num_emitted
+
+    def _propose(self, handle: StepHandle) -> dict[str, list[int]]:
+        """Drafts for the requests that sampled this step and may speculate."""
+        t0 = time.perf_counter()
+        batch, k = self.batch, self.config.speculative.num_speculative_tokens
+        rows = np.fromiter((batch.row_of.get(r, -1) for r in handle.sample_req_ids), np.int64,
+                           len(handle.sample_req_ids))  # (S,)
+        if handle.no_propose:
+            skip = set(handle.no_propose)
+            rows[[i for i, r in enumerate(handle.sample_req_ids) if r in skip]] = -1
+        rows = rows[rows >= 0]
+        rows = rows[batch.can_speculate[rows]]
+        lens = batch.num_tokens[rows]  # (R,)
+        # NOTE: the next step emits up to num_draft + 1 tokens within max_model_len and
+        # max_tokens, and needs a slot for each draft.
+        num_draft = np.minimum.reduce([
+            np.full(rows.size, k, np.int64), batch.max_model_len - lens - 1,
+            batch.max_tokens[rows] - (lens - batch.num_prompt_tokens[rows]) - 1,
+            batch.num_blocks[rows] * self.block_size - lens])  # (R,)
+        keep = num_draft > 0
+        rows, lens, num_draft = rows[keep], lens[keep], num_draft[keep]
+        if not rows.size:
+            return {}
+        tokens = [batch.token_ids[r, :n] for r, n in zip(rows.tolist(), lens.tolist())]
+        blocks = [batch.block_table[r, :n] for r, n in zip(rows.tolist(),
+                                                            batch.num_blocks[rows].tolist())]
+        for a in (*tokens, *blocks):
+            a.flags.writeable = False
+        req_ids = [batch.states[r].req_id for r in rows.tolist()]
+        proposals = self.proposer.propose(ProposeInput(req_ids, tokens, blocks, num_draft))
+        if len(proposals) != len(req_ids):
+            raise RuntimeError(f"the proposer returned {len(proposals)} draft lists for "
+                               f"{len(req_ids)} requests")
+        out = {rid: list(p[:n]) for rid, p, n in zip(req_ids, proposals, num_draft.tolist()) if p}
+        self.timing["propose"] += time.perf_counter() - t0
+        return out

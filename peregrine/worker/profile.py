@@ -12,8 +12,11 @@ from peregrine.worker.step_buffers import StepBuffers
 
 @torch.inference_mode()
 def profile_run(model: nn.Module, buffers: StepBuffers, model_config: ModelConfig,
-                num_tokens: int, max_num_seqs: int, block_size: int) -> None:
-    """Run num_tokens tokens split over up to max_num_seqs sequences, then sample all of them."""
+                num_tokens: int, max_num_seqs: int, block_size: int,
+                num_sampled_rows: int = 0) -> None:
+    """Run num_tokens tokens split over up to max_num_seqs sequences, then sample all of them
+    (or `num_sampled_rows` logits rows when more: speculative verify steps sample k + 1 rows per
+    sequence)."""
     t = num_tokens
     b = min(max_num_seqs, t)
     q_lens = np.full(b, t // b, np.int64)
@@ -45,7 +48,7 @@ def profile_run(model: nn.Module, buffers: StepBuffers, model_config: ModelConfi
     else:
         hidden = model(input_ids, pos, caches, meta)
     if stage is None or stage.is_last:
-        logits = model.compute_logits(hidden[:b])  # (B, V)
+        logits = model.compute_logits(hidden[:min(t, max(b, num_sampled_rows))])  # (B, V)
         # Sorting for top-p is the sampler's largest buffer.
         torch.sort(logits, dim=-1, descending=True)
     del caches

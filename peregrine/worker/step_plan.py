@@ -33,6 +33,12 @@ class StepPlan:
     pending_src: np.ndarray  # (N,)
     sample_idx: np.ndarray  # (S,) execution rows that sample a token
     sample_steps: np.ndarray  # (S,) output tokens before the one sampled now
+    # Speculative verify rows sample at each of their 1 + d positions (one logits row each).
+    sample_counts: np.ndarray  # (S,) logits rows of each sampling row (1 + its drafts)
+    flat_steps: np.ndarray  # (S',) output tokens before each logits row's token
+    # (S',) the draft each logits row's token must equal to be accepted; -1 at a row's last
+    # position. None when the step verifies no drafts.
+    draft_tokens: np.ndarray | None
     prompt_idx: np.ndarray  # (P,) execution rows with prompt logprobs in this chunk
     prompt_counts: np.ndarray  # (P,) how many prompt positions each
     prompt_targets: np.ndarray  # (sum counts,) the next prompt token of each position
@@ -41,6 +47,11 @@ class StepPlan:
     @property
     def num_seqs(self) -> int:
         return int(self.rows.size)
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """S': logits rows that are sampled (S without drafts)."""
+        return int(self.flat_steps.size)
 
 
 def plan_step(batch: InputBatch, sched: SchedulerOutput, buf: StepBuffers,
@@ -59,10 +70,20 @@ def plan_step(batch: InputBatch, sched: SchedulerOutput, buf: StepBuffers,
     starts = batch.num_computed_tokens[rows]  # (B,)
     seq_lens = starts + q_lens  # (B,)
     num_tokens = batch.num_tokens[rows]  # (B,)
-    if (q_lens <= 0).any() or (seq_lens > num_tokens).any():
-        bad = int(np.flatnonzero((q_lens <= 0) | (seq_lens > num_tokens))[0])
+    spec = sched.scheduled_spec_decode_tokens
+    num_draft = np.zeros(b, np.int64)  # (B,)
+    if spec:
+        num_draft = _write_drafts(batch, spec, req_ids)[order]
+        verify = num_draft > 0
+        if (starts[verify] != num_tokens[verify] - 1).any():
+            bad = int(np.flatnonzero(verify & (starts != num_tokens - 1))[0])
+            raise ValueError(f"request {req_ids[order[bad]]!r}: drafts are scheduled but its "
+                             f"last token is not the first one computed")
+    ends = num_tokens + num_draft  # (B,) the last input position + 1 it may reach
+    if (q_lens <= 0).any() or (seq_lens > ends).any():
+        bad = int(np.flatnonzero((q_lens <= 0) | (seq_lens > ends))[0])
         raise ValueError(f"request {req_ids[order[bad]]!r}: {int(q_lens[bad])} tokens scheduled "
-                         f"from {int(starts[bad])}, but it has {int(num_tokens[bad])}")
+                         f"from {int(starts[bad])}, but it has {int(ends[bad])}")
     qsl = np.zeros(b + 1, np.int64)  # (B + 1,)
     np.cumsum(q_lens, out=qsl[1:])
     t = int(qsl[-1])
@@ -85,7 +106,7 @@ def plan_step(batch: InputBatch, sched: SchedulerOutput, buf: StepBuffers,
 
     # Inputs whose value is still on the device: only a request's last token can be one.
     known = batch.num_known_tokens[rows]  # (B,)
-    waiting = np.flatnonzero(seq_lens > known)  # (N,)
+    waiting = np.flatnonzero(np.minimum(seq_lens, num_tokens) > known)  # (N,)
     last = num_tokens[waiting] - 1  # (N,)
     pending_step = batch.pending_step[rows[waiting]]  # (N,)
     if (known[waiting] != last).any() or (pending_step < 0).any():
@@ -93,9 +114,23 @@ def plan_step(batch: InputBatch, sched: SchedulerOutput, buf: StepBuffers,
     pending_dst = qsl[waiting] + last - starts[waiting]  # (N,)
     pending_src = batch.pending_index[rows[waiting]]  # (N,)
 
-    # A request samples once its chunk reaches its last token (an in-flight one included).
-    sample_idx = np.flatnonzero(seq_lens >= num_tokens)  # (S,)
+    # A request samples once its chunk reaches its last token (an in-flight one included); a
+    # verify row samples after its last token and after each draft.
+    sample_idx = np.flatnonzero(seq_lens >= ends)  # (S,)
     sample_steps = num_tokens[sample_idx] - batch.num_prompt_tokens[rows[sample_idx]]  # (S,)
+    counts_s = 1 + num_draft[sample_idx]  # (S,)
+    sample_tok = qsl[sample_idx + 1] - 1  # (S,) flat index of each row's last position
+    flat_steps, draft_tokens = sample_steps, None
+    if spec:
+        first_s = np.zeros(sample_idx.size, np.int64)  # (S,)
+        np.cumsum(counts_s[:-1], out=first_s[1:])
+        j = np.arange(int(counts_s.sum()), dtype=np.int64) - np.repeat(first_s, counts_s)  # (S',)
+        last_rep = np.repeat(counts_s - 1, counts_s)  # (S',)
+        sample_tok = np.repeat(sample_tok - counts_s + 1, counts_s) + j  # (S',)
+        flat_steps = np.repeat(sample_steps, counts_s) + j
+        # NOTE: the token sampled at a position is checked against the next input: its draft.
+        nxt = np.minimum(sample_tok + 1, t - 1)
+        draft_tokens = np.where(j < last_rep, buf.input_ids_np[nxt], -1).astype(np.int64)
 
     # Prompt logprobs: position p scores prompt token p + 1.
     num_prompt = batch.num_prompt_tokens[rows]  # (B,)
@@ -107,8 +142,23 @@ def plan_step(batch: InputBatch, sched: SchedulerOutput, buf: StepBuffers,
     prompt_tok = np.repeat(qsl[prompt_idx], counts) + offsets
     prompt_pos = np.repeat(starts[prompt_idx], counts) + offsets
     targets = batch.token_ids[np.repeat(rows[prompt_idx], counts), prompt_pos + 1].astype(np.int64)
-    logits_idx = np.concatenate([qsl[sample_idx + 1] - 1, prompt_tok])
+    logits_idx = np.concatenate([sample_tok, prompt_tok])
 
     return StepPlan(req_ids, order, rows, t, num_decodes, int(q_lens.max()), int(seq_lens.max()),
                     width, pending_dst, pending_step, pending_src, sample_idx, sample_steps,
-                    prompt_idx, counts, targets, logits_idx)
+                    counts_s, flat_steps, draft_tokens, prompt_idx, counts, targets, logits_idx)
+
+
+def _write_drafts(batch: InputBatch, spec: dict[str, list[int]], req_ids: list[str]) -> np.ndarray:
+    """Put each verify request's drafts after its last token; (B,) drafts per scheduled request."""
+    width = batch.token_ids.shape[1]
+    for rid, drafts in spec.items():
+        row = batch.row_of.get(rid)
+        if row is None:
+            raise ValueError(f"drafts are scheduled for request {rid!r}, unknown to the worker")
+        n = int(batch.num_tokens[row])
+        if n + len(drafts) > width - 1:
+            raise ValueError(f"request {rid!r}: {len(drafts)} drafts after {n} tokens pass "
+                             f"max_model_len={width - 1}")
+        batch.token_ids[row, n:n + len(drafts)] = drafts
+    return np.fromiter((len(spec.get(r, ())) for r in req_ids), np.int64, len(req_ids))

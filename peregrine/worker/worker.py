@@ -10,6 +10,7 @@ from peregrine.attention import get_attention_backend
 from peregrine.attention.kv_dtype import kv_cache_torch_dtype
 from peregrine.config import EngineConfig
 from peregrine.messages import ModelRunnerOutput, SchedulerOutput
+from peregrine.spec_decode.proposer import build_proposer
 from peregrine.startup_timing import STARTUP
 from peregrine.worker.cuda_graphs import (CudaGraphRunner, PiecewiseGraphs, decode_graph_bytes,
                                           prefill_graph_sizes)
@@ -54,6 +55,12 @@ class Worker:
         self.kv_model_config = rank_model_config(config, len(self.model.layers))
         with STARTUP.phase("runner", dev):
             self.model_runner = ModelRunner(config, self.model, dev, self.stage)
+        # Speculative decoding: the proposer loads what it runs once the target is loaded.
+        with STARTUP.phase("proposer", dev):
+            self.proposer = build_proposer(config, dev)
+            if self.proposer is not None:
+                self.proposer.load_model(self.model)
+                self.model_runner.proposer = self.proposer
         self.num_blocks: int | None = None
 
     def determine_num_blocks(self) -> int:
@@ -68,10 +75,21 @@ class Worker:
             with STARTUP.phase("kv_profile", self.device):
                 profile_run(self.model, r.buffers, self.kv_model_config,
                             sc.max_num_batched_tokens, sc.max_num_seqs,
-                            self.config.cache.block_size)
+                            self.config.cache.block_size, self._max_sampled_rows())
 
+        extra = self.proposer.kv_cache_bytes_per_block() if self.proposer is not None else 0
         return determine_num_blocks(self.config, self.device, profile, self._graph_reserve(),
-                                    self.kv_model_config)
+                                    self.kv_model_config, extra)
+
+    def _max_sampled_rows(self) -> int:
+        """Most logits rows one step samples: a verify step samples k + 1 per sequence."""
+        spec, sc = self.config.speculative, self.config.scheduler
+        if spec is None:
+            return sc.max_num_seqs
+        seqs = sc.max_num_seqs
+        if spec.disable_by_batch_size is not None:
+            seqs = min(seqs, spec.disable_by_batch_size)
+        return max(sc.max_num_seqs, seqs * (spec.num_speculative_tokens + 1))
 
     def _captures_graphs(self) -> bool:
         """Whether initialize_cache will capture CUDA graphs."""
@@ -102,6 +120,8 @@ class Worker:
         with STARTUP.phase("kv_alloc", self.device):
             kv = allocate_kv_caches(self.kv_model_config, num_blocks, cfg.cache.block_size,
                                     self.device, cache_dtype)
+            if self.proposer is not None:
+                self.proposer.initialize_kv_cache(num_blocks)
         with STARTUP.phase("swap_space", self.device):
             r.initialize_kv_cache(kv)
         self.num_blocks = num_blocks

@@ -1,6 +1,6 @@
 """The small-batch GEMVs compiled at Llama-3-8B shapes, through the quantization methods' dispatch
-(GEMV up to GEMV_MAX_M rows, the GEMMs above): weight-only int (4, 6, 8 bits, zero points,
-groups, per channel, fp16), FP8 per channel and 128x128 blocks, int8 per channel, each against
+(GEMV up to GEMV_MAX_M rows for the int layout and W8_GEMV_MAX_M for 8-bit weights, the GEMMs
+above): weight-only int (4, 6, 8 bits, zero points, groups, per channel, fp16), FP8 per channel and 128x128 blocks, int8 per channel, each against
 dequantize-then-matmul of x as it is at M <= GEMV_MAX_M; bit-identical repeats (deterministic
 split-K), CUDA-graph replay, nothing compiled after load, 6-bit GEMM tiles that compile at every
 batch size."""
@@ -13,7 +13,7 @@ import torch
 
 from gpu_cases import DEV, rel_err
 from peregrine.kernels.fp8_quant import FP8_DTYPE, block_dequantize, per_token_group_quant_ref
-from peregrine.kernels.gemv import GEMV_MAX_M, precompile_w8_gemv, w8_gemv
+from peregrine.kernels.gemv import GEMV_MAX_M, W8_GEMV_MAX_M, precompile_w8_gemv, w8_gemv
 from peregrine.kernels.wna16_gemm import wna16_gemm
 from peregrine.kernels.wna16_gemv import (_wna16_gemv_kernel, precompile_wna16_gemv,
                                           wna16_gemv)
@@ -131,7 +131,7 @@ def test_fp8_per_channel_across_the_cut_off(shape: str, m: int) -> None:
     wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=DEV) * 0.02, FP8_DTYPE)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     got = apply_fp8_linear(x, wq, ws.t().contiguous(), None, None)
-    if m <= GEMV_MAX_M:  # weight-only: x as it is
+    if m <= W8_GEMV_MAX_M:  # weight-only: x as it is
         want = x.float() @ (wq.float() * ws).t()
     else:
         xq, xs = per_token_group_quant_ref(x, FP8_DTYPE)
@@ -149,7 +149,7 @@ def test_fp8_block_scales_across_the_cut_off(shape: str, m: int) -> None:
     layer = SimpleNamespace(weight=wq, weight_scale_inv=ws)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     got = Fp8BlockMethod(block).apply(layer, x)
-    if m <= GEMV_MAX_M:
+    if m <= W8_GEMV_MAX_M:
         want = x.float() @ block_dequantize(wq, ws, block).t()
     else:
         xq, xs = per_token_group_quant_ref(x, FP8_DTYPE, 128)
@@ -157,7 +157,7 @@ def test_fp8_block_scales_across_the_cut_off(shape: str, m: int) -> None:
     assert rel_err(got.float(), want) < GEMM_TOL
 
 
-@pytest.mark.parametrize("m", (1, 3, 8))
+@pytest.mark.parametrize("m", (1, 2))
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_int8_weights_at_small_batches(shape: str, m: int) -> None:
     k, n = SHAPES[shape]
@@ -176,10 +176,10 @@ def test_w8_gemv_is_deterministic_and_precompiled() -> None:
     ws = ws.t().contiguous()
     precompile_w8_gemv(wq, ws, torch.bfloat16)
     before = _compiled(_w8_gemv_kernel)
-    x = torch.randn(5, k, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(W8_GEMV_MAX_M, k, device=DEV, dtype=torch.bfloat16)
     first = w8_gemv(x, wq, ws)
     for _ in range(50):
         assert torch.equal(w8_gemv(x, wq, ws), first)
-    for m in range(1, GEMV_MAX_M + 1):
+    for m in range(1, W8_GEMV_MAX_M + 1):
         w8_gemv(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), wq, ws)
     assert _compiled(_w8_gemv_kernel) == before

@@ -1,7 +1,7 @@
 """W8A8 on CUDA at Llama-3-8B shapes: the Triton activation quantization, torch._scaled_mm
 (FP8, row-wise scales), torch._int_mm (INT8, padded small batches) and the block-scaled FP8
 Triton GEMM against float32 references on the same quantized values (batches of at most
-GEMV_MAX_M rows: the weight-only GEMV against x as it is); then the engine."""
+W8_GEMV_MAX_M rows: the weight-only GEMV against x as it is); then the engine."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,7 +13,7 @@ from gpu_cases import DEV, rel_err
 from peregrine.kernels.fp8_quant import (FP8_DTYPE, per_token_group_quant,
                                          per_token_group_quant_ref, w8a8_block_fp8_matmul,
                                          w8a8_block_matmul_ref)
-from peregrine.kernels.gemv import GEMV_MAX_M
+from peregrine.kernels.gemv import W8_GEMV_MAX_M
 from peregrine.layers.quantization.fp8 import apply_fp8_linear, fp8_gemm_supported
 from peregrine.layers.quantization.int8 import apply_int8_linear
 from peregrine.testing import fp8_pack
@@ -55,7 +55,7 @@ def test_scaled_mm_matches_reference(k: int, n: int, m: int) -> None:
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     got = apply_fp8_linear(x, wq, ws.t().contiguous(), None, None)  # (M, N) bf16
     xq, xs = per_token_group_quant_ref(x, FP8_DTYPE)
-    if m <= GEMV_MAX_M:  # small batches: the GEMV multiplies x as it is
+    if m <= W8_GEMV_MAX_M:  # small batches: the GEMV multiplies x as it is
         xq, xs = x.float(), torch.ones(m, 1, device=DEV)
     want = (xq.float() * xs) @ (wq.float() * ws).t()
     assert got.dtype == torch.bfloat16 and rel_err(got.float(), want) < GEMM_TOL
@@ -65,7 +65,7 @@ def test_scaled_mm_with_static_input_scale() -> None:
     _needs_fp8()
     k, n = 4096, 4096
     wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=DEV) * 0.02, FP8_DTYPE)
-    x = torch.randn(GEMV_MAX_M + 5, k, device=DEV, dtype=torch.bfloat16)  # past the GEMV
+    x = torch.randn(W8_GEMV_MAX_M + 5, k, device=DEV, dtype=torch.bfloat16)  # past the GEMV
     scale = (x.abs().max().float() / 448).reshape(1, 1)
     got = apply_fp8_linear(x, wq, ws.t().contiguous(), scale, None)
     xq = (x.float() / scale).clamp(-448, 448).to(FP8_DTYPE).float() * scale
@@ -80,7 +80,7 @@ def test_int_mm_matches_reference(k: int, n: int, m: int) -> None:
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     got = apply_int8_linear(x, wq, ws.t().contiguous(), None, None)
     xq, xs = per_token_group_quant_ref(x, torch.int8)
-    if m <= GEMV_MAX_M:  # small batches: the GEMV multiplies x as it is
+    if m <= W8_GEMV_MAX_M:  # small batches: the GEMV multiplies x as it is
         xq, xs = x, torch.ones(m, 1, device=DEV)
     want = (xq.double() @ wq.double().t()).float() * xs * ws.t()  # exact integer sums
     assert rel_err(got.float(), want) < 2 ** -7

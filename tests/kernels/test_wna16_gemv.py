@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peregrine.kernels.gemv import GEMV_MAX_M, block_m_for, choose_split
+from peregrine.kernels.gemv import GEMV_MAX_ROWS, block_m_for, choose_split
 from peregrine.kernels.wna16_gemv import GemvConfig, gemv_supported, wna16_gemv
 from peregrine.layers.quantization.wna16 import WNA16Layout
 
@@ -96,8 +96,8 @@ def test_bad_inputs_are_named() -> None:
     w = _layout(4, 128, zp=False)
     with pytest.raises(ValueError, match="x has 128 inputs"):
         wna16_gemv(torch.zeros(1, 128), w)
-    with pytest.raises(ValueError, match=f"1 to {GEMV_MAX_M} rows"):
-        wna16_gemv(torch.zeros(GEMV_MAX_M + 1, K), w)
+    with pytest.raises(ValueError, match=f"1 to {GEMV_MAX_ROWS} rows"):
+        wna16_gemv(torch.zeros(GEMV_MAX_ROWS + 1, K), w)
     with pytest.raises(ValueError, match="powers of two"):
         wna16_gemv(_x(1), w, GemvConfig(block_n=16, block_k=96, split_k=1, k_iters=3,
                                         num_warps=4))

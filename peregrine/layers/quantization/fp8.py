@@ -5,8 +5,8 @@ Activations are quantized per token at run time (or with a static per-tensor `in
 On GPUs with FP8 tensor cores (compute capability 8.9+) the matmul is `torch._scaled_mm` with
 row-wise scales (per-channel weights) or the block-scaled Triton GEMM (kernels/fp8_quant.py);
 elsewhere, the CPU included, the same quantized values are dequantized and multiplied in float32.
-Small batches on those GPUs (at most GEMV_MAX_M rows, decode) instead compute x @ dequant(W) with
-x as it is (kernels/gemv.py): weight-only math, which reads the same FP8 weight bytes, is more
+Small batches on those GPUs (at most W8_GEMV_MAX_M rows, decode) instead compute x @ dequant(W)
+with x as it is (kernels/gemv.py): weight-only math, which reads the same FP8 weight bytes, is more
 accurate than rounding x to FP8, and ignores a static input_scale.
 """
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from peregrine.kernels.gemv import precompile_w8_gemv, use_gemv, w8_gemv, w8_gemv_ready
+from peregrine.kernels.gemv import (W8_GEMV_MAX_M, precompile_w8_gemv, use_gemv, w8_gemv,
+                                     w8_gemv_ready)
 from peregrine.kernels.fp8_quant import (FP8_DTYPE, FP8_MAX, per_token_group_quant,
                                          quantize_with_scale, w8a8_block_fp8_matmul,
                                          w8a8_block_matmul_ref)
@@ -53,7 +54,8 @@ def apply_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
                      input_scale: torch.Tensor | None,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """y (M, N) = quant(x) @ weight^T with weight (N, K) fp8 and weight_scale (1, N) fp32."""
-    if use_gemv(x) and w8_gemv_ready(weight):  # decode: x @ dequant(W), x not rounded
+    # decode: x @ dequant(W), x not rounded
+    if use_gemv(x, W8_GEMV_MAX_M) and w8_gemv_ready(weight):
         y = w8_gemv(x, weight, weight_scale)  # (M, N)
         return y if bias is None else y + bias
     x = x.contiguous()  # (M, K)
@@ -191,7 +193,8 @@ class Fp8BlockMethod(QuantMethod):
     def apply(self, layer: LinearBase, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
         scale = getattr(layer, self.scale_name)  # (N / bn, K / bk)
-        if use_gemv(x) and w8_gemv_ready(layer.weight, self.block):  # decode: x not rounded
+        # decode: x not rounded
+        if use_gemv(x, W8_GEMV_MAX_M) and w8_gemv_ready(layer.weight, self.block):
             y = w8_gemv(x, layer.weight, scale, self.block)  # (M, N)
             return y if bias is None else y + bias
         x = x.contiguous()  # (M, K)

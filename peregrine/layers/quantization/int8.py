@@ -5,7 +5,7 @@ per-channel (or per-tensor) scales, symmetric int8 activations quantized per tok
 On CUDA the matmul is `torch._int_mm` (int32 accumulation; it needs more than 16 rows, so small
 batches are padded) followed by the two scales; elsewhere the same int8 values are multiplied in
 float32, which is exact for the integer products at the sizes the tests use. Batches of at most
-GEMV_MAX_M rows on CUDA compute x @ (weight * scale)^T with x as it is (kernels/gemv.py): the
+W8_GEMV_MAX_M rows on CUDA compute x @ (weight * scale)^T with x as it is (kernels/gemv.py): the
 weight is read once, and x is not rounded to int8.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from peregrine.kernels.gemv import use_gemv, w8_gemv, w8_gemv_ready
+from peregrine.kernels.gemv import W8_GEMV_MAX_M, use_gemv, w8_gemv, w8_gemv_ready
 from peregrine.layers.quantization.fp8 import W8A8Method, quantize_input
 
 if TYPE_CHECKING:
@@ -33,7 +33,8 @@ def apply_int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
                       input_scale: torch.Tensor | None,
                       bias: torch.Tensor | None) -> torch.Tensor:
     """y (M, N) = quant(x) @ weight^T with weight (N, K) int8 and weight_scale (1, N) fp32."""
-    if use_gemv(x) and w8_gemv_ready(weight):  # decode: x @ dequant(W), x not rounded
+    # decode: x @ dequant(W), x not rounded
+    if use_gemv(x, W8_GEMV_MAX_M) and w8_gemv_ready(weight):
         y = w8_gemv(x, weight, weight_scale)  # (M, N)
         return y if bias is None else y + bias
     x = x.contiguous()  # (M, K)

@@ -1,0 +1,48 @@
+"""`peregrine bench latency` / `throughput` report speculative decoding when it is on."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from peregrine.bench.offline import build_parser, run_latency, run_throughput
+from peregrine.testing.checkpoints import tiny_checkpoint
+
+SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+KEYS = {"num_drafts", "draft_tokens", "accepted_tokens", "acceptance_rate",
+        "mean_acceptance_length"}
+
+
+def _args(kind: str, *extra: str):
+    return build_parser(kind).parse_args(
+        ["--model", str(tiny_checkpoint("llama")), "--device", "cpu", "--dtype", "float32",
+         "--load-format", "auto", "--speculative-config", SPEC, *extra])
+
+
+def test_latency_reports_acceptance() -> None:
+    res = run_latency(_args("latency", "--input-len", "12", "--output-len", "24", "--warmup",
+                            "0", "--iters", "1"))
+    spec = res["speculative"]
+    assert set(spec) == KEYS
+    assert spec["num_drafts"] > 0 and 0 <= spec["acceptance_rate"] <= 1
+    assert spec["mean_acceptance_length"] == 1 + spec["accepted_tokens"] / spec["num_drafts"]
+
+
+def test_throughput_reports_acceptance() -> None:
+    res = run_throughput(_args("throughput", "--num-prompts", "4", "--min-input", "8",
+                               "--max-input", "16", "--min-output", "8", "--max-output", "16"))
+    assert set(res["speculative"]) == KEYS
+
+
+@pytest.mark.slow
+def test_spec_bench_case_runs_on_the_cpu() -> None:
+    import argparse
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import spec_bench
+    ns = argparse.Namespace(k=3, output_len=6, num_prompts=1, batches=[1, 2])
+    res = spec_bench.run_case("ngram-code", ns, device="cpu", dtype="float32")
+    assert res["same_tokens_as_plain"] == 1.0
+    assert set(res["sweep_speedup"]) == {1, 2}
+    assert res["predicted_speedup"] > 0 and res["spec"]["num_drafts"] >= 0

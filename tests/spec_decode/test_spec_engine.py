@@ -1,0 +1,174 @@
+"""Speculative decoding through LLM on a tiny float32 model: the tokens (and logprobs) are those
+of the same engine without speculation, greedy or seeded, with every scheduling feature."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from peregrine import LLM, SamplingParams
+from peregrine.spec_decode.ngram import NgramProposer
+from peregrine.spec_decode.proposer import ProposeInput
+from peregrine.testing.checkpoints import EOS_ID, tiny_checkpoint
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}
+
+
+def _ids(n: int, start: int = 10) -> list[int]:
+    return [(start + 7 * i) % 500 + 5 for i in range(n)]
+
+
+# Prompts that repeat themselves, so the n-gram proposer finds matches from the first step.
+PROMPTS = [_ids(6) * 3, _ids(5, 40) * 2 + _ids(3, 40), _ids(9, 99), _ids(4, 7) * 5]
+
+
+def _llm(spec=None, **kw) -> LLM:
+    args = dict(dtype="float32", device="cpu", max_model_len=128, seed=0)
+    args.update(kw)
+    return LLM(tiny_checkpoint("llama"), speculative_config=spec, **args)
+
+
+def _run(llm: LLM, params, prompts=PROMPTS):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [[c.token_ids for c in o.outputs] for o in outs], outs
+
+
+def _accepted(llm: LLM) -> tuple[int, int]:
+    st = llm.engine.get_stats()
+    return st.spec_num_draft_tokens, st.spec_num_accepted_tokens
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list:
+    return _run(_llm(), GREEDY)[0]
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    pytest.param({"enable_prefix_caching": False}, marks=pytest.mark.slow),
+    # chunked prefill; drafts trimmed to the budget
+    pytest.param({"max_num_batched_tokens": 7}, marks=pytest.mark.slow),
+    # preemption (recompute)
+    pytest.param({"num_gpu_blocks_override": 12, "block_size": 4}, marks=pytest.mark.slow),
+], ids=["default", "no-prefix-caching", "chunked", "preemption"])
+def test_greedy_tokens_equal_without_speculation(reference, kw) -> None:
+    llm = _llm(NGRAM, **kw)
+    got = _run(llm, GREEDY)[0]
+    assert got == reference
+    proposed, accepted = _accepted(llm)
+    assert accepted > 0 and proposed > accepted  # both accepted and rejected drafts were seen
+    if "num_gpu_blocks_override" in kw:
+        assert llm.engine.core_client.core.scheduler.num_preemptions > 0
+
+
+def test_logprobs_equal_and_mixed_batch_with_penalties() -> None:
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                             presence_penalty=0.7, frequency_penalty=0.3),
+              SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                             repetition_penalty=1.3)]
+    (ref, ref_outs), (got, got_outs) = (_run(_llm(s), params) for s in (None, NGRAM))
+    assert got == ref
+    for i in (0, 2):
+        a, b = ref_outs[i].outputs[0].logprobs, got_outs[i].outputs[0].logprobs
+        assert len(a) == len(b) == 16
+        for pa, pb in zip(a, b):
+            assert list(pa) == list(pb)
+            np.testing.assert_allclose([x.logprob for x in pa.values()],
+                                       [x.logprob for x in pb.values()], rtol=0, atol=1e-4)
+
+
+class _OracleDrafts:
+    """Proposes the reference continuation, with every `wrong`-th draft corrupted."""
+
+    def __init__(self, full: list[list[int]], wrong: int) -> None:
+        self.full, self.wrong, self.calls = full, wrong, 0
+
+    def __call__(self, inp: ProposeInput) -> list[list[int]]:
+        out = []
+        for tokens, d in zip(inp.token_ids, inp.num_draft.tolist()):
+            seq = tokens.tolist()
+            ref = next((f for f in self.full if f[:len(seq)] == seq), None)
+            drafts = [] if ref is None else list(ref[len(seq):len(seq) + d])
+            for j in range(len(drafts)):
+                self.calls += 1
+                if self.calls % self.wrong == 0:
+                    drafts[j] = (drafts[j] + 1) % 500
+            out.append(drafts)
+        return out
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=11, max_tokens=20, ignore_eos=True),
+    pytest.param(SamplingParams(temperature=1.0, min_p=0.05, seed=3, max_tokens=20,
+                                ignore_eos=True, n=2), marks=pytest.mark.slow),
+    pytest.param(SamplingParams(temperature=0.8, seed=5, max_tokens=20, min_tokens=12),
+                 marks=pytest.mark.slow),
+], ids=["top-p-top-k", "n2-min-p", "min-tokens"])
+def test_seeded_sampling_gives_the_same_tokens(monkeypatch, params) -> None:
+    ref_llm = _llm()
+    ref = _run(ref_llm, params)[0]
+    full = [p + seq for p, seqs in zip(PROMPTS, ref) for seq in seqs]
+    oracle = _OracleDrafts(full, wrong=3)
+    monkeypatch.setattr(NgramProposer, "propose", lambda self, inp: oracle(inp))
+    llm = _llm(NGRAM)
+    assert _run(llm, params)[0] == ref
+    proposed, accepted = _accepted(llm)
+    assert 0 < accepted < proposed
+
+
+@pytest.mark.slow
+def test_drafts_of_eos_respect_min_tokens(monkeypatch) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=8)
+    ref = _run(_llm(), params)[0]
+    monkeypatch.setattr(NgramProposer, "propose",
+                        lambda self, inp: [[EOS_ID] * int(d) for d in inp.num_draft])
+    llm = _llm(NGRAM)
+    got = _run(llm, params)[0]
+    assert got == ref
+    assert all(EOS_ID not in seq[:8] for seqs in got for seq in seqs)
+
+
+@pytest.mark.slow
+def test_a_plain_step_above_disable_by_batch_size() -> None:
+    llm = _llm({**NGRAM, "disable_by_batch_size": 1})
+    got = _run(llm, GREEDY)[0]
+    assert got == _run(_llm(), GREEDY)[0]
+    # four requests run together for most steps: only the last one alone speculates, if any
+    proposed, _ = _accepted(llm)
+    assert proposed < 4 * 24
+
+
+@pytest.mark.slow
+def test_structured_request_beside_speculating_ones() -> None:
+    from peregrine.structured_output.params import StructuredOutputsParams
+    regex = SamplingParams(temperature=0.0, max_tokens=20,
+                           structured_outputs=StructuredOutputsParams(regex=r"[a-c]{3,8}"))
+    params = [GREEDY, regex, GREEDY, GREEDY]
+    ref = _run(_llm(), params)[0]
+    llm = _llm(NGRAM)
+    got, outs = _run(llm, params)
+    assert got == ref
+    assert all(ch in "abc" for ch in outs[1].outputs[0].text)
+    assert _accepted(llm)[1] > 0
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_speculate_like_one_plain_process() -> None:
+    # NOTE: every rank runs the proposer and verifies with the same gathered logits and noise,
+    # so the ranks agree; rank 0's drafts are the ones scheduled.
+    params = [GREEDY, GREEDY, SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=24,
+                                             ignore_eos=True), GREEDY]
+    want_llm = _llm()
+    want = _run(want_llm, params)[0]
+    want_llm.engine.shutdown()
+    llm = _llm(NGRAM, tensor_parallel_size=2, num_gpu_blocks_override=40, block_size=4)
+    try:
+        assert _run(llm, params)[0] == want
+        assert _accepted(llm)[1] > 0
+    finally:
+        llm.engine.shutdown()
