@@ -387,12 +387,10 @@ class EngineConfig:
                    spec, partition)
 
 
-# EngineArgs fields (added by other features) that pipeline parallelism does not run with yet,
-# refused by name when set: field -> what it turns on.
+# EngineArgs fields that pipeline parallelism does not run with yet, refused by name when set:
+# field -> what it turns on.
 PIPELINE_UNSUPPORTED: dict[str, str] = {
     "speculative_config": "speculative decoding",
-    "speculative_model": "speculative decoding",
-    "num_speculative_tokens": "speculative decoding",
 }
 
 

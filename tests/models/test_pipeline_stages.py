@@ -116,18 +116,14 @@ def test_pipeline_settings_are_validated_with_the_flag_named(monkeypatch) -> Non
     assert cfg.scheduler.max_concurrent_batches == 2
 
 
-def test_a_feature_pipeline_stages_do_not_run_with_is_refused_by_name() -> None:
-    from dataclasses import dataclass
-
-    @dataclass(frozen=True)
-    class WithSpeculation(EngineArgs):  # the field a speculative-decoding feature would add
-        num_speculative_tokens: int | None = None
-
+def test_speculative_decoding_with_pipeline_stages_is_refused_by_name() -> None:
     path = str(tiny_checkpoint("llama"))
-    args = WithSpeculation(model=path, device="cpu", pipeline_parallel_size=2,
-                           num_speculative_tokens=3)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    args = EngineArgs(model=path, device="cpu", pipeline_parallel_size=2,
+                      speculative_config=ngram)
     with pytest.raises(ValueError, match=r"pipeline_parallel_size: 2 stages do not run with "
-                                         r"speculative decoding \(num_speculative_tokens is set\)"):
+                                         r"speculative decoding \(speculative_config is set\)"):
         args.create_engine_config()
-    assert WithSpeculation(model=path, device="cpu", num_speculative_tokens=3) \
-        .create_engine_config().pipeline_parallel_size == 1
+    one_stage = EngineArgs(model=path, device="cpu", speculative_config=ngram)
+    cfg = one_stage.create_engine_config()
+    assert cfg.pipeline_parallel_size == 1 and cfg.speculative.num_speculative_tokens == 3
