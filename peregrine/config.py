@@ -118,7 +118,9 @@ ENGINE_ARGS_HELP: dict[str, str] = {
     "tensor_parallel_size": "GPUs (or CPU processes) to split each layer over, one worker "
                             "each (on this host; on a Ray cluster's nodes with "
                             "--distributed-executor-backend ray)",
-    "pipeline_parallel_size": "stages to split the layers into, one GPU group each (only 1 so far)",
+    "pipeline_parallel_size": "stages to split the decoder layers into, one group of "
+                              "tensor_parallel_size workers each (uneven splits: "
+                              "$PEREGRINE_PP_LAYER_PARTITION, e.g. 5,4)",
     "distributed_executor_backend": "how the workers run: mp (one process per rank, spawned), "
                                     "ray (one Ray actor per rank, on one node or several; needs "
                                     "the ray extra) or uni (one worker in the engine's process) "
@@ -278,6 +280,8 @@ class SchedulerConfig:
     preemption_mode: str = "auto"  # auto | recompute | swap
     # Swap-or-recompute costs for auto (None: auto recomputes).
     swap_cost: SwapCostModel | None = None
+    # Steps in flight at once (pipeline_parallel_size): each holds requests no other one does.
+    max_concurrent_batches: int = 1
 
 
 @dataclass(frozen=True)
@@ -295,6 +299,8 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str = "uni"  # a key of executor.EXECUTOR_BACKENDS
     speculative: SpeculativeConfig | None = None
+    # Decoder layers per pipeline stage, in stage order (sums to model.num_layers).
+    pp_layer_partition: tuple[int, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -325,8 +331,7 @@ class EngineConfig:
             raise _bad("scheduling_policy", f"{args.scheduling_policy!r} (expected fcfs or priority)")
         if args.max_prefill_graph_tokens < 0:
             raise _bad("max_prefill_graph_tokens", "must be >= 0 (0 turns the graphs off)")
-        if args.pipeline_parallel_size != 1:
-            raise _bad("pipeline_parallel_size", "only 1 is supported so far")
+        partition = _check_pipeline(args, model)
         executor_backend = _check_parallel(args, model)
         max_batched = args.max_num_batched_tokens
         if max_batched is None:
@@ -357,10 +362,11 @@ class EngineConfig:
                             args.cpu_kv_cache_gb,
                             args.num_gpu_blocks_override, args.enable_prefix_caching,
                             args.kv_cache_dtype)
-        cache, swap_cost = _swap_config(args, cache, model, device)
+        cache, swap_cost = _swap_config(args, cache, model, device, max(partition))
         sched = SchedulerConfig(args.max_num_seqs, max_batched, model.max_model_len,
                                 args.enable_chunked_prefill, args.scheduling_policy,
-                                args.max_queue_len, args.preemption_mode, swap_cost)
+                                args.max_queue_len, args.preemption_mode, swap_cost,
+                                args.pipeline_parallel_size)
         spec = None
         async_scheduling = args.async_scheduling
         if args.speculative_config is not None:
@@ -378,7 +384,61 @@ class EngineConfig:
                    args.tensor_parallel_size, async_scheduling,
                    min(args.max_prefill_graph_tokens, max_batched),
                    bool(args.engine_core_process), args.pipeline_parallel_size, executor_backend,
-                   spec)
+                   spec, partition)
+
+
+# EngineArgs fields that pipeline parallelism does not run with yet, refused by name when set:
+# field -> what it turns on.
+PIPELINE_UNSUPPORTED: dict[str, str] = {
+    "speculative_config": "speculative decoding",
+}
+
+
+def _check_pipeline(args: EngineArgs, model: ModelConfig) -> tuple[int, ...]:
+    """Validate pipeline_parallel_size; return the decoder layers of each stage."""
+    pp = args.pipeline_parallel_size
+    if pp < 1:
+        raise _bad("pipeline_parallel_size", f"must be >= 1, got {pp}")
+    if pp > 1:
+        for name, what in PIPELINE_UNSUPPORTED.items():
+            if getattr(args, name, None) not in (None, 0):
+                raise _bad("pipeline_parallel_size", f"{pp} stages do not run with {what} "
+                           f"({name} is set) yet")
+    # NOTE: one stage holds every layer, whatever the variable says.
+    spec = envs.pp_layer_partition() if pp > 1 else None
+    return pipeline_layer_partition(model.num_layers, pp, spec)
+
+
+def pipeline_layer_partition(num_layers: int, pp: int, spec: str | None = None
+                             ) -> tuple[int, ...]:
+    """Decoder layers per stage: `spec` ("5,4", from PEREGRINE_PP_LAYER_PARTITION) when given,
+    else an even split whose remainder goes one layer each to the stages before the last (the
+    last also holds the final norm and the LM head)."""
+    if spec is not None:
+        try:
+            parts = tuple(int(x) for x in spec.split(","))
+        except ValueError:
+            raise ValueError(f"invalid PEREGRINE_PP_LAYER_PARTITION {spec!r}: expected "
+                             f"{pp} comma-separated layer counts, e.g. "
+                             f"{','.join(['2'] * pp)}") from None
+        if len(parts) != pp:
+            raise ValueError(f"invalid PEREGRINE_PP_LAYER_PARTITION {spec!r}: {len(parts)} "
+                             f"stage(s) given, pipeline_parallel_size is {pp}")
+        if min(parts) < 1:
+            raise ValueError(f"invalid PEREGRINE_PP_LAYER_PARTITION {spec!r}: every stage "
+                             "needs at least one layer")
+        if sum(parts) != num_layers:
+            raise ValueError(f"invalid PEREGRINE_PP_LAYER_PARTITION {spec!r}: the counts sum to "
+                             f"{sum(parts)}, the model has {num_layers} layers")
+        return parts
+    if pp > num_layers:
+        raise _bad("pipeline_parallel_size", f"{pp} stages for the model's {num_layers} layers "
+                   "(each stage needs at least one)")
+    base, extra = divmod(num_layers, pp)
+    parts = [base] * pp
+    for i in range(extra):
+        parts[pp - 2 - i] += 1  # the second-to-last stage first; extra < pp spares the last
+    return tuple(parts)
 
 
 def _check_parallel(args: EngineArgs, model: ModelConfig) -> str:
@@ -416,13 +476,14 @@ def _check_parallel(args: EngineArgs, model: ModelConfig) -> str:
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if args.device == "cuda" or visible > 0:
             if visible < world:
-                raise _bad("tensor_parallel_size", f"{world} workers need {world} GPUs, "
-                           f"{visible} are visible")
+                flag = ("tensor_parallel_size" if args.pipeline_parallel_size == 1 else
+                        "tensor_parallel_size x pipeline_parallel_size")
+                raise _bad(flag, f"{world} workers need {world} GPUs, {visible} are visible")
     return backend
 
 
 def _swap_config(args: EngineArgs, cache: CacheConfig, model: ModelConfig,
-                 device: str) -> tuple[CacheConfig, SwapCostModel]:
+                 device: str, stage_layers: int | None = None) -> tuple[CacheConfig, SwapCostModel]:
     """The CPU swap space in blocks, and the costs preemption_mode auto weighs."""
     import dataclasses
 
@@ -434,8 +495,11 @@ def _swap_config(args: EngineArgs, cache: CacheConfig, model: ModelConfig,
         raise _bad("swap_space", f"must be >= 0 GiB, got {args.swap_space}")
     if args.preemption_mode == "swap" and args.swap_space == 0:
         raise _bad("swap_space", "preemption_mode swap needs swap_space > 0 GiB")
-    # NOTE: each tensor-parallel rank holds num_kv_heads / tp heads of every block.
-    per_block = kv_cache_bytes_per_block(cache, model) // args.tensor_parallel_size
+    # NOTE: each tensor-parallel rank holds num_kv_heads / tp heads of every block, and each
+    # pipeline stage its own layers' (the largest stage's count sizes every rank's swap space).
+    layers = model.num_layers if stage_layers is None else stage_layers
+    per_block = (kv_cache_bytes_per_block(cache, model) * layers // model.num_layers
+                 // args.tensor_parallel_size)
     num_cpu = 0
     if args.preemption_mode != "recompute":
         # NOTE: no more than max_num_seqs full-length sequences can ever be swapped out, so a

@@ -1,4 +1,9 @@
-"""Tensor-parallel process group state. World size 1 unless `init_tensor_parallel` was called."""
+"""Process group state: the tensor-parallel group of this rank's pipeline stage, and the stage's
+neighbours. One rank, one stage unless `init_tensor_parallel` / `init_worker_group` was called.
+
+Layout: global rank = pp_rank * tp_size + tp_rank. Tensor-parallel rank r of stage s sends its
+stage's output (hidden states and residual) to tensor-parallel rank r of stage s + 1.
+"""
 from __future__ import annotations
 
 from datetime import timedelta
@@ -7,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 _TP_GROUP: dist.ProcessGroup | None = None
+_PP_RANK, _PP_SIZE, _TP_WIDTH = 0, 1, 1  # this rank's stage, the stages, ranks per stage
 
 
 def init_tensor_parallel(group: dist.ProcessGroup | None = None) -> None:
@@ -18,13 +24,25 @@ def init_tensor_parallel(group: dist.ProcessGroup | None = None) -> None:
 
 
 def init_worker_group(rank: int, world_size: int, store: dist.Store, device: torch.device,
-                      timeout_s: float = 600.0) -> None:
-    """Join the workers' process group (NCCL on CUDA, gloo on the CPU) as `rank`; it becomes the
+                      timeout_s: float = 600.0, pipeline_parallel_size: int = 1) -> None:
+    """Join the workers' process group (NCCL on CUDA, gloo on the CPU) as `rank`; with
+    pipeline_parallel_size stages, each stage's world_size / stages ranks form its
     tensor-parallel group."""
+    global _PP_RANK, _PP_SIZE, _TP_WIDTH
+    pp = pipeline_parallel_size
+    if pp < 1 or world_size % pp:
+        raise ValueError(f"{world_size} ranks do not split into {pp} pipeline stages")
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
-    init_tensor_parallel()
+    tp = world_size // pp
+    if pp == 1:
+        init_tensor_parallel()
+    else:
+        # NOTE: every rank creates every stage's group, in the same order (new_group is collective).
+        groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
+        init_tensor_parallel(groups[rank // tp])
+    _PP_RANK, _PP_SIZE, _TP_WIDTH = rank // tp, pp, tp
 
 
 def tp_size() -> int:
@@ -49,6 +67,30 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(tp_size())]
     dist.all_gather(parts, x.contiguous(), group=_TP_GROUP)
     return torch.cat(parts, dim=dim)
+
+
+def pp_rank() -> int:
+    return _PP_RANK
+
+
+def pp_size() -> int:
+    return _PP_SIZE
+
+
+def pp_send(x: torch.Tensor) -> dist.Work | None:
+    """Start sending `x` to the next stage's rank of this tensor-parallel rank; the returned work
+    must be waited on (and `x` kept alive) before `x` is reused."""
+    if _PP_RANK + 1 >= _PP_SIZE:
+        raise RuntimeError("the last pipeline stage has no next stage to send to")
+    return dist.isend(x.contiguous(), dist.get_rank() + _TP_WIDTH)
+
+
+def pp_recv(out: torch.Tensor) -> torch.Tensor:
+    """Receive the previous stage's tensor into `out` (its shape and dtype known from the step)."""
+    if _PP_RANK == 0:
+        raise RuntimeError("the first pipeline stage has no previous stage to receive from")
+    dist.recv(out, dist.get_rank() - _TP_WIDTH)
+    return out
 
 
 def divide(a: int, b: int, what: str) -> int:

@@ -45,3 +45,9 @@ def api_key() -> str | None:
 def triton_interpret() -> bool:
     """TRITON_INTERPRET: Triton kernels run in the CPU interpreter (set by tests before import)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def pp_layer_partition() -> str | None:
+    """PEREGRINE_PP_LAYER_PARTITION: decoder layers per pipeline stage, comma-separated (e.g.
+    "5,4"; they must sum to the model's layers); None when unset (an even split)."""
+    return os.environ.get("PEREGRINE_PP_LAYER_PARTITION") or None

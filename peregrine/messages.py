@@ -36,6 +36,9 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)  # blocks appended since last step
     num_computed_tokens: list[int] = field(default_factory=list)  # before this step's tokens
+    # Pipeline parallelism only (else empty): per request, the output tokens sampled since it was
+    # last sent; the stages before the last sample nothing, so they learn the tokens here.
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

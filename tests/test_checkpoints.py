@@ -259,8 +259,9 @@ def test_prefill_graph_tokens_are_validated_and_capped_by_the_token_budget() -> 
     assert prefill_graph_sizes(0) == []
 
 
-# NOTE: tensor parallelism runs when the model's heads divide by it (4 heads: 3 does not).
-@pytest.mark.parametrize("field,size", [("tensor_parallel_size", 3), ("pipeline_parallel_size", 2)])
+# NOTE: tensor parallelism runs when the model's heads divide by it (4 heads: 3 does not), pipeline
+# parallelism when every stage gets a layer (2 layers: 3 stages do not).
+@pytest.mark.parametrize("field,size", [("tensor_parallel_size", 3), ("pipeline_parallel_size", 3)])
 def test_parallel_sizes_that_cannot_run_are_refused_by_name(field: str, size: int) -> None:
     from peregrine.config import EngineArgs
     path = str(tiny_checkpoint("qwen3"))

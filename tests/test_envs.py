@@ -7,12 +7,13 @@ from peregrine import envs
 def test_defaults(monkeypatch) -> None:
     for name in ("PEREGRINE_ATTENTION_BACKEND", "PEREGRINE_FUSED_KERNELS", "PEREGRINE_DEBUG_CHECKS",
                  "PEREGRINE_CACHE_DIR", "PEREGRINE_API_KEY", "TRITON_INTERPRET",
-                 "PEREGRINE_CORE_PACING"):
+                 "PEREGRINE_CORE_PACING", "PEREGRINE_PP_LAYER_PARTITION"):
         monkeypatch.delenv(name, raising=False)
     assert envs.attention_backend() is None and envs.cache_dir() is None
     assert envs.api_key() is None
     assert envs.fused_kernels() and not envs.debug_checks() and not envs.triton_interpret()
     assert envs.core_pacing()
+    assert envs.pp_layer_partition() is None
 
 
 def test_values_are_read_when_called(monkeypatch) -> None:
@@ -22,6 +23,8 @@ def test_values_are_read_when_called(monkeypatch) -> None:
     monkeypatch.setenv("PEREGRINE_API_KEY", "secret")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("PEREGRINE_CORE_PACING", "0")
+    monkeypatch.setenv("PEREGRINE_PP_LAYER_PARTITION", "5,4")
     assert envs.attention_backend() == "torch" and envs.api_key() == "secret"
     assert not envs.fused_kernels() and envs.debug_checks() and envs.triton_interpret()
     assert not envs.core_pacing()
+    assert envs.pp_layer_partition() == "5,4"

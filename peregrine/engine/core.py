@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -221,22 +221,31 @@ class EngineCore:
 
 
 class StepPipeline:
-    """Where a launched step waits for its results: at once (sync) or one step later (async).
+    """Where a launched step waits for its results: at once (sync), one step later (async), or,
+    with pipeline parallelism, up to pipeline_parallel_size steps later (a batch queue).
 
     With async scheduling, step N+1 is scheduled and launched before step N is collected, so the
-    host's scheduling and output work overlaps the device's work on step N.
+    host's scheduling and output work overlaps the device's work on step N. With P pipeline
+    stages, up to P steps are in flight, each with requests the others do not have (the
+    scheduler skips requests in flight), so while stage 2 runs step N, stage 1 runs step N+1.
     """
 
     def __init__(self, config: EngineConfig) -> None:
         default = config.device.startswith("cuda")
         self.async_scheduling = default if config.async_scheduling is None else config.async_scheduling
         self._inflight: tuple[SchedulerOutput, object] | None = None
+        self.depth = config.scheduler.max_concurrent_batches
+        self._queue: deque[tuple[SchedulerOutput, object]] = deque()  # oldest first
+        self.max_in_flight = 0  # the most steps the batch queue has held at once
 
     @property
     def busy(self) -> bool:
-        return self._inflight is not None
+        return self._inflight is not None or bool(self._queue)
 
     def run(self, core: EngineCore, sched: SchedulerOutput, out: EngineCoreOutputs) -> None:
+        if self.depth > 1:
+            self._run_batch_queue(core, sched, out)
+            return
         has_tokens = sched.total_num_scheduled_tokens > 0
         # NOTE: a step with no tokens still goes to the workers when it tells them to forget
         # finished or preempted requests; otherwise their rows would stay taken.
@@ -255,6 +264,32 @@ class StepPipeline:
         if pipelined:
             self._inflight = (sched, future)
         elif future is not None or not has_tokens:
+            core.complete(sched, future, out, in_flight=False)
+
+    def _run_batch_queue(self, core: EngineCore, sched: SchedulerOutput,
+                         out: EngineCoreOutputs) -> None:
+        """Queue the step; collect the oldest once `depth` steps are in flight, or when this step
+        launched nothing (every runnable request waits on a step in flight)."""
+        has_tokens = sched.total_num_scheduled_tokens > 0
+        future = None
+        if has_tokens or sched.finished_req_ids or sched.preempted_req_ids:
+            future = core.launch(sched)
+        # NOTE: a constrained row's next bitmask needs its token: that step completes at once.
+        queued = future is not None and has_tokens and not sched.structured_req_ids
+        queue = self._queue
+        if queued:
+            core.scheduler.mark_in_flight(sched)
+            queue.append((sched, future))
+            self.max_in_flight = max(self.max_in_flight, len(queue))
+            if len(queue) >= self.depth:
+                core.complete(*queue.popleft(), out, in_flight=True)
+            return
+        if has_tokens and future is not None:  # a constrained step: what came before, then it
+            while queue:
+                core.complete(*queue.popleft(), out, in_flight=True)
+        elif queue:
+            core.complete(*queue.popleft(), out, in_flight=True)
+        if future is not None or not has_tokens:
             core.complete(sched, future, out, in_flight=False)
 
 

@@ -86,6 +86,13 @@ class Scheduler:
         self._sent_blocks: dict[str, int] = {}
         # The Request objects of each step not yet updated, keyed by id(SchedulerOutput).
         self._steps: dict[int, list[Request]] = {}
+        # Pipeline parallelism (max_concurrent_batches > 1): several steps are in flight, each
+        # with requests no other one has; a request in one is not scheduled again until it is
+        # updated (its next input token is not known yet), and the workers learn the tokens
+        # sampled since a request was last sent (CachedRequestData.new_token_ids).
+        self._batch_queue = config.max_concurrent_batches > 1
+        self._in_flight_ids: set[str] = set()
+        self._sent_outputs: dict[str, int] = {}  # output tokens of each request the workers hold
         # Speculative decoding: requests that may verify drafts get slots for this many positions
         # past the step's tokens, so the next step's drafts (and a draft model's KV) fit.
         self.speculative = speculative
@@ -157,6 +164,7 @@ class Scheduler:
         self._errored = []  # only the update right after this schedule() reports them
         scheduled: dict[Request, int] = {}  # insertion-ordered: the batch order
         preempted: list[Request] = []
+        cap = self._step_request_cap()
         spec = self.speculative
         # NOTE: past disable_by_batch_size running requests a verify step stops paying: decode
         # plainly (and propose nothing) until the batch shrinks.
@@ -166,7 +174,12 @@ class Scheduler:
         drafts: dict[Request, list[int]] = {}
         i = 0
         while i < len(self.running) and budget > 0:
+            if cap is not None and len(scheduled) >= cap:
+                break
             req = self.running[i]
+            if self._in_flight_ids and req.request_id in self._in_flight_ids:
+                i += 1
+                continue
             num_new = self._num_new_tokens(req)
             num_new = min(num_new, budget)
             if num_new <= 0:
@@ -196,7 +209,7 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         if not preempted:
-            self._admit(scheduled, budget)
+            self._admit(scheduled, budget, cap)
         finished_ids, self._finished_ids = self._finished_ids, []
         out = self._make_output(scheduled, [r.request_id for r in preempted], finished_ids)
         out.propose_drafts = speculate
@@ -265,9 +278,27 @@ class Scheduler:
                 cached.req_ids.append(rid)
                 cached.new_block_ids.append(block_ids[sent:])
                 cached.num_computed_tokens.append(req.num_computed_tokens)
+            if self._batch_queue:
+                self._add_new_tokens(req, cached, sent is None)
         # NOTE: running requests come first and the workers know them all; admitted ones (new or
         # resumed after preemption) follow, so the batch order is cached requests, then new ones.
         return SchedulerOutput(new_reqs, cached, counts, total, preempted_ids, finished_ids)
+
+    def _step_request_cap(self) -> int | None:
+        """Pipeline parallelism: the most requests one step takes, so that the requests split
+        evenly over the steps in flight (one step taking them all would leave the other stages
+        idle); None without a batch queue."""
+        if not self._batch_queue:
+            return None
+        live = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
+        return max(1, -(-live // self.config.max_concurrent_batches))
+
+    def _add_new_tokens(self, req: Request, cached: CachedRequestData, is_new: bool) -> None:
+        """Pipeline parallelism: the output tokens the workers lack go with a cached request."""
+        outputs = req.output_token_ids
+        if not is_new:
+            cached.new_token_ids.append(outputs[self._sent_outputs[req.request_id]:])
+        self._sent_outputs[req.request_id] = len(outputs)
 
     def take_finished(self) -> list[Request]:
         """Requests finished (any reason) since the last call."""
@@ -298,6 +329,8 @@ class Scheduler:
         for req in self._steps.get(id(out), ()):
             if req.status != running:
                 continue
+            if self._batch_queue:
+                self._in_flight_ids.add(req.request_id)
             num = counts[req.request_id]
             if req.num_computed_tokens + num >= len(req.all_token_ids) + req.num_output_placeholders:
                 req.num_output_placeholders += 1
@@ -311,6 +344,8 @@ class Scheduler:
         error inside the preceding schedule(), so call this even for an empty batch).
         """
         reqs = self._steps.pop(id(out), [])
+        if self._in_flight_ids:
+            self._in_flight_ids.difference_update(out.num_scheduled_tokens)
         spec_tokens = out.scheduled_spec_decode_tokens
         draft_out = result.draft_token_ids
         if spec_tokens and in_flight:
@@ -376,6 +411,7 @@ class Scheduler:
     def fail_step(self, out: SchedulerOutput, error: str) -> list[Request]:
         """The workers could not run a step: finish its requests with `error`; returns them."""
         failed = [r for r in self._steps.pop(id(out), []) if not r.is_finished]
+        self._in_flight_ids.difference_update(out.num_scheduled_tokens)
         for req in failed:
             req.error = error
             self._finish(req, RequestStatus.FINISHED_ERROR)
@@ -390,13 +426,15 @@ class Scheduler:
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _admit(self, scheduled: dict[Request, int], budget: int) -> None:
+    def _admit(self, scheduled: dict[Request, int], budget: int, cap: int | None = None) -> None:
         cfg = self.config
         if budget <= 0 or len(self.running) >= cfg.max_num_seqs or not self.waiting:
             return
         admitted: set[int] = set()
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
+                break
+            if cap is not None and len(scheduled) >= cap:
                 break
             if req.status == RequestStatus.SWAPPED:
                 num_new = self._resume_swapped(req, budget)
@@ -473,14 +511,20 @@ class Scheduler:
         return None
 
     def _select_victim(self) -> Request:
+        # NOTE: a request in an in-flight step is never preempted: it could be admitted again
+        # while that step still holds it. The request being scheduled is not in flight.
+        running = self.running
+        if self._in_flight_ids:
+            running = [r for r in running if r.request_id not in self._in_flight_ids]
         if self.config.policy == "fcfs":
-            return self.running[-1]
+            return running[-1]
         # Largest (priority, arrival_time); among equals, the most recently admitted.
-        return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
+        return max(reversed(running), key=lambda r: (r.priority, r.arrival_time))
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._sent_blocks.pop(req.request_id, None)  # the workers drop it; resumed, it is new
+        self._sent_outputs.pop(req.request_id, None)
         req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -591,6 +635,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = status
         self._sent_blocks.pop(req.request_id, None)
+        self._sent_outputs.pop(req.request_id, None)
         del self.requests[req.request_id]
         del self._add_order[req.request_id]
         self._finished_ids.append(req.request_id)

@@ -44,5 +44,10 @@ class Executor(ABC):
     def check_health(self) -> None:
         """Raise if a worker can no longer serve (kept cheap: /health calls it)."""
 
+    def stage_stats(self, reset: bool = False) -> list[dict[str, float]]:
+        """Pipeline parallelism: each rank's stage timers (steps, busy_s, span_s,
+        idle_fraction, recv_wait_s) since the last reset; [] without pipeline stages."""
+        return []
+
     def shutdown(self) -> None:
         """Release the workers (processes, device memory); safe to call twice."""

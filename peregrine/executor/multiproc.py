@@ -1,13 +1,16 @@
-"""MultiprocExecutor: one spawned worker process per tensor-parallel rank (NCCL on CUDA, gloo on
-the CPU); the scheduler stays in the driver.
+"""MultiprocExecutor: one spawned worker process per rank, tensor_parallel_size x
+pipeline_parallel_size of them (NCCL on CUDA, gloo on the CPU); the scheduler stays in the driver.
+
+Rank = pp_rank * tensor_parallel_size + tp_rank (distributed.py): each pipeline stage's ranks
+form its tensor-parallel group, and a stage hands its hidden states to the next one's ranks.
 
 Each step's SchedulerOutput is pickled once and broadcast through a shared-memory ring
-(shm_broadcast.py); a one-byte notice down each worker's pipe says a message is there. Every rank
-runs the same model runner on its shard and samples the same tokens (the LM head gathers the full
-logits on every rank, the sampler's noise is keyed on seed and position), so each keeps its own
-batch state. Rank 0 sends the ModelRunnerOutput back; the other ranks send only errors. The driver
-waits on the result pipes and the processes' sentinels together, so a dead worker is noticed at
-once.
+(shm_broadcast.py) to every rank of every stage; a one-byte notice down each worker's pipe says a
+message is there. Every rank keeps the same batch state. The last stage's ranks sample the same
+tokens (the LM head gathers the full logits on every rank, the sampler's noise is keyed on seed
+and position); its first rank sends the ModelRunnerOutput back, the other ranks send only errors.
+The driver waits on the result pipes and the processes' sentinels together, so a dead worker is
+noticed at once.
 """
 from __future__ import annotations
 
@@ -26,17 +29,19 @@ from typing import Any
 from peregrine.config import EngineConfig
 from peregrine.executor.base import Executor, WorkerFailedError
 from peregrine.executor.shm_broadcast import ShmRing
-from peregrine.executor.worker_setup import build_worker, choose_num_blocks, rank_device
+from peregrine.executor.worker_setup import (build_worker, choose_num_blocks, describe_rank,
+                                             output_rank, rank_device, rank_tag)
 from peregrine.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("peregrine")
 _JOIN_S = 5.0  # a worker asked to stop is killed after this long
 _SPIN_S = 2e-4  # a worker polls its launched step's event this often while no step is queued
 _STEP, _INIT, _QUIT = b"s", b"i", b"q"  # notices down a worker's pipe
+_STATS = b"t"  # + b"1" to reset: the worker answers with its pipeline stage's timers
 
 
 class MultiprocStepFuture:
-    """A step broadcast to the workers; `result()` waits for rank 0's output."""
+    """A step broadcast to the workers; `result()` waits for the output rank's (output_rank)."""
 
     def __init__(self, executor: MultiprocExecutor, seq: int) -> None:
         self._executor = executor
@@ -101,13 +106,11 @@ def _may_start_children():
 
 
 class MultiprocExecutor(Executor):
-    """tensor_parallel_size worker processes on one host; rank r runs on cuda:r or the CPU."""
+    """tensor_parallel_size x pipeline_parallel_size worker processes on one host; rank r runs on
+    cuda:r or the CPU."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        if config.pipeline_parallel_size != 1:
-            raise ValueError("MultiprocExecutor runs tensor parallelism only "
-                             f"(pipeline_parallel_size {config.pipeline_parallel_size})")
         import torch.distributed as dist
 
         world = config.world_size
@@ -125,7 +128,7 @@ class MultiprocExecutor(Executor):
             for rank in range(world):
                 cmd_r, cmd_w = ctx.Pipe(duplex=False)
                 res_r, res_w = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=run_worker, name=f"peregrine-tp{rank}", daemon=True,
+                p = ctx.Process(target=run_worker, name=f"peregrine-rank{rank}", daemon=True,
                                 args=(config, rank, w.store.port, w.ring.spec(), cmd_r, res_w,
                                       level))
                 with _may_start_children():
@@ -136,7 +139,7 @@ class MultiprocExecutor(Executor):
                 w.cmd.append(cmd_w)
                 w.res.append(res_r)
             sized = self._gather("sized")
-            self.num_blocks = choose_num_blocks(sized)
+            self.num_blocks = choose_num_blocks(config, sized)
             self.weight_bytes = sum(info["weight_bytes"] for info in sized)
             for conn in w.cmd:
                 conn.send_bytes(_INIT + self.num_blocks.to_bytes(8, "little"))
@@ -165,12 +168,21 @@ class MultiprocExecutor(Executor):
         self._w.ring.write(data, notify=self._notify, wait=lambda: self._poll(0.0))
         return MultiprocStepFuture(self, seq)
 
-    def _notify(self) -> None:
+    def _notify(self, notice: bytes = _STEP) -> None:
         for rank, conn in enumerate(self._w.cmd):
             try:
-                conn.send_bytes(_STEP)
+                conn.send_bytes(notice)
             except OSError:
-                self._fail(f"tensor-parallel worker rank {rank} is gone (its pipe is closed)")
+                self._fail(f"{describe_rank(self.config, rank)} is gone (its pipe is closed)")
+
+    def stage_stats(self, reset: bool = False) -> list[dict[str, float]]:
+        """Per rank (pipeline parallelism): steps, busy and idle time of its stage since the last
+        reset (worker/stage_io.py); [] without pipeline stages. Waits for the steps sent."""
+        if self.config.pipeline_parallel_size == 1:
+            return []
+        self._poll(0.0)
+        self._notify(_STATS + (b"1" if reset else b"0"))
+        return self._gather("stats")
 
     def _result_of(self, seq: int) -> ModelRunnerOutput:
         while seq not in self._outputs:
@@ -196,6 +208,7 @@ class MultiprocExecutor(Executor):
         sentinels = {p.sentinel: rank for rank, p in enumerate(w.procs)}
         ready = multiprocessing.connection.wait(w.res + list(sentinels), timeout)
         got: list[tuple[int, str, Any]] = []
+        errors: list[str] = []
         for obj in ready:
             if obj in sentinels:
                 continue
@@ -209,16 +222,22 @@ class MultiprocExecutor(Executor):
                     seq, out = payload
                     self._outputs[seq] = out
                 elif kind == "error":
-                    self._fail(f"tensor-parallel worker rank {rank} failed: {payload}")
+                    errors.append(f"{describe_rank(self.config, rank)} failed: {payload}")
                 else:
                     got.append((rank, kind, payload))
+        exits: list[str] = []
         for obj in ready:
             if obj in sentinels:
                 rank = sentinels[obj]
                 p = w.procs[rank]
                 p.join(1.0)  # NOTE: the exit code is known only once the process is reaped
-                self._fail(f"tensor-parallel worker rank {rank} (pid {p.pid}) exited "
-                           f"unexpectedly with exit code {p.exitcode}")
+                reason = (f"{describe_rank(self.config, rank)} (pid {p.pid}) exited "
+                          f"unexpectedly with exit code {p.exitcode}")
+                if p.exitcode != 0:  # killed or crashed: its peers' errors follow from it
+                    self._fail(reason)
+                exits.append(reason)
+        if errors or exits:
+            self._fail((errors + exits)[0])
         return got
 
     def _fail(self, reason: str) -> None:
@@ -233,7 +252,8 @@ class MultiprocExecutor(Executor):
         while len(got) < self.world_size:
             for rank, k, payload in self._poll(None):
                 if k != kind:
-                    self._fail(f"tensor-parallel worker rank {rank} sent {k!r}, expected {kind!r}")
+                    self._fail(f"{describe_rank(self.config, rank)} sent {k!r}, expected "
+                               f"{kind!r}")
                 got[rank] = payload
         return [got[r] for r in range(self.world_size)]
 
@@ -244,8 +264,8 @@ def run_worker(config: EngineConfig, rank: int, store_port: int, ring_spec: tupl
     """A worker process: join the group, load the shard, size the KV cache, then run steps."""
     # NOTE: Ctrl-C reaches the whole process group; the driver decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level,
-                        format=f"%(asctime)s %(levelname)s %(name)s (tp{rank}): %(message)s")
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s "
+                                                f"({rank_tag(config, rank)}): %(message)s")
     try:
         _serve(config, rank, store_port, ring_spec, cmd, res)
     except (EOFError, BrokenPipeError):
@@ -281,12 +301,12 @@ def _serve(config: EngineConfig, rank: int, store_port: int, ring_spec: tuple, c
             raise EOFError("the driver exited")
 
     try:
-        _step_loop(worker, ring, rank, cmd, res, driver_alive)
+        _step_loop(worker, ring, rank == output_rank(config), cmd, res, driver_alive)
     finally:
         ring.close()
 
 
-def _step_loop(worker, ring: ShmRing, rank: int, cmd, res, driver_alive) -> None:
+def _step_loop(worker, ring: ShmRing, returns_output: bool, cmd, res, driver_alive) -> None:
     """Launch each step as it comes; collect a launched step once the next one is queued behind
     it on the device, or once the device is done with it (so the device never waits for us)."""
     pending = None  # (seq, handle) launched, not collected
@@ -297,22 +317,28 @@ def _step_loop(worker, ring: ShmRing, rank: int, cmd, res, driver_alive) -> None
             if handle.event is not None and not handle.event.query():
                 cmd.poll(_SPIN_S)
                 continue
-            _collect(worker, pending, rank, res)
+            _collect(worker, pending, returns_output, res)
             pending = None
             continue
         notice = cmd.recv_bytes()
+        if notice[:1] == _STATS:
+            if pending is not None:
+                _collect(worker, pending, returns_output, res)
+                pending = None
+            res.send(("stats", worker.model_runner.stage_stats(reset=notice[1:2] == b"1")))
+            continue
         if notice != _STEP:
             return  # _QUIT
-        sched = pickle.loads(ring.read(rank, wait=driver_alive))
+        sched = pickle.loads(ring.read(worker.rank, wait=driver_alive))
         handle = worker.execute_model(sched)
         if pending is not None:
-            _collect(worker, pending, rank, res)
+            _collect(worker, pending, returns_output, res)
         pending = (seq, handle)
         seq += 1
 
 
-def _collect(worker, pending: tuple, rank: int, res) -> None:
+def _collect(worker, pending: tuple, returns_output: bool, res) -> None:
     seq, handle = pending
     out = worker.collect(handle)
-    if rank == 0:
+    if returns_output:
         res.send(("out", (seq, out)))

@@ -1,17 +1,22 @@
-"""RayExecutor: one Ray actor per rank, on the nodes of a Ray cluster (NCCL on CUDA, gloo on the
-CPU); the scheduler stays in the driver.
+"""RayExecutor: one Ray actor per rank, tensor_parallel_size x pipeline_parallel_size of them, on
+the nodes of a Ray cluster (NCCL on CUDA, gloo on the CPU); the scheduler stays in the driver.
 
 The driver joins the cluster it runs in (`ray start` on this node, or RAY_ADDRESS), else starts a
 local Ray instance that it stops again at shutdown. A placement group reserves one bundle per rank
 (a GPU each on CUDA, a CPU each on the CPU), packed onto as few nodes as possible; ranks on one node
-are numbered together, the driver's node first. Rank 0 hosts the torch.distributed store on a port
-its node chooses, and every rank joins the group through it at rank 0's node address.
+are numbered together, the driver's node first, so a pipeline stage's ranks (rank = pp_rank x
+tensor_parallel_size + tp_rank, worker_setup.py) share a node where they fit. Rank 0 hosts the
+torch.distributed store on a port its node chooses, and every rank joins the group through it at
+rank 0's node address.
 
 Each step's SchedulerOutput is put into Ray's object store once and the reference is sent to every
 actor (each node fetches it once). An actor launches each step as it arrives and collects the step
-before it once the new one is queued behind it on the device; rank 0 keeps its outputs for the
-driver's `collect`. The driver watches every call in flight, so a rank that raises or dies fails
-the executor at the next wait, with the rank in the message.
+before it once the new one is queued behind it on the device; the output rank (the first of the
+last pipeline stage, worker_setup.output_rank) keeps its outputs for the driver's `collect`. A
+later stage's actor waits inside its step for the previous stage's hidden states, so up to
+pipeline_parallel_size steps flow through the stages at once, as with the mp executor. The driver
+watches every call in flight, so a rank that raises or dies fails the executor at the next wait,
+with the rank in the message.
 """
 from __future__ import annotations
 
@@ -25,13 +30,13 @@ from typing import Any
 
 from peregrine.config import EngineConfig
 from peregrine.executor.base import Executor, WorkerFailedError
+from peregrine.executor.worker_setup import describe_rank, output_rank, rank_tag
 from peregrine.messages import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("peregrine")
 
 RAY_INSTALL = "pip install 'peregrine-llm[ray]'"
 _PLACEMENT_TIMEOUT_S = 300.0  # how long the cluster may take to free the ranks' bundles
-_OUTPUT_RANK = 0  # the rank whose sampled tokens the driver returns
 _PROBE_S = 1.0  # check_health probes idle actors at most this often
 
 
@@ -61,10 +66,11 @@ class RayWorker:
     """One rank inside a Ray actor: the same Worker the other executors run."""
 
     def __init__(self, config: EngineConfig, rank: int, log_level: int = logging.INFO) -> None:
-        logging.basicConfig(level=log_level,
-                            format=f"%(asctime)s %(levelname)s %(name)s (tp{rank}): %(message)s")
+        logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s "
+                                                    f"({rank_tag(config, rank)}): %(message)s")
         self.config = config
         self.rank = rank
+        self._returns_output = rank == output_rank(config)  # it keeps its steps' outputs
         self.worker = None
         self._store = None
         self._pending = None  # (seq, StepHandle) launched, not collected
@@ -118,6 +124,12 @@ class RayWorker:
             self._collect_pending()
         return self._outputs.pop(seq)
 
+    def stage_stats(self, reset: bool = False) -> dict[str, float]:
+        """This rank's pipeline-stage timers (ModelRunner.stage_stats), its pending step in."""
+        if self._pending is not None:
+            self._collect_pending()
+        return self.worker.model_runner.stage_stats(reset)
+
     def ping(self) -> None:
         """Answer once every call queued before it has run (check_health's liveness probe)."""
 
@@ -125,7 +137,7 @@ class RayWorker:
         seq, handle = self._pending
         self._pending = None
         out = self.worker.collect(handle)
-        if self.rank == _OUTPUT_RANK:
+        if self._returns_output:
             self._outputs[seq] = out
 
 
@@ -163,7 +175,7 @@ def _release(a: _Actors, stop_ray: bool) -> None:
 
 
 class RayStepFuture:
-    """A step sent to every actor; `result()` waits for rank 0's output."""
+    """A step sent to every actor; `result()` waits for the output rank's output."""
 
     def __init__(self, executor: RayExecutor, seq: int) -> None:
         self._executor = executor
@@ -177,14 +189,13 @@ class RayStepFuture:
 
 
 class RayExecutor(Executor):
-    """tensor_parallel_size Ray actors, on one node or several; rank r on a GPU of its own."""
+    """tensor_parallel_size x pipeline_parallel_size Ray actors, on one node or several; each rank
+    on a GPU of its own."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        if config.pipeline_parallel_size != 1:
-            raise ValueError("RayExecutor runs tensor parallelism only "
-                             f"(pipeline_parallel_size {config.pipeline_parallel_size})")
         ray = import_ray()
+        self._output_rank = output_rank(config)
         self._a = a = _Actors()
         self._finalizer = weakref.finalize(self, _release, a, True)
         self._error: str | None = None
@@ -218,7 +229,7 @@ class RayExecutor(Executor):
         ip = self._places[0]["ip"]
         sized = self._wait_for([self._call(r, "start", ip, port, *layout)
                                 for r, layout in enumerate(local_layout(self._places, on_cuda))])
-        self.num_blocks = choose_num_blocks(sized)
+        self.num_blocks = choose_num_blocks(config, sized)
         self.weight_bytes = sum(info["weight_bytes"] for info in sized)
         self._wait_for([self._call(r, "initialize_cache", self.num_blocks) for r in range(world)])
 
@@ -253,7 +264,15 @@ class RayExecutor(Executor):
     def _result_of(self, seq: int) -> ModelRunnerOutput:
         if self._error is not None:
             raise WorkerFailedError(self._error)
-        return self._wait_for([self._call(_OUTPUT_RANK, "collect", seq)])[0]
+        return self._wait_for([self._call(self._output_rank, "collect", seq)])[0]
+
+    def stage_stats(self, reset: bool = False) -> list[dict[str, float]]:
+        """Per rank (pipeline parallelism): its stage's steps, busy and idle time since the last
+        reset; [] without pipeline stages. Waits for the steps sent."""
+        if self.config.pipeline_parallel_size == 1:
+            return []
+        return self._wait_for([self._call(r, "stage_stats", reset)
+                               for r in range(self.world_size)])
 
     def check_health(self) -> None:
         """Raise if a call failed or an actor died; never waits.
@@ -305,6 +324,7 @@ class RayExecutor(Executor):
         ready, _ = ray.wait(calls, num_returns=len(calls) if timeout == 0 else 1,
                             timeout=timeout, fetch_local=False)
         done, wanted, got = set(ready), set(want), {}
+        failures: list[tuple[bool, str]] = []  # (an actor died, the line that says so)
         for ref in calls:  # in submission order: a step's error comes before its collect's
             if ref not in done:
                 continue
@@ -314,9 +334,16 @@ class RayExecutor(Executor):
             try:
                 value = ray.get(ref)
             except Exception as e:  # noqa: BLE001 - any failure ends the executor
-                self._fail(_describe(ray, rank, self._place(rank), method, e))
+                failures.append((isinstance(e, ray.exceptions.RayActorError),
+                                 _describe(ray, describe_rank(self.config, rank),
+                                           self._place(rank), method, e)))
+                continue
             if ref in wanted:
                 got[ref] = value
+        if failures:
+            # NOTE: a dead actor is named before the errors its peers raise because of it (a
+            # pipeline stage whose neighbour died fails its send or receive).
+            self._fail(next((line for died, line in failures if died), failures[0][1]))
         return got
 
     def _place(self, rank: int) -> str:
@@ -333,16 +360,17 @@ class RayExecutor(Executor):
         raise WorkerFailedError(reason)
 
 
-def _describe(ray, rank: int, where: str, method: str, e: Exception) -> str:
-    """One line on a failed call: the worker's own exception, or how its actor died."""
+def _describe(ray, who: str, where: str, method: str, e: Exception) -> str:
+    """One line on a failed call of worker `who` (describe_rank): the worker's own exception, or
+    how its actor died."""
     if isinstance(e, ray.exceptions.RayTaskError):
         cause = e.cause if e.cause is not None else e
-        return f"tensor-parallel worker rank {rank} failed: {type(cause).__name__}: {cause}"
+        return f"{who} failed: {type(cause).__name__}: {cause}"
     if isinstance(e, ray.exceptions.RayActorError):
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        return (f"tensor-parallel worker rank {rank} ({where}) died during {method}: "
+        return (f"{who} ({where}) died during {method}: "
                 f"{lines[0] if lines else type(e).__name__}")
-    return f"tensor-parallel worker rank {rank} ({where}) failed: {type(e).__name__}: {e}"
+    return f"{who} ({where}) failed: {type(e).__name__}: {e}"
 
 
 def _connect(ray, config: EngineConfig) -> bool:

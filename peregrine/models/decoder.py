@@ -142,8 +142,29 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class StageLayers(nn.Module):
+    """A pipeline stage's decoder layers: registered under their model-wide index (parameter
+    names stay `layers.{i}...` as in the checkpoint), indexed from 0 like a list."""
+
+    def __init__(self, start: int, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.start = start
+        for i, layer in enumerate(layers):
+            self.add_module(str(start + i), layer)
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __getitem__(self, i):
+        return list(self._modules.values())[i]
+
+
 class DecoderForCausalLM(nn.Module):
-    """Embedding, decoder layers, final norm and LM head (tied to the embedding when asked)."""
+    """Embedding, decoder layers, final norm and LM head (tied to the embedding when asked); a
+    pipeline stage (`BuildOptions.stage`) builds and loads only its own part."""
 
     parts = DecoderParts()
 
@@ -151,16 +172,27 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.hf = hf
         hidden = hf["hidden_size"]
-        self.embed_tokens = VocabParallelEmbedding(hf["vocab_size"], hidden, dtype=opts.dtype)
-        ropes = self.rotary_embeddings(hf, opts)
-        self.layers = nn.ModuleList(
-            DecoderLayer(hf, rope, opts, f"model.layers.{i}", window, self.parts)
-            for i, (rope, window) in enumerate(zip(ropes, self.layer_windows(hf))))
-        self.norm = self.parts.norm(hidden, _eps(hf), dtype=opts.dtype, fused=opts.kernels.fused)
+        n = hf["num_hidden_layers"]
+        stage = opts.stage
+        start, end = stage.start_layer, n if stage.end_layer is None else stage.end_layer
+        if not 0 <= start < end <= n:
+            raise ValueError(f"pipeline stage layers [{start}, {end}) are not within the "
+                             f"model's {n} layers")
+        self.stage, self.start_layer, self.end_layer = stage, start, end
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(hf["vocab_size"], hidden, dtype=opts.dtype)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        if stage.is_first:
+            self.embed_tokens = VocabParallelEmbedding(hf["vocab_size"], hidden, dtype=opts.dtype)
+        ropes = self.rotary_embeddings(hf, opts)
+        windows = self.layer_windows(hf)
+        self.layers = StageLayers(start, [
+            DecoderLayer(hf, ropes[i], opts, f"model.layers.{i}", windows[i], self.parts)
+            for i in range(start, end)])
+        if stage.is_last:
+            self.norm = self.parts.norm(hidden, _eps(hf), dtype=opts.dtype,
+                                        fused=opts.kernels.fused)
+            self.lm_head = ParallelLMHead(hf["vocab_size"], hidden, dtype=opts.dtype)
+            if self.tie_word_embeddings and stage.is_first:
+                self.lm_head.weight = self.embed_tokens.weight
 
     @classmethod
     def rotary_embeddings(cls, hf: dict[str, Any], opts: BuildOptions) -> list[RotaryEmbedding]:
@@ -192,12 +224,21 @@ class DecoderForCausalLM(nn.Module):
         return [None] * n
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states (T, hidden) for the flat step batch."""
-        x = self.embed_tokens(input_ids)  # (T, hidden)
-        residual = None
+                meta: AttentionMetadata, intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states (T, hidden) for the flat step batch; a stage but the last returns
+        (2, T, hidden) = (hidden, residual) for the next stage, one but the first starts from
+        the previous stage's."""
+        if self.stage.is_first:
+            x, residual = self.embed_tokens(input_ids), None  # (T, hidden)
+        else:
+            if intermediate is None:
+                raise ValueError("a pipeline stage after the first needs the previous stage's "
+                                 "hidden states and residual")
+            x, residual = intermediate[0], intermediate[1]  # (T, hidden) each
         for layer, cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, cache, meta)
+        if not self.stage.is_last:
+            return torch.stack((x, residual))  # (2, T, hidden)
         x, _ = self.norm(x, residual)
         return x
 
@@ -209,6 +250,18 @@ class DecoderForCausalLM(nn.Module):
         return "rotary_emb.inv_freq" in name or (
             self.tie_word_embeddings and name == "lm_head.weight")
 
+    def owns_checkpoint_tensor(self, name: str) -> bool:
+        """False for a tensor of another pipeline stage's part (the loader never reads it)."""
+        ours = name[len("model."):] if name.startswith("model.") else name
+        if ours.startswith("layers."):
+            index = ours.split(".", 2)[1]
+            return not index.isdigit() or self.start_layer <= int(index) < self.end_layer
+        if ours.startswith("embed_tokens."):
+            return self.stage.is_first or (self.stage.is_last and self.tie_word_embeddings)
+        if ours.startswith(("norm.", "lm_head.")):
+            return self.stage.is_last
+        return True
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load checkpoint tensors by Hugging Face name; errors name the offending tensor."""
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -216,12 +269,18 @@ class DecoderForCausalLM(nn.Module):
         # checkpoint module (e.g. layers.0.self_attn.k_proj) -> (merged module, shard index)
         merged = {f"{path.rpartition('.')[0]}.{s}": (path, i) for path, m in modules.items()
                   for i, s in enumerate(getattr(m, "shard_names", ()))}
-        expected = {n for n in params if not (self.tie_word_embeddings and n == "lm_head.weight")}
+        # NOTE: a tied LM head on a last stage without the embedding loads the embedding tensor.
+        head_from_embedding = (self.tie_word_embeddings and self.stage.is_last
+                               and not self.stage.is_first)
+        expected = {n for n in params if not (self.tie_word_embeddings and n == "lm_head.weight")
+                    or head_from_embedding}
         loaded: set[str] = set()
         for name, tensor in weights:
-            if self.skip_checkpoint_tensor(name):
+            if self.skip_checkpoint_tensor(name) or not self.owns_checkpoint_tensor(name):
                 continue
             ours = name[len("model."):] if name.startswith("model.") else name
+            if head_from_embedding and ours == "embed_tokens.weight":
+                ours = "lm_head.weight"
             path, _, leaf = ours.rpartition(".")
             path, shard = merged.get(path, (path, None))
             key = f"{path}.{leaf}"

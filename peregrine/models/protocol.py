@@ -23,6 +23,28 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each (blocks,
 
 
 @dataclass(frozen=True)
+class PipelineStage:
+    """The decoder layers [start_layer, end_layer) one pipeline stage builds; the first stage
+    also holds the embedding, the last the final norm and the LM head."""
+
+    start_layer: int = 0
+    end_layer: int | None = None  # None: through the model's last layer
+    is_first: bool = True
+    is_last: bool = True
+
+    @classmethod
+    def of(cls, partition: Sequence[int], pp_rank: int) -> PipelineStage:
+        """Stage `pp_rank` of a partition (layers per stage); one stage: the whole model."""
+        if len(partition) <= 1:
+            return cls()
+        if not 0 <= pp_rank < len(partition):
+            raise ValueError(f"pipeline stage {pp_rank} of a {len(partition)}-stage partition")
+        start = sum(partition[:pp_rank])
+        return cls(start, start + partition[pp_rank], pp_rank == 0,
+                   pp_rank == len(partition) - 1)
+
+
+@dataclass(frozen=True)
 class BuildOptions:
     """Everything a model's layers are built with besides config.json."""
 
@@ -30,6 +52,7 @@ class BuildOptions:
     backend: AttentionBackend
     quant_config: QuantizationConfig | None = None
     kernels: KernelConfig = field(default_factory=KernelConfig)
+    stage: PipelineStage = field(default_factory=PipelineStage)
 
 
 @runtime_checkable
@@ -89,8 +112,11 @@ class CausalLM(Protocol):
     norm: torch.nn.Module  # norm(hidden, residual) -> (normed (T, hidden), residual)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        """Final hidden states (T, hidden) of the flat step batch."""
+                 kv_caches: list[KVCache], meta: AttentionMetadata,
+                 intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states (T, hidden) of the flat step batch. Under pipeline parallelism
+        (`stage`), a stage but the first starts from `intermediate` (2, T, hidden) = (hidden,
+        residual) of the stage before, and a stage but the last returns its own."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits (N, V) over the whole vocabulary from hidden (N, hidden)."""

@@ -161,6 +161,16 @@ class InputBatch:
         self.states[dst], self.states[src] = state, None
         self.row_of[state.req_id] = dst
 
+    def append_tokens(self, row: int, token_ids: list[int]) -> None:
+        """Known tokens sampled elsewhere (by the last pipeline stage) for the row's request."""
+        n = int(self.num_tokens[row])
+        if n + len(token_ids) > self.max_model_len:
+            raise ValueError(f"request {self.states[row].req_id!r} would hold "
+                             f"{n + len(token_ids)} tokens, more than max_model_len="
+                             f"{self.max_model_len}")
+        self.token_ids[row, n:n + len(token_ids)] = token_ids
+        self.num_tokens[row] = self.num_known_tokens[row] = n + len(token_ids)
+
     # ---- the tokens the worker sampled --------------------------------------------------------
     def append_placeholders(self, rows: np.ndarray, step_id: int) -> np.ndarray:
         """Reserve the next token of each row for a sample of launched step `step_id`; returns the

@@ -1,6 +1,7 @@
 """Sizing and allocating the paged KV cache pool."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import mmap
@@ -101,17 +102,28 @@ def cpu_num_blocks(config: EngineConfig, per_block: int, available: int | None =
     return min(wanted, max(per_seq, cap))
 
 
+def rank_model_config(config: EngineConfig, num_layers: int | None = None) -> ModelConfig:
+    """The model as one rank's KV cache sees it: num_kv_heads / tensor_parallel_size heads and
+    its pipeline stage's `num_layers` layers (default: all)."""
+    mc = config.model
+    return dataclasses.replace(
+        mc, num_kv_heads=mc.num_kv_heads // config.tensor_parallel_size,
+        num_layers=mc.num_layers if num_layers is None else num_layers)
+
+
 def determine_num_blocks(config: EngineConfig, device: torch.device,
                          profile: Callable[[], None], reserve_bytes: int = 0,
+                         model_config: ModelConfig | None = None,
                          extra_bytes_per_block: int = 0) -> int:
     """Pool size: the override, else the CPU sizing (cpu_num_blocks), else profiled free GPU
     memory, capped at gpu_blocks_cap.
 
     profile: runs the worst-case step on `device` (with the model loaded and no KV cache yet).
     reserve_bytes: GPU memory allocated after the KV cache (CUDA graphs), left out of its budget.
+    model_config: this rank's share of the model (rank_model_config; default: all of it).
     extra_bytes_per_block: what else each block costs (a draft model's KV cache).
     """
-    cc, mc = config.cache, config.model
+    cc, mc = config.cache, model_config or config.model
     per_block = kv_cache_bytes_per_block(cc, mc) + extra_bytes_per_block
     if cc.num_gpu_blocks_override is not None:
         num_blocks = cc.num_gpu_blocks_override

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -14,7 +14,7 @@ from peregrine.attention.kv_scales import take_kv_scales
 from peregrine.config import ModelConfig
 from peregrine.layers.kernel_config import KernelConfig
 from peregrine.layers.linear import LinearBase
-from peregrine.models.protocol import BuildOptions
+from peregrine.models.protocol import BuildOptions, PipelineStage
 from peregrine.models.registry import build_model
 
 logger = logging.getLogger("peregrine")
@@ -41,26 +41,35 @@ def safetensors_files(model_dir: str) -> list[Path]:
     return files
 
 
-def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors(model_dir: str, keep: Callable[[str], bool] | None = None
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every checkpoint tensor, or of those `keep` accepts (others are not
+    read)."""
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name)
 
 
 def load_model(cfg: ModelConfig, backend, device: torch.device,
-               kernels: KernelConfig | None = None) -> nn.Module:
+               kernels: KernelConfig | None = None,
+               stage: PipelineStage | None = None) -> nn.Module:
     """Build the registered architecture on `device` in `cfg.dtype` with `kernels` (default:
-    KernelConfig.for_device(device)), quantized as cfg.quantization says, and load its weights."""
+    KernelConfig.for_device(device)), quantized as cfg.quantization says, and load its weights;
+    a pipeline `stage` builds and reads only its own layers (and embedding or LM head)."""
     opts = BuildOptions(dtype=cfg.dtype, backend=backend, quant_config=cfg.quantization,
-                        kernels=kernels if kernels is not None else KernelConfig.for_device(device))
+                        kernels=kernels if kernels is not None else KernelConfig.for_device(device),
+                        stage=stage if stage is not None else PipelineStage())
     with torch.device(device):
         model = build_model(cfg.architecture, cfg.hf_config, opts)
     if cfg.load_format == "dummy":
         init_dummy_weights(model, cfg.seed)
     else:
-        # NOTE: K/V cache scales go to the Attention layers; the rest to the model.
-        model.load_weights(take_kv_scales(model, iterate_safetensors(cfg.model)))
+        # NOTE: K/V cache scales go to the Attention layers; the rest to the model. Another
+        # pipeline stage's tensors are skipped unread.
+        keep = getattr(model, "owns_checkpoint_tensor", None)
+        model.load_weights(take_kv_scales(model, iterate_safetensors(cfg.model, keep)))
     for module in model.modules():
         if isinstance(module, LinearBase):
             module.quant_method.process_weights_after_loading(module)

@@ -16,6 +16,7 @@ from torch import nn
 
 from peregrine.config import EngineConfig
 from peregrine.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from peregrine.models.protocol import PipelineStage
 from peregrine.sample.logprobs import compute_token_logprobs
 from peregrine.sample.sampler import Sampler
 from peregrine.spec_decode.proposer import ProposeInput, Proposer
@@ -24,6 +25,7 @@ from peregrine.transfer import to_device
 from peregrine.worker.cuda_graphs import CudaGraphRunner, KVCaches, PiecewiseGraphs
 from peregrine.worker.input_batch import InputBatch
 from peregrine.worker.step_buffers import StepBuffers
+from peregrine.worker.stage_io import StageIO
 from peregrine.worker.step_plan import StepPlan, plan_step
 from peregrine.worker.swap import KVSwapSpace
 
@@ -47,15 +49,21 @@ class StepHandle:
     sample_counts: np.ndarray | None = None
     propose: bool = False
     no_propose: list[str] | None = None
+    stage_timer: tuple | None = None  # pipeline stages: (start, end) of the step's work here
 
 
 class ModelRunner:
     """Owns prepare -> forward -> sample on one device: the input batch, step buffers, sampler."""
 
-    def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, model: nn.Module, device: torch.device,
+                 stage: PipelineStage | None = None) -> None:
         self.config = config
         self.model = model
         self.device = device
+        self.stage = stage if stage is not None else PipelineStage()
+        # Pipeline parallelism: hidden states to and from the neighbouring stages, stage timers.
+        self.stage_io = (StageIO(self.stage, config.model.hidden_size, config.model.dtype, device)
+                         if config.pipeline_parallel_size > 1 else None)
         sc = config.scheduler
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
@@ -107,7 +115,12 @@ class ModelRunner:
         t1 = time.perf_counter()
         hidden, all_logits = self._forward(plan)
         t2 = time.perf_counter()
+        if self.stage_io is not None and not self.stage.is_last:
+            self.stage_io.send(hidden)  # the last stage samples
+            return self._stage_handle(self.stage_io.end_step())
         handle = self._launch_sampling(plan, hidden, all_logits, sched)
+        if self.stage_io is not None:
+            handle.stage_timer = self.stage_io.end_step()
         if handle.sample_counts is not None:
             self._uncollected_verify = handle
         tm = self.timing
@@ -118,6 +131,16 @@ class ModelRunner:
         tm["decode_only_steps"] += plan.num_decodes == plan.num_seqs
         tm["verify_steps"] += plan.draft_tokens is not None
         return handle
+
+    def _stage_handle(self, timer: tuple) -> StepHandle:
+        """A pipeline stage before the last: nothing to collect but the step's timer."""
+        end = timer[1]
+        return StepHandle(-1, [], [], [], np.zeros(0, np.int64), np.zeros(0, np.int64), [], [],
+                          {}, None if isinstance(end, float) else end, stage_timer=timer)
+
+    def stage_stats(self, reset: bool = False) -> dict[str, float]:
+        """Pipeline parallelism: this stage's steps, busy and idle time (StageIO.stats)."""
+        return {} if self.stage_io is None else self.stage_io.stats(reset)
 
     def _swap(self, sched: SchedulerOutput) -> None:
         """The step's KV block copies, queued before its forward (swap-outs first)."""
@@ -151,6 +174,11 @@ class ModelRunner:
         for row, blocks in zip(rows.tolist(), cached.new_block_ids):
             if blocks:
                 batch.append_blocks(row, blocks)
+        if cached.new_token_ids and not self.stage.is_last:
+            # NOTE: the last pipeline stage holds these already: it sampled them.
+            for row, tokens in zip(rows.tolist(), cached.new_token_ids):
+                if tokens:
+                    batch.append_tokens(row, tokens)
         batch.condense()
 
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -180,6 +208,11 @@ class ModelRunner:
         if pieces:
             self.timing["piecewise_graph_steps"] += 1
             return self.prefill_graphs.run(t, meta), None
+        if self.stage_io is not None:
+            # (2, T, hidden) from the previous stage; None on the first
+            intermediate = self.stage_io.begin_step(t)
+            if intermediate is not None:
+                return self.model(input_ids, positions, self.kv_caches, meta, intermediate), None
         return self.model(input_ids, positions, self.kv_caches, meta), None
 
     def _logits(self, plan: StepPlan, hidden: torch.Tensor | None,
@@ -281,6 +314,8 @@ class ModelRunner:
         if handle.event is not None:
             handle.event.synchronize()  # the step's one device->host sync
         self.timing["wait"] += time.perf_counter() - t0
+        if handle.stage_timer is not None:
+            self.stage_io.account(handle.stage_timer)
         if not handle.req_ids:
             return ModelRunnerOutput([], [], {}, {})
         self._in_flight.pop(handle.step_id, None)

@@ -39,8 +39,16 @@ def profile_run(model: nn.Module, buffers: StepBuffers, model_config: ModelConfi
     meta.num_decodes = 0
     meta.max_query_len = int(q_lens.max())
     meta.max_seq_len = int(q_lens.max())
-    hidden = model(input_ids, pos, caches, meta)
-    logits = model.compute_logits(hidden[:min(t, max(b, num_sampled_rows))])  # (B, V)
-    # Sorting for top-p is the sampler's largest buffer.
-    torch.sort(logits, dim=-1, descending=True)
+    stage = getattr(model, "stage", None)
+    if stage is not None and not stage.is_first:
+        # A later pipeline stage starts from the previous one's (hidden, residual).
+        shape = (2, t, model_config.hidden_size)
+        intermediate = torch.zeros(shape, dtype=model_config.dtype, device=buffers.device)
+        hidden = model(input_ids, pos, caches, meta, intermediate)  # (T, hidden) or (2, T, hidden)
+    else:
+        hidden = model(input_ids, pos, caches, meta)
+    if stage is None or stage.is_last:
+        logits = model.compute_logits(hidden[:min(t, max(b, num_sampled_rows))])  # (B, V)
+        # Sorting for top-p is the sampler's largest buffer.
+        torch.sort(logits, dim=-1, descending=True)
     del caches

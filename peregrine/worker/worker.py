@@ -14,7 +14,9 @@ from peregrine.spec_decode.proposer import build_proposer
 from peregrine.startup_timing import STARTUP
 from peregrine.worker.cuda_graphs import (CudaGraphRunner, PiecewiseGraphs, decode_graph_bytes,
                                           prefill_graph_sizes)
-from peregrine.worker.kv_memory import allocate_kv_caches, determine_num_blocks
+from peregrine.distributed import pp_rank
+from peregrine.models.protocol import PipelineStage
+from peregrine.worker.kv_memory import allocate_kv_caches, determine_num_blocks, rank_model_config
 from peregrine.worker.loader import load_model
 from peregrine.worker.model_runner import ModelRunner, StepHandle
 from peregrine.worker.profile import profile_run
@@ -44,11 +46,15 @@ class Worker:
                 torch.cuda.set_device(dev)
         with STARTUP.phase("attention_backend"):  # the Triton backend's first import of triton
             backend = get_attention_backend(config.attention_backend)
+        # This rank's pipeline stage (the whole model without pipeline parallelism).
+        self.stage = PipelineStage.of(config.pp_layer_partition, pp_rank())
         # NOTE: load_model chooses the fused kernels for the device when it builds the layers.
         with STARTUP.phase("model", dev):
-            self.model = load_model(config.model, backend, dev)
+            self.model = load_model(config.model, backend, dev, stage=self.stage)
+        # The KV cache holds this rank's heads of its stage's layers.
+        self.kv_model_config = rank_model_config(config, len(self.model.layers))
         with STARTUP.phase("runner", dev):
-            self.model_runner = ModelRunner(config, self.model, dev)
+            self.model_runner = ModelRunner(config, self.model, dev, self.stage)
         # Speculative decoding: the proposer loads what it runs once the target is loaded.
         with STARTUP.phase("proposer", dev):
             self.proposer = build_proposer(config, dev)
@@ -67,13 +73,13 @@ class Worker:
             logger.info("profiling one worst-case step to size the KV cache (a first run also "
                         "compiles the Triton kernels; later runs reuse Triton's cache)")
             with STARTUP.phase("kv_profile", self.device):
-                profile_run(self.model, r.buffers, self.config.model, sc.max_num_batched_tokens,
-                            sc.max_num_seqs, self.config.cache.block_size,
-                            self._max_sampled_rows())
+                profile_run(self.model, r.buffers, self.kv_model_config,
+                            sc.max_num_batched_tokens, sc.max_num_seqs,
+                            self.config.cache.block_size, self._max_sampled_rows())
 
         extra = self.proposer.kv_cache_bytes_per_block() if self.proposer is not None else 0
         return determine_num_blocks(self.config, self.device, profile, self._graph_reserve(),
-                                    extra)
+                                    self.kv_model_config, extra)
 
     def _max_sampled_rows(self) -> int:
         """Most logits rows one step samples: a verify step samples k + 1 per sequence."""
@@ -88,8 +94,10 @@ class Worker:
     def _captures_graphs(self) -> bool:
         """Whether initialize_cache will capture CUDA graphs."""
         cfg = self.config
+        # NOTE: pipeline stages run eagerly: a graph would have to capture the receive of the
+        # previous stage's hidden states (and a middle stage has no token ids to start from).
         return (self.device.type == "cuda" and cfg.attention_backend == "triton"
-                and not cfg.enforce_eager)
+                and not cfg.enforce_eager and cfg.pipeline_parallel_size == 1)
 
     def _decode_graph_batch(self) -> int:
         # NOTE: a decode batch of B sequences is B tokens, so B is capped by the token budget too.
@@ -110,8 +118,8 @@ class Worker:
         cfg, r = self.config, self.model_runner
         cache_dtype = kv_cache_torch_dtype(cfg.cache, cfg.model)
         with STARTUP.phase("kv_alloc", self.device):
-            kv = allocate_kv_caches(cfg.model, num_blocks, cfg.cache.block_size, self.device,
-                                    cache_dtype)
+            kv = allocate_kv_caches(self.kv_model_config, num_blocks, cfg.cache.block_size,
+                                    self.device, cache_dtype)
             if self.proposer is not None:
                 self.proposer.initialize_kv_cache(num_blocks)
         with STARTUP.phase("swap_space", self.device):
@@ -130,6 +138,10 @@ class Worker:
         if self._captures_graphs():
             logger.info("capturing CUDA graphs (--enforce-eager skips them)")
             self._capture_graphs()
+        elif cfg.pipeline_parallel_size > 1 and not cfg.enforce_eager:
+            logger.info("pipeline stage %d of %d (layers %d-%d) runs its steps eagerly: no CUDA "
+                        "graphs under pipeline parallelism", pp_rank(), cfg.pipeline_parallel_size,
+                        self.stage.start_layer, self.model.end_layer - 1)
         # Compile the sampling kernel now, not inside the first (timed) steps.
         with STARTUP.phase("sampler_warmup", self.device):
             r.sampler.warm_up(r.vocab_size, self.device)

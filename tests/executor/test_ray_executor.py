@@ -112,6 +112,33 @@ def test_two_ranks_give_the_single_process_tokens_and_a_second_engine_works(ray,
         assert ray.is_initialized()  # the module's Ray instance is not the engine's to stop
 
 
+def test_two_pipeline_stages_give_the_single_process_tokens_and_fail_by_stage(ray, want):
+    llm = LLM(tiny_checkpoint("llama"), pipeline_parallel_size=2,
+              distributed_executor_backend="ray", **ENGINE)
+    ex = _executor(llm)
+    core = llm.engine.core_client.core
+    pids, pg = ex.worker_pids, ex.placement_group
+    try:
+        assert ex.world_size == 2 and llm.engine.config.pp_layer_partition == (1, 1)
+        ex.stage_stats(reset=True)
+        assert _tokens(llm) == want  # rank 1, the last stage, returned them
+        assert core.scheduler.num_preemptions > 0
+        assert core.pipeline.max_in_flight == 2  # both stages had a step at once
+        stats = ex.stage_stats()
+        assert len(stats) == 2 and all(s["steps"] > 0 for s in stats)
+        # NOTE: the first stage dies; the last one waits in its receive until it is released.
+        ray.kill(ex.worker_actors[0])
+        outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].finish_reason for o in outs] == ["error", "error"]
+        with pytest.raises(WorkerFailedError, match=r"worker rank 0 \(pipeline stage 0, "
+                                                    r"tensor-parallel rank 0\) \(Ray actor on "
+                                                    r".*\) died"):
+            llm.engine.check_health()
+        _assert_released(ray, pids, pg)
+    finally:
+        llm.engine.shutdown()
+
+
 def test_a_killed_actor_fails_the_requests_and_the_health_check_naming_its_rank(ray):
     llm = LLM(tiny_checkpoint("llama"), **RAY, **ENGINE)
     ex = _executor(llm)

@@ -1,6 +1,7 @@
-"""Tensor parallelism over Ray on two GPUs (NCCL): two Ray actors give the one-GPU greedy tokens in
-float32, with CUDA graphs and eagerly; a killed actor ends the requests with an error naming its
-rank; shutdown gives the GPUs back.
+"""Tensor and pipeline parallelism over Ray on two GPUs (NCCL): two Ray actors (two tensor-parallel
+ranks, with CUDA graphs and eagerly, or two pipeline stages) give the one-GPU greedy tokens in
+float32; a killed actor ends the requests with an error naming its rank; shutdown gives the GPUs
+back.
 
 Run with `pytest -m "gpu and ray" tests/gpu/test_gpu_ray.py` (needs Ray: the ray extra)."""
 from __future__ import annotations
@@ -18,7 +19,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.ray,
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                       reason="needs 2 CUDA GPUs (tensor_parallel_size=2)"),
+                       reason="needs 2 CUDA GPUs (two ranks)"),
 ]
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
@@ -75,6 +76,12 @@ def test_two_gpu_actors_give_the_one_gpu_greedy_tokens(ray, checkpoint: str,
     while ray.available_resources().get("GPU", 0) < ray.cluster_resources()["GPU"]:
         assert time.monotonic() < deadline, "the actors' GPUs were not given back"
         time.sleep(0.1)
+
+
+def test_two_pipeline_stage_actors_give_the_one_gpu_greedy_tokens(ray, checkpoint: str) -> None:
+    want = _tokens(checkpoint)
+    got = _tokens(checkpoint, pipeline_parallel_size=2, distributed_executor_backend="ray")
+    assert got == want
 
 
 def test_a_killed_gpu_actor_fails_the_requests_and_the_health_check(ray, checkpoint: str):
