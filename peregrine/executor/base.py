@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import Any, Protocol
 
 from peregrine.config import EngineConfig
 from peregrine.messages import ModelRunnerOutput, SchedulerOutput
@@ -16,6 +16,21 @@ class StepFuture(Protocol):
     """A launched step; `result()` waits for it (the step's one device->host sync)."""
 
     def result(self) -> ModelRunnerOutput: ...
+
+
+class NumberedStepFuture:
+    """A step an executor sent to its workers under a sequence number; `result()` asks the
+    executor for that step's output (from the output rank) once and keeps it."""
+
+    def __init__(self, executor: Any, seq: int) -> None:
+        self._executor = executor  # has _result_of(seq) -> ModelRunnerOutput
+        self._seq = seq
+        self._out: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._out is None:
+            self._out = self._executor._result_of(self._seq)  # noqa: SLF001
+        return self._out
 
 
 class Executor(ABC):

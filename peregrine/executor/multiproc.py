@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from peregrine.config import EngineConfig
-from peregrine.executor.base import Executor, WorkerFailedError
+from peregrine.executor.base import Executor, NumberedStepFuture, WorkerFailedError
 from peregrine.executor.shm_broadcast import ShmRing
 from peregrine.executor.worker_setup import (build_worker, choose_num_blocks, describe_rank,
                                              output_rank, rank_device, rank_tag)
@@ -38,20 +38,6 @@ _JOIN_S = 5.0  # a worker asked to stop is killed after this long
 _SPIN_S = 2e-4  # a worker polls its launched step's event this often while no step is queued
 _STEP, _INIT, _QUIT = b"s", b"i", b"q"  # notices down a worker's pipe
 _STATS = b"t"  # + b"1" to reset: the worker answers with its pipeline stage's timers
-
-
-class MultiprocStepFuture:
-    """A step broadcast to the workers; `result()` waits for the output rank's (output_rank)."""
-
-    def __init__(self, executor: MultiprocExecutor, seq: int) -> None:
-        self._executor = executor
-        self._seq = seq
-        self._out: ModelRunnerOutput | None = None
-
-    def result(self) -> ModelRunnerOutput:
-        if self._out is None:
-            self._out = self._executor._result_of(self._seq)  # noqa: SLF001
-        return self._out
 
 
 @dataclass
@@ -159,14 +145,14 @@ class MultiprocExecutor(Executor):
         return None if self._w.ring is None else self._w.ring.name
 
     # ---- the step ---------------------------------------------------------------------------
-    def execute_model(self, scheduler_output: SchedulerOutput) -> MultiprocStepFuture:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> NumberedStepFuture:
         """Broadcast the step to every worker; return without waiting for it."""
         self._poll(0.0)  # raises if a worker failed
         data = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
         seq = self._num_sent
         self._num_sent += 1
         self._w.ring.write(data, notify=self._notify, wait=lambda: self._poll(0.0))
-        return MultiprocStepFuture(self, seq)
+        return NumberedStepFuture(self, seq)
 
     def _notify(self, notice: bytes = _STEP) -> None:
         for rank, conn in enumerate(self._w.cmd):

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from peregrine.config import EngineConfig
-from peregrine.executor.base import Executor, WorkerFailedError
+from peregrine.executor.base import Executor, NumberedStepFuture, WorkerFailedError
 from peregrine.executor.worker_setup import describe_rank, output_rank, rank_tag
 from peregrine.messages import ModelRunnerOutput, SchedulerOutput
 
@@ -174,20 +174,6 @@ def _release(a: _Actors, stop_ray: bool) -> None:
         ray.shutdown()
 
 
-class RayStepFuture:
-    """A step sent to every actor; `result()` waits for the output rank's output."""
-
-    def __init__(self, executor: RayExecutor, seq: int) -> None:
-        self._executor = executor
-        self._seq = seq
-        self._out: ModelRunnerOutput | None = None
-
-    def result(self) -> ModelRunnerOutput:
-        if self._out is None:
-            self._out = self._executor._result_of(self._seq)  # noqa: SLF001
-        return self._out
-
-
 class RayExecutor(Executor):
     """tensor_parallel_size x pipeline_parallel_size Ray actors, on one node or several; each rank
     on a GPU of its own."""
@@ -249,7 +235,7 @@ class RayExecutor(Executor):
         return self._a.placement_group
 
     # ---- the step ---------------------------------------------------------------------------
-    def execute_model(self, scheduler_output: SchedulerOutput) -> RayStepFuture:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> NumberedStepFuture:
         """Send the step to every actor (one object-store copy); return without waiting."""
         import ray
         self._harvest(0.0)  # raises if a worker failed
@@ -259,7 +245,7 @@ class RayExecutor(Executor):
         for rank in range(self.world_size):
             self._call(rank, "execute_model", seq, ref)
         self._last_sent = time.monotonic()
-        return RayStepFuture(self, seq)
+        return NumberedStepFuture(self, seq)
 
     def _result_of(self, seq: int) -> ModelRunnerOutput:
         if self._error is not None:
