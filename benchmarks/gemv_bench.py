@@ -9,7 +9,7 @@ torch._scaled_mm and INT8 per-token quant + torch._int_mm.
 GB/s counts the bytes a call must move: weight (packed) + scales + zeros + activations + output.
 Each timing replays a CUDA graph that runs the call on enough copies of the weight (>= 256 MiB in
 all) that nothing is served from L2. --sweep also times a grid of GEMV tile configs at M = 1 and
-GEMV_MAX_M and reports the best per shape (it compiles more: a few minutes).
+GEMV_MAX_ROWS and reports the best per shape (it compiles more: a few minutes).
 """
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def _int_mm(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor
 
 def shape_rows(model: str, proj: str, k: int, n: int, rows: list[int], iters: int,
                sweep: bool, dev: torch.device = torch.device("cuda")) -> list[dict]:
-    from peregrine.kernels.gemv import GEMV_MAX_M, block_m_for, w8_gemv
+    from peregrine.kernels.gemv import GEMV_MAX_ROWS, block_m_for, w8_gemv
     from peregrine.kernels.wna16_gemm import wna16_gemm
     from peregrine.kernels.wna16_gemv import gemv_config, wna16_gemv
     from peregrine.testing import fp8_pack
@@ -131,11 +131,11 @@ def shape_rows(model: str, proj: str, k: int, n: int, rows: list[int], iters: in
         label = f"int{bits}{'+zp' if zp else ''} g128"
         for m in rows:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            if m <= GEMV_MAX_M:
+            if m <= GEMV_MAX_ROWS:  # past the dispatch cut-offs too, to re-measure them
                 cfg = gemv_config(w, dev, block_m_for(m))
                 timed(f"{label} GEMV", m, [lambda v=v: wna16_gemv(x, v) for v in ws],
                       wbytes + io(m), config=cfg._asdict())
-                if sweep and m in (1, GEMV_MAX_M):
+                if sweep and m in (1, GEMV_MAX_ROWS):
                     out.append(_sweep(model, proj, k, n, m, f"{label} GEMV", wbytes + io(m),
                                       iters, lambda c: [lambda v=v: wna16_gemv(x, v, c)
                                                         for v in ws], wna16=True))
@@ -149,10 +149,10 @@ def shape_rows(model: str, proj: str, k: int, n: int, rows: list[int], iters: in
         pairs = [(wq, sc)] + [(wq.clone(), sc.clone()) for _ in range(_copies(wbytes) - 1)]
         for m in rows:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            if m <= GEMV_MAX_M:
+            if m <= GEMV_MAX_ROWS:  # past the dispatch cut-offs too, to re-measure them
                 timed(f"{label} GEMV", m, [lambda p=p: w8_gemv(x, p[0], p[1]) for p in pairs],
                       wbytes + io(m))
-                if sweep and m in (1, GEMV_MAX_M):
+                if sweep and m in (1, GEMV_MAX_ROWS):
                     out.append(_sweep(model, proj, k, n, m, f"{label} GEMV", wbytes + io(m),
                                       iters, lambda c: [lambda p=p: w8_gemv(x, p[0], p[1],
                                                                             config=c)
@@ -181,16 +181,14 @@ def _splits(k_blocks: int) -> list[tuple[int, int]]:
 def _sweep(model: str, proj: str, k: int, n: int, m: int, label: str, moved: int, iters: int,
            calls_for: Callable, wna16: bool) -> dict:
     """The fastest GEMV config of a small grid (block_n, block_k, warps, K split)."""
-    from peregrine.kernels.gemv import W8GemvConfig
-    from peregrine.kernels.wna16_gemv import GemvConfig
-    make = GemvConfig if wna16 else W8GemvConfig
+    from peregrine.kernels.gemv import GemvConfig
     grid_n, grid_k = ((32, 64, 128), (64, 128, 256)) if wna16 else ((16, 32, 64), (128, 256, 512))
     best: tuple[float, tuple] | None = None
     for bn in grid_n:
         for bk in grid_k:
             for warps in (4, 8):
                 for split, k_iters in _splits(-(-k // bk)):
-                    cfg = make(bn, bk, split, k_iters, warps)
+                    cfg = GemvConfig(bn, bk, split, k_iters, warps)
                     try:
                         us = _time_us(calls_for(cfg), iters)
                     except ValueError:  # a config this layout cannot use
@@ -214,7 +212,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gemv_bench needs a CUDA GPU", file=sys.stderr)
         return 2
-    from peregrine.kernels.gemv import GEMV_MAX_M
+    from peregrine.kernels.gemv import GEMV_MAX_M, W8_GEMV_MAX_M
     rows = [int(r) for r in ns.rows.split(",")]
     models = [s.strip() for s in ns.models.split(",")]
     for name in models:
@@ -225,11 +223,11 @@ def main() -> int:
     for model in models:
         for proj, (k, n) in SHAPES[model].items():
             results += shape_rows(model, proj, k, n, rows, ns.iters, ns.sweep)
-    doc = dict(device=torch.cuda.get_device_name(), hbm_gbps=HBM_GBPS, gemv_max_m=GEMV_MAX_M,
+    doc = dict(device=torch.cuda.get_device_name(), hbm_gbps=HBM_GBPS, gemv_max_m=GEMV_MAX_M, w8_gemv_max_m=W8_GEMV_MAX_M,
                torch=torch.__version__, seconds=time.time() - t0, rows=results)
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps(doc, indent=2))
-    print(f"GEMV cut-off M <= {GEMV_MAX_M}; GB/s against a {HBM_GBPS:.0f} GB/s ceiling")
+    print(f"GEMV cut-offs M <= {GEMV_MAX_M} (int layout), {W8_GEMV_MAX_M} (8-bit); GB/s against a {HBM_GBPS:.0f} GB/s ceiling")
     print(f"{'model':5} {'proj':8} {'M':>3} {'method':28} {'us':>8} {'GB/s':>7} {'%HBM':>5}")
     for r in results:
         head = f"{r['model']:5} {r['proj']:8} {r['M']:3d} {r['method']:28}"

@@ -194,7 +194,9 @@ def _w8_gemv_kernel(
                    SPLIT_K, HAS_SPLIT, BLOCK_M, BLOCK_N)
 
 
-class W8GemvConfig(NamedTuple):
+class GemvConfig(NamedTuple):
+    """A GEMV launch: column and K tile sizes, the K split, K tiles per program, warps."""
+
     block_n: int
     block_k: int
     split_k: int
@@ -203,7 +205,7 @@ class W8GemvConfig(NamedTuple):
 
 
 def w8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None,
-                   device: torch.device) -> W8GemvConfig:
+                   device: torch.device) -> GemvConfig:
     """Tiles of 32 output channels x 256 weight bytes along K (less when block scales are that
     narrow), K split to fill the SMs. Compiled for sm_90 (FP8): 4 warps at 1 / 2 rows take 56 /
     96 registers and about 4.3 / 6.6 instructions per weight value in the K loop; 8 warps at
@@ -215,7 +217,7 @@ def w8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None,
     block_n = 32
     tiles = triton.cdiv(n, block_n)
     split, k_iters = choose_split(tiles, triton.cdiv(k, block_k), device)
-    return W8GemvConfig(block_n, block_k, split, k_iters, 4 if m <= 2 else 8)
+    return GemvConfig(block_n, block_k, split, k_iters, 4 if m <= 2 else 8)
 
 
 def w8_gemv_supported(weight: torch.Tensor, block: tuple[int, int] | None = None) -> bool:
@@ -240,7 +242,7 @@ def w8_gemv_ready(weight: torch.Tensor, block: tuple[int, int] | None = None) ->
 
 def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             block: tuple[int, int] | None = None,
-            config: W8GemvConfig | None = None) -> torch.Tensor:
+            config: GemvConfig | None = None) -> torch.Tensor:
     """y (M, N) = x (M, K) @ (weight (N, K) * scale)^T in x's dtype, for M <= GEMV_MAX_ROWS.
     scale: (1, N) or (N, 1) per channel, or (ceil(N / bn), ceil(K / bk)) for block=(bn, bk)."""
     n, k = weight.shape

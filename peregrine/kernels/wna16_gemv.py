@@ -12,14 +12,14 @@ one reduction over the words gives the row's sums. Split-K partials are combined
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels.gemv import (GEMV_MAX_M, block_m_for, choose_split, finish_split_k,
-                                    launch_buffers, store_partial)
+from peregrine.kernels.gemv import (GEMV_MAX_M, GemvConfig, block_m_for, choose_split,
+                                    finish_split_k, launch_buffers, store_partial)
 
 if TYPE_CHECKING:
     from peregrine.layers.quantization.wna16 import WNA16Layout
@@ -144,14 +144,6 @@ def _wna16_gemv_kernel(
                       stride_cm, HAS_SPLIT)
     finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, stride_cm,
                    SPLIT_K, HAS_SPLIT, BLOCK_M, BLOCK_N)
-
-
-class GemvConfig(NamedTuple):
-    block_n: int
-    block_k: int
-    split_k: int
-    k_iters: int
-    num_warps: int
 
 
 # 16 rows of 64 words per K block. Compiled for sm_90 (4-bit, zero points): 4 warps at 1 / 2 /

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from peregrine.kernels.fp8_quant import FP8_DTYPE, block_dequantize
-from peregrine.kernels.gemv import W8GemvConfig, w8_gemv, w8_gemv_supported
+from peregrine.kernels.gemv import GemvConfig, w8_gemv, w8_gemv_supported
 from peregrine.testing import fp8_pack
 
 K, N = 256, 64
@@ -68,7 +68,7 @@ def test_16_bit_activations_round_only_the_output(dtype: torch.dtype) -> None:
 def test_split_k_adds_every_split_and_repeats_bit_for_bit(split: int) -> None:
     wq, ws = _weight(torch.int8, seed=6)
     x = _x(5, seed=7)
-    cfg = W8GemvConfig(block_n=16, block_k=64, split_k=split, k_iters=4 // split, num_warps=4)
+    cfg = GemvConfig(block_n=16, block_k=64, split_k=split, k_iters=4 // split, num_warps=4)
     first = w8_gemv(x, wq, ws, config=cfg)
     torch.testing.assert_close(first, x @ (wq.float() * ws.t()).t(), rtol=1e-5, atol=1e-5)
     assert torch.equal(first, w8_gemv(x, wq, ws, config=cfg))
