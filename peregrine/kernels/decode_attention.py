@@ -8,17 +8,66 @@ The grid and every launch argument depend only on tensor shapes, never on seq_le
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import (check_block_size, check_q_and_caches, check_window_and_out,
+from peregrine.kernels._utils import (FP8_DTYPES, check_block_size, check_q_and_caches, check_window_and_out,
                                       dot_precision, is_gpu, kv_dot_dtype, next_pow2, num_sms)
 
 _MIN_SPLIT_LEN = 256  # tokens; shorter splits cost more in the merge than they win in parallelism
 _MAX_SPLITS = 64
 _PROGRAMS_PER_SM = 4
+
+
+# Variants of the split kernel (VARIANT constexpr), chosen per launch by _pick_config:
+#   "dot":    K loaded as (D, N), scores and P.V on tensor cores (tl.dot; the q heads of one kv
+#             head are padded to 16 rows).
+#   "dot_kt": K loaded as (N, D), d fastest like the cache, transposed in registers for the dot.
+#   "fma":    no tl.dot: fp32 broadcast multiplies on CUDA cores, reduced over D for the scores;
+#             every token row of the tile keeps its own softmax state and output rows, so the
+#             loop never reduces across tokens (one reduction at the end).
+# PREFETCH: the next tile's block ids, K and V are loaded before the current tile is computed
+# (register double buffering), so the gathered loads of two tiles are in flight at once.
+VARIANTS = ("dot", "dot_kt", "fma")
+_VARIANT_IDS = {name: i for i, name in enumerate(VARIANTS)}
+
+
+@triton.jit
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kvh,
+                  stride_kc_b, stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s, stride_vc_h,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, VARIANT: tl.constexpr):
+    """Raw K and V tiles of tokens n0 .. n0 + BLOCK_N (masked at end), shaped for VARIANT:
+    "dot" K (BD, BN), V (BN, BD); "dot_kt" both (BN, BD); "fma" both (1, BN, BD)."""
+    offs_d = tl.arange(0, BLOCK_D)  # (BD,)
+    tok = n0 + tl.arange(0, BLOCK_N)  # (BN,)
+    n_mask = tok < end
+    d_mask = offs_d < HEAD_DIM
+    blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)  # (BN,)
+    off = tok % BLOCK_SIZE  # (BN,)
+    k_row = blk * stride_kc_b + off * stride_kc_s + kvh * stride_kc_h  # (BN,)
+    v_row = blk * stride_vc_b + off * stride_vc_s + kvh * stride_vc_h  # (BN,)
+    rows_mask = n_mask[:, None] & d_mask[None, :]  # (BN, BD)
+    if VARIANT == 2:
+        # NOTE: loaded 3-D, so the (G, N, D) products take the load's layout (d in registers
+        # and a few lanes) instead of a default one that spreads d over every warp.
+        k = tl.load(k_cache_ptr + k_row[None, :, None] + offs_d[None, None, :],
+                    mask=rows_mask[None, :, :], other=0.0)  # (1, BN, BD)
+        v = tl.load(v_cache_ptr + v_row[None, :, None] + offs_d[None, None, :],
+                    mask=rows_mask[None, :, :], other=0.0)  # (1, BN, BD)
+    else:
+        if VARIANT == 1:
+            k = tl.load(k_cache_ptr + k_row[:, None] + offs_d[None, :], mask=rows_mask,
+                        other=0.0)  # (BN, BD)
+        else:
+            k = tl.load(k_cache_ptr + k_row[None, :] + offs_d[:, None],
+                        mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # (BD, BN)
+        v = tl.load(v_cache_ptr + v_row[:, None] + offs_d[None, :], mask=rows_mask,
+                    other=0.0)  # (BN, BD)
+    return k, v
 
 
 # NOTE: ints that change with the batch are not specialised on (==1, %16): each new value would
@@ -37,7 +86,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    CLAMP_Q: tl.constexpr,
+    CLAMP_Q: tl.constexpr, VARIANT: tl.constexpr, PREFETCH: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -59,37 +108,79 @@ def _decode_split_kernel(
     b64 = b.to(tl.int64)
     q = tl.load(q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # (BG, BD)
-    if CLAMP_Q:  # a bf16 query cast to fp16 for an FP8 cache (kv_dot_dtype)
-        q = tl.minimum(tl.maximum(q, -65504.0), 65504.0)
-    q = q.to(DOT_DTYPE)
+    if VARIANT == 2:
+        q3 = (q * scale_log2)[:, None, :]  # (BG, 1, BD) fp32 throughout: the scale folds in once
+    else:
+        if CLAMP_Q:  # a bf16 query cast to fp16 for an FP8 cache (kv_dot_dtype)
+            q = tl.minimum(tl.maximum(q, -65504.0), 65504.0)
+        q = q.to(DOT_DTYPE)
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # (BG,) running max, log2 units
-    l_i = tl.zeros([BLOCK_G], tl.float32)  # (BG,) running sum
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)  # (BG, BD)
+    if VARIANT == 2:
+        # NOTE: per token row state; -1e30 (not -inf) keeps rows that saw no key free of NaN.
+        m_i = tl.full([BLOCK_G, BLOCK_N], -1.0e30, tl.float32)  # (BG, BN) log2 units
+        l_i = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)  # (BG, BN)
+        acc = tl.zeros([BLOCK_G, BLOCK_N, BLOCK_D], tl.float32)  # (BG, BN, BD)
+    else:
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # (BG,) running max, log2 units
+        l_i = tl.zeros([BLOCK_G], tl.float32)  # (BG,) running sum
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)  # (BG, BD)
     bt_row = block_table_ptr + b64 * stride_bt
+    if PREFETCH:
+        k_raw, v_raw = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, start, end, kvh,
+                                     stride_kc_b, stride_kc_s, stride_kc_h,
+                                     stride_vc_b, stride_vc_s, stride_vc_h,
+                                     HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT)
     for n0 in range(start, end, BLOCK_N):
-        tok = n0 + offs_n  # (BN,)
-        n_mask = tok < end
-        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)  # (BN,)
-        off = tok % BLOCK_SIZE  # (BN,)
-        kv_mask = d_mask[:, None] & n_mask[None, :]  # (BD, BN)
-        k_t = tl.load(k_cache_ptr + blk[None, :] * stride_kc_b + off[None, :] * stride_kc_s
-                      + kvh * stride_kc_h + offs_d[:, None],
-                      mask=kv_mask, other=0.0).to(DOT_DTYPE)  # (BD, BN)
+        n_mask = n0 + offs_n < end  # (BN,)
+        if PREFETCH:
+            k_cur = k_raw
+            v_cur = v_raw
+            k_raw, v_raw = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0 + BLOCK_N, end,
+                                         kvh, stride_kc_b, stride_kc_s, stride_kc_h,
+                                         stride_vc_b, stride_vc_s, stride_vc_h,
+                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT)
+        else:
+            k_cur, v_cur = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kvh,
+                                         stride_kc_b, stride_kc_s, stride_kc_h,
+                                         stride_vc_b, stride_vc_s, stride_vc_h,
+                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT)
         # NOTE: the K scale is inside scale_log2 and the V scale is applied by the merge, so an
         # FP8 tile costs one conversion per element here and nothing more.
-        s = tl.dot(q, k_t, input_precision=DOT_PREC) * scale_log2  # (BG, BN)
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # (BG,)
-        alpha = tl.exp2(m_i - m_new)  # (BG,)
-        p = tl.exp2(s - m_new[:, None])  # (BG, BN)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + blk[:, None] * stride_vc_b + off[:, None] * stride_vc_s
-                    + kvh * stride_vc_h + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)  # (BN, BD)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
-        m_i = m_new
+        if VARIANT == 2:
+            if KV_FP8:  # FP8 -> fp16 is one packed conversion per two elements, then exact fp32
+                k_cur = k_cur.to(tl.float16)
+                v_cur = v_cur.to(tl.float16)
+            k = k_cur.to(tl.float32)  # (1, BN, BD)
+            v = v_cur.to(tl.float32)  # (1, BN, BD)
+            s = tl.sum(q3 * k, 2)  # (BG, BN)
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, s)  # (BG, BN)
+            alpha = tl.exp2(m_i - m_new)  # (BG, BN)
+            p = tl.exp2(s - m_new)  # (BG, BN)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, :, None] + p[:, :, None] * v  # (BG, BN, BD)
+            m_i = m_new
+        else:
+            if VARIANT == 1:
+                k_t = tl.trans(k_cur.to(DOT_DTYPE))  # (BD, BN)
+            else:
+                k_t = k_cur.to(DOT_DTYPE)  # (BD, BN)
+            s = tl.dot(q, k_t, input_precision=DOT_PREC) * scale_log2  # (BG, BN)
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # (BG,)
+            alpha = tl.exp2(m_i - m_new)  # (BG,)
+            p = tl.exp2(s - m_new[:, None])  # (BG, BN)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v_cur.to(DOT_DTYPE),
+                                                input_precision=DOT_PREC)  # (BG, BD)
+            m_i = m_new
 
+    if VARIANT == 2:  # fold the token rows: one max, one weighted sum
+        m_row = tl.max(m_i, 1)  # (BG,)
+        w = tl.exp2(m_i - m_row[:, None])  # (BG, BN)
+        l_i = tl.sum(l_i * w, 1)  # (BG,)
+        acc = tl.sum(acc * w[:, :, None], 1)  # (BG, BD)
+        m_i = m_row
     if HAS_WINDOW:
         # NOTE: a split wholly before the window saw no key: zero output and weight in the merge.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (BG, BD)
@@ -134,12 +225,37 @@ def _decode_merge_kernel(
              out.to(o_ptr.dtype.element_ty), mask=d_mask)
 
 
+class DecodeConfig(NamedTuple):
+    """How the split kernel runs: variant (one of VARIANTS), tokens per tile, warps, pipeline
+    stages, register prefetch of the next tile, and programs per SM the split length aims at."""
+    variant: str
+    block_n: int
+    num_warps: int
+    num_stages: int
+    prefetch: bool
+    programs_per_sm: int
+
+
+def pick_config(q_dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
+                on_gpu: bool) -> DecodeConfig:
+    """The split kernel's launch choice from dtypes and the GQA group only (never batch values),
+    so one model always runs, and precompile() compiles, the same variant. The one place to
+    change the rule."""
+    if not on_gpu:  # the interpreter: small tiles keep it fast
+        return DecodeConfig("dot", 16, 4, 2, False, _PROGRAMS_PER_SM)
+    if q_dtype == torch.float32:
+        # NOTE: fp32 inputs run 3-pass tf32 dots on a GPU; a narrower tile keeps them from spilling.
+        return DecodeConfig("dot", 32, 8, 2, False, _PROGRAMS_PER_SM)
+    return DecodeConfig("dot", 64, 4, 2, False, _PROGRAMS_PER_SM)
+
+
 def decode_split_len(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
-                     device: torch.device, block_n: int) -> int:
+                     device: torch.device, block_n: int,
+                     programs_per_sm: int = _PROGRAMS_PER_SM) -> int:
     """Tokens per split, from shapes only: enough programs to fill the GPU, at most _MAX_SPLITS."""
     max_ctx = max_blocks * block_size
     max_splits = max(1, min(_MAX_SPLITS, math.ceil(max_ctx / _MIN_SPLIT_LEN)))
-    want = math.ceil(_PROGRAMS_PER_SM * num_sms(device) / max(1, batch * num_kv_heads))
+    want = math.ceil(programs_per_sm * num_sms(device) / max(1, batch * num_kv_heads))
     splits = max(1, min(want, max_splits))
     return math.ceil(math.ceil(max_ctx / splits) / block_n) * block_n
 
@@ -149,36 +265,45 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor | None = None, *, split_len: int | None = None,
                            block_n: int | None = None, window: int | None = None,
                            k_scale: float = 1.0, v_scale: float = 1.0, num_warps: int | None = None,
-                           num_stages: int = 2) -> torch.Tensor:
+                           num_stages: int | None = None, variant: str | None = None,
+                           prefetch: bool | None = None) -> torch.Tensor:
     """Attention of one query token per sequence, q (B, Hq, D), over its whole paged context of
     seq_lens[b] <= block_table.shape[1] * block_size tokens (only the last `window` tokens with a
     sliding window); returns out (B, Hq, D). A sequence with seq_len 0 (CUDA-graph padding)
-    gets zeros. The caches hold k / k_scale and v / v_scale (any float type, FP8 included)."""
+    gets zeros. The caches hold k / k_scale and v / v_scale (any float type, FP8 included).
+    variant, block_n, num_warps, num_stages, prefetch override pick_config's choice."""
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = check_q_and_caches(q, k_cache, v_cache)
     if block_table.shape[0] != batch or seq_lens.shape != (batch,):
         raise ValueError(f"block_table {tuple(block_table.shape)} / seq_lens "
                          f"{tuple(seq_lens.shape)} do not match batch {batch}")
     check_block_size(block_size)
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"paged_decode_attention: unknown variant {variant!r} "
+                         f"(expected one of {VARIANTS})")
     out = check_window_and_out("paged_decode_attention", q, out, k_cache, v_cache, window)  # (B, Hq, D)
     if batch == 0:
         return out
-    on_gpu = is_gpu(q)
-    # NOTE: fp32 inputs run 3-pass tf32 dots on a GPU; a narrower tile keeps them from spilling.
-    block_n = block_n or (16 if not on_gpu else 32 if q.dtype == torch.float32 else 64)
+    group = num_q_heads // num_kv_heads
+    cfg = pick_config(q.dtype, k_cache.dtype, group, is_gpu(q))
+    block_n = block_n or cfg.block_n
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     if split_len is None:
         split_len = decode_split_len(batch, num_kv_heads, block_table.shape[1], block_size,
-                                     q.device, block_n)
+                                     q.device, block_n, cfg.programs_per_sm)
     if split_len % block_n:
         raise ValueError(f"split_len {split_len} must be a multiple of block_n {block_n}")
     num_splits = max(1, math.ceil(block_table.shape[1] * block_size / split_len))
-    group = num_q_heads // num_kv_heads
     mid_o = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32,
                         device=q.device)  # (B, Hq, S, D)
     mid_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32,
                           device=q.device)  # (B, Hq, S)
     block_d = max(16, next_pow2(head_dim))
+    variant = variant or cfg.variant
     dot_type, clamp_q = kv_dot_dtype(q, k_cache)
+    # NOTE: tl.dot needs 16 rows; the CUDA-core variant computes only the real q heads.
+    block_g = next_pow2(group) if variant == "fma" else max(16, next_pow2(group))
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, mid_o, mid_lse,
         scale * k_scale * math.log2(math.e), split_len, window or 0,
@@ -188,12 +313,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size,
         DOT_DTYPE=dot_type, DOT_PREC=dot_precision(q), HAS_WINDOW=window is not None,
-        CLAMP_Q=clamp_q,
-        num_warps=num_warps or (8 if q.dtype == torch.float32 and on_gpu else 4),
-        num_stages=num_stages,
+        CLAMP_Q=clamp_q, VARIANT=_VARIANT_IDS[variant],
+        PREFETCH=cfg.prefetch if prefetch is None else prefetch,
+        KV_FP8=k_cache.dtype in FP8_DTYPES,
+        num_warps=num_warps or cfg.num_warps,
+        num_stages=num_stages or cfg.num_stages,
     )
     _decode_merge_kernel[(batch, num_q_heads)](
         mid_o, mid_lse, seq_lens, out, split_len, v_scale,
@@ -209,18 +336,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def precompile(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                dtype: torch.dtype, device: torch.device,
                cache_dtype: torch.dtype | None = None) -> None:
-    """Compile every merge variant (one per power-of-two split count) now, so that no batch
-    size met later compiles one on the request path. dtype: q's; cache_dtype: the KV cache's
-    (default: dtype)."""
+    """Compile the split kernel pick_config chooses for this model and every merge variant (one
+    per power-of-two split count) now, so that no batch size met later compiles one on the
+    request path. dtype: q's; cache_dtype: the KV cache's (default: dtype)."""
     q = torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=device)
     cache = torch.zeros(1, block_size, num_kv_heads, head_dim, dtype=cache_dtype or dtype,
                         device=device)
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
-    block_n = 16 if not is_gpu(q) else 32 if dtype == torch.float32 else 64
+    block_n = pick_config(dtype, cache.dtype, num_q_heads // num_kv_heads, is_gpu(q)).block_n
     splits = 1
     while splits <= _MAX_SPLITS:  # splits of block_n tokens over a table of splits * block_n
         table = torch.zeros(1, -(-splits * block_n // block_size), dtype=torch.int32,
                             device=device)
-        paged_decode_attention(q, cache, cache, table, seq_lens, 1.0, split_len=block_n,
-                               block_n=block_n)
+        paged_decode_attention(q, cache, cache, table, seq_lens, 1.0, split_len=block_n)
         splits *= 2
