@@ -5,10 +5,11 @@ Usage (H200): python benchmarks/decode_attn_bench.py --out /tmp/decode_attn.json
 Shapes: w1 = Qwen3-0.6B (16 q / 8 kv heads, D=128, block 16), 1,000 sequences of 900-1,100
 tokens; llama8b = Llama-3-8B (32 q / 8 kv heads), 256 sequences of 1,800-2,200 tokens. Caches:
 bf16, and FP8 e4m3 holding k / K_SCALE, v / V_SCALE (bf16 queries either way).
-Phase 1 times every variant (decode_attention.VARIANTS) with and without register prefetch at
-base tiles, and the launcher's default, for every (shape, cache); phase 2 walks one knob at a
-time (BLOCK_N, num_warps, num_stages, programs per SM) away from each pair's best, FP8 first,
-until the budget is spent. Each config: triton.testing.do_bench (no CUDA graph, warm-up first),
+Phase 1 times every variant (decode_attention.VARIANTS) at base tiles, plain, with unmasked
+(clamped) tile loads, and with those plus register prefetch, and the launcher's default, for
+every (shape, cache); phase 2 walks one knob at a time (BLOCK_N, num_warps, num_stages, programs
+per SM, prefetch, clamping) away from each variant's best on the FP8 pairs, then from each
+pair's best, until the budget is spent. Each config: triton.testing.do_bench (no CUDA graph, warm-up first),
 µs, GB/s (K+V read + q + output) against the 4.2 TB/s HBM peak, the max abs error against the
 fp32 torch reference on the same (dequantized) cache; a config that fails to compile is printed
 and skipped. The best correct config per (shape, cache) is printed last and written to --out.
@@ -57,16 +58,21 @@ class Cfg(NamedTuple):
     num_stages: int
     prefetch: bool
     programs_per_sm: int
+    clamp_tokens: bool
 
     def label(self) -> str:
         return (f"{self.variant:6s} bn={self.block_n:<3d} w={self.num_warps} s={self.num_stages} "
-                f"pf={int(self.prefetch)} pps={self.programs_per_sm}")
+                f"pf={int(self.prefetch)} ct={int(self.clamp_tokens)} "
+                f"pps={self.programs_per_sm:<3d}")
 
 
 # Phase 1 tiles per variant; phase 2 knob values (one knob moved at a time).
 BASE = {"dot": (64, 4, 2), "dot_kt": (64, 4, 2), "fma": (32, 4, 2)}
 KNOBS = {"block_n": {"dot": (32, 64, 128), "dot_kt": (32, 64, 128), "fma": (16, 32, 64)},
-         "num_warps": (2, 4, 8), "num_stages": (1, 2, 3, 4), "programs_per_sm": (4, 16, 64, 128)}
+         "num_warps": (2, 4, 8), "num_stages": (1, 2, 3, 4), "programs_per_sm": (4, 16, 64, 128),
+         "prefetch": (False, True), "clamp_tokens": (False, True)}
+# Phase 1 (prefetch, clamp_tokens) per variant.
+PHASE1 = ((False, False), (False, True), (True, True))
 
 
 class Problem(NamedTuple):
@@ -125,7 +131,8 @@ def launch(p: Problem, cfg: Cfg, out: torch.Tensor) -> None:
     paged_decode_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
                            HEAD_DIM ** -0.5, out=out, split_len=split_len, block_n=cfg.block_n,
                            k_scale=ks, v_scale=vs, num_warps=cfg.num_warps,
-                           num_stages=cfg.num_stages, variant=cfg.variant, prefetch=cfg.prefetch)
+                           num_stages=cfg.num_stages, variant=cfg.variant, prefetch=cfg.prefetch,
+                           clamp_tokens=cfg.clamp_tokens)
 
 
 def default_cfg(p: Problem) -> Cfg:
@@ -212,8 +219,8 @@ def run_sweep(args: argparse.Namespace, t0: float) -> dict:
         try_cfg(p, default_cfg(p), "default")
         pps = default_cfg(p).programs_per_sm
         for variant in VARIANTS:
-            for prefetch in (False, True):
-                try_cfg(p, Cfg(variant, *BASE[variant], prefetch, pps), "base")
+            for prefetch, clamp in PHASE1:
+                try_cfg(p, Cfg(variant, *BASE[variant], prefetch, pps, clamp), "base")
     print(f"phase 1 done at {time.time() - t0:.0f} s; phase 2: one knob at a time", flush=True)
     # First each variant's own best on the FP8 pairs (a variant may lose at base tiles and win
     # tuned), then the overall best of every pair, repeated while it improves.
@@ -257,7 +264,8 @@ def run_sweep(args: argparse.Namespace, t0: float) -> dict:
                 b = min(mine, key=lambda r: r["us"])
                 print(f"  best {variant:6s} {key[0]:8s} {key[1]:5s} {b['us']:8.1f} us "
                       f"{b['gbs']:6.0f} GB/s  bn={b['block_n']} w={b['num_warps']} "
-                      f"s={b['num_stages']} pf={int(b['prefetch'])} pps={b['programs_per_sm']}")
+                      f"s={b['num_stages']} pf={int(b['prefetch'])} "
+                      f"ct={int(b['clamp_tokens'])} pps={b['programs_per_sm']}")
     failed = [r for r in rows if "max_err" in r and not r["ok"]]
     for r in failed:
         print(f"WRONG RESULT: {r['shape']} {r['cache']} {r['variant']} err={r['max_err']:.3g}")
@@ -276,8 +284,8 @@ def run_ncu(args: argparse.Namespace) -> dict:
             if row:
                 cfgs.append(Cfg(*(row[f] for f in Cfg._fields)))
             elif not args.from_json:
-                cfgs += [Cfg(v, *BASE[v], pf, cfgs[0].programs_per_sm) for v in VARIANTS
-                         for pf in (False, True)]
+                cfgs += [Cfg(v, *BASE[v], pf, cfgs[0].programs_per_sm, ct) for v in VARIANTS
+                         for pf, ct in PHASE1]
             out = torch.empty_like(p.q)
             for cfg in dict.fromkeys(cfgs):
                 print(f"ncu launch: {shape} {cache} {cfg.label()}", flush=True)

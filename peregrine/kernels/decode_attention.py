@@ -39,34 +39,46 @@ _VARIANT_IDS = {name: i for i, name in enumerate(VARIANTS)}
 def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kvh,
                   stride_kc_b, stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s, stride_vc_h,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, VARIANT: tl.constexpr):
-    """Raw K and V tiles of tokens n0 .. n0 + BLOCK_N (masked at end), shaped for VARIANT:
-    "dot" K (BD, BN), V (BN, BD); "dot_kt" both (BN, BD); "fma" both (1, BN, BD)."""
+                  BLOCK_SIZE: tl.constexpr, VARIANT: tl.constexpr, CLAMP_TOKENS: tl.constexpr):
+    """Raw K and V tiles of tokens n0 .. n0 + BLOCK_N, shaped for VARIANT: "dot" K (BD, BN),
+    V (BN, BD); "dot_kt" both (BN, BD); "fma" both (1, BN, BD). Tokens at or past `end` are
+    zeros, or with CLAMP_TOKENS copies of token end - 1 (end >= 1): unmasked loads, and the caller
+    masks their scores."""
     offs_d = tl.arange(0, BLOCK_D)  # (BD,)
     tok = n0 + tl.arange(0, BLOCK_N)  # (BN,)
-    n_mask = tok < end
     d_mask = offs_d < HEAD_DIM
-    blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)  # (BN,)
+    if CLAMP_TOKENS:
+        tok = tl.minimum(tok, end - 1)
+        n_mask = tok >= 0  # (BN,) all true
+        blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)  # (BN,)
+    else:
+        n_mask = tok < end
+        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)  # (BN,)
     off = tok % BLOCK_SIZE  # (BN,)
     k_row = blk * stride_kc_b + off * stride_kc_s + kvh * stride_kc_h  # (BN,)
     v_row = blk * stride_vc_b + off * stride_vc_s + kvh * stride_vc_h  # (BN,)
-    rows_mask = n_mask[:, None] & d_mask[None, :]  # (BN, BD)
     if VARIANT == 2:
         # NOTE: loaded 3-D, so the (G, N, D) products take the load's layout (d in registers
         # and a few lanes) instead of a default one that spreads d over every warp.
-        k = tl.load(k_cache_ptr + k_row[None, :, None] + offs_d[None, None, :],
-                    mask=rows_mask[None, :, :], other=0.0)  # (1, BN, BD)
-        v = tl.load(v_cache_ptr + v_row[None, :, None] + offs_d[None, None, :],
-                    mask=rows_mask[None, :, :], other=0.0)  # (1, BN, BD)
+        k_ptrs = k_cache_ptr + k_row[None, :, None] + offs_d[None, None, :]  # (1, BN, BD)
+        v_ptrs = v_cache_ptr + v_row[None, :, None] + offs_d[None, None, :]  # (1, BN, BD)
+        k_mask = (n_mask[:, None] & d_mask[None, :])[None, :, :]
+        v_mask = k_mask
     else:
         if VARIANT == 1:
-            k = tl.load(k_cache_ptr + k_row[:, None] + offs_d[None, :], mask=rows_mask,
-                        other=0.0)  # (BN, BD)
+            k_ptrs = k_cache_ptr + k_row[:, None] + offs_d[None, :]  # (BN, BD)
+            k_mask = n_mask[:, None] & d_mask[None, :]
         else:
-            k = tl.load(k_cache_ptr + k_row[None, :] + offs_d[:, None],
-                        mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # (BD, BN)
-        v = tl.load(v_cache_ptr + v_row[:, None] + offs_d[None, :], mask=rows_mask,
-                    other=0.0)  # (BN, BD)
+            k_ptrs = k_cache_ptr + k_row[None, :] + offs_d[:, None]  # (BD, BN)
+            k_mask = d_mask[:, None] & n_mask[None, :]
+        v_ptrs = v_cache_ptr + v_row[:, None] + offs_d[None, :]  # (BN, BD)
+        v_mask = n_mask[:, None] & d_mask[None, :]
+    if CLAMP_TOKENS and HEAD_DIM == BLOCK_D:  # every address is a real token's: no predicate at all
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
     return k, v
 
 
@@ -87,6 +99,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, HAS_WINDOW: tl.constexpr,
     CLAMP_Q: tl.constexpr, VARIANT: tl.constexpr, PREFETCH: tl.constexpr, KV_FP8: tl.constexpr,
+    CLAMP_TOKENS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -129,7 +142,7 @@ def _decode_split_kernel(
         k_raw, v_raw = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, start, end, kvh,
                                      stride_kc_b, stride_kc_s, stride_kc_h,
                                      stride_vc_b, stride_vc_s, stride_vc_h,
-                                     HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT)
+                                     HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT, CLAMP_TOKENS)
     for n0 in range(start, end, BLOCK_N):
         n_mask = n0 + offs_n < end  # (BN,)
         if PREFETCH:
@@ -138,12 +151,12 @@ def _decode_split_kernel(
             k_raw, v_raw = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0 + BLOCK_N, end,
                                          kvh, stride_kc_b, stride_kc_s, stride_kc_h,
                                          stride_vc_b, stride_vc_s, stride_vc_h,
-                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT)
+                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT, CLAMP_TOKENS)
         else:
             k_cur, v_cur = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kvh,
                                          stride_kc_b, stride_kc_s, stride_kc_h,
                                          stride_vc_b, stride_vc_s, stride_vc_h,
-                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT)
+                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT, CLAMP_TOKENS)
         # NOTE: the K scale is inside scale_log2 and the V scale is applied by the merge, so an
         # FP8 tile costs one conversion per element here and nothing more.
         if VARIANT == 2:
@@ -227,13 +240,16 @@ def _decode_merge_kernel(
 
 class DecodeConfig(NamedTuple):
     """How the split kernel runs: variant (one of VARIANTS), tokens per tile, warps, pipeline
-    stages, register prefetch of the next tile, and programs per SM the split length aims at."""
+    stages, register prefetch of the next tile, programs per SM the split length aims at, and
+    whether tile tokens past the end re-read the last token (unpredicated loads) instead of
+    being masked."""
     variant: str
     block_n: int
     num_warps: int
     num_stages: int
     prefetch: bool
     programs_per_sm: int
+    clamp_tokens: bool
 
 
 def pick_config(q_dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
@@ -242,11 +258,11 @@ def pick_config(q_dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
     so one model always runs, and precompile() compiles, the same variant. The one place to
     change the rule."""
     if not on_gpu:  # the interpreter: small tiles keep it fast
-        return DecodeConfig("dot", 16, 4, 2, False, _PROGRAMS_PER_SM)
+        return DecodeConfig("dot", 16, 4, 2, False, _PROGRAMS_PER_SM, False)
     if q_dtype == torch.float32:
         # NOTE: fp32 inputs run 3-pass tf32 dots on a GPU; a narrower tile keeps them from spilling.
-        return DecodeConfig("dot", 32, 8, 2, False, _PROGRAMS_PER_SM)
-    return DecodeConfig("dot", 64, 4, 2, False, _PROGRAMS_PER_SM)
+        return DecodeConfig("dot", 32, 8, 2, False, _PROGRAMS_PER_SM, False)
+    return DecodeConfig("dot", 64, 4, 2, False, _PROGRAMS_PER_SM, False)
 
 
 def decode_split_len(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
@@ -266,12 +282,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_n: int | None = None, window: int | None = None,
                            k_scale: float = 1.0, v_scale: float = 1.0, num_warps: int | None = None,
                            num_stages: int | None = None, variant: str | None = None,
-                           prefetch: bool | None = None) -> torch.Tensor:
+                           prefetch: bool | None = None,
+                           clamp_tokens: bool | None = None) -> torch.Tensor:
     """Attention of one query token per sequence, q (B, Hq, D), over its whole paged context of
     seq_lens[b] <= block_table.shape[1] * block_size tokens (only the last `window` tokens with a
     sliding window); returns out (B, Hq, D). A sequence with seq_len 0 (CUDA-graph padding)
     gets zeros. The caches hold k / k_scale and v / v_scale (any float type, FP8 included).
-    variant, block_n, num_warps, num_stages, prefetch override pick_config's choice."""
+    variant, block_n, num_warps, num_stages, prefetch, clamp_tokens override pick_config's
+    choice."""
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = check_q_and_caches(q, k_cache, v_cache)
     if block_table.shape[0] != batch or seq_lens.shape != (batch,):
@@ -319,6 +337,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         CLAMP_Q=clamp_q, VARIANT=_VARIANT_IDS[variant],
         PREFETCH=cfg.prefetch if prefetch is None else prefetch,
         KV_FP8=k_cache.dtype in FP8_DTYPES,
+        CLAMP_TOKENS=cfg.clamp_tokens if clamp_tokens is None else clamp_tokens,
         num_warps=num_warps or cfg.num_warps,
         num_stages=num_stages or cfg.num_stages,
     )

@@ -140,21 +140,26 @@ def test_decode_fp8_scales_fold_into_scores_and_output() -> None:
     assert not torch.allclose(plain, scaled, atol=1e-2)
 
 
-VARIANT_CASES = [(v, pf) for v in VARIANTS for pf in (False, True)]
-VARIANT_IDS = [f"{v}{'-prefetch' if pf else ''}" for v, pf in VARIANT_CASES]
+# (variant, prefetch, clamp_tokens)
+VARIANT_CASES = [(v, pf, ct) for v in VARIANTS for pf, ct in ((False, False), (False, True),
+                                                              (True, True))]
+VARIANT_IDS = [f"{v}{'-prefetch' if pf else ''}{'-clamp' if ct else ''}"
+               for v, pf, ct in VARIANT_CASES]
 
 
 @pytest.mark.slow  # ~5 s each under the interpreter
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8_DTYPES], ids=["bf16", *FP8_IDS])
-@pytest.mark.parametrize("variant,prefetch", VARIANT_CASES, ids=VARIANT_IDS)
+@pytest.mark.parametrize("variant,prefetch,clamp", VARIANT_CASES, ids=VARIANT_IDS)
 def test_every_variant_matches_reference_for_every_group(variant: str, prefetch: bool,
+                                                         clamp: bool,
                                                          cache_dtype: torch.dtype) -> None:
     """GQA groups 1, 2, 4, 8 (one with a sliding window each other time), several splits with
     partial tiles, bf16 queries; FP8 caches with K/V scales, against the dequantized cache."""
     for group, window in ((1, None), (2, 7), (4, None), (8, 40)):
         case = make_paged_case([1, 30, 71], [1, 1, 1], 2 * group, 2, head_dim=32,
                                dtype=torch.bfloat16, seed=group)
-        kw = dict(split_len=32, window=window, variant=variant, prefetch=prefetch)
+        kw = dict(split_len=32, window=window, variant=variant, prefetch=prefetch,
+                  clamp_tokens=clamp)
         if cache_dtype == torch.bfloat16:
             quant = deq = case
         else:
@@ -165,16 +170,19 @@ def test_every_variant_matches_reference_for_every_group(variant: str, prefetch:
                                    **TOLERANCES[torch.bfloat16], msg=f"group {group}")
 
 
-@pytest.mark.parametrize("variant,prefetch", VARIANT_CASES, ids=VARIANT_IDS)
-def test_every_variant_is_exact_in_fp32_with_empty_and_windowed_splits(variant: str,
-                                                                       prefetch: bool) -> None:
+@pytest.mark.parametrize("head_dim", [32, 40])
+@pytest.mark.parametrize("variant,prefetch,clamp", VARIANT_CASES, ids=VARIANT_IDS)
+def test_every_variant_is_exact_in_fp32_with_empty_and_windowed_splits(
+        variant: str, prefetch: bool, clamp: bool, head_dim: int) -> None:
     """fp32 leaves no rounding to hide behind: a padding sequence gives zeros, splits wholly
-    before the window contribute nothing, a group of 3 pads to 4 rows."""
-    case = make_paged_case([20, 1, 100], [1, 1, 1], 6, 2, head_dim=32)
+    before the window contribute nothing, a group of 3 pads to 4 rows, a head dim of 40 pads
+    to 64 columns; table entries past a sequence point outside the cache."""
+    case = make_paged_case([20, 1, 100], [1, 1, 1], 6, 2, head_dim=head_dim)
     seq_lens = case.seq_lens.clone()
     seq_lens[1] = 0
     case = case._replace(seq_lens=seq_lens)
-    out = _run(case, split_len=16, window=30, variant=variant, prefetch=prefetch)
+    out = _run(case, split_len=16, window=30, variant=variant, prefetch=prefetch,
+               clamp_tokens=clamp)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     torch.testing.assert_close(out[[0, 2]], exact_reference(case, SCALE, 30)[[0, 2]],
                                atol=1e-5, rtol=1e-5)
@@ -186,7 +194,7 @@ def test_every_variant_reads_an_fp8_cache_with_scales(variant: str) -> None:
     case = make_paged_case([9, 40], [1, 1], 4, 2, head_dim=32, dtype=torch.bfloat16)
     quant, deq = fp8_case(case, torch.float8_e4m3fn)
     out = _run(quant, split_len=32, variant=variant, prefetch=variant != "dot_kt",
-               k_scale=K_SCALE, v_scale=V_SCALE)
+               clamp_tokens=variant != "dot", k_scale=K_SCALE, v_scale=V_SCALE)
     torch.testing.assert_close(out.float(), exact_reference(deq, SCALE),
                                **TOLERANCES[torch.bfloat16])
 

@@ -25,9 +25,9 @@ def tiny(monkeypatch):
     monkeypatch.setattr(bench, "SHAPES", {"tiny": (2, 20, 40, 4, 2)})
     monkeypatch.setattr(bench, "HEAD_DIM", 16)
     monkeypatch.setattr(bench, "BASE", {v: (16, 4, 1) for v in bench.VARIANTS})
-    # NOTE: a deterministic fake time per config (variant and prefetch), so "best" is known.
-    costs = {("dot", False): 3.0, ("dot", True): 2.0, ("dot_kt", False): 5.0,
-             ("dot_kt", True): 4.0, ("fma", False): 1.5, ("fma", True): 1.0}
+    # NOTE: a deterministic fake time per config (variant, prefetch, clamping): "best" is known.
+    costs = {(v, pf, ct): 1.0 + i + 0.5 * pf + 0.25 * ct
+             for i, v in enumerate(reversed(bench.VARIANTS)) for pf, ct in bench.PHASE1}
     current = {}
     real_launch = bench.launch
 
@@ -37,7 +37,8 @@ def tiny(monkeypatch):
 
     monkeypatch.setattr(bench, "launch", launch)
     monkeypatch.setattr(bench, "bench_ms", lambda fn: costs[current["cfg"].variant,
-                                                             current["cfg"].prefetch])
+                                                             current["cfg"].prefetch,
+                                                             current["cfg"].clamp_tokens])
 
 
 def _args(tmp_path, caches: str) -> argparse.Namespace:
@@ -48,11 +49,12 @@ def _args(tmp_path, caches: str) -> argparse.Namespace:
 def test_phase_one_runs_every_variant_correctly_and_keeps_the_fastest(tiny, tmp_path) -> None:
     result = bench.run_sweep(_args(tmp_path, "fp8"), t0=0.0)
     rows = result["results"]
-    seen = {(r["variant"], r["prefetch"]) for r in rows}
-    assert seen == {(v, pf) for v in bench.VARIANTS for pf in (False, True)}
+    seen = {(r["variant"], r["prefetch"], r["clamp_tokens"]) for r in rows}
+    assert seen == {(v, pf, ct) for v in bench.VARIANTS for pf, ct in bench.PHASE1}
     assert all(r["ok"] and r["max_err"] < 1.6e-2 for r in rows), rows  # 2 bf16 ulps
     best = result["best"]["tiny/fp8"]
-    assert (best["variant"], best["prefetch"]) == ("fma", True)
+    assert (best["variant"], best["prefetch"], best["clamp_tokens"]) == (bench.VARIANTS[-1],
+                                                                         False, False)
     json.dumps(result)  # plain data only
 
 
@@ -69,10 +71,10 @@ def test_a_wrong_result_is_never_the_best(tiny, tmp_path, monkeypatch) -> None:
     result = bench.run_sweep(_args(tmp_path, "bf16"), t0=0.0)
     fma = [r for r in result["results"] if r["variant"] == "fma"]
     assert fma and not any(r["ok"] for r in fma)
-    assert result["best"]["tiny/bf16"]["variant"] == "dot"
+    assert result["best"]["tiny/bf16"]["variant"] == "dot_kt"  # the next cheapest
 
 
 def test_neighbours_move_one_knob() -> None:
-    cfg = bench.Cfg("fma", 32, 4, 2, True, 4)
+    cfg = bench.Cfg("fma", 32, 4, 2, True, 4, False)
     for n in bench.neighbours(cfg):
         assert sum(a != b for a, b in zip(n, cfg)) == 1 and n.variant == "fma"
