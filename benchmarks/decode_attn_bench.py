@@ -1,25 +1,26 @@
 """Paged decode attention: which split-kernel variant and tiles read a bf16 or FP8 KV cache fastest.
 
-Usage (H200): python benchmarks/decode_attn_bench.py --out /tmp/decode_attn.json [--budget-s 150]
+Usage (H200): python benchmarks/decode_attn_bench.py --out /tmp/decode_attn.json [--budget-s 160]
     [--shapes w1,llama8b] [--caches bf16,fp8]
 Shapes: w1 = Qwen3-0.6B (16 q / 8 kv heads, D=128, block 16), 1,000 sequences of 900-1,100
 tokens; llama8b = Llama-3-8B (32 q / 8 kv heads), 256 sequences of 1,800-2,200 tokens. Caches:
 bf16, and FP8 e4m3 holding k / K_SCALE, v / V_SCALE (bf16 queries either way).
-Phase 1 times every variant (decode_attention.VARIANTS) at base tiles, plain, with unmasked
-(clamped) tile loads, and with those plus register prefetch, and the launcher's default, for
-every (shape, cache); phase 2 walks one knob at a time (BLOCK_N, num_warps, num_stages, programs
-per SM, prefetch, clamping) away from each variant's best on the FP8 pairs, then from each
-pair's best, until the budget is spent. Each config: triton.testing.do_bench (no CUDA graph, warm-up first),
-µs, GB/s (K+V read + q + output) against the 4.2 TB/s HBM peak, the max abs error against the
-fp32 torch reference on the same (dequantized) cache; a config that fails to compile is printed
-and skipped. The best correct config per (shape, cache) is printed last and written to --out.
+Phase 1 times the launcher's default and a list of starting points (PHASE1: every variant
+with the options of decode_attention.DecodeConfig) for every (shape, cache); phase 2 walks one
+knob at a time (BLOCK_N, num_warps, num_stages, programs per SM, prefetch, clamped tokens,
+aligned tiles, inline-PTX FP8 conversion) away from each variant's best on the FP8 pairs, then
+from each pair's best, until the budget is spent. Each config: triton.testing.do_bench (no CUDA
+graph, warm-up first), µs, GB/s (K+V read + q + output) against the 4.2 TB/s HBM peak, the
+max abs error against the fp32 torch reference on the same (dequantized) cache; a config that
+fails to compile is printed and skipped. The best correct config per (shape, cache) is printed
+last and written to --out.
 
 --ncu: one launch of each chosen config (no timing, no reference), for
     ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \\
         --section LaunchStats -k regex:decode python benchmarks/decode_attn_bench.py --ncu \\
         --from /tmp/decode_attn.json --out /tmp/ncu_configs.json
   with --from: the best config of each (shape, cache) in that result file plus the launcher's
-  default; without: the default and every variant at base tiles.
+  default; without: the default and the PHASE1 starting points.
 """
 from __future__ import annotations
 
@@ -59,20 +60,34 @@ class Cfg(NamedTuple):
     prefetch: bool
     programs_per_sm: int
     clamp_tokens: bool
+    aligned: bool
+    asm_cvt: bool
 
     def label(self) -> str:
         return (f"{self.variant:6s} bn={self.block_n:<3d} w={self.num_warps} s={self.num_stages} "
-                f"pf={int(self.prefetch)} ct={int(self.clamp_tokens)} "
-                f"pps={self.programs_per_sm:<3d}")
+                f"pf={int(self.prefetch)} ct={int(self.clamp_tokens)} al={int(self.aligned)} "
+                f"asm={int(self.asm_cvt)} pps={self.programs_per_sm:<3d}")
 
 
-# Phase 1 tiles per variant; phase 2 knob values (one knob moved at a time).
-BASE = {"dot": (64, 4, 2), "dot_kt": (64, 4, 2), "fma": (32, 4, 2)}
+# Phase 1: starting points, the most promising for FP8 first; fields not given are the
+# launcher's default for the (shape, cache).
+PHASE1 = (
+    dict(variant="dot", aligned=True, asm_cvt=True),
+    dict(variant="dot", aligned=True, asm_cvt=True, num_stages=1),
+    dict(variant="dot", aligned=True, asm_cvt=True, clamp_tokens=True),
+    dict(variant="dot", aligned=True),
+    dict(variant="dot", prefetch=True, clamp_tokens=True),
+    dict(variant="dot", aligned=True, asm_cvt=True, block_n=128, num_warps=8),
+    dict(variant="dot_kt", aligned=True, asm_cvt=True),
+    dict(variant="fma", block_n=16, aligned=True, clamp_tokens=True),
+    dict(variant="fma", block_n=32, aligned=True),
+    dict(variant="fma", block_n=16),
+)
+# Phase 2 knob values (one knob moved at a time).
 KNOBS = {"block_n": {"dot": (32, 64, 128), "dot_kt": (32, 64, 128), "fma": (16, 32, 64)},
          "num_warps": (2, 4, 8), "num_stages": (1, 2, 3, 4), "programs_per_sm": (4, 16, 64, 128),
-         "prefetch": (False, True), "clamp_tokens": (False, True)}
-# Phase 1 (prefetch, clamp_tokens) per variant.
-PHASE1 = ((False, False), (False, True), (True, True))
+         "prefetch": (False, True), "clamp_tokens": (False, True), "aligned": (False, True),
+         "asm_cvt": (False, True)}
 
 
 class Problem(NamedTuple):
@@ -132,7 +147,8 @@ def launch(p: Problem, cfg: Cfg, out: torch.Tensor) -> None:
                            HEAD_DIM ** -0.5, out=out, split_len=split_len, block_n=cfg.block_n,
                            k_scale=ks, v_scale=vs, num_warps=cfg.num_warps,
                            num_stages=cfg.num_stages, variant=cfg.variant, prefetch=cfg.prefetch,
-                           clamp_tokens=cfg.clamp_tokens)
+                           clamp_tokens=cfg.clamp_tokens, aligned=cfg.aligned,
+                           asm_cvt=cfg.asm_cvt)
 
 
 def default_cfg(p: Problem) -> Cfg:
@@ -161,7 +177,7 @@ def measure(p: Problem, cfg: Cfg, rows: list[dict], tag: str) -> dict:
         launch(p, cfg, out)  # compiles
         if DEV.type == "cuda":
             torch.cuda.synchronize()
-    except Exception as e:  # NOTE: a config that does not compile (shared memory, registers) is data
+    except Exception as e:  # NOTE: a config that does not compile (shared memory) is data
         row.update(ok=False, error=f"{type(e).__name__}: {e}"[:300])
         print(f"{p.shape:8s} {p.cache:5s} {cfg.label()}  FAILED TO COMPILE: {row['error'][:160]}",
               flush=True)
@@ -177,6 +193,14 @@ def measure(p: Problem, cfg: Cfg, rows: list[dict], tag: str) -> dict:
           f"({row['pct_hbm']:4.1f}% of 4.2 TB/s)  err={err:.1e}{'' if row['ok'] else ' FAIL'}"
           f"  splits={row['num_splits']} [{tag}]", flush=True)
     return row
+
+
+def normalized(p: Problem, cfg: Cfg) -> Cfg:
+    """cfg with the options that do nothing for this cache and variant turned off, so that
+    configs that compile to the same kernel are timed once."""
+    if p.cache == "bf16" or cfg.variant == "fma":
+        cfg = cfg._replace(asm_cvt=False)
+    return cfg
 
 
 def best_of(rows: list[dict], shape: str, cache: str, variant: str | None = None) -> dict | None:
@@ -207,6 +231,7 @@ def run_sweep(args: argparse.Namespace, t0: float) -> dict:
     seen: set[tuple] = set()
 
     def try_cfg(p: Problem, cfg: Cfg, tag: str) -> None:
+        cfg = normalized(p, cfg)
         # NOTE: programs per SM only matter through the split count they give.
         key = (p.shape, p.cache, cfg._replace(programs_per_sm=num_splits(p, cfg)))
         if key not in seen:
@@ -217,10 +242,8 @@ def run_sweep(args: argparse.Namespace, t0: float) -> dict:
     for key in pairs:
         p = problems[key]
         try_cfg(p, default_cfg(p), "default")
-        pps = default_cfg(p).programs_per_sm
-        for variant in VARIANTS:
-            for prefetch, clamp in PHASE1:
-                try_cfg(p, Cfg(variant, *BASE[variant], prefetch, pps, clamp), "base")
+        for start in PHASE1:
+            try_cfg(p, default_cfg(p)._replace(**start), "base")
     print(f"phase 1 done at {time.time() - t0:.0f} s; phase 2: one knob at a time", flush=True)
     # First each variant's own best on the FP8 pairs (a variant may lose at base tiles and win
     # tuned), then the overall best of every pair, repeated while it improves.
@@ -265,7 +288,8 @@ def run_sweep(args: argparse.Namespace, t0: float) -> dict:
                 print(f"  best {variant:6s} {key[0]:8s} {key[1]:5s} {b['us']:8.1f} us "
                       f"{b['gbs']:6.0f} GB/s  bn={b['block_n']} w={b['num_warps']} "
                       f"s={b['num_stages']} pf={int(b['prefetch'])} "
-                      f"ct={int(b['clamp_tokens'])} pps={b['programs_per_sm']}")
+                      f"ct={int(b['clamp_tokens'])} al={int(b['aligned'])} "
+                      f"asm={int(b['asm_cvt'])} pps={b['programs_per_sm']}")
     failed = [r for r in rows if "max_err" in r and not r["ok"]]
     for r in failed:
         print(f"WRONG RESULT: {r['shape']} {r['cache']} {r['variant']} err={r['max_err']:.3g}")
@@ -284,10 +308,9 @@ def run_ncu(args: argparse.Namespace) -> dict:
             if row:
                 cfgs.append(Cfg(*(row[f] for f in Cfg._fields)))
             elif not args.from_json:
-                cfgs += [Cfg(v, *BASE[v], pf, cfgs[0].programs_per_sm, ct) for v in VARIANTS
-                         for pf, ct in PHASE1]
+                cfgs += [cfgs[0]._replace(**start) for start in PHASE1]
             out = torch.empty_like(p.q)
-            for cfg in dict.fromkeys(cfgs):
+            for cfg in dict.fromkeys(normalized(p, c) for c in cfgs):
                 print(f"ncu launch: {shape} {cache} {cfg.label()}", flush=True)
                 try:
                     launch(p, cfg, out)
@@ -303,7 +326,7 @@ def run_ncu(args: argparse.Namespace) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="write the results here as JSON")
-    parser.add_argument("--budget-s", type=float, default=150.0,
+    parser.add_argument("--budget-s", type=float, default=160.0,
                         help="stop starting new configs after this many seconds")
     parser.add_argument("--shapes", default="w1,llama8b", help=f"subset of {list(SHAPES)}")
     parser.add_argument("--caches", default="bf16,fp8", help=f"subset of {list(CACHES)}")

@@ -14,23 +14,31 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import (FP8_DTYPES, check_block_size, check_q_and_caches, check_window_and_out,
-                                      dot_precision, is_gpu, kv_dot_dtype, next_pow2, num_sms)
+from peregrine.kernels._utils import (FP8_DTYPES, check_block_size, check_q_and_caches,
+                                      check_window_and_out, dot_precision, is_gpu, kv_dot_dtype,
+                                      next_pow2, num_sms)
 
 _MIN_SPLIT_LEN = 256  # tokens; shorter splits cost more in the merge than they win in parallelism
 _MAX_SPLITS = 64
 _PROGRAMS_PER_SM = 4
 
 
-# Variants of the split kernel (VARIANT constexpr), chosen per launch by _pick_config:
+# Variants of the split kernel (VARIANT constexpr), chosen per launch by pick_config:
 #   "dot":    K loaded as (D, N), scores and P.V on tensor cores (tl.dot; the q heads of one kv
 #             head are padded to 16 rows).
 #   "dot_kt": K loaded as (N, D), d fastest like the cache, transposed in registers for the dot.
 #   "fma":    no tl.dot: fp32 broadcast multiplies on CUDA cores, reduced over D for the scores;
 #             every token row of the tile keeps its own softmax state and output rows, so the
 #             loop never reduces across tokens (one reduction at the end).
-# PREFETCH: the next tile's block ids, K and V are loaded before the current tile is computed
-# (register double buffering), so the gathered loads of two tiles are in flight at once.
+# Options of every variant (constexpr flags; DecodeConfig):
+#   PREFETCH:     the next tile's block ids, K and V are loaded before the current tile is
+#                 computed (register double buffering).
+#   CLAMP_TOKENS: tile tokens past the end re-read real rows instead of predicated loads.
+#   ALIGNED:      tiles start on a multiple of BLOCK_N, so addresses split into a per-tile block
+#                 id and a per-lane offset computed once (fewer integer ops per token).
+#   ASM_CVT:      (dot variants, FP8 cache, CUDA) FP8 -> fp16 in registers by inline PTX right
+#                 after the load. NOTE: without it the compiler stages the FP8 tile in shared
+#                 memory and reads V back byte by byte to transpose it for the dot operand.
 VARIANTS = ("dot", "dot_kt", "fma")
 _VARIANT_IDS = {name: i for i, name in enumerate(VARIANTS)}
 
@@ -39,47 +47,89 @@ _VARIANT_IDS = {name: i for i, name in enumerate(VARIANTS)}
 def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kvh,
                   stride_kc_b, stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s, stride_vc_h,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, VARIANT: tl.constexpr, CLAMP_TOKENS: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, VARIANT: tl.constexpr, CLAMP_TOKENS: tl.constexpr,
+                  ALIGNED: tl.constexpr):
     """Raw K and V tiles of tokens n0 .. n0 + BLOCK_N, shaped for VARIANT: "dot" K (BD, BN),
-    V (BN, BD); "dot_kt" both (BN, BD); "fma" both (1, BN, BD). Tokens at or past `end` are
-    zeros, or with CLAMP_TOKENS copies of token end - 1 (end >= 1): unmasked loads, and the caller
-    masks their scores."""
+    V (BN, BD); "dot_kt" both (BN, BD); "fma" both (1, BN, BD). Tokens at or past `end` (>= 1)
+    are zeros, or with CLAMP_TOKENS unpredicated re-reads of real cache rows (token end - 1, or
+    with ALIGNED K of the last block's slots, V still zeros); the caller masks their scores.
+    ALIGNED: n0 is a multiple of BLOCK_N, so a token's block and slot split into a per-tile
+    part and a per-lane part that stays the same every tile (addresses hoisted out of the loop)."""
+    offs_n = tl.arange(0, BLOCK_N)  # (BN,)
     offs_d = tl.arange(0, BLOCK_D)  # (BD,)
-    tok = n0 + tl.arange(0, BLOCK_N)  # (BN,)
+    tok = n0 + offs_n  # (BN,)
     d_mask = offs_d < HEAD_DIM
-    if CLAMP_TOKENS:
-        tok = tl.minimum(tok, end - 1)
-        n_mask = tok >= 0  # (BN,) all true
-        blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)  # (BN,)
+    v_n_mask = tok < end
+    if ALIGNED:
+        if BLOCK_N >= BLOCK_SIZE:
+            idx = n0 // BLOCK_SIZE + offs_n // BLOCK_SIZE  # (BN,)
+            off = offs_n % BLOCK_SIZE  # (BN,) the same every tile
+        else:
+            idx = n0 // BLOCK_SIZE + offs_n * 0  # (BN,)
+            off = n0 % BLOCK_SIZE + offs_n  # (BN,)
+        if CLAMP_TOKENS:
+            idx = tl.minimum(idx, (end - 1) // BLOCK_SIZE)
+            k_n_mask = offs_n >= 0  # (BN,) all true
+            blk = tl.load(bt_row + idx).to(tl.int64)  # (BN,)
+        else:
+            k_n_mask = v_n_mask
+            blk = tl.load(bt_row + idx, mask=v_n_mask, other=0).to(tl.int64)  # (BN,)
     else:
-        n_mask = tok < end
-        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)  # (BN,)
-    off = tok % BLOCK_SIZE  # (BN,)
-    k_row = blk * stride_kc_b + off * stride_kc_s + kvh * stride_kc_h  # (BN,)
-    v_row = blk * stride_vc_b + off * stride_vc_s + kvh * stride_vc_h  # (BN,)
+        if CLAMP_TOKENS:
+            tok = tl.minimum(tok, end - 1)
+            v_n_mask = tok >= 0  # (BN,) all true
+            blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)  # (BN,)
+        else:
+            blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=v_n_mask, other=0).to(tl.int64)  # (BN,)
+        k_n_mask = v_n_mask
+        off = tok % BLOCK_SIZE  # (BN,)
+    k_row = blk * stride_kc_b + (off * stride_kc_s + kvh * stride_kc_h)  # (BN,)
+    v_row = blk * stride_vc_b + (off * stride_vc_s + kvh * stride_vc_h)  # (BN,)
     if VARIANT == 2:
         # NOTE: loaded 3-D, so the (G, N, D) products take the load's layout (d in registers
         # and a few lanes) instead of a default one that spreads d over every warp.
         k_ptrs = k_cache_ptr + k_row[None, :, None] + offs_d[None, None, :]  # (1, BN, BD)
         v_ptrs = v_cache_ptr + v_row[None, :, None] + offs_d[None, None, :]  # (1, BN, BD)
-        k_mask = (n_mask[:, None] & d_mask[None, :])[None, :, :]
-        v_mask = k_mask
+        k_mask = (k_n_mask[:, None] & d_mask[None, :])[None, :, :]
+        v_mask = (v_n_mask[:, None] & d_mask[None, :])[None, :, :]
     else:
         if VARIANT == 1:
             k_ptrs = k_cache_ptr + k_row[:, None] + offs_d[None, :]  # (BN, BD)
-            k_mask = n_mask[:, None] & d_mask[None, :]
+            k_mask = k_n_mask[:, None] & d_mask[None, :]
         else:
             k_ptrs = k_cache_ptr + k_row[None, :] + offs_d[:, None]  # (BD, BN)
-            k_mask = d_mask[:, None] & n_mask[None, :]
+            k_mask = d_mask[:, None] & k_n_mask[None, :]
         v_ptrs = v_cache_ptr + v_row[:, None] + offs_d[None, :]  # (BN, BD)
-        v_mask = n_mask[:, None] & d_mask[None, :]
-    if CLAMP_TOKENS and HEAD_DIM == BLOCK_D:  # every address is a real token's: no predicate at all
+        v_mask = v_n_mask[:, None] & d_mask[None, :]
+    if CLAMP_TOKENS and HEAD_DIM == BLOCK_D:  # K: no predicate at all
         k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
     else:
         k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+    if CLAMP_TOKENS and HEAD_DIM == BLOCK_D and not ALIGNED:  # V: every row a real token's
+        v = tl.load(v_ptrs)
+    else:
         v = tl.load(v_ptrs, mask=v_mask, other=0.0)
     return k, v
+
+
+@triton.jit
+def _fp8_to_f16(x, E5M2: tl.constexpr):
+    """FP8 -> fp16, two packed hardware conversions per four elements, as an opaque step: the
+    compiler keeps it where it stands (right after the load) instead of moving it past the
+    layout change into shared memory, so the tile goes to shared memory as fp16 (ldmatrix),
+    not as FP8 bytes read back one by one. CUDA only."""
+    bits = x.to(tl.int8, bitcast=True)
+    if E5M2:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b16 a, b; mov.b32 {a, b}, $2; "
+            "cvt.rn.f16x2.e5m2x2 $0, a; cvt.rn.f16x2.e5m2x2 $1, b; }",
+            "=r,=r,r", [bits], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b16 a, b; mov.b32 {a, b}, $2; "
+            "cvt.rn.f16x2.e4m3x2 $0, a; cvt.rn.f16x2.e4m3x2 $1, b; }",
+            "=r,=r,r", [bits], dtype=tl.float16, is_pure=False, pack=4)
+    return y
 
 
 # NOTE: ints that change with the batch are not specialised on (==1, %16): each new value would
@@ -99,7 +149,8 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, HAS_WINDOW: tl.constexpr,
     CLAMP_Q: tl.constexpr, VARIANT: tl.constexpr, PREFETCH: tl.constexpr, KV_FP8: tl.constexpr,
-    CLAMP_TOKENS: tl.constexpr,
+    CLAMP_TOKENS: tl.constexpr, ALIGNED: tl.constexpr, ASM_CVT: tl.constexpr,
+    KV_E5M2: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -111,6 +162,9 @@ def _decode_split_kernel(
     end = tl.minimum(start + split_len, seq_len)
     if HAS_WINDOW:  # the query at seq_len - 1 sees keys seq_len - window .. seq_len - 1
         start = tl.maximum(start, seq_len - window)
+    lo = start  # the first key this program attends to
+    if ALIGNED:  # tiles start on a multiple of BLOCK_N; keys before lo are masked
+        start = start - start % BLOCK_N
 
     offs_g = tl.arange(0, BLOCK_G)  # (BG,)
     offs_d = tl.arange(0, BLOCK_D)  # (BD,)
@@ -142,21 +196,26 @@ def _decode_split_kernel(
         k_raw, v_raw = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, start, end, kvh,
                                      stride_kc_b, stride_kc_s, stride_kc_h,
                                      stride_vc_b, stride_vc_s, stride_vc_h,
-                                     HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT, CLAMP_TOKENS)
+                                     HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT,
+                                     CLAMP_TOKENS, ALIGNED)
     for n0 in range(start, end, BLOCK_N):
         n_mask = n0 + offs_n < end  # (BN,)
+        if ALIGNED and HAS_WINDOW:
+            n_mask = n_mask & (n0 + offs_n >= lo)
         if PREFETCH:
             k_cur = k_raw
             v_cur = v_raw
             k_raw, v_raw = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0 + BLOCK_N, end,
                                          kvh, stride_kc_b, stride_kc_s, stride_kc_h,
                                          stride_vc_b, stride_vc_s, stride_vc_h,
-                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT, CLAMP_TOKENS)
+                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT,
+                                         CLAMP_TOKENS, ALIGNED)
         else:
             k_cur, v_cur = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kvh,
                                          stride_kc_b, stride_kc_s, stride_kc_h,
                                          stride_vc_b, stride_vc_s, stride_vc_h,
-                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT, CLAMP_TOKENS)
+                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT,
+                                         CLAMP_TOKENS, ALIGNED)
         # NOTE: the K scale is inside scale_log2 and the V scale is applied by the merge, so an
         # FP8 tile costs one conversion per element here and nothing more.
         if VARIANT == 2:
@@ -174,6 +233,9 @@ def _decode_split_kernel(
             acc = acc * alpha[:, :, None] + p[:, :, None] * v  # (BG, BN, BD)
             m_i = m_new
         else:
+            if ASM_CVT:
+                k_cur = _fp8_to_f16(k_cur, KV_E5M2)
+                v_cur = _fp8_to_f16(v_cur, KV_E5M2)
             if VARIANT == 1:
                 k_t = tl.trans(k_cur.to(DOT_DTYPE))  # (BD, BN)
             else:
@@ -241,8 +303,10 @@ def _decode_merge_kernel(
 class DecodeConfig(NamedTuple):
     """How the split kernel runs: variant (one of VARIANTS), tokens per tile, warps, pipeline
     stages, register prefetch of the next tile, programs per SM the split length aims at, and
-    whether tile tokens past the end re-read the last token (unpredicated loads) instead of
-    being masked."""
+    whether tile tokens past the end re-read real cache rows (unpredicated loads) instead of
+    being masked, whether tiles start on a multiple of block_n (hoisted addresses), and whether
+    an FP8 tile of the dot variants is converted to fp16 in registers right after its load
+    (inline PTX; CUDA only, ignored elsewhere and for 16-bit caches)."""
     variant: str
     block_n: int
     num_warps: int
@@ -250,6 +314,8 @@ class DecodeConfig(NamedTuple):
     prefetch: bool
     programs_per_sm: int
     clamp_tokens: bool
+    aligned: bool
+    asm_cvt: bool
 
 
 def pick_config(q_dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
@@ -258,11 +324,11 @@ def pick_config(q_dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
     so one model always runs, and precompile() compiles, the same variant. The one place to
     change the rule."""
     if not on_gpu:  # the interpreter: small tiles keep it fast
-        return DecodeConfig("dot", 16, 4, 2, False, _PROGRAMS_PER_SM, False)
+        return DecodeConfig("dot", 16, 4, 2, False, _PROGRAMS_PER_SM, False, False, False)
     if q_dtype == torch.float32:
         # NOTE: fp32 inputs run 3-pass tf32 dots on a GPU; a narrower tile keeps them from spilling.
-        return DecodeConfig("dot", 32, 8, 2, False, _PROGRAMS_PER_SM, False)
-    return DecodeConfig("dot", 64, 4, 2, False, _PROGRAMS_PER_SM, False)
+        return DecodeConfig("dot", 32, 8, 2, False, _PROGRAMS_PER_SM, False, False, False)
+    return DecodeConfig("dot", 64, 4, 2, False, _PROGRAMS_PER_SM, False, False, False)
 
 
 def decode_split_len(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
@@ -283,13 +349,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            k_scale: float = 1.0, v_scale: float = 1.0, num_warps: int | None = None,
                            num_stages: int | None = None, variant: str | None = None,
                            prefetch: bool | None = None,
-                           clamp_tokens: bool | None = None) -> torch.Tensor:
+                           clamp_tokens: bool | None = None,
+                           aligned: bool | None = None,
+                           asm_cvt: bool | None = None) -> torch.Tensor:
     """Attention of one query token per sequence, q (B, Hq, D), over its whole paged context of
     seq_lens[b] <= block_table.shape[1] * block_size tokens (only the last `window` tokens with a
     sliding window); returns out (B, Hq, D). A sequence with seq_len 0 (CUDA-graph padding)
     gets zeros. The caches hold k / k_scale and v / v_scale (any float type, FP8 included).
-    variant, block_n, num_warps, num_stages, prefetch, clamp_tokens override pick_config's
-    choice."""
+    variant, block_n, num_warps, num_stages, prefetch, clamp_tokens, aligned, asm_cvt override
+    pick_config's choice (DecodeConfig says what each does)."""
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = check_q_and_caches(q, k_cache, v_cache)
     if block_table.shape[0] != batch or seq_lens.shape != (batch,):
@@ -299,7 +367,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"paged_decode_attention: unknown variant {variant!r} "
                          f"(expected one of {VARIANTS})")
-    out = check_window_and_out("paged_decode_attention", q, out, k_cache, v_cache, window)  # (B, Hq, D)
+    out = check_window_and_out("paged_decode_attention", q, out, k_cache, v_cache,
+                               window)  # (B, Hq, D)
     if batch == 0:
         return out
     group = num_q_heads // num_kv_heads
@@ -320,6 +389,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_d = max(16, next_pow2(head_dim))
     variant = variant or cfg.variant
     dot_type, clamp_q = kv_dot_dtype(q, k_cache)
+    kv_fp8 = k_cache.dtype in FP8_DTYPES
     # NOTE: tl.dot needs 16 rows; the CUDA-core variant computes only the real q heads.
     block_g = next_pow2(group) if variant == "fma" else max(16, next_pow2(group))
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
@@ -336,8 +406,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         DOT_DTYPE=dot_type, DOT_PREC=dot_precision(q), HAS_WINDOW=window is not None,
         CLAMP_Q=clamp_q, VARIANT=_VARIANT_IDS[variant],
         PREFETCH=cfg.prefetch if prefetch is None else prefetch,
-        KV_FP8=k_cache.dtype in FP8_DTYPES,
+        KV_FP8=kv_fp8,
         CLAMP_TOKENS=cfg.clamp_tokens if clamp_tokens is None else clamp_tokens,
+        ALIGNED=cfg.aligned if aligned is None else aligned,
+        ASM_CVT=(cfg.asm_cvt if asm_cvt is None else asm_cvt) and is_gpu(q) and kv_fp8
+        and variant != "fma",
+        KV_E5M2=k_cache.dtype == torch.float8_e5m2,
         num_warps=num_warps or cfg.num_warps,
         num_stages=num_stages or cfg.num_stages,
     )

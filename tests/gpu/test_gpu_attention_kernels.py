@@ -263,16 +263,20 @@ def test_decode_fp8_cuda_graph_replays_with_scales() -> None:
 
 
 # --- split-kernel variants (decode_attention.VARIANTS) -----------------------------------------
-# (variant, prefetch, clamp_tokens): each as compiled for the GPU, whatever pick_config chooses.
-VARIANT_CASES = [(v, pf, ct) for v in VARIANTS for pf, ct in ((False, False), (False, True),
-                                                              (True, True))]
-VARIANT_IDS = [f"{v}{'-prefetch' if pf else ''}{'-clamp' if ct else ''}"
-               for v, pf, ct in VARIANT_CASES]
+# (prefetch, clamp_tokens, aligned, asm_cvt) per variant: each as compiled for the GPU,
+# whatever pick_config chooses.
+OPTION_SETS = ((False, False, False, False), (False, False, True, True), (False, True, True, True),
+               (True, True, True, True), (True, True, False, False))
+VARIANT_CASES = [(v, *opts) for v in VARIANTS for opts in OPTION_SETS]
+_OPTION_NAMES = ("prefetch", "clamp", "aligned", "asm")
+VARIANT_IDS = ["-".join([v] + [n for n, on in zip(_OPTION_NAMES, o) if on])
+               for v, *o in VARIANT_CASES]
 
 
-@pytest.mark.parametrize("variant,prefetch,clamp", VARIANT_CASES, ids=VARIANT_IDS)
+@pytest.mark.parametrize("variant,prefetch,clamp,aligned,asm", VARIANT_CASES, ids=VARIANT_IDS)
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8], ids=["bf16", *FP8_IDS])
 def test_decode_variant_matches_reference(variant: str, prefetch: bool, clamp: bool,
+                                          aligned: bool, asm: bool,
                                           cache_dtype: torch.dtype) -> None:
     """Every variant at Qwen3-0.6B's heads and at Llama-3-8B's with a sliding window, bf16
     queries, several tiles and splits; FP8 against the dequantized cache."""
@@ -280,7 +284,8 @@ def test_decode_variant_matches_reference(variant: str, prefetch: bool, clamp: b
     for (hq, hkv), window in zip(FP8_HEADS, (None, 700)):
         q, kc, vc, bt, sl, _ = paged_inputs(decode_lens(batch, ctx), [1] * batch, hq, hkv, 128,
                                             torch.bfloat16)
-        kw: dict = dict(variant=variant, prefetch=prefetch, clamp_tokens=clamp)
+        kw: dict = dict(variant=variant, prefetch=prefetch, clamp_tokens=clamp, aligned=aligned,
+                        asm_cvt=asm)
         kd, vd = kc, vc
         if cache_dtype != torch.bfloat16:
             kc, vc, kd, vd = _fp8(kc, vc, cache_dtype)
@@ -295,8 +300,8 @@ def test_decode_variant_matches_reference(variant: str, prefetch: bool, clamp: b
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_decode_variant_cuda_graph_replays_with_new_lengths(variant: str) -> None:
-    """Captured once with prefetch and clamped tokens, replayed over new lengths (0 included),
-    block tables and queries."""
+    """Captured once with every option on, replayed over new lengths (0 included), block tables
+    and queries."""
     batch, hq, hkv, head_dim, width = 8, 16, 8, 128, 128
     q, kc, vc, bt, sl, _ = paged_inputs([width * 16] * batch, [1] * batch, hq, hkv, head_dim,
                                         torch.bfloat16, width=width)
@@ -305,7 +310,7 @@ def test_decode_variant_cuda_graph_replays_with_new_lengths(variant: str) -> Non
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
     out = torch.empty_like(q)
     kw = dict(out=out, k_scale=K_SCALE, v_scale=V_SCALE, variant=variant, prefetch=True,
-              clamp_tokens=True)
+              clamp_tokens=True, aligned=True, asm_cvt=True)
     paged_decode_attention(q, kq, vq, bt, sl, scale, **kw)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

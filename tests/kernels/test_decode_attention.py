@@ -140,18 +140,19 @@ def test_decode_fp8_scales_fold_into_scores_and_output() -> None:
     assert not torch.allclose(plain, scaled, atol=1e-2)
 
 
-# (variant, prefetch, clamp_tokens)
-VARIANT_CASES = [(v, pf, ct) for v in VARIANTS for pf, ct in ((False, False), (False, True),
-                                                              (True, True))]
-VARIANT_IDS = [f"{v}{'-prefetch' if pf else ''}{'-clamp' if ct else ''}"
-               for v, pf, ct in VARIANT_CASES]
+# (variant, prefetch, clamp_tokens, aligned)
+OPTION_SETS = ((False, False, False), (False, True, True), (True, True, True),
+               (True, False, True))
+VARIANT_CASES = [(v, *opts) for v in VARIANTS for opts in OPTION_SETS]
+VARIANT_IDS = [f"{v}{'-prefetch' if pf else ''}{'-clamp' if ct else ''}{'-aligned' if al else ''}"
+               for v, pf, ct, al in VARIANT_CASES]
 
 
 @pytest.mark.slow  # ~5 s each under the interpreter
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8_DTYPES], ids=["bf16", *FP8_IDS])
-@pytest.mark.parametrize("variant,prefetch,clamp", VARIANT_CASES, ids=VARIANT_IDS)
+@pytest.mark.parametrize("variant,prefetch,clamp,aligned", VARIANT_CASES, ids=VARIANT_IDS)
 def test_every_variant_matches_reference_for_every_group(variant: str, prefetch: bool,
-                                                         clamp: bool,
+                                                         clamp: bool, aligned: bool,
                                                          cache_dtype: torch.dtype) -> None:
     """GQA groups 1, 2, 4, 8 (one with a sliding window each other time), several splits with
     partial tiles, bf16 queries; FP8 caches with K/V scales, against the dequantized cache."""
@@ -159,7 +160,7 @@ def test_every_variant_matches_reference_for_every_group(variant: str, prefetch:
         case = make_paged_case([1, 30, 71], [1, 1, 1], 2 * group, 2, head_dim=32,
                                dtype=torch.bfloat16, seed=group)
         kw = dict(split_len=32, window=window, variant=variant, prefetch=prefetch,
-                  clamp_tokens=clamp)
+                  clamp_tokens=clamp, aligned=aligned)
         if cache_dtype == torch.bfloat16:
             quant = deq = case
         else:
@@ -170,31 +171,46 @@ def test_every_variant_matches_reference_for_every_group(variant: str, prefetch:
                                    **TOLERANCES[torch.bfloat16], msg=f"group {group}")
 
 
-@pytest.mark.parametrize("head_dim", [32, 40])
-@pytest.mark.parametrize("variant,prefetch,clamp", VARIANT_CASES, ids=VARIANT_IDS)
+@pytest.mark.parametrize("variant,prefetch,clamp,aligned", VARIANT_CASES, ids=VARIANT_IDS)
 def test_every_variant_is_exact_in_fp32_with_empty_and_windowed_splits(
-        variant: str, prefetch: bool, clamp: bool, head_dim: int) -> None:
+        variant: str, prefetch: bool, clamp: bool, aligned: bool) -> None:
     """fp32 leaves no rounding to hide behind: a padding sequence gives zeros, splits wholly
-    before the window contribute nothing, a group of 3 pads to 4 rows, a head dim of 40 pads
-    to 64 columns; table entries past a sequence point outside the cache."""
+    before the window contribute nothing, windows start mid-tile, a group of 3 pads to 4 rows;
+    table entries past a sequence point outside the cache. With clamped tokens a head dim of
+    40 (padded to 64 columns) keeps the column mask."""
+    head_dim = 40 if clamp else 32
     case = make_paged_case([20, 1, 100], [1, 1, 1], 6, 2, head_dim=head_dim)
     seq_lens = case.seq_lens.clone()
     seq_lens[1] = 0
     case = case._replace(seq_lens=seq_lens)
-    out = _run(case, split_len=16, window=30, variant=variant, prefetch=prefetch,
-               clamp_tokens=clamp)
+    out = _run(case, split_len=32, window=30, variant=variant, prefetch=prefetch,
+               clamp_tokens=clamp, aligned=aligned)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     torch.testing.assert_close(out[[0, 2]], exact_reference(case, SCALE, 30)[[0, 2]],
                                atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_aligned_tiles_smaller_than_a_block(variant: str) -> None:
+    """Aligned tiles of 16 tokens in blocks of 32 (the tile's slot offset moves every tile),
+    clamped at the last block, with a window starting mid-tile."""
+    case = make_paged_case([45, 100], [1, 1], 4, 2, head_dim=32, block_size=32)
+    for window in (None, 37):
+        out = _run(case, split_len=64, block_n=16, window=window, variant=variant,
+                   aligned=True, clamp_tokens=True)
+        torch.testing.assert_close(out, exact_reference(case, SCALE, window), atol=1e-5,
+                                   rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_every_variant_reads_an_fp8_cache_with_scales(variant: str) -> None:
-    """The fast tier's FP8 check of each variant (group 2, e4m3, prefetch on for two of them)."""
+    """The fast tier's FP8 check of each variant (group 2, e4m3, options on for some); the
+    inline-PTX conversion is asked for and, under the interpreter, left out."""
     case = make_paged_case([9, 40], [1, 1], 4, 2, head_dim=32, dtype=torch.bfloat16)
     quant, deq = fp8_case(case, torch.float8_e4m3fn)
     out = _run(quant, split_len=32, variant=variant, prefetch=variant != "dot_kt",
-               clamp_tokens=variant != "dot", k_scale=K_SCALE, v_scale=V_SCALE)
+               clamp_tokens=variant != "dot", aligned=variant != "fma", asm_cvt=True,
+               k_scale=K_SCALE, v_scale=V_SCALE)
     torch.testing.assert_close(out.float(), exact_reference(deq, SCALE),
                                **TOLERANCES[torch.bfloat16])
 
