@@ -318,17 +318,29 @@ class DecodeConfig(NamedTuple):
     asm_cvt: bool
 
 
+# The launch rule, by where the kernel runs and what it reads; the one place to change it (the
+# choices are measured by benchmarks/decode_attn_bench.py).
+_CONFIGS = {
+    # the interpreter: small tiles keep it fast
+    "cpu": DecodeConfig("dot", 16, 4, 2, False, _PROGRAMS_PER_SM, False, False, False),
+    # NOTE: fp32 inputs run 3-pass tf32 dots on a GPU; a narrower tile keeps them from spilling.
+    "cuda-fp32": DecodeConfig("dot", 32, 8, 2, False, _PROGRAMS_PER_SM, False, False, False),
+    "cuda-16bit-cache": DecodeConfig("dot", 64, 4, 2, False, _PROGRAMS_PER_SM, False, False,
+                                     False),
+    "cuda-fp8-cache": DecodeConfig("dot", 64, 4, 2, False, _PROGRAMS_PER_SM, False, False,
+                                   False),
+}
+
+
 def pick_config(q_dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
                 on_gpu: bool) -> DecodeConfig:
     """The split kernel's launch choice from dtypes and the GQA group only (never batch values),
-    so one model always runs, and precompile() compiles, the same variant. The one place to
-    change the rule."""
-    if not on_gpu:  # the interpreter: small tiles keep it fast
-        return DecodeConfig("dot", 16, 4, 2, False, _PROGRAMS_PER_SM, False, False, False)
+    so one model always runs, and precompile() compiles, the same variant."""
+    if not on_gpu:
+        return _CONFIGS["cpu"]
     if q_dtype == torch.float32:
-        # NOTE: fp32 inputs run 3-pass tf32 dots on a GPU; a narrower tile keeps them from spilling.
-        return DecodeConfig("dot", 32, 8, 2, False, _PROGRAMS_PER_SM, False, False, False)
-    return DecodeConfig("dot", 64, 4, 2, False, _PROGRAMS_PER_SM, False, False, False)
+        return _CONFIGS["cuda-fp32"]
+    return _CONFIGS["cuda-fp8-cache" if cache_dtype in FP8_DTYPES else "cuda-16bit-cache"]
 
 
 def decode_split_len(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
