@@ -67,6 +67,19 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def has_fp8_convert(device: torch.device) -> bool:
+    """True on a CUDA GPU with the packed FP8 -> fp16 conversion instructions (sm_89 and later)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= (8, 9)
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of device; a small fixed number on CPU (the interpreter)."""
     if device.type != "cuda":

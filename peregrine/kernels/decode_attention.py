@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from peregrine.kernels._utils import (FP8_DTYPES, check_block_size, check_q_and_caches,
-                                      check_window_and_out, dot_precision, is_gpu, kv_dot_dtype,
-                                      next_pow2, num_sms)
+                                      check_window_and_out, dot_precision, has_fp8_convert,
+                                      is_gpu, kv_dot_dtype, next_pow2, num_sms)
 
 _MIN_SPLIT_LEN = 256  # tokens; shorter splits cost more in the merge than they win in parallelism
 _MAX_SPLITS = 64
@@ -306,7 +306,7 @@ class DecodeConfig(NamedTuple):
     whether tile tokens past the end re-read real cache rows (unpredicated loads) instead of
     being masked, whether tiles start on a multiple of block_n (hoisted addresses), and whether
     an FP8 tile of the dot variants is converted to fp16 in registers right after its load
-    (inline PTX; CUDA only, ignored elsewhere and for 16-bit caches)."""
+    (inline PTX; CUDA sm_89+ only, ignored elsewhere and for 16-bit caches)."""
     variant: str
     block_n: int
     num_warps: int
@@ -421,8 +421,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         KV_FP8=kv_fp8,
         CLAMP_TOKENS=cfg.clamp_tokens if clamp_tokens is None else clamp_tokens,
         ALIGNED=cfg.aligned if aligned is None else aligned,
-        ASM_CVT=(cfg.asm_cvt if asm_cvt is None else asm_cvt) and is_gpu(q) and kv_fp8
-        and variant != "fma",
+        ASM_CVT=(cfg.asm_cvt if asm_cvt is None else asm_cvt) and kv_fp8 and variant != "fma"
+        and has_fp8_convert(q.device),
         KV_E5M2=k_cache.dtype == torch.float8_e5m2,
         num_warps=num_warps or cfg.num_warps,
         num_stages=num_stages or cfg.num_stages,
