@@ -5,11 +5,12 @@ Usage (H200): python benchmarks/decode_attn_bench.py --out /tmp/decode_attn.json
 Shapes: w1 = Qwen3-0.6B (16 q / 8 kv heads, D=128, block 16), 1,000 sequences of 900-1,100
 tokens; llama8b = Llama-3-8B (32 q / 8 kv heads), 256 sequences of 1,800-2,200 tokens. Caches:
 bf16, and FP8 e4m3 holding k / K_SCALE, v / V_SCALE (bf16 queries either way).
-Phase 1 times the launcher's default and a list of starting points (PHASE1: every variant
-with the options of decode_attention.DecodeConfig) for every (shape, cache); phase 2 walks one
-knob at a time (BLOCK_N, num_warps, num_stages, programs per SM, prefetch, clamped tokens,
-aligned tiles, inline-PTX FP8 conversion) away from each variant's best on the FP8 pairs, then
-from each pair's best, until the budget is spent. Each config: triton.testing.do_bench (no CUDA
+Phase 1 times the launcher's default and a list of starting points (PHASE1: changes to the
+former single choice, every variant and option of decode_attention.DecodeConfig) for every
+(shape, cache); phase 2 walks one knob at a time (BLOCK_N, num_warps, num_stages, programs per
+SM, prefetch, clamped tokens, aligned tiles, inline-PTX FP8 conversion, heads-first grid) away
+from each variant's best on the FP8 pairs, then from each pair's best, until the budget is
+spent. Each config: triton.testing.do_bench (no CUDA
 graph, warm-up first), µs, GB/s (K+V read + q + output) against the 4.2 TB/s HBM peak, the
 max abs error against the fp32 torch reference on the same (dequantized) cache; a config that
 fails to compile is printed and skipped. The best correct config per (shape, cache) is printed
@@ -62,32 +63,37 @@ class Cfg(NamedTuple):
     clamp_tokens: bool
     aligned: bool
     asm_cvt: bool
+    heads_first: bool
 
     def label(self) -> str:
         return (f"{self.variant:6s} bn={self.block_n:<3d} w={self.num_warps} s={self.num_stages} "
                 f"pf={int(self.prefetch)} ct={int(self.clamp_tokens)} al={int(self.aligned)} "
-                f"asm={int(self.asm_cvt)} pps={self.programs_per_sm:<3d}")
+                f"asm={int(self.asm_cvt)} hf={int(self.heads_first)} "
+                f"pps={self.programs_per_sm:<3d}")
 
 
-# Phase 1: starting points, the most promising for FP8 first; fields not given are the
-# launcher's default for the (shape, cache).
+# Phase 1: starting points, each a change to FORMER (the single choice before the variants);
+# the launcher's current choice for the (shape, cache) is timed too ("default").
+FORMER = dict(variant="dot", block_n=64, num_warps=4, num_stages=2, prefetch=False,
+              clamp_tokens=False, aligned=False, asm_cvt=False, heads_first=False)
 PHASE1 = (
-    dict(variant="dot", aligned=True, asm_cvt=True),
-    dict(variant="dot", aligned=True, asm_cvt=True, num_stages=1),
-    dict(variant="dot", aligned=True, asm_cvt=True, clamp_tokens=True),
-    dict(variant="dot", aligned=True),
-    dict(variant="dot", prefetch=True, clamp_tokens=True),
-    dict(variant="dot", aligned=True, asm_cvt=True, block_n=128, num_warps=8),
-    dict(variant="dot_kt", aligned=True, asm_cvt=True),
-    dict(variant="fma", block_n=16, aligned=True, clamp_tokens=True),
-    dict(variant="fma", block_n=32, aligned=True),
-    dict(variant="fma", block_n=16),
+    dict(),
+    dict(heads_first=True),
+    dict(variant="fma", block_n=16, num_warps=2, num_stages=3),
+    dict(variant="fma", block_n=16, num_warps=2, num_stages=3, heads_first=True),
+    dict(num_warps=2, clamp_tokens=True, aligned=True),
+    dict(num_warps=2, clamp_tokens=True, aligned=True, heads_first=True),
+    dict(clamp_tokens=True, aligned=True),
+    dict(clamp_tokens=True, aligned=True, heads_first=True),
+    dict(aligned=True, asm_cvt=True, num_stages=1),
+    dict(aligned=True, asm_cvt=True, num_stages=1, heads_first=True),
+    dict(variant="dot_kt", aligned=True),
 )
 # Phase 2 knob values (one knob moved at a time).
 KNOBS = {"block_n": {"dot": (32, 64, 128), "dot_kt": (32, 64, 128), "fma": (16, 32, 64)},
          "num_warps": (2, 4, 8), "num_stages": (1, 2, 3, 4), "programs_per_sm": (4, 16, 64, 128),
          "prefetch": (False, True), "clamp_tokens": (False, True), "aligned": (False, True),
-         "asm_cvt": (False, True)}
+         "asm_cvt": (False, True), "heads_first": (False, True)}
 
 
 class Problem(NamedTuple):
@@ -148,7 +154,7 @@ def launch(p: Problem, cfg: Cfg, out: torch.Tensor) -> None:
                            k_scale=ks, v_scale=vs, num_warps=cfg.num_warps,
                            num_stages=cfg.num_stages, variant=cfg.variant, prefetch=cfg.prefetch,
                            clamp_tokens=cfg.clamp_tokens, aligned=cfg.aligned,
-                           asm_cvt=cfg.asm_cvt)
+                           asm_cvt=cfg.asm_cvt, heads_first=cfg.heads_first)
 
 
 def default_cfg(p: Problem) -> Cfg:
@@ -166,6 +172,11 @@ def num_splits(p: Problem, cfg: Cfg) -> int:
     split_len = decode_split_len(p.q.shape[0], p.k_cache.shape[2], p.block_table.shape[1],
                                  BLOCK_SIZE, DEV, cfg.block_n, cfg.programs_per_sm)
     return -(-p.block_table.shape[1] * BLOCK_SIZE // split_len)
+
+
+def former_cfg(p: Problem) -> Cfg:
+    """The single choice the launcher made before the variants existed."""
+    return Cfg(programs_per_sm=default_cfg(p).programs_per_sm, **FORMER)
 
 
 def measure(p: Problem, cfg: Cfg, rows: list[dict], tag: str) -> dict:
@@ -243,7 +254,7 @@ def run_sweep(args: argparse.Namespace, t0: float) -> dict:
         p = problems[key]
         try_cfg(p, default_cfg(p), "default")
         for start in PHASE1:
-            try_cfg(p, default_cfg(p)._replace(**start), "base")
+            try_cfg(p, former_cfg(p)._replace(**start), "base" if start else "former")
     print(f"phase 1 done at {time.time() - t0:.0f} s; phase 2: one knob at a time", flush=True)
     # First each variant's own best on the FP8 pairs (a variant may lose at base tiles and win
     # tuned), then the overall best of every pair, repeated while it improves.
@@ -269,16 +280,17 @@ def run_sweep(args: argparse.Namespace, t0: float) -> dict:
                   shapes={s: SHAPES[s] for s in args.shapes}, results=rows, best={})
     print(f"\n{len(rows)} configs in {time.time() - t0:.0f} s. Best per (shape, cache):")
     for key in pairs:
-        default = next((r for r in rows if (r["shape"], r["cache"]) == key
-                        and r["tag"] == "default" and r.get("ok")), None)
+        ref_us = {tag: next((r["us"] for r in rows if (r["shape"], r["cache"]) == key
+                             and r["tag"] == tag and r.get("ok")), None)
+                  for tag in ("default", "former")}
         best = best_of(rows, *key)
         result["best"][f"{key[0]}/{key[1]}"] = best
         if best is None:
             print(f"  {key[0]:8s} {key[1]:5s} no correct config")
             continue
-        vs = "" if default is None else f"  (default {default['us']:.1f} us)"
+        vs = ", ".join(f"{tag} {us:.1f} us" for tag, us in ref_us.items() if us is not None)
         print(f"  {key[0]:8s} {key[1]:5s} {Cfg(*(best[f] for f in Cfg._fields)).label()}  "
-              f"{best['us']:8.1f} us {best['gbs']:6.0f} GB/s{vs}")
+              f"{best['us']:8.1f} us {best['gbs']:6.0f} GB/s  ({vs})")
     for variant in VARIANTS:  # each variant's own best, to see which idea carries
         for key in pairs:
             mine = [r for r in rows if (r["shape"], r["cache"]) == key and r.get("ok")
@@ -289,7 +301,8 @@ def run_sweep(args: argparse.Namespace, t0: float) -> dict:
                       f"{b['gbs']:6.0f} GB/s  bn={b['block_n']} w={b['num_warps']} "
                       f"s={b['num_stages']} pf={int(b['prefetch'])} "
                       f"ct={int(b['clamp_tokens'])} al={int(b['aligned'])} "
-                      f"asm={int(b['asm_cvt'])} pps={b['programs_per_sm']}")
+                      f"asm={int(b['asm_cvt'])} hf={int(b['heads_first'])} "
+                      f"pps={b['programs_per_sm']}")
     failed = [r for r in rows if "max_err" in r and not r["ok"]]
     for r in failed:
         print(f"WRONG RESULT: {r['shape']} {r['cache']} {r['variant']} err={r['max_err']:.3g}")
@@ -308,7 +321,7 @@ def run_ncu(args: argparse.Namespace) -> dict:
             if row:
                 cfgs.append(Cfg(*(row[f] for f in Cfg._fields)))
             elif not args.from_json:
-                cfgs += [cfgs[0]._replace(**start) for start in PHASE1]
+                cfgs += [former_cfg(p)._replace(**start) for start in PHASE1]
             out = torch.empty_like(p.q)
             for cfg in dict.fromkeys(normalized(p, c) for c in cfgs):
                 print(f"ncu launch: {shape} {cache} {cfg.label()}", flush=True)

@@ -150,10 +150,14 @@ def _decode_split_kernel(
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, HAS_WINDOW: tl.constexpr,
     CLAMP_Q: tl.constexpr, VARIANT: tl.constexpr, PREFETCH: tl.constexpr, KV_FP8: tl.constexpr,
     CLAMP_TOKENS: tl.constexpr, ALIGNED: tl.constexpr, ASM_CVT: tl.constexpr,
-    KV_E5M2: tl.constexpr,
+    KV_E5M2: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FIRST:  # grid (Hkv, B, S): the kv heads of one sequence run side by side
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+    else:  # grid (B, Hkv, S)
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     start = split * split_len
@@ -306,7 +310,9 @@ class DecodeConfig(NamedTuple):
     whether tile tokens past the end re-read real cache rows (unpredicated loads) instead of
     being masked, whether tiles start on a multiple of block_n (hoisted addresses), and whether
     an FP8 tile of the dot variants is converted to fp16 in registers right after its load
-    (inline PTX; CUDA sm_89+ only, ignored elsewhere and for 16-bit caches)."""
+    (inline PTX; CUDA sm_89+ only, ignored elsewhere and for 16-bit caches), and whether the
+    grid puts the kv heads of a sequence next to each other (programs running at the same time
+    then read whole token rows of the cache, not one head's slice of many sequences)."""
     variant: str
     block_n: int
     num_warps: int
@@ -316,19 +322,27 @@ class DecodeConfig(NamedTuple):
     clamp_tokens: bool
     aligned: bool
     asm_cvt: bool
+    heads_first: bool = False
 
 
-# The launch rule, by where the kernel runs and what it reads; the one place to change it (the
-# choices are measured by benchmarks/decode_attn_bench.py).
+# The launch rule, by where the kernel runs and what it reads; the one place to change it. The
+# CUDA choices are the fastest correct configs of benchmarks/decode_attn_bench.py on an H200
+# (decode at W1's shape: 1,000 Qwen3-0.6B sequences of ~1,000 tokens, 16 q / 8 kv heads, and
+# Llama-3-8B's: 256 sequences of ~2,000 tokens, 32 / 8), against the former single choice
+# ("dot", 64 tokens, 4 warps, 2 stages, no option):
 _CONFIGS = {
     # the interpreter: small tiles keep it fast
     "cpu": DecodeConfig("dot", 16, 4, 2, False, _PROGRAMS_PER_SM, False, False, False),
     # NOTE: fp32 inputs run 3-pass tf32 dots on a GPU; a narrower tile keeps them from spilling.
     "cuda-fp32": DecodeConfig("dot", 32, 8, 2, False, _PROGRAMS_PER_SM, False, False, False),
-    "cuda-16bit-cache": DecodeConfig("dot", 64, 4, 2, False, _PROGRAMS_PER_SM, False, False,
+    # bf16 cache: W1 961 us (was 963, both at the HBM wall), Llama-3-8B 499 us (was 538)
+    "cuda-16bit-cache": DecodeConfig("dot", 64, 4, 2, False, _PROGRAMS_PER_SM, True, True,
                                      False),
-    "cuda-fp8-cache": DecodeConfig("dot", 64, 4, 2, False, _PROGRAMS_PER_SM, False, False,
-                                   False),
+    # FP8 cache, up to 2 q heads per kv head: W1 795 us (was 878)
+    "cuda-fp8-cache-small-group": DecodeConfig("fma", 16, 2, 3, False, _PROGRAMS_PER_SM, False,
+                                               False, False),
+    # FP8 cache, larger groups: Llama-3-8B 367 us (was 486)
+    "cuda-fp8-cache": DecodeConfig("dot", 64, 2, 2, False, _PROGRAMS_PER_SM, True, True, False),
 }
 
 
@@ -340,7 +354,11 @@ def pick_config(q_dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
         return _CONFIGS["cpu"]
     if q_dtype == torch.float32:
         return _CONFIGS["cuda-fp32"]
-    return _CONFIGS["cuda-fp8-cache" if cache_dtype in FP8_DTYPES else "cuda-16bit-cache"]
+    if cache_dtype in FP8_DTYPES:
+        # NOTE: the CUDA-core variant does group multiply-adds per K and V element; past 2 heads
+        # per kv head the padded tensor-core dot is cheaper.
+        return _CONFIGS["cuda-fp8-cache-small-group" if group <= 2 else "cuda-fp8-cache"]
+    return _CONFIGS["cuda-16bit-cache"]
 
 
 def decode_split_len(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
@@ -363,13 +381,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            prefetch: bool | None = None,
                            clamp_tokens: bool | None = None,
                            aligned: bool | None = None,
-                           asm_cvt: bool | None = None) -> torch.Tensor:
+                           asm_cvt: bool | None = None,
+                           heads_first: bool | None = None) -> torch.Tensor:
     """Attention of one query token per sequence, q (B, Hq, D), over its whole paged context of
     seq_lens[b] <= block_table.shape[1] * block_size tokens (only the last `window` tokens with a
     sliding window); returns out (B, Hq, D). A sequence with seq_len 0 (CUDA-graph padding)
     gets zeros. The caches hold k / k_scale and v / v_scale (any float type, FP8 included).
-    variant, block_n, num_warps, num_stages, prefetch, clamp_tokens, aligned, asm_cvt override
-    pick_config's choice (DecodeConfig says what each does)."""
+    variant, block_n, num_warps, num_stages, prefetch, clamp_tokens, aligned, asm_cvt,
+    heads_first override pick_config's choice (DecodeConfig says what each does)."""
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = check_q_and_caches(q, k_cache, v_cache)
     if block_table.shape[0] != batch or seq_lens.shape != (batch,):
@@ -404,7 +423,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kv_fp8 = k_cache.dtype in FP8_DTYPES
     # NOTE: tl.dot needs 16 rows; the CUDA-core variant computes only the real q heads.
     block_g = next_pow2(group) if variant == "fma" else max(16, next_pow2(group))
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    heads_first = cfg.heads_first if heads_first is None else heads_first
+    grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, block_table, seq_lens, mid_o, mid_lse,
         scale * k_scale * math.log2(math.e), split_len, window or 0,
         q.stride(0), q.stride(1),
@@ -424,6 +445,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         ASM_CVT=(cfg.asm_cvt if asm_cvt is None else asm_cvt) and kv_fp8 and variant != "fma"
         and has_fp8_convert(q.device),
         KV_E5M2=k_cache.dtype == torch.float8_e5m2,
+        HEADS_FIRST=heads_first,
         num_warps=num_warps or cfg.num_warps,
         num_stages=num_stages or cfg.num_stages,
     )

@@ -310,7 +310,7 @@ def test_decode_variant_cuda_graph_replays_with_new_lengths(variant: str) -> Non
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
     out = torch.empty_like(q)
     kw = dict(out=out, k_scale=K_SCALE, v_scale=V_SCALE, variant=variant, prefetch=True,
-              clamp_tokens=True, aligned=True, asm_cvt=True)
+              clamp_tokens=True, aligned=True, asm_cvt=True, heads_first=True)
     paged_decode_attention(q, kq, vq, bt, sl, scale, **kw)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -323,4 +323,20 @@ def test_decode_variant_cuda_graph_replays_with_new_lengths(variant: str) -> Non
         q.normal_()
         graph.replay()
         assert bool((out[0] == 0).all())
+        assert attn_error(out, q, kd, vd, bt, sl, qsl, scale) <= ATTN_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_heads_first_grid_matches_reference(variant: str) -> None:
+    """The (Hkv, B, S) grid at Qwen3-0.6B's and Llama-3-8B's heads with an FP8 cache."""
+    batch, ctx = 12, 3000
+    for hq, hkv in FP8_HEADS:
+        q, kc, vc, bt, sl, _ = paged_inputs(decode_lens(batch, ctx), [1] * batch, hq, hkv, 128,
+                                            torch.bfloat16)
+        kq, vq, kd, vd = _fp8(kc, vc, torch.float8_e4m3fn)
+        scale = 128 ** -0.5
+        out = paged_decode_attention(q, kq, vq, bt, sl, scale, k_scale=K_SCALE, v_scale=V_SCALE,
+                                     variant=variant, heads_first=True, split_len=512,
+                                     block_n=32)  # (B, Hq, D)
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
         assert attn_error(out, q, kd, vd, bt, sl, qsl, scale) <= ATTN_TOL[torch.bfloat16]

@@ -215,6 +215,20 @@ def test_every_variant_reads_an_fp8_cache_with_scales(variant: str) -> None:
                                **TOLERANCES[torch.bfloat16])
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_heads_first_grid_matches_reference(variant: str) -> None:
+    """The (Hkv, B, S) grid: every program still finds its own sequence and kv head (uneven
+    lengths, a padding sequence, several splits, GQA 3:1)."""
+    case = make_paged_case([20, 1, 70, 33], [1, 1, 1, 1], 6, 2, head_dim=32)
+    seq_lens = case.seq_lens.clone()
+    seq_lens[1] = 0
+    case = case._replace(seq_lens=seq_lens)
+    out = _run(case, split_len=32, variant=variant, heads_first=True, aligned=True)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    torch.testing.assert_close(out[[0, 2, 3]], exact_reference(case, SCALE)[[0, 2, 3]],
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_decode_rejects_unknown_variant_and_bad_block_n() -> None:
     case = make_paged_case([4], [1], 4, 2)
     with pytest.raises(ValueError, match="variant 'mma'"):
