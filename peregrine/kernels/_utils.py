@@ -26,7 +26,7 @@ def dot_dtype(x: torch.Tensor) -> tl.dtype:
     return _TL_DTYPES[x.dtype]
 
 
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP16_MAX = 65504.0
 
 
@@ -39,7 +39,7 @@ def kv_dot_dtype(q: torch.Tensor, cache: torch.Tensor) -> tuple[tl.dtype, bool]:
     more issue slots than the halved loads save. fp16 holds every FP8 value and p in [0, 1]
     exactly, and has more mantissa than bf16; only a bf16 query beyond +-65504 would not fit,
     so it is clamped there (a query that large saturates the softmax either way)."""
-    if is_gpu(q) and cache.dtype in _FP8_DTYPES and q.dtype in (torch.bfloat16, torch.float16):
+    if is_gpu(q) and cache.dtype in FP8_DTYPES and q.dtype in (torch.bfloat16, torch.float16):
         return tl.float16, q.dtype == torch.bfloat16
     return dot_dtype(q), False
 
@@ -65,6 +65,19 @@ def check_block_size(block_size: int) -> None:
 @functools.lru_cache(maxsize=None)
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def has_fp8_convert(device: torch.device) -> bool:
+    """True on a CUDA GPU with the packed FP8 -> fp16 conversion instructions (sm_89 and later)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= (8, 9)
 
 
 def num_sms(device: torch.device) -> int:

@@ -8,17 +8,128 @@ The grid and every launch argument depend only on tensor shapes, never on seq_le
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import (check_block_size, check_q_and_caches, check_window_and_out,
-                                      dot_precision, is_gpu, kv_dot_dtype, next_pow2, num_sms)
+from peregrine.kernels._utils import (FP8_DTYPES, check_block_size, check_q_and_caches,
+                                      check_window_and_out, dot_precision, has_fp8_convert,
+                                      is_gpu, kv_dot_dtype, next_pow2, num_sms)
 
 _MIN_SPLIT_LEN = 256  # tokens; shorter splits cost more in the merge than they win in parallelism
 _MAX_SPLITS = 64
 _PROGRAMS_PER_SM = 4
+
+
+# Variants of the split kernel (VARIANT constexpr), chosen per launch by pick_config:
+#   "dot":    K loaded as (D, N), scores and P.V on tensor cores (tl.dot; the q heads of one kv
+#             head are padded to 16 rows).
+#   "dot_kt": K loaded as (N, D), d fastest like the cache, transposed in registers for the dot.
+#   "fma":    no tl.dot: fp32 broadcast multiplies on CUDA cores, reduced over D for the scores;
+#             every token row of the tile keeps its own softmax state and output rows, so the
+#             loop never reduces across tokens (one reduction at the end).
+# Options of every variant (constexpr flags; DecodeConfig):
+#   PREFETCH:     the next tile's block ids, K and V are loaded before the current tile is
+#                 computed (register double buffering).
+#   CLAMP_TOKENS: tile tokens past the end re-read real rows instead of predicated loads.
+#   ALIGNED:      tiles start on a multiple of BLOCK_N, so addresses split into a per-tile block
+#                 id and a per-lane offset computed once (fewer integer ops per token).
+#   ASM_CVT:      (dot variants, FP8 cache, CUDA) FP8 -> fp16 in registers by inline PTX right
+#                 after the load. NOTE: without it the compiler stages the FP8 tile in shared
+#                 memory and reads V back byte by byte to transpose it for the dot operand.
+VARIANTS = ("dot", "dot_kt", "fma")
+_VARIANT_IDS = {name: i for i, name in enumerate(VARIANTS)}
+
+
+@triton.jit
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kvh,
+                  stride_kc_b, stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s, stride_vc_h,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, VARIANT: tl.constexpr, CLAMP_TOKENS: tl.constexpr,
+                  ALIGNED: tl.constexpr):
+    """Raw K and V tiles of tokens n0 .. n0 + BLOCK_N, shaped for VARIANT: "dot" K (BD, BN),
+    V (BN, BD); "dot_kt" both (BN, BD); "fma" both (1, BN, BD). Tokens at or past `end` (>= 1)
+    are zeros, or with CLAMP_TOKENS unpredicated re-reads of real cache rows (token end - 1, or
+    with ALIGNED K of the last block's slots, V still zeros); the caller masks their scores.
+    ALIGNED: n0 is a multiple of BLOCK_N, so a token's block and slot split into a per-tile
+    part and a per-lane part that stays the same every tile (addresses hoisted out of the loop)."""
+    offs_n = tl.arange(0, BLOCK_N)  # (BN,)
+    offs_d = tl.arange(0, BLOCK_D)  # (BD,)
+    tok = n0 + offs_n  # (BN,)
+    d_mask = offs_d < HEAD_DIM
+    v_n_mask = tok < end
+    if ALIGNED:
+        if BLOCK_N >= BLOCK_SIZE:
+            idx = n0 // BLOCK_SIZE + offs_n // BLOCK_SIZE  # (BN,)
+            off = offs_n % BLOCK_SIZE  # (BN,) the same every tile
+        else:
+            idx = n0 // BLOCK_SIZE + offs_n * 0  # (BN,)
+            off = n0 % BLOCK_SIZE + offs_n  # (BN,)
+        if CLAMP_TOKENS:
+            idx = tl.minimum(idx, (end - 1) // BLOCK_SIZE)
+            k_n_mask = offs_n >= 0  # (BN,) all true
+            blk = tl.load(bt_row + idx).to(tl.int64)  # (BN,)
+        else:
+            k_n_mask = v_n_mask
+            blk = tl.load(bt_row + idx, mask=v_n_mask, other=0).to(tl.int64)  # (BN,)
+    else:
+        if CLAMP_TOKENS:
+            tok = tl.minimum(tok, end - 1)
+            v_n_mask = tok >= 0  # (BN,) all true
+            blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)  # (BN,)
+        else:
+            blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=v_n_mask, other=0).to(tl.int64)  # (BN,)
+        k_n_mask = v_n_mask
+        off = tok % BLOCK_SIZE  # (BN,)
+    k_row = blk * stride_kc_b + (off * stride_kc_s + kvh * stride_kc_h)  # (BN,)
+    v_row = blk * stride_vc_b + (off * stride_vc_s + kvh * stride_vc_h)  # (BN,)
+    if VARIANT == 2:
+        # NOTE: loaded 3-D, so the (G, N, D) products take the load's layout (d in registers
+        # and a few lanes) instead of a default one that spreads d over every warp.
+        k_ptrs = k_cache_ptr + k_row[None, :, None] + offs_d[None, None, :]  # (1, BN, BD)
+        v_ptrs = v_cache_ptr + v_row[None, :, None] + offs_d[None, None, :]  # (1, BN, BD)
+        k_mask = (k_n_mask[:, None] & d_mask[None, :])[None, :, :]
+        v_mask = (v_n_mask[:, None] & d_mask[None, :])[None, :, :]
+    else:
+        if VARIANT == 1:
+            k_ptrs = k_cache_ptr + k_row[:, None] + offs_d[None, :]  # (BN, BD)
+            k_mask = k_n_mask[:, None] & d_mask[None, :]
+        else:
+            k_ptrs = k_cache_ptr + k_row[None, :] + offs_d[:, None]  # (BD, BN)
+            k_mask = d_mask[:, None] & k_n_mask[None, :]
+        v_ptrs = v_cache_ptr + v_row[:, None] + offs_d[None, :]  # (BN, BD)
+        v_mask = v_n_mask[:, None] & d_mask[None, :]
+    if CLAMP_TOKENS and HEAD_DIM == BLOCK_D:  # K: no predicate at all
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+    if CLAMP_TOKENS and HEAD_DIM == BLOCK_D and not ALIGNED:  # V: every row a real token's
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _fp8_to_f16(x, E5M2: tl.constexpr):
+    """FP8 -> fp16, two packed hardware conversions per four elements, as an opaque step: the
+    compiler keeps it where it stands (right after the load) instead of moving it past the
+    layout change into shared memory, so the tile goes to shared memory as fp16 (ldmatrix),
+    not as FP8 bytes read back one by one. CUDA only."""
+    bits = x.to(tl.int8, bitcast=True)
+    if E5M2:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b16 a, b; mov.b32 {a, b}, $2; "
+            "cvt.rn.f16x2.e5m2x2 $0, a; cvt.rn.f16x2.e5m2x2 $1, b; }",
+            "=r,=r,r", [bits], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b16 a, b; mov.b32 {a, b}, $2; "
+            "cvt.rn.f16x2.e4m3x2 $0, a; cvt.rn.f16x2.e4m3x2 $1, b; }",
+            "=r,=r,r", [bits], dtype=tl.float16, is_pure=False, pack=4)
+    return y
 
 
 # NOTE: ints that change with the batch are not specialised on (==1, %16): each new value would
@@ -37,10 +148,16 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    CLAMP_Q: tl.constexpr,
+    CLAMP_Q: tl.constexpr, VARIANT: tl.constexpr, PREFETCH: tl.constexpr, KV_FP8: tl.constexpr,
+    CLAMP_TOKENS: tl.constexpr, ALIGNED: tl.constexpr, ASM_CVT: tl.constexpr,
+    KV_E5M2: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FIRST:  # grid (Hkv, B, S): the kv heads of one sequence run side by side
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+    else:  # grid (B, Hkv, S)
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     start = split * split_len
@@ -49,6 +166,9 @@ def _decode_split_kernel(
     end = tl.minimum(start + split_len, seq_len)
     if HAS_WINDOW:  # the query at seq_len - 1 sees keys seq_len - window .. seq_len - 1
         start = tl.maximum(start, seq_len - window)
+    lo = start  # the first key this program attends to
+    if ALIGNED:  # tiles start on a multiple of BLOCK_N; keys before lo are masked
+        start = start - start % BLOCK_N
 
     offs_g = tl.arange(0, BLOCK_G)  # (BG,)
     offs_d = tl.arange(0, BLOCK_D)  # (BD,)
@@ -59,37 +179,87 @@ def _decode_split_kernel(
     b64 = b.to(tl.int64)
     q = tl.load(q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # (BG, BD)
-    if CLAMP_Q:  # a bf16 query cast to fp16 for an FP8 cache (kv_dot_dtype)
-        q = tl.minimum(tl.maximum(q, -65504.0), 65504.0)
-    q = q.to(DOT_DTYPE)
+    if VARIANT == 2:
+        q3 = (q * scale_log2)[:, None, :]  # (BG, 1, BD) fp32 throughout: the scale folds in once
+    else:
+        if CLAMP_Q:  # a bf16 query cast to fp16 for an FP8 cache (kv_dot_dtype)
+            q = tl.minimum(tl.maximum(q, -65504.0), 65504.0)
+        q = q.to(DOT_DTYPE)
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # (BG,) running max, log2 units
-    l_i = tl.zeros([BLOCK_G], tl.float32)  # (BG,) running sum
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)  # (BG, BD)
+    if VARIANT == 2:
+        # NOTE: per token row state; -1e30 (not -inf) keeps rows that saw no key free of NaN.
+        m_i = tl.full([BLOCK_G, BLOCK_N], -1.0e30, tl.float32)  # (BG, BN) log2 units
+        l_i = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)  # (BG, BN)
+        acc = tl.zeros([BLOCK_G, BLOCK_N, BLOCK_D], tl.float32)  # (BG, BN, BD)
+    else:
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # (BG,) running max, log2 units
+        l_i = tl.zeros([BLOCK_G], tl.float32)  # (BG,) running sum
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)  # (BG, BD)
     bt_row = block_table_ptr + b64 * stride_bt
+    if PREFETCH:
+        k_raw, v_raw = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, start, end, kvh,
+                                     stride_kc_b, stride_kc_s, stride_kc_h,
+                                     stride_vc_b, stride_vc_s, stride_vc_h,
+                                     HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT,
+                                     CLAMP_TOKENS, ALIGNED)
     for n0 in range(start, end, BLOCK_N):
-        tok = n0 + offs_n  # (BN,)
-        n_mask = tok < end
-        blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)  # (BN,)
-        off = tok % BLOCK_SIZE  # (BN,)
-        kv_mask = d_mask[:, None] & n_mask[None, :]  # (BD, BN)
-        k_t = tl.load(k_cache_ptr + blk[None, :] * stride_kc_b + off[None, :] * stride_kc_s
-                      + kvh * stride_kc_h + offs_d[:, None],
-                      mask=kv_mask, other=0.0).to(DOT_DTYPE)  # (BD, BN)
+        n_mask = n0 + offs_n < end  # (BN,)
+        if ALIGNED and HAS_WINDOW:
+            n_mask = n_mask & (n0 + offs_n >= lo)
+        if PREFETCH:
+            k_cur = k_raw
+            v_cur = v_raw
+            k_raw, v_raw = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0 + BLOCK_N, end,
+                                         kvh, stride_kc_b, stride_kc_s, stride_kc_h,
+                                         stride_vc_b, stride_vc_s, stride_vc_h,
+                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT,
+                                         CLAMP_TOKENS, ALIGNED)
+        else:
+            k_cur, v_cur = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kvh,
+                                         stride_kc_b, stride_kc_s, stride_kc_h,
+                                         stride_vc_b, stride_vc_s, stride_vc_h,
+                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT,
+                                         CLAMP_TOKENS, ALIGNED)
         # NOTE: the K scale is inside scale_log2 and the V scale is applied by the merge, so an
         # FP8 tile costs one conversion per element here and nothing more.
-        s = tl.dot(q, k_t, input_precision=DOT_PREC) * scale_log2  # (BG, BN)
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # (BG,)
-        alpha = tl.exp2(m_i - m_new)  # (BG,)
-        p = tl.exp2(s - m_new[:, None])  # (BG, BN)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + blk[:, None] * stride_vc_b + off[:, None] * stride_vc_s
-                    + kvh * stride_vc_h + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)  # (BN, BD)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PREC)
-        m_i = m_new
+        if VARIANT == 2:
+            if KV_FP8:  # FP8 -> fp16 is one packed conversion per two elements, then exact fp32
+                k_cur = k_cur.to(tl.float16)
+                v_cur = v_cur.to(tl.float16)
+            k = k_cur.to(tl.float32)  # (1, BN, BD)
+            v = v_cur.to(tl.float32)  # (1, BN, BD)
+            s = tl.sum(q3 * k, 2)  # (BG, BN)
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, s)  # (BG, BN)
+            alpha = tl.exp2(m_i - m_new)  # (BG, BN)
+            p = tl.exp2(s - m_new)  # (BG, BN)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, :, None] + p[:, :, None] * v  # (BG, BN, BD)
+            m_i = m_new
+        else:
+            if ASM_CVT:
+                k_cur = _fp8_to_f16(k_cur, KV_E5M2)
+                v_cur = _fp8_to_f16(v_cur, KV_E5M2)
+            if VARIANT == 1:
+                k_t = tl.trans(k_cur.to(DOT_DTYPE))  # (BD, BN)
+            else:
+                k_t = k_cur.to(DOT_DTYPE)  # (BD, BN)
+            s = tl.dot(q, k_t, input_precision=DOT_PREC) * scale_log2  # (BG, BN)
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # (BG,)
+            alpha = tl.exp2(m_i - m_new)  # (BG,)
+            p = tl.exp2(s - m_new[:, None])  # (BG, BN)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v_cur.to(DOT_DTYPE),
+                                                input_precision=DOT_PREC)  # (BG, BD)
+            m_i = m_new
 
+    if VARIANT == 2:  # fold the token rows: one max, one weighted sum
+        m_row = tl.max(m_i, 1)  # (BG,)
+        w = tl.exp2(m_i - m_row[:, None])  # (BG, BN)
+        l_i = tl.sum(l_i * w, 1)  # (BG,)
+        acc = tl.sum(acc * w[:, :, None], 1)  # (BG, BD)
+        m_i = m_row
     if HAS_WINDOW:
         # NOTE: a split wholly before the window saw no key: zero output and weight in the merge.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (BG, BD)
@@ -134,12 +304,70 @@ def _decode_merge_kernel(
              out.to(o_ptr.dtype.element_ty), mask=d_mask)
 
 
+class DecodeConfig(NamedTuple):
+    """How the split kernel runs: variant (one of VARIANTS), tokens per tile, warps, pipeline
+    stages, register prefetch of the next tile, programs per SM the split length aims at, and
+    whether tile tokens past the end re-read real cache rows (unpredicated loads) instead of
+    being masked, whether tiles start on a multiple of block_n (hoisted addresses), and whether
+    an FP8 tile of the dot variants is converted to fp16 in registers right after its load
+    (inline PTX; CUDA sm_89+ only, ignored elsewhere and for 16-bit caches), and whether the
+    grid puts the kv heads of a sequence next to each other (programs running at the same time
+    then read whole token rows of the cache, not one head's slice of many sequences)."""
+    variant: str
+    block_n: int
+    num_warps: int
+    num_stages: int
+    prefetch: bool
+    programs_per_sm: int
+    clamp_tokens: bool
+    aligned: bool
+    asm_cvt: bool
+    heads_first: bool = False
+
+
+# The launch rule, by where the kernel runs and what it reads; the one place to change it. The
+# CUDA choices are the fastest correct configs of benchmarks/decode_attn_bench.py on an H200
+# (decode at W1's shape: 1,000 Qwen3-0.6B sequences of ~1,000 tokens, 16 q / 8 kv heads, and
+# Llama-3-8B's: 256 sequences of ~2,000 tokens, 32 / 8), against the former single choice
+# ("dot", 64 tokens, 4 warps, 2 stages, no option):
+_CONFIGS = {
+    # the interpreter: small tiles keep it fast
+    "cpu": DecodeConfig("dot", 16, 4, 2, False, _PROGRAMS_PER_SM, False, False, False),
+    # NOTE: fp32 inputs run 3-pass tf32 dots on a GPU; a narrower tile keeps them from spilling.
+    "cuda-fp32": DecodeConfig("dot", 32, 8, 2, False, _PROGRAMS_PER_SM, False, False, False),
+    # bf16 cache: W1 961 us (was 963, both at the HBM wall), Llama-3-8B 499 us (was 538)
+    "cuda-16bit-cache": DecodeConfig("dot", 64, 4, 2, False, _PROGRAMS_PER_SM, True, True,
+                                     False),
+    # FP8 cache, up to 2 q heads per kv head: W1 795 us (was 878)
+    "cuda-fp8-cache-small-group": DecodeConfig("fma", 16, 2, 3, False, _PROGRAMS_PER_SM, False,
+                                               False, False),
+    # FP8 cache, larger groups: Llama-3-8B 367 us (was 486)
+    "cuda-fp8-cache": DecodeConfig("dot", 64, 2, 2, False, _PROGRAMS_PER_SM, True, True, False),
+}
+
+
+def pick_config(q_dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
+                on_gpu: bool) -> DecodeConfig:
+    """The split kernel's launch choice from dtypes and the GQA group only (never batch values),
+    so one model always runs, and precompile() compiles, the same variant."""
+    if not on_gpu:
+        return _CONFIGS["cpu"]
+    if q_dtype == torch.float32:
+        return _CONFIGS["cuda-fp32"]
+    if cache_dtype in FP8_DTYPES:
+        # NOTE: the CUDA-core variant does group multiply-adds per K and V element; past 2 heads
+        # per kv head the padded tensor-core dot is cheaper.
+        return _CONFIGS["cuda-fp8-cache-small-group" if group <= 2 else "cuda-fp8-cache"]
+    return _CONFIGS["cuda-16bit-cache"]
+
+
 def decode_split_len(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
-                     device: torch.device, block_n: int) -> int:
+                     device: torch.device, block_n: int,
+                     programs_per_sm: int = _PROGRAMS_PER_SM) -> int:
     """Tokens per split, from shapes only: enough programs to fill the GPU, at most _MAX_SPLITS."""
     max_ctx = max_blocks * block_size
     max_splits = max_decode_splits(max_ctx)
-    want = math.ceil(_PROGRAMS_PER_SM * num_sms(device) / max(1, batch * num_kv_heads))
+    want = math.ceil(programs_per_sm * num_sms(device) / max(1, batch * num_kv_heads))
     splits = max(1, min(want, max_splits))
     return math.ceil(math.ceil(max_ctx / splits) / block_n) * block_n
 
@@ -149,37 +377,55 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor | None = None, *, split_len: int | None = None,
                            block_n: int | None = None, window: int | None = None,
                            k_scale: float = 1.0, v_scale: float = 1.0, num_warps: int | None = None,
-                           num_stages: int = 2) -> torch.Tensor:
+                           num_stages: int | None = None, variant: str | None = None,
+                           prefetch: bool | None = None,
+                           clamp_tokens: bool | None = None,
+                           aligned: bool | None = None,
+                           asm_cvt: bool | None = None,
+                           heads_first: bool | None = None) -> torch.Tensor:
     """Attention of one query token per sequence, q (B, Hq, D), over its whole paged context of
     seq_lens[b] <= block_table.shape[1] * block_size tokens (only the last `window` tokens with a
     sliding window); returns out (B, Hq, D). A sequence with seq_len 0 (CUDA-graph padding)
-    gets zeros. The caches hold k / k_scale and v / v_scale (any float type, FP8 included)."""
+    gets zeros. The caches hold k / k_scale and v / v_scale (any float type, FP8 included).
+    variant, block_n, num_warps, num_stages, prefetch, clamp_tokens, aligned, asm_cvt,
+    heads_first override pick_config's choice (DecodeConfig says what each does)."""
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = check_q_and_caches(q, k_cache, v_cache)
     if block_table.shape[0] != batch or seq_lens.shape != (batch,):
         raise ValueError(f"block_table {tuple(block_table.shape)} / seq_lens "
                          f"{tuple(seq_lens.shape)} do not match batch {batch}")
     check_block_size(block_size)
-    out = check_window_and_out("paged_decode_attention", q, out, k_cache, v_cache, window)  # (B, Hq, D)
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"paged_decode_attention: unknown variant {variant!r} "
+                         f"(expected one of {VARIANTS})")
+    out = check_window_and_out("paged_decode_attention", q, out, k_cache, v_cache,
+                               window)  # (B, Hq, D)
     if batch == 0:
         return out
-    on_gpu = is_gpu(q)
-    # NOTE: fp32 inputs run 3-pass tf32 dots on a GPU; a narrower tile keeps them from spilling.
-    block_n = block_n or (16 if not on_gpu else 32 if q.dtype == torch.float32 else 64)
+    group = num_q_heads // num_kv_heads
+    cfg = pick_config(q.dtype, k_cache.dtype, group, is_gpu(q))
+    block_n = block_n or cfg.block_n
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     if split_len is None:
         split_len = decode_split_len(batch, num_kv_heads, block_table.shape[1], block_size,
-                                     q.device, block_n)
+                                     q.device, block_n, cfg.programs_per_sm)
     if split_len % block_n:
         raise ValueError(f"split_len {split_len} must be a multiple of block_n {block_n}")
     num_splits = max(1, math.ceil(block_table.shape[1] * block_size / split_len))
-    group = num_q_heads // num_kv_heads
     mid_o = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32,
                         device=q.device)  # (B, Hq, S, D)
     mid_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32,
                           device=q.device)  # (B, Hq, S)
     block_d = max(16, next_pow2(head_dim))
+    variant = variant or cfg.variant
     dot_type, clamp_q = kv_dot_dtype(q, k_cache)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    kv_fp8 = k_cache.dtype in FP8_DTYPES
+    # NOTE: tl.dot needs 16 rows; the CUDA-core variant computes only the real q heads.
+    block_g = next_pow2(group) if variant == "fma" else max(16, next_pow2(group))
+    heads_first = cfg.heads_first if heads_first is None else heads_first
+    grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, block_table, seq_lens, mid_o, mid_lse,
         scale * k_scale * math.log2(math.e), split_len, window or 0,
         q.stride(0), q.stride(1),
@@ -188,12 +434,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size,
         DOT_DTYPE=dot_type, DOT_PREC=dot_precision(q), HAS_WINDOW=window is not None,
-        CLAMP_Q=clamp_q,
-        num_warps=num_warps or (8 if q.dtype == torch.float32 and on_gpu else 4),
-        num_stages=num_stages,
+        CLAMP_Q=clamp_q, VARIANT=_VARIANT_IDS[variant],
+        PREFETCH=cfg.prefetch if prefetch is None else prefetch,
+        KV_FP8=kv_fp8,
+        CLAMP_TOKENS=cfg.clamp_tokens if clamp_tokens is None else clamp_tokens,
+        ALIGNED=cfg.aligned if aligned is None else aligned,
+        ASM_CVT=(cfg.asm_cvt if asm_cvt is None else asm_cvt) and kv_fp8 and variant != "fma"
+        and has_fp8_convert(q.device),
+        KV_E5M2=k_cache.dtype == torch.float8_e5m2,
+        HEADS_FIRST=heads_first,
+        num_warps=num_warps or cfg.num_warps,
+        num_stages=num_stages or cfg.num_stages,
     )
     _decode_merge_kernel[(batch, num_q_heads)](
         mid_o, mid_lse, seq_lens, out, split_len, v_scale,
@@ -214,10 +468,11 @@ def max_decode_splits(max_context: int) -> int:
 def precompile(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                dtype: torch.dtype, device: torch.device,
                cache_dtype: torch.dtype | None = None, max_context: int | None = None) -> None:
-    """Compile every merge variant (one per power-of-two split count) now, so that no batch
-    size met later compiles one on the request path. dtype: q's; cache_dtype: the KV cache's
-    (default: dtype); max_context: the widest block table in tokens (default: any), which bounds
-    the split counts a decode can use (a 512-token model needs 2 of the 7 variants)."""
+    """Compile the split kernel pick_config chooses for this model and every merge variant (one
+    per power-of-two split count) now, so that no batch size met later compiles one on the
+    request path. dtype: q's; cache_dtype: the KV cache's (default: dtype); max_context: the
+    widest block table in tokens (default: any), which bounds the split counts a decode can use
+    (a 512-token model needs 2 of the 7 variants)."""
     # NOTE: decode_split_len never gives a table of max_context tokens more than
     # max_decode_splits(max_context) splits, so the merge's BLOCK_S stays below its next power
     # of two; a caller passing split_len itself may go further and compile on first use.
@@ -226,11 +481,10 @@ def precompile(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: i
     cache = torch.zeros(1, block_size, num_kv_heads, head_dim, dtype=cache_dtype or dtype,
                         device=device)
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
-    block_n = 16 if not is_gpu(q) else 32 if dtype == torch.float32 else 64
+    block_n = pick_config(dtype, cache.dtype, num_q_heads // num_kv_heads, is_gpu(q)).block_n
     splits = 1
     while splits <= limit:  # splits of block_n tokens over a table of splits * block_n
         table = torch.zeros(1, -(-splits * block_n // block_size), dtype=torch.int32,
                             device=device)
-        paged_decode_attention(q, cache, cache, table, seq_lens, 1.0, split_len=block_n,
-                               block_n=block_n)
+        paged_decode_attention(q, cache, cache, table, seq_lens, 1.0, split_len=block_n)
         splits *= 2

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gpu_cases import ATTN_TOL, DEV, DTYPE_IDS, attn_error, decode_lens, paged_inputs
-from peregrine.kernels.decode_attention import paged_decode_attention
+from peregrine.kernels.decode_attention import VARIANTS, paged_decode_attention
 from peregrine.kernels.extend_attention import extend_attention
 
 pytestmark = pytest.mark.gpu
@@ -259,4 +259,84 @@ def test_decode_fp8_cuda_graph_replays_with_scales() -> None:
         bt.copy_(bt[torch.randperm(batch, device=DEV)])
         q.normal_()
         graph.replay()
+        assert attn_error(out, q, kd, vd, bt, sl, qsl, scale) <= ATTN_TOL[torch.bfloat16]
+
+
+# --- split-kernel variants (decode_attention.VARIANTS) -----------------------------------------
+# (prefetch, clamp_tokens, aligned, asm_cvt) per variant: each as compiled for the GPU,
+# whatever pick_config chooses.
+OPTION_SETS = ((False, False, False, False), (False, False, True, True), (False, True, True, True),
+               (True, True, True, True), (True, True, False, False))
+VARIANT_CASES = [(v, *opts) for v in VARIANTS for opts in OPTION_SETS]
+_OPTION_NAMES = ("prefetch", "clamp", "aligned", "asm")
+VARIANT_IDS = ["-".join([v] + [n for n, on in zip(_OPTION_NAMES, o) if on])
+               for v, *o in VARIANT_CASES]
+
+
+@pytest.mark.parametrize("variant,prefetch,clamp,aligned,asm", VARIANT_CASES, ids=VARIANT_IDS)
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8], ids=["bf16", *FP8_IDS])
+def test_decode_variant_matches_reference(variant: str, prefetch: bool, clamp: bool,
+                                          aligned: bool, asm: bool,
+                                          cache_dtype: torch.dtype) -> None:
+    """Every variant at Qwen3-0.6B's heads and at Llama-3-8B's with a sliding window, bf16
+    queries, several tiles and splits; FP8 against the dequantized cache."""
+    batch, ctx = 12, 3000
+    for (hq, hkv), window in zip(FP8_HEADS, (None, 700)):
+        q, kc, vc, bt, sl, _ = paged_inputs(decode_lens(batch, ctx), [1] * batch, hq, hkv, 128,
+                                            torch.bfloat16)
+        kw: dict = dict(variant=variant, prefetch=prefetch, clamp_tokens=clamp, aligned=aligned,
+                        asm_cvt=asm)
+        kd, vd = kc, vc
+        if cache_dtype != torch.bfloat16:
+            kc, vc, kd, vd = _fp8(kc, vc, cache_dtype)
+            kw.update(k_scale=K_SCALE, v_scale=V_SCALE)
+        scale = 128 ** -0.5
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+        out = paged_decode_attention(q, kc, vc, bt, sl, scale, window=window, block_n=32,
+                                     split_len=512, **kw)  # (B, Hq, D)
+        err = attn_error(out, q, kd, vd, bt, sl, qsl, scale, window)
+        assert err <= ATTN_TOL[torch.bfloat16], (hq, window, err)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_variant_cuda_graph_replays_with_new_lengths(variant: str) -> None:
+    """Captured once with every option on, replayed over new lengths (0 included), block tables
+    and queries."""
+    batch, hq, hkv, head_dim, width = 8, 16, 8, 128, 128
+    q, kc, vc, bt, sl, _ = paged_inputs([width * 16] * batch, [1] * batch, hq, hkv, head_dim,
+                                        torch.bfloat16, width=width)
+    kq, vq, kd, vd = _fp8(kc, vc, torch.float8_e4m3fn)
+    scale = head_dim ** -0.5
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+    out = torch.empty_like(q)
+    kw = dict(out=out, k_scale=K_SCALE, v_scale=V_SCALE, variant=variant, prefetch=True,
+              clamp_tokens=True, aligned=True, asm_cvt=True, heads_first=True)
+    paged_decode_attention(q, kq, vq, bt, sl, scale, **kw)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention(q, kq, vq, bt, sl, scale, **kw)
+    for _ in range(3):
+        sl.copy_(torch.randint(0, width * 16 + 1, (batch,), device=DEV, dtype=torch.int32))
+        sl[0] = 0
+        bt.copy_(bt[torch.randperm(batch, device=DEV)])
+        q.normal_()
+        graph.replay()
+        assert bool((out[0] == 0).all())
+        assert attn_error(out, q, kd, vd, bt, sl, qsl, scale) <= ATTN_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_heads_first_grid_matches_reference(variant: str) -> None:
+    """The (Hkv, B, S) grid at Qwen3-0.6B's and Llama-3-8B's heads with an FP8 cache."""
+    batch, ctx = 12, 3000
+    for hq, hkv in FP8_HEADS:
+        q, kc, vc, bt, sl, _ = paged_inputs(decode_lens(batch, ctx), [1] * batch, hq, hkv, 128,
+                                            torch.bfloat16)
+        kq, vq, kd, vd = _fp8(kc, vc, torch.float8_e4m3fn)
+        scale = 128 ** -0.5
+        out = paged_decode_attention(q, kq, vq, bt, sl, scale, k_scale=K_SCALE, v_scale=V_SCALE,
+                                     variant=variant, heads_first=True, split_len=512,
+                                     block_n=32)  # (B, Hq, D)
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
         assert attn_error(out, q, kd, vd, bt, sl, qsl, scale) <= ATTN_TOL[torch.bfloat16]

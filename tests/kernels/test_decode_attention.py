@@ -7,7 +7,8 @@ import torch
 
 from kernel_cases import (FP8_DTYPES, FP8_IDS, K_SCALE, TOLERANCES, V_SCALE, exact_reference,
                           fp8_case, fp8_error_bounds, make_paged_case)
-from peregrine.kernels.decode_attention import decode_split_len, paged_decode_attention
+from peregrine.kernels.decode_attention import (VARIANTS, decode_split_len, paged_decode_attention,
+                                                pick_config)
 
 SCALE = 0.125
 
@@ -159,3 +160,109 @@ def test_decode_fp8_scales_fold_into_scores_and_output() -> None:
     raw = quant._replace(k_cache=quant.k_cache.float(), v_cache=quant.v_cache.float())
     torch.testing.assert_close(plain, exact_reference(raw, SCALE), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(plain, scaled, atol=1e-2)
+
+
+# (variant, prefetch, clamp_tokens, aligned)
+OPTION_SETS = ((False, False, False), (False, True, True), (True, True, True),
+               (True, False, True))
+VARIANT_CASES = [(v, *opts) for v in VARIANTS for opts in OPTION_SETS]
+VARIANT_IDS = [f"{v}{'-prefetch' if pf else ''}{'-clamp' if ct else ''}{'-aligned' if al else ''}"
+               for v, pf, ct, al in VARIANT_CASES]
+
+
+@pytest.mark.slow  # ~5 s each under the interpreter
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8_DTYPES], ids=["bf16", *FP8_IDS])
+@pytest.mark.parametrize("variant,prefetch,clamp,aligned", VARIANT_CASES, ids=VARIANT_IDS)
+def test_every_variant_matches_reference_for_every_group(variant: str, prefetch: bool,
+                                                         clamp: bool, aligned: bool,
+                                                         cache_dtype: torch.dtype) -> None:
+    """GQA groups 1, 2, 4, 8 (one with a sliding window each other time), several splits with
+    partial tiles, bf16 queries; FP8 caches with K/V scales, against the dequantized cache."""
+    for group, window in ((1, None), (2, 7), (4, None), (8, 40)):
+        case = make_paged_case([1, 30, 71], [1, 1, 1], 2 * group, 2, head_dim=32,
+                               dtype=torch.bfloat16, seed=group)
+        kw = dict(split_len=32, window=window, variant=variant, prefetch=prefetch,
+                  clamp_tokens=clamp, aligned=aligned)
+        if cache_dtype == torch.bfloat16:
+            quant = deq = case
+        else:
+            quant, deq = fp8_case(case, cache_dtype)
+            kw.update(k_scale=K_SCALE, v_scale=V_SCALE)
+        out = _run(quant, **kw)
+        torch.testing.assert_close(out.float(), exact_reference(deq, SCALE, window),
+                                   **TOLERANCES[torch.bfloat16], msg=f"group {group}")
+
+
+@pytest.mark.parametrize("variant,prefetch,clamp,aligned", VARIANT_CASES, ids=VARIANT_IDS)
+def test_every_variant_is_exact_in_fp32_with_empty_and_windowed_splits(
+        variant: str, prefetch: bool, clamp: bool, aligned: bool) -> None:
+    """fp32 leaves no rounding to hide behind: a padding sequence gives zeros, splits wholly
+    before the window contribute nothing, windows start mid-tile, a group of 3 pads to 4 rows;
+    table entries past a sequence point outside the cache. With clamped tokens a head dim of
+    40 (padded to 64 columns) keeps the column mask."""
+    head_dim = 40 if clamp else 32
+    case = make_paged_case([20, 1, 100], [1, 1, 1], 6, 2, head_dim=head_dim)
+    seq_lens = case.seq_lens.clone()
+    seq_lens[1] = 0
+    case = case._replace(seq_lens=seq_lens)
+    out = _run(case, split_len=32, window=30, variant=variant, prefetch=prefetch,
+               clamp_tokens=clamp, aligned=aligned)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    torch.testing.assert_close(out[[0, 2]], exact_reference(case, SCALE, 30)[[0, 2]],
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_aligned_tiles_smaller_than_a_block(variant: str) -> None:
+    """Aligned tiles of 16 tokens in blocks of 32 (the tile's slot offset moves every tile),
+    clamped at the last block, with a window starting mid-tile."""
+    case = make_paged_case([45, 100], [1, 1], 4, 2, head_dim=32, block_size=32)
+    for window in (None, 37):
+        out = _run(case, split_len=64, block_n=16, window=window, variant=variant,
+                   aligned=True, clamp_tokens=True)
+        torch.testing.assert_close(out, exact_reference(case, SCALE, window), atol=1e-5,
+                                   rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_variant_reads_an_fp8_cache_with_scales(variant: str) -> None:
+    """The fast tier's FP8 check of each variant (group 2, e4m3, options on for some); the
+    inline-PTX conversion is asked for and, under the interpreter, left out."""
+    case = make_paged_case([9, 40], [1, 1], 4, 2, head_dim=32, dtype=torch.bfloat16)
+    quant, deq = fp8_case(case, torch.float8_e4m3fn)
+    out = _run(quant, split_len=32, variant=variant, prefetch=variant != "dot_kt",
+               clamp_tokens=variant != "dot", aligned=variant != "fma", asm_cvt=True,
+               k_scale=K_SCALE, v_scale=V_SCALE)
+    torch.testing.assert_close(out.float(), exact_reference(deq, SCALE),
+                               **TOLERANCES[torch.bfloat16])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_heads_first_grid_matches_reference(variant: str) -> None:
+    """The (Hkv, B, S) grid: every program still finds its own sequence and kv head (uneven
+    lengths, a padding sequence, several splits, GQA 3:1)."""
+    case = make_paged_case([20, 1, 70, 33], [1, 1, 1, 1], 6, 2, head_dim=32)
+    seq_lens = case.seq_lens.clone()
+    seq_lens[1] = 0
+    case = case._replace(seq_lens=seq_lens)
+    out = _run(case, split_len=32, variant=variant, heads_first=True, aligned=True)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    torch.testing.assert_close(out[[0, 2, 3]], exact_reference(case, SCALE)[[0, 2, 3]],
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_decode_rejects_unknown_variant_and_bad_block_n() -> None:
+    case = make_paged_case([4], [1], 4, 2)
+    with pytest.raises(ValueError, match="variant 'mma'"):
+        _run(case, variant="mma")
+    with pytest.raises(ValueError, match="block_n"):
+        _run(case, block_n=24)
+
+
+def test_pick_config_depends_only_on_dtypes_and_group() -> None:
+    """The launcher's choice is fixed per model, so precompile() compiles what serving runs."""
+    for cache in (torch.bfloat16, torch.float8_e4m3fn):
+        for group in (1, 2, 4, 8):
+            cfg = pick_config(torch.bfloat16, cache, group, on_gpu=True)
+            assert cfg.variant in VARIANTS and cfg.block_n >= 16
+            assert cfg == pick_config(torch.bfloat16, cache, group, on_gpu=True)
