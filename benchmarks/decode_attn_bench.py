@@ -6,7 +6,7 @@ Shapes: w1 = Qwen3-0.6B (16 q / 8 kv heads, D=128, block 16), 1,000 sequences of
 tokens; llama8b = Llama-3-8B (32 q / 8 kv heads), 256 sequences of 1,800-2,200 tokens. Caches:
 bf16, and FP8 e4m3 holding k / K_SCALE, v / V_SCALE (bf16 queries either way).
 Phase 1 times the launcher's default and a list of starting points (PHASE1: changes to the
-former single choice, every variant and option of decode_attention.DecodeConfig) for every
+former single choice, every variant and option of decode_configs.DecodeConfig) for every
 (shape, cache); phase 2 walks one knob at a time (BLOCK_N, num_warps, num_stages, programs per
 SM, prefetch, clamped tokens, aligned tiles, inline-PTX FP8 conversion, heads-first grid) away
 from each variant's best on the FP8 pairs, then from each pair's best, until the budget is

@@ -8,8 +8,6 @@ The grid and every launch argument depend only on tensor shapes, never on seq_le
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -17,10 +15,10 @@ import triton.language as tl
 from peregrine.kernels._utils import (FP8_DTYPES, check_block_size, check_q_and_caches,
                                       check_window_and_out, dot_precision, has_fp8_convert,
                                       is_gpu, kv_dot_dtype, next_pow2, num_sms)
+from peregrine.kernels.decode_configs import PROGRAMS_PER_SM, pick_config
 
 _MIN_SPLIT_LEN = 256  # tokens; shorter splits cost more in the merge than they win in parallelism
 _MAX_SPLITS = 64
-_PROGRAMS_PER_SM = 4
 
 
 # Variants of the split kernel (VARIANT constexpr), chosen per launch by pick_config:
@@ -304,66 +302,9 @@ def _decode_merge_kernel(
              out.to(o_ptr.dtype.element_ty), mask=d_mask)
 
 
-class DecodeConfig(NamedTuple):
-    """How the split kernel runs: variant (one of VARIANTS), tokens per tile, warps, pipeline
-    stages, register prefetch of the next tile, programs per SM the split length aims at, and
-    whether tile tokens past the end re-read real cache rows (unpredicated loads) instead of
-    being masked, whether tiles start on a multiple of block_n (hoisted addresses), and whether
-    an FP8 tile of the dot variants is converted to fp16 in registers right after its load
-    (inline PTX; CUDA sm_89+ only, ignored elsewhere and for 16-bit caches), and whether the
-    grid puts the kv heads of a sequence next to each other (programs running at the same time
-    then read whole token rows of the cache, not one head's slice of many sequences)."""
-    variant: str
-    block_n: int
-    num_warps: int
-    num_stages: int
-    prefetch: bool
-    programs_per_sm: int
-    clamp_tokens: bool
-    aligned: bool
-    asm_cvt: bool
-    heads_first: bool = False
-
-
-# The launch rule, by where the kernel runs and what it reads; the one place to change it. The
-# CUDA choices are the fastest correct configs of benchmarks/decode_attn_bench.py on an H200
-# (decode at W1's shape: 1,000 Qwen3-0.6B sequences of ~1,000 tokens, 16 q / 8 kv heads, and
-# Llama-3-8B's: 256 sequences of ~2,000 tokens, 32 / 8), against the former single choice
-# ("dot", 64 tokens, 4 warps, 2 stages, no option):
-_CONFIGS = {
-    # the interpreter: small tiles keep it fast
-    "cpu": DecodeConfig("dot", 16, 4, 2, False, _PROGRAMS_PER_SM, False, False, False),
-    # NOTE: fp32 inputs run 3-pass tf32 dots on a GPU; a narrower tile keeps them from spilling.
-    "cuda-fp32": DecodeConfig("dot", 32, 8, 2, False, _PROGRAMS_PER_SM, False, False, False),
-    # bf16 cache: W1 961 us (was 963, both at the HBM wall), Llama-3-8B 499 us (was 538)
-    "cuda-16bit-cache": DecodeConfig("dot", 64, 4, 2, False, _PROGRAMS_PER_SM, True, True,
-                                     False),
-    # FP8 cache, up to 2 q heads per kv head: W1 795 us (was 878)
-    "cuda-fp8-cache-small-group": DecodeConfig("fma", 16, 2, 3, False, _PROGRAMS_PER_SM, False,
-                                               False, False),
-    # FP8 cache, larger groups: Llama-3-8B 367 us (was 486)
-    "cuda-fp8-cache": DecodeConfig("dot", 64, 2, 2, False, _PROGRAMS_PER_SM, True, True, False),
-}
-
-
-def pick_config(q_dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
-                on_gpu: bool) -> DecodeConfig:
-    """The split kernel's launch choice from dtypes and the GQA group only (never batch values),
-    so one model always runs, and precompile() compiles, the same variant."""
-    if not on_gpu:
-        return _CONFIGS["cpu"]
-    if q_dtype == torch.float32:
-        return _CONFIGS["cuda-fp32"]
-    if cache_dtype in FP8_DTYPES:
-        # NOTE: the CUDA-core variant does group multiply-adds per K and V element; past 2 heads
-        # per kv head the padded tensor-core dot is cheaper.
-        return _CONFIGS["cuda-fp8-cache-small-group" if group <= 2 else "cuda-fp8-cache"]
-    return _CONFIGS["cuda-16bit-cache"]
-
-
 def decode_split_len(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
                      device: torch.device, block_n: int,
-                     programs_per_sm: int = _PROGRAMS_PER_SM) -> int:
+                     programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """Tokens per split, from shapes only: enough programs to fill the GPU, at most _MAX_SPLITS."""
     max_ctx = max_blocks * block_size
     max_splits = max_decode_splits(max_ctx)
