@@ -25,9 +25,12 @@ if TYPE_CHECKING:
     from peregrine.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("peregrine")
-# A request whose drafts were all rejected this many verify steps in a row decodes plainly for a
-# while (2, 4, 8, ... steps, at most SPEC_MAX_BACKOFF), so text the proposer cannot predict costs
-# little more than plain decoding; one accepted draft resets it.
+# A request whose drafts were all rejected (or for which the proposer found none) this many steps
+# in a row decodes plainly for a while (2, 4, 8, ... steps, at most SPEC_MAX_BACKOFF), so text the
+# proposer cannot predict costs little more than plain decoding: nothing is proposed for it, no
+# lookahead is held, and its steps can be pipelined. One accepted draft resets it. A back-off
+# ends on a step that is a multiple of its length, so backing-off requests propose together and
+# the steps between stay pipelined.
 SPEC_BACKOFF_AFTER = 2
 SPEC_MAX_BACKOFF = 32
 
@@ -93,6 +96,7 @@ class Scheduler:
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
         self._speculate = False  # this step's decision (see schedule)
         self._no_propose: list[str] = []  # backing off: no drafts wanted after this step
+        self._num_steps = 0  # schedule() calls: back-offs end on multiples of their length
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -199,8 +203,14 @@ class Scheduler:
             self._admit(scheduled, budget)
         finished_ids, self._finished_ids = self._finished_ids, []
         out = self._make_output(scheduled, [r.request_id for r in preempted], finished_ids)
-        out.propose_drafts = speculate
+        # NOTE: a step after which nothing is proposed can be pipelined (async scheduling): only
+        # a proposal needs the step's tokens on the host before the next step is scheduled.
+        no_propose = set(self._no_propose)
+        out.propose_drafts = speculate and any(
+            self._samples(req, n) and speculation_allowed(req.sampling_params)
+            and req.request_id not in no_propose for req, n in scheduled.items())
         out.no_propose_req_ids, self._no_propose = self._no_propose, []
+        self._num_steps += 1
         if drafts:
             out.scheduled_spec_decode_tokens = {r.request_id: d for r, d in drafts.items()}
         assert not (self._swap_out and self._swap_in), "a step both swaps out and admits"
@@ -220,7 +230,9 @@ class Scheduler:
             req.spec_skip -= 1
             proposed = []
             if req.spec_skip:
+                # NOTE: nothing will be proposed after this step: no drafts, no lookahead.
                 self._no_propose.append(req.request_id)
+                return False
         cfg = self.config
         num_d = 0
         if proposed and num_new == 1 and req.num_computed_tokens == req.num_tokens - 1:
@@ -278,6 +290,12 @@ class Scheduler:
         """The requests a step scheduled (in num_scheduled_tokens order), until it is updated."""
         return self._steps.get(id(out), [])
 
+    @staticmethod
+    def _samples(req: Request, num_new: int) -> bool:
+        """Whether `num_new` scheduled tokens reach req's last known token (in-flight included)."""
+        return (req.num_computed_tokens + num_new
+                >= len(req.all_token_ids) + req.num_output_placeholders)
+
     def _num_new_tokens(self, req: Request) -> int:
         """Tokens of a running request still to compute, counting in-flight samples as known."""
         pending = req.num_output_placeholders
@@ -325,6 +343,7 @@ class Scheduler:
         for req, tokens in zip(reqs, result.sampled_token_ids):
             if req.status != running:
                 continue  # aborted (or otherwise finished) since schedule(); its blocks are gone
+            verified = False
             if in_flight:
                 # NOTE: mark_in_flight already advanced num_computed_tokens at launch.
                 req.num_output_placeholders -= len(tokens)
@@ -332,6 +351,7 @@ class Scheduler:
                 req.num_computed_tokens += counts[req.request_id]
                 if spec_tokens:
                     num_d = len(spec_tokens.get(req.request_id, ()))
+                    verified = num_d > 0
                     if num_d:
                         # NOTE: the KV of rejected drafts is garbage: roll back past it (the
                         # slots stay held, and blocks enter the prefix cache only when verified).
@@ -343,11 +363,7 @@ class Scheduler:
                         if num_accepted:
                             req.spec_misses = 0
                         else:
-                            req.spec_misses += 1
-                            if req.spec_misses >= SPEC_BACKOFF_AFTER:
-                                req.spec_skip = min(
-                                    2 ** (req.spec_misses - SPEC_BACKOFF_AFTER + 1),
-                                    SPEC_MAX_BACKOFF)
+                            self._missed(req)
                         self.spec_num_drafts += 1
                         self.spec_num_draft_tokens += num_d
                         self.spec_num_accepted_tokens += num_accepted
@@ -370,8 +386,20 @@ class Scheduler:
                 self._finish(req, status)
             else:
                 req.spec_token_ids = draft_out.get(req.request_id, []) if draft_out else []
+                if (not req.spec_token_ids and out.propose_drafts and not verified
+                        and not req.spec_skip and speculation_allowed(req.sampling_params)):
+                    self._missed(req)  # proposed for, and the proposer found nothing
             changed.append(req)
         return changed
+
+    def _missed(self, req: Request) -> None:
+        """A step proposed nothing usable for req: after SPEC_BACKOFF_AFTER in a row it backs off,
+        until a step that is a multiple of the back-off's length."""
+        req.spec_misses += 1
+        if req.spec_misses >= SPEC_BACKOFF_AFTER:
+            period = min(2 ** (req.spec_misses - SPEC_BACKOFF_AFTER + 1), SPEC_MAX_BACKOFF)
+            # NOTE: the next step is number _num_steps; the back-off's last step proposes.
+            req.spec_skip = period - (self._num_steps - 1) % period
 
     def fail_step(self, out: SchedulerOutput, error: str) -> list[Request]:
         """The workers could not run a step: finish its requests with `error`; returns them."""

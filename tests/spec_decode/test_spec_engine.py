@@ -172,3 +172,27 @@ def test_two_tensor_parallel_ranks_speculate_like_one_plain_process() -> None:
         assert _accepted(llm)[1] > 0
     finally:
         llm.engine.shutdown()
+
+
+def test_async_scheduling_pipelines_the_steps_that_propose_nothing(monkeypatch) -> None:
+    # Request 0 gets the reference's drafts (every 3rd corrupted) until it finishes; the others
+    # get none, so they back off and, once request 0 is done, their steps run pipelined. Request
+    # 1 has penalties: it never speculates and never forces a step to complete at once.
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                             presence_penalty=0.5),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
+    ref = _run(_llm(), params)[0]
+    oracle = _OracleDrafts([PROMPTS[0] + ref[0][0]], wrong=3)
+    monkeypatch.setattr(NgramProposer, "propose", lambda self, inp: oracle(inp))
+    llm = _llm(NGRAM, async_scheduling=True)
+    sched = llm.engine.core_client.core.scheduler
+    pipelined = []
+    mark = sched.mark_in_flight
+    monkeypatch.setattr(sched, "mark_in_flight", lambda out: (pipelined.append(out), mark(out)))
+    assert _run(llm, params)[0] == ref
+    proposed, accepted = _accepted(llm)
+    assert 0 < accepted < proposed
+    assert len(pipelined) >= 10, len(pipelined)
+    assert not any(out.propose_drafts or out.scheduled_spec_decode_tokens for out in pipelined)
