@@ -25,14 +25,18 @@ if TYPE_CHECKING:
     from peregrine.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("peregrine")
-# A request whose drafts were all rejected (or for which the proposer found none) this many steps
-# in a row decodes plainly for a while (2, 4, 8, ... steps, at most SPEC_MAX_BACKOFF), so text the
-# proposer cannot predict costs little more than plain decoding: nothing is proposed for it, no
-# lookahead is held, and its steps can be pipelined. One accepted draft resets it. A back-off
-# ends on a step that is a multiple of its length, so backing-off requests propose together and
-# the steps between stay pipelined.
+# A request whose drafts were all rejected this many verify steps in a row decodes plainly for a
+# while (2, 4, 8, ... steps, at most SPEC_MAX_BACKOFF), so text the proposer cannot predict costs
+# little more than plain decoding: nothing is proposed for it, no lookahead is held, and its
+# steps can be pipelined. One accepted draft resets it. So do SPEC_EMPTY_BACKOFF_AFTER proposals
+# in a row that found no draft (cheaper than a rejected verify step, so later and shorter: at
+# most SPEC_EMPTY_MAX_BACKOFF steps); a found draft resets that count. A back-off ends on a step
+# that is a multiple of its length, so backing-off requests propose together and the steps
+# between stay pipelined.
 SPEC_BACKOFF_AFTER = 2
 SPEC_MAX_BACKOFF = 32
+SPEC_EMPTY_BACKOFF_AFTER = 4
+SPEC_EMPTY_MAX_BACKOFF = 16
 
 
 @dataclass
@@ -343,7 +347,6 @@ class Scheduler:
         for req, tokens in zip(reqs, result.sampled_token_ids):
             if req.status != running:
                 continue  # aborted (or otherwise finished) since schedule(); its blocks are gone
-            verified = False
             if in_flight:
                 # NOTE: mark_in_flight already advanced num_computed_tokens at launch.
                 req.num_output_placeholders -= len(tokens)
@@ -351,7 +354,6 @@ class Scheduler:
                 req.num_computed_tokens += counts[req.request_id]
                 if spec_tokens:
                     num_d = len(spec_tokens.get(req.request_id, ()))
-                    verified = num_d > 0
                     if num_d:
                         # NOTE: the KV of rejected drafts is garbage: roll back past it (the
                         # slots stay held, and blocks enter the prefix cache only when verified).
@@ -386,20 +388,30 @@ class Scheduler:
                 self._finish(req, status)
             else:
                 req.spec_token_ids = draft_out.get(req.request_id, []) if draft_out else []
-                if (not req.spec_token_ids and out.propose_drafts and not verified
-                        and not req.spec_skip and speculation_allowed(req.sampling_params)):
-                    self._missed(req)  # proposed for, and the proposer found nothing
+                if req.spec_token_ids:
+                    req.spec_empty = 0
+                elif (out.propose_drafts and not req.spec_skip
+                        and speculation_allowed(req.sampling_params)):
+                    req.spec_empty += 1  # proposed for, and the proposer found nothing
+                    if req.spec_empty >= SPEC_EMPTY_BACKOFF_AFTER:
+                        self._back_off(req, req.spec_empty - SPEC_EMPTY_BACKOFF_AFTER + 1,
+                                       SPEC_EMPTY_MAX_BACKOFF)
             changed.append(req)
         return changed
 
     def _missed(self, req: Request) -> None:
-        """A step proposed nothing usable for req: after SPEC_BACKOFF_AFTER in a row it backs off,
-        until a step that is a multiple of the back-off's length."""
+        """A verify step accepted none of req's drafts: after SPEC_BACKOFF_AFTER in a row it backs
+        off."""
         req.spec_misses += 1
         if req.spec_misses >= SPEC_BACKOFF_AFTER:
-            period = min(2 ** (req.spec_misses - SPEC_BACKOFF_AFTER + 1), SPEC_MAX_BACKOFF)
-            # NOTE: the next step is number _num_steps; the back-off's last step proposes.
-            req.spec_skip = period - (self._num_steps - 1) % period
+            self._back_off(req, req.spec_misses - SPEC_BACKOFF_AFTER + 1, SPEC_MAX_BACKOFF)
+
+    def _back_off(self, req: Request, level: int, most: int) -> None:
+        """No drafts for req for up to min(2 ** level, most) steps, until a step that is a
+        multiple of that length (the last one proposes)."""
+        period = min(2 ** level, most)
+        # NOTE: the step just updated is number _num_steps - 1.
+        req.spec_skip = period - (self._num_steps - 1) % period
 
     def fail_step(self, out: SchedulerOutput, error: str) -> list[Request]:
         """The workers could not run a step: finish its requests with `error`; returns them."""

@@ -223,7 +223,7 @@ def test_empty_proposals_back_off_and_back_off_steps_hold_no_lookahead() -> None
     req = make_req("a", 6, max_tokens=100, ignore_eos=True)
     prefill(s, req, [])  # step 0: the proposer found nothing, a miss
     proposing = []
-    for step in range(1, 34):
+    for step in range(1, 50):
         before = len(req.block_ids)
         out = s.schedule()
         proposing.append(out.propose_drafts)
@@ -234,6 +234,7 @@ def test_empty_proposals_back_off_and_back_off_steps_hold_no_lookahead() -> None
             assert out.no_propose_req_ids == ["a"]
             assert len(req.block_ids) == max(before, end)
         run(s, out, {"a": [20]}, {})
-    # misses at steps 0, 1 -> back off until step 2; then 4, 8, 16, 32 (SPEC_MAX_BACKOFF)
-    assert [i for i, p in enumerate(proposing, 1) if p] == [1, 2, 4, 8, 16, 32]
+    # empty proposals at steps 0..3 -> back off until step 4 (a multiple of 2); then until 8,
+    # 16, 32 and every SPEC_EMPTY_MAX_BACKOFF = 16 steps
+    assert [i for i, p in enumerate(proposing, 1) if p] == [1, 2, 3, 4, 8, 16, 32, 48]
     assert s.spec_num_drafts == 0
