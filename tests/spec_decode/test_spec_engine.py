@@ -54,7 +54,14 @@ def reference() -> list:
     # preemption (recompute)
     pytest.param({"num_gpu_blocks_override": 12, "block_size": 4}, marks=pytest.mark.slow),
 ], ids=["default", "no-prefix-caching", "chunked", "preemption"])
-def test_greedy_tokens_equal_without_speculation(reference, kw) -> None:
+def test_greedy_tokens_equal_without_speculation(reference, kw, monkeypatch) -> None:
+    if "max_num_batched_tokens" in kw or "num_gpu_blocks_override" in kw:
+        # NOTE: the tiny model's text repeats itself late, if at all; after four proposals that
+        # find nothing a request backs off. Drafts from the reference (every 3rd corrupted) make
+        # these schedules verify drafts, accepted and rejected, at every step.
+        full = [p + seqs[0] for p, seqs in zip(PROMPTS, reference)]
+        oracle = _OracleDrafts(full, wrong=3)
+        monkeypatch.setattr(NgramProposer, "propose", lambda self, inp: oracle(inp))
     llm = _llm(NGRAM, **kw)
     got = _run(llm, GREEDY)[0]
     assert got == reference
@@ -196,3 +203,23 @@ def test_async_scheduling_pipelines_the_steps_that_propose_nothing(monkeypatch) 
     assert 0 < accepted < proposed
     assert len(pipelined) >= 10, len(pipelined)
     assert not any(out.propose_drafts or out.scheduled_spec_decode_tokens for out in pipelined)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+def test_verify_graph_steps_give_the_tokens_of_no_speculation(reference, backend) -> None:
+    # NOTE: capture=False runs the verify graphs' exact steps eagerly: padded sequences and
+    # tokens over the fixed buffers, fixed metadata, every logits row computed.
+    from peregrine.worker.verify_graphs import VerifyGraphs
+    kw = {} if backend == "torch" else {"attention_backend": "triton", "enforce_eager": True}
+    llm = _llm(NGRAM, max_num_seqs=4, **kw)
+    ref = reference if backend == "torch" else _run(_llm(**kw), GREEDY)[0]
+    runner = llm.engine.core_client.core.executor.worker.model_runner
+    runner.verify_graphs = VerifyGraphs(runner.model, runner.buffers, runner.kv_caches, 4,
+                                        NGRAM["num_speculative_tokens"],
+                                        llm.engine.config.scheduler.max_model_len, capture=False)
+    assert runner.verify_graphs.sizes == [1, 2, 4]
+    assert _run(llm, GREEDY)[0] == ref
+    tm = runner.timing
+    assert tm["verify_graph_steps"] > 0
+    assert tm["verify_graph_steps"] == tm["verify_steps"]  # no verify step ran otherwise
+    assert _accepted(llm)[1] > 0
