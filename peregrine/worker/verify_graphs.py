@@ -9,6 +9,10 @@ write no K/V (slot -1), padding sequences have no query tokens and length 0. Att
 extend kernel over every sequence with a fixed grid (max_query_len = k + 1), reading the query
 starts, lengths and block table from the fixed device buffers, so one graph fits any mix of
 draft counts. The logits of every token row come back; the runner gathers the sampled ones.
+
+NOTE: the padding tokens' attention rows are left unwritten (num_actual_tokens covers them, so
+nothing host-sized is zeroed inside the graph); their values stay in their own rows, since every
+other op is row-wise and they store no K/V, and their logits are never gathered.
 """
 from __future__ import annotations
 
