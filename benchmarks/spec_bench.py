@@ -126,6 +126,7 @@ class Bench:
         self._generate(prompts[:1], 16)  # warm-up
         tm = self.runner.timing
         before, steps0, propose0 = self.engine.get_stats(), tm["steps"], tm.get("propose", 0.0)
+        verify0, vgraph0 = tm.get("verify_steps", 0), tm.get("verify_graph_steps", 0)
         decode_s, outs = 0.0, []
         for p in prompts:
             toks, _, dec = self._generate([p], output_len)
@@ -136,6 +137,8 @@ class Bench:
         res = {"tokens_per_s": tokens / decode_s, "decode_s": decode_s,
                "tokens_per_step": len(prompts) * output_len / max(steps, 1),
                "propose_ms_per_step": (tm.get("propose", 0.0) - propose0) / max(steps, 1) * 1e3,
+               "verify_steps": tm.get("verify_steps", 0) - verify0,
+               "verify_graph_steps": tm.get("verify_graph_steps", 0) - vgraph0,
                "tokens": outs}
         if self.spec:
             res.update(spec_decode_report(before, self.engine.get_stats()))

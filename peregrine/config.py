@@ -371,15 +371,9 @@ class EngineConfig:
         async_scheduling = args.async_scheduling
         if args.speculative_config is not None:
             from peregrine.spec_decode.config import SpeculativeConfig
+            # NOTE: async scheduling stays on: only the steps that propose or verify drafts
+            # complete at once (StepPipeline in engine/core.py).
             spec = SpeculativeConfig.from_raw(args.speculative_config, args, model)
-            # NOTE: a verify step's accepted count decides the next step's inputs, so steps
-            # cannot be launched ahead; speculation runs synchronously.
-            if async_scheduling is not False:
-                import logging
-                logging.getLogger("peregrine").info(
-                    "speculative decoding (%s, k=%d) runs with async scheduling off",
-                    spec.method, spec.num_speculative_tokens)
-            async_scheduling = False
         return cls(model, cache, sched, device, backend, args.enforce_eager,
                    args.tensor_parallel_size, async_scheduling,
                    min(args.max_prefill_graph_tokens, max_batched),

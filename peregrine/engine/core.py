@@ -253,9 +253,12 @@ class StepPipeline:
         if has_tokens or sched.finished_req_ids or sched.preempted_req_ids:
             future = core.launch(sched)
         # NOTE: a step that samples a constrained row completes at once: the next step's bitmask
-        # needs its token (structured_output/manager.py).
+        # needs its token (structured_output/manager.py). So does a step after which drafts are
+        # proposed (the proposer reads its tokens) or that verifies drafts (the accepted count
+        # decides the next step's inputs).
         pipelined = (future is not None and has_tokens and self.async_scheduling
-                     and not sched.structured_req_ids)
+                     and not sched.structured_req_ids and not sched.propose_drafts
+                     and not sched.scheduled_spec_decode_tokens)
         if pipelined:
             core.scheduler.mark_in_flight(sched)
         if self._inflight is not None:

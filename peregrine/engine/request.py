@@ -78,6 +78,7 @@ class Request:
         # Speculative decoding: drafts proposed after the last step, verified by the next one.
         self.spec_token_ids: list[int] = []
         self.spec_misses = 0  # verify steps in a row that accepted no draft
+        self.spec_empty = 0  # proposals in a row that found no draft
         self.spec_skip = 0  # steps to decode plainly before verifying drafts again
 
     @property

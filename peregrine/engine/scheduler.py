@@ -27,9 +27,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger("peregrine")
 # A request whose drafts were all rejected this many verify steps in a row decodes plainly for a
 # while (2, 4, 8, ... steps, at most SPEC_MAX_BACKOFF), so text the proposer cannot predict costs
-# little more than plain decoding; one accepted draft resets it.
+# little more than plain decoding: nothing is proposed for it, no lookahead is held, and its
+# steps can be pipelined. One accepted draft resets it. So do SPEC_EMPTY_BACKOFF_AFTER proposals
+# in a row that found no draft (cheaper than a rejected verify step, so later and shorter: at
+# most SPEC_EMPTY_MAX_BACKOFF steps); a found draft resets that count. A back-off ends on a step
+# that is a multiple of its length, so backing-off requests propose together and the steps
+# between stay pipelined.
 SPEC_BACKOFF_AFTER = 2
 SPEC_MAX_BACKOFF = 32
+SPEC_EMPTY_BACKOFF_AFTER = 4
+SPEC_EMPTY_MAX_BACKOFF = 16
 
 
 @dataclass
@@ -100,6 +107,7 @@ class Scheduler:
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
         self._speculate = False  # this step's decision (see schedule)
         self._no_propose: list[str] = []  # backing off: no drafts wanted after this step
+        self._num_steps = 0  # schedule() calls: back-offs end on multiples of their length
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -212,8 +220,14 @@ class Scheduler:
             self._admit(scheduled, budget, cap)
         finished_ids, self._finished_ids = self._finished_ids, []
         out = self._make_output(scheduled, [r.request_id for r in preempted], finished_ids)
-        out.propose_drafts = speculate
+        # NOTE: a step after which nothing is proposed can be pipelined (async scheduling): only
+        # a proposal needs the step's tokens on the host before the next step is scheduled.
+        no_propose = set(self._no_propose)
+        out.propose_drafts = speculate and any(
+            self._samples(req, n) and speculation_allowed(req.sampling_params)
+            and req.request_id not in no_propose for req, n in scheduled.items())
         out.no_propose_req_ids, self._no_propose = self._no_propose, []
+        self._num_steps += 1
         if drafts:
             out.scheduled_spec_decode_tokens = {r.request_id: d for r, d in drafts.items()}
         assert not (self._swap_out and self._swap_in), "a step both swaps out and admits"
@@ -233,7 +247,9 @@ class Scheduler:
             req.spec_skip -= 1
             proposed = []
             if req.spec_skip:
+                # NOTE: nothing will be proposed after this step: no drafts, no lookahead.
                 self._no_propose.append(req.request_id)
+                return False
         cfg = self.config
         num_d = 0
         if proposed and num_new == 1 and req.num_computed_tokens == req.num_tokens - 1:
@@ -309,6 +325,12 @@ class Scheduler:
         """The requests a step scheduled (in num_scheduled_tokens order), until it is updated."""
         return self._steps.get(id(out), [])
 
+    @staticmethod
+    def _samples(req: Request, num_new: int) -> bool:
+        """Whether `num_new` scheduled tokens reach req's last known token (in-flight included)."""
+        return (req.num_computed_tokens + num_new
+                >= len(req.all_token_ids) + req.num_output_placeholders)
+
     def _num_new_tokens(self, req: Request) -> int:
         """Tokens of a running request still to compute, counting in-flight samples as known."""
         pending = req.num_output_placeholders
@@ -378,11 +400,7 @@ class Scheduler:
                         if num_accepted:
                             req.spec_misses = 0
                         else:
-                            req.spec_misses += 1
-                            if req.spec_misses >= SPEC_BACKOFF_AFTER:
-                                req.spec_skip = min(
-                                    2 ** (req.spec_misses - SPEC_BACKOFF_AFTER + 1),
-                                    SPEC_MAX_BACKOFF)
+                            self._missed(req)
                         self.spec_num_drafts += 1
                         self.spec_num_draft_tokens += num_d
                         self.spec_num_accepted_tokens += num_accepted
@@ -405,8 +423,30 @@ class Scheduler:
                 self._finish(req, status)
             else:
                 req.spec_token_ids = draft_out.get(req.request_id, []) if draft_out else []
+                if req.spec_token_ids:
+                    req.spec_empty = 0
+                elif (out.propose_drafts and not req.spec_skip
+                        and speculation_allowed(req.sampling_params)):
+                    req.spec_empty += 1  # proposed for, and the proposer found nothing
+                    if req.spec_empty >= SPEC_EMPTY_BACKOFF_AFTER:
+                        self._back_off(req, req.spec_empty - SPEC_EMPTY_BACKOFF_AFTER + 1,
+                                       SPEC_EMPTY_MAX_BACKOFF)
             changed.append(req)
         return changed
+
+    def _missed(self, req: Request) -> None:
+        """A verify step accepted none of req's drafts: after SPEC_BACKOFF_AFTER in a row it backs
+        off."""
+        req.spec_misses += 1
+        if req.spec_misses >= SPEC_BACKOFF_AFTER:
+            self._back_off(req, req.spec_misses - SPEC_BACKOFF_AFTER + 1, SPEC_MAX_BACKOFF)
+
+    def _back_off(self, req: Request, level: int, most: int) -> None:
+        """No drafts for req for up to min(2 ** level, most) steps, until a step that is a
+        multiple of that length (the last one proposes)."""
+        period = min(2 ** level, most)
+        # NOTE: the step just updated is number _num_steps - 1.
+        req.spec_skip = period - (self._num_steps - 1) % period
 
     def fail_step(self, out: SchedulerOutput, error: str) -> list[Request]:
         """The workers could not run a step: finish its requests with `error`; returns them."""

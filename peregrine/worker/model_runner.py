@@ -28,6 +28,7 @@ from peregrine.worker.step_buffers import StepBuffers
 from peregrine.worker.stage_io import StageIO
 from peregrine.worker.step_plan import StepPlan, plan_step
 from peregrine.worker.swap import KVSwapSpace
+from peregrine.worker.verify_graphs import VerifyGraphs
 
 
 @dataclass
@@ -79,6 +80,7 @@ class ModelRunner:
         self.swap_space: KVSwapSpace | None = None
         self.graphs: CudaGraphRunner | None = None
         self.prefill_graphs: PiecewiseGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None
         self._num_launched = 0
         self._in_flight: dict[int, torch.Tensor] = {}  # uncollected step id -> sampled (S,) tokens
         self.proposer: Proposer | None = None  # speculative decoding (set by the worker)
@@ -182,14 +184,22 @@ class ModelRunner:
         batch.condense()
 
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(hidden (T, hidden), None) eagerly, or (None, logits (B, V)) from a CUDA graph."""
+        """(hidden (T, hidden), None) eagerly, or (None, logits) from a CUDA graph: (B, V) for
+        a decode graph, (padded T, V) for a verify graph."""
         buf = self.buffers
         t, b = plan.num_tokens, plan.num_seqs
         graph = self.graphs is not None and plan.num_decodes == b and self.graphs.can_run(b)
         pad = self.graphs.padded(b) if graph else None
-        pieces = (not graph and self.prefill_graphs is not None
+        vg = self.verify_graphs
+        # NOTE: a verify step whose sequences all fit k + 1 query tokens replays a full graph.
+        verify = (not graph and vg is not None and plan.draft_tokens is not None
+                  and plan.max_query_len <= vg.query_len and vg.can_run(b, t))
+        if verify:
+            pad = vg.padded(b)
+        pieces = (not graph and not verify and self.prefill_graphs is not None
                   and self.prefill_graphs.can_run(t))
-        pad_t = self.prefill_graphs.padded(t) if pieces else pad
+        pad_t = (self.prefill_graphs.padded(t) if pieces
+                 else vg.num_tokens(pad) if verify else pad)
         input_ids, positions, meta = buf.to_device(t, b, plan.width, pad_t=pad_t, pad_b=pad)
         for step_id in np.unique(plan.pending_step).tolist():
             # In-flight samples of a launched step become this step's input ids, on the device.
@@ -202,6 +212,9 @@ class ModelRunner:
             buf.d_input_ids.index_copy_(0, dst, sampled.index_select(0, src))
         if graph:
             return None, self.graphs.replay(b)
+        if verify:
+            self.timing["verify_graph_steps"] += 1
+            return None, vg.replay(pad)
         meta.num_decodes = plan.num_decodes
         meta.max_query_len = plan.max_query_len
         meta.max_seq_len = plan.max_seq_len
@@ -219,7 +232,7 @@ class ModelRunner:
                 all_logits: torch.Tensor | None) -> torch.Tensor:
         """(S + P, V) logits of the sampled rows, then of the prompt-logprobs positions."""
         idx = plan.logits_idx  # (S + P,)
-        if all_logits is not None:  # decode-only graph step: one row per sequence
+        if all_logits is not None:  # a decode graph's row per sequence, a verify graph's per token
             if np.array_equal(idx, np.arange(all_logits.shape[0])):
                 return all_logits  # (B, V)
             return all_logits.index_select(0, to_device(idx, self.device))

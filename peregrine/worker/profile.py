@@ -17,7 +17,9 @@ def profile_run(model: nn.Module, buffers: StepBuffers, model_config: ModelConfi
     """Run num_tokens tokens split over up to max_num_seqs sequences, then sample all of them
     (or `num_sampled_rows` logits rows when more: speculative verify steps sample k + 1 rows per
     sequence)."""
-    t = num_tokens
+    # NOTE: no sequence holds more than max_model_len tokens, so a budget above
+    # max_num_seqs x max_model_len cannot be filled (and would not fit the block table).
+    t = min(num_tokens, max_num_seqs * model_config.max_model_len)
     b = min(max_num_seqs, t)
     q_lens = np.full(b, t // b, np.int64)
     q_lens[: t % b] += 1

@@ -20,6 +20,7 @@ from peregrine.worker.kv_memory import allocate_kv_caches, determine_num_blocks,
 from peregrine.worker.loader import load_model
 from peregrine.worker.model_runner import ModelRunner, StepHandle
 from peregrine.worker.profile import profile_run
+from peregrine.worker.verify_graphs import VerifyGraphs, verify_graph_batch, verify_graph_bytes
 
 logger = logging.getLogger("peregrine")
 
@@ -105,11 +106,24 @@ class Worker:
         return min(sc.max_num_seqs, sc.max_num_batched_tokens)
 
     def _graph_reserve(self) -> int:
-        """Bytes the KV sizing leaves for the decode graphs' logits (captured after sizing)."""
+        """Bytes the KV sizing leaves for the decode and verify graphs' logits (captured after
+        sizing)."""
         if not self._captures_graphs():
             return 0
-        return decode_graph_bytes(self._decode_graph_batch(), self.config.model.vocab_size,
-                                  self.config.model.dtype)
+        vocab = self.config.model.vocab_size
+        total = decode_graph_bytes(self._decode_graph_batch(), vocab, self.config.model.dtype)
+        b = self._verify_graph_batch()
+        if b:
+            total += verify_graph_bytes(b, self.config.speculative.num_speculative_tokens, vocab)
+        return total
+
+    def _verify_graph_batch(self) -> int:
+        """The largest verify batch the verify graphs cover (0: no speculation)."""
+        spec, sc = self.config.speculative, self.config.scheduler
+        if spec is None:
+            return 0
+        return verify_graph_batch(sc.max_num_seqs, sc.max_num_batched_tokens,
+                                  spec.num_speculative_tokens, spec.disable_by_batch_size)
 
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate `num_blocks` KV blocks per layer, capture CUDA graphs, warm up the sampler."""
@@ -163,7 +177,14 @@ class Worker:
             with STARTUP.phase("piecewise_graphs", self.device):
                 r.prefill_graphs = PiecewiseGraphs(self.model, r.buffers, r.kv_caches, sizes,
                                                    pool=r.graphs.pool)
-        # NOTE: the KV sizing reserved only the decode graphs' logits; the rest comes out of the
+        b = self._verify_graph_batch()
+        if b:
+            with STARTUP.phase("verify_graphs", self.device):
+                r.verify_graphs = VerifyGraphs(
+                    self.model, r.buffers, r.kv_caches, b,
+                    self.config.speculative.num_speculative_tokens, sc.max_model_len,
+                    pool=r.graphs.pool)
+        # NOTE: the KV sizing reserved only the graphs' logits; the rest comes out of the
         # (1 - gpu_memory_utilization) slack. Say how much.
         logger.info("CUDA graphs use %.2f GiB of GPU memory (decode graphs %.2f GiB; %.2f GiB was "
                     "reserved when sizing the KV cache)",

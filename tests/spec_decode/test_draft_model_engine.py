@@ -90,3 +90,18 @@ def test_chunked_prefill_and_preemption_keep_greedy_tokens(prefix_caching):
 def test_quantized_self_draft_keeps_greedy_tokens(quant):
     stats = assert_same_tokens(self_draft(quant), max_num_batched_tokens=16)
     assert stats.spec_num_accepted_tokens > 0
+
+
+@pytest.mark.slow
+def test_async_scheduling_with_backing_off_drafts_keeps_greedy_tokens(monkeypatch):
+    # NOTE: the small random draft is mostly rejected: requests back off, their steps run
+    # pipelined, and the draft catches up on the tokens it missed when it proposes again.
+    from peregrine.engine.scheduler import Scheduler
+    pipelined = []
+    mark = Scheduler.mark_in_flight
+    monkeypatch.setattr(Scheduler, "mark_in_flight",
+                        lambda self, out: (pipelined.append(out), mark(self, out)))
+    stats = assert_same_tokens(small_draft(), async_scheduling=True, num_gpu_blocks_override=20,
+                               max_num_batched_tokens=16, preemption_mode="recompute")
+    assert stats.num_preemptions > 0
+    assert len(pipelined) > 5

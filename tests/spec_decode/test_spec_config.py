@@ -22,13 +22,13 @@ def _config(spec, **kw):
     return args.create_engine_config()
 
 
-def test_ngram_config_resolves_and_turns_async_scheduling_off() -> None:
+def test_ngram_config_resolves_and_keeps_async_scheduling() -> None:
     cfg = _config(NGRAM, async_scheduling=True)
     spec = cfg.speculative
     assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max,
             spec.prompt_lookup_min) == ("ngram", 4, 4, 2)
     assert spec.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE
-    assert cfg.async_scheduling is False
+    assert cfg.async_scheduling is True
     assert _config(None).speculative is None
 
 

@@ -54,7 +54,14 @@ def reference() -> list:
     # preemption (recompute)
     pytest.param({"num_gpu_blocks_override": 12, "block_size": 4}, marks=pytest.mark.slow),
 ], ids=["default", "no-prefix-caching", "chunked", "preemption"])
-def test_greedy_tokens_equal_without_speculation(reference, kw) -> None:
+def test_greedy_tokens_equal_without_speculation(reference, kw, monkeypatch) -> None:
+    if "max_num_batched_tokens" in kw or "num_gpu_blocks_override" in kw:
+        # NOTE: the tiny model's text repeats itself late, if at all; after four proposals that
+        # find nothing a request backs off. Drafts from the reference (every 3rd corrupted) make
+        # these schedules verify drafts, accepted and rejected, at every step.
+        full = [p + seqs[0] for p, seqs in zip(PROMPTS, reference)]
+        oracle = _OracleDrafts(full, wrong=3)
+        monkeypatch.setattr(NgramProposer, "propose", lambda self, inp: oracle(inp))
     llm = _llm(NGRAM, **kw)
     got = _run(llm, GREEDY)[0]
     assert got == reference
@@ -172,3 +179,47 @@ def test_two_tensor_parallel_ranks_speculate_like_one_plain_process() -> None:
         assert _accepted(llm)[1] > 0
     finally:
         llm.engine.shutdown()
+
+
+def test_async_scheduling_pipelines_the_steps_that_propose_nothing(monkeypatch) -> None:
+    # Request 0 gets the reference's drafts (every 3rd corrupted) until it finishes; the others
+    # get none, so they back off and, once request 0 is done, their steps run pipelined. Request
+    # 1 has penalties: it never speculates and never forces a step to complete at once.
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                             presence_penalty=0.5),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)]
+    ref = _run(_llm(), params)[0]
+    oracle = _OracleDrafts([PROMPTS[0] + ref[0][0]], wrong=3)
+    monkeypatch.setattr(NgramProposer, "propose", lambda self, inp: oracle(inp))
+    llm = _llm(NGRAM, async_scheduling=True)
+    sched = llm.engine.core_client.core.scheduler
+    pipelined = []
+    mark = sched.mark_in_flight
+    monkeypatch.setattr(sched, "mark_in_flight", lambda out: (pipelined.append(out), mark(out)))
+    assert _run(llm, params)[0] == ref
+    proposed, accepted = _accepted(llm)
+    assert 0 < accepted < proposed
+    assert len(pipelined) >= 10, len(pipelined)
+    assert not any(out.propose_drafts or out.scheduled_spec_decode_tokens for out in pipelined)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.slow)])
+def test_verify_graph_steps_give_the_tokens_of_no_speculation(reference, backend) -> None:
+    # NOTE: capture=False runs the verify graphs' exact steps eagerly: padded sequences and
+    # tokens over the fixed buffers, fixed metadata, every logits row computed.
+    from peregrine.worker.verify_graphs import VerifyGraphs
+    kw = {} if backend == "torch" else {"attention_backend": "triton", "enforce_eager": True}
+    llm = _llm(NGRAM, max_num_seqs=4, **kw)
+    ref = reference if backend == "torch" else _run(_llm(**kw), GREEDY)[0]
+    runner = llm.engine.core_client.core.executor.worker.model_runner
+    runner.verify_graphs = VerifyGraphs(runner.model, runner.buffers, runner.kv_caches, 4,
+                                        NGRAM["num_speculative_tokens"],
+                                        llm.engine.config.scheduler.max_model_len, capture=False)
+    assert runner.verify_graphs.sizes == [1, 2, 4]
+    assert _run(llm, GREEDY)[0] == ref
+    tm = runner.timing
+    assert tm["verify_graph_steps"] > 0
+    assert tm["verify_graph_steps"] == tm["verify_steps"]  # no verify step ran otherwise
+    assert _accepted(llm)[1] > 0

@@ -198,17 +198,43 @@ def test_tight_pool_drops_drafts_instead_of_preempting() -> None:
 def test_requests_back_off_after_drafts_are_rejected_in_a_row() -> None:
     s = make_sched()
     req = make_req("a", 6, max_tokens=50, ignore_eos=True)
-    prefill(s, req, [8, 9, 10])
-    verified = []
-    for step in range(24):
+    prefill(s, req, [8, 9, 10])  # step 0
+    verified, proposing = [], []
+    for step in range(1, 22):
         out = s.schedule()
         verified.append(bool(out.scheduled_spec_decode_tokens))
+        proposing.append(out.propose_drafts)
         assert out.no_propose_req_ids in ([], ["a"])
-        # every draft is rejected, except in step 18
-        tokens = [8, 20] if step == 18 else [20]
+        assert out.propose_drafts == (out.no_propose_req_ids == [])
+        # every draft is rejected, except in step 17
+        tokens = [8, 20] if step == 17 else [20]
         run(s, out, {"a": tokens[:1 + len(out.scheduled_spec_decode_tokens.get("a", []))]},
-            {} if out.no_propose_req_ids else {"a": [8, 9, 10]})
+            {"a": [8, 9, 10]} if out.propose_drafts else {})
     T, F = True, False
-    # misses 1, 2 -> skip 2 steps; miss 3 -> skip 4; miss 4 -> skip 8; step 18 accepts and
-    # resets; misses 1, 2 -> skip 2
-    assert verified == [T, T, F, F, T, F, F, F, F, T] + [F] * 8 + [T, T, T, F, F, T]
+    # misses 1, 2 (steps 1, 2) -> back off until step 4 (a multiple of 2), which proposes; miss 3
+    # (step 5) -> until step 8; miss 4 (step 9) -> until 16; step 17 accepts and resets; misses
+    # 1, 2 (steps 18, 19) -> until step 20
+    assert verified == [T, T, F, F, T, F, F, F, T] + [F] * 7 + [T, T, T, F, T]
+    assert proposing == [T, T, F, T, T, F, F, T, T] + [F] * 6 + [T, T, T, T, T, T]
+
+
+def test_empty_proposals_back_off_and_back_off_steps_hold_no_lookahead() -> None:
+    s = make_sched(block_size=1, max_model_len=128, num_blocks=256)
+    req = make_req("a", 6, max_tokens=100, ignore_eos=True)
+    prefill(s, req, [])  # step 0: the proposer found nothing, a miss
+    proposing = []
+    for step in range(1, 50):
+        before = len(req.block_ids)
+        out = s.schedule()
+        proposing.append(out.propose_drafts)
+        end = req.num_computed_tokens + 1  # the step's one token (no drafts ever)
+        if out.propose_drafts:
+            assert len(req.block_ids) == max(before, end + K + 1)
+        else:  # backing off: the step's own slot only
+            assert out.no_propose_req_ids == ["a"]
+            assert len(req.block_ids) == max(before, end)
+        run(s, out, {"a": [20]}, {})
+    # empty proposals at steps 0..3 -> back off until step 4 (a multiple of 2); then until 8,
+    # 16, 32 and every SPEC_EMPTY_MAX_BACKOFF = 16 steps
+    assert [i for i, p in enumerate(proposing, 1) if p] == [1, 2, 3, 4, 8, 16, 32, 48]
+    assert s.spec_num_drafts == 0
