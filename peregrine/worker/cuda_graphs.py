@@ -48,7 +48,10 @@ class CudaGraphRunner:
     all graphs share one memory pool, captured largest first, so their temporaries alias.
 
     With capture=False the same steps run eagerly on the same buffers (the CPU path tests use).
+    Each sequence has query_len token rows (1 here; verify_graphs.py's subclass has k + 1).
     """
+
+    query_len = 1
 
     def __init__(self, model: nn.Module, buffers: StepBuffers, kv_caches: KVCaches,
                  max_batch_size: int, max_model_len: int, capture: bool = True) -> None:
@@ -95,25 +98,27 @@ class CudaGraphRunner:
             block_table=buf.d_block_table[:bs], slot_mapping=buf.d_slot_mapping[:bs])
 
     def _reset_buffers(self) -> None:
-        """A harmless decode batch of the largest size: ids 0, length 1, no K/V written."""
-        buf, n = self.buffers, self.sizes[-1]
-        buf.d_input_ids[:n].zero_()
-        buf.d_positions[:n].zero_()
-        buf.d_slot_mapping[:n].fill_(-1)
-        buf.d_seq_lens[:n].fill_(1)
-        buf.d_query_start_loc[:n + 1].copy_(torch.arange(n + 1, dtype=torch.int32))
+        """A harmless batch of the largest size: ids 0, query_len tokens per sequence and as
+        long, no K/V written."""
+        buf, n, q = self.buffers, self.sizes[-1], self.query_len
+        buf.d_input_ids[:n * q].zero_()
+        buf.d_positions[:n * q].zero_()
+        buf.d_slot_mapping[:n * q].fill_(-1)
+        buf.d_seq_lens[:n].fill_(q)
+        buf.d_query_start_loc[:n + 1].copy_(torch.arange(0, n * q + 1, q, dtype=torch.int32))
         buf.d_block_table[:n].zero_()
 
     def _run(self, bs: int) -> torch.Tensor:
-        """Logits (bs, V) of the first bs rows of the step buffers: rows [:bs] of the shared
-        buffer once it exists, else a fresh tensor (the largest size's, which becomes it)."""
-        buf = self.buffers
-        hidden = self.model(buf.d_input_ids[:bs], buf.d_positions[:bs], self.kv_caches,
-                            self._meta(bs))  # (bs, hidden)
-        logits = self.model.compute_logits(hidden)  # (bs, V) float32
+        """Logits (bs query_len, V) of the first bs sequences' rows of the step buffers: rows of
+        the shared buffer once it exists, else a fresh tensor (the largest size's, which becomes
+        it)."""
+        buf, t = self.buffers, bs * self.query_len
+        hidden = self.model(buf.d_input_ids[:t], buf.d_positions[:t], self.kv_caches,
+                            self._meta(bs))  # (t, hidden)
+        logits = self.model.compute_logits(hidden)  # (t, V) float32
         if self.logits is None:
             return logits
-        return self.logits[:bs].copy_(logits)  # (bs, V)
+        return self.logits[:t].copy_(logits)  # (t, V)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -123,7 +128,7 @@ class CudaGraphRunner:
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                out = self._run(bs)  # (bs, V)
+                out = self._run(bs)  # (bs query_len, V)
             if self.logits is None:
                 # NOTE: the largest graph's own output is the shared buffer; holding it keeps
                 # its block out of the pool, so no later graph's temporaries can alias it.

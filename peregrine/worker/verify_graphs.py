@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from peregrine.attention.metadata import AttentionMetadata
-from peregrine.worker.cuda_graphs import KVCaches, capture_sizes
+from peregrine.worker.cuda_graphs import CudaGraphRunner, KVCaches, capture_sizes
 from peregrine.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger("peregrine")
@@ -45,11 +45,12 @@ def verify_graph_bytes(max_batch_size: int, k: int, vocab_size: int) -> int:
     return max_batch_size * (k + 1) * vocab_size * 4 * 2
 
 
-class VerifyGraphs:
+class VerifyGraphs(CudaGraphRunner):
     """Captures model + LM head for verify batches over the fixed step buffers; replays them.
 
     Every graph writes its logits into the first rows of one shared (max B (k + 1), V) buffer.
-    With capture=False the same steps run eagerly on the same buffers and metadata (the CPU
+    Buffers, capture and warm-up are the decode graphs' (CudaGraphRunner) with k + 1 rows per
+    sequence; the attention metadata and the replayed rows are its own. With capture=False the same steps run eagerly on the same buffers and metadata (the CPU
     tests' path), so the padding and the fixed metadata are what the CPU tests check.
     """
 
@@ -85,9 +86,6 @@ class VerifyGraphs:
         """Whether a verify step of num_seqs sequences and num_tokens tokens fits a graph."""
         return num_seqs <= self.sizes[-1] and num_tokens <= num_seqs * self.query_len
 
-    def padded(self, num_seqs: int) -> int:
-        return next(s for s in self.sizes if s >= num_seqs)
-
     def num_tokens(self, padded_seqs: int) -> int:
         """Token rows of the graph for padded_seqs sequences."""
         return padded_seqs * self.query_len
@@ -101,42 +99,6 @@ class VerifyGraphs:
             max_seq_len=self.max_model_len,
             query_start_loc=buf.d_query_start_loc[:bs + 1], seq_lens=buf.d_seq_lens[:bs],
             block_table=buf.d_block_table[:bs], slot_mapping=buf.d_slot_mapping[:t])
-
-    def _reset_buffers(self) -> None:
-        """A harmless verify batch of the largest size: ids 0, full rows, no K/V written."""
-        buf, n, q = self.buffers, self.sizes[-1], self.query_len
-        buf.d_input_ids[:n * q].zero_()
-        buf.d_positions[:n * q].zero_()
-        buf.d_slot_mapping[:n * q].fill_(-1)
-        buf.d_seq_lens[:n].fill_(q)
-        buf.d_query_start_loc[:n + 1].copy_(torch.arange(0, n * q + 1, q, dtype=torch.int32))
-        buf.d_block_table[:n].zero_()
-
-    def _run(self, bs: int) -> torch.Tensor:
-        """Logits (bs (k + 1), V) of the first bs (k + 1) token rows of the step buffers."""
-        buf, t = self.buffers, bs * self.query_len
-        hidden = self.model(buf.d_input_ids[:t], buf.d_positions[:t], self.kv_caches,
-                            self._meta(bs))  # (t, hidden)
-        logits = self.model.compute_logits(hidden)  # (t, V) float32
-        if self.logits is None:
-            return logits
-        return self.logits[:t].copy_(logits)  # (t, V)
-
-    @torch.inference_mode()
-    def _capture_all(self) -> None:
-        self._reset_buffers()
-        for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-            self._run(bs)  # warm-up: Triton compiles and autotunes outside the capture
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                out = self._run(bs)  # (bs (k + 1), V)
-            if self.logits is None:
-                self.logits = out  # NOTE: held, so no later graph's temporaries alias it
-            if self.pool is None:
-                self.pool = g.pool()
-            self.graphs[bs] = g
-        torch.cuda.synchronize()
 
     def replay(self, padded_seqs: int) -> torch.Tensor:
         """Logits (B (k + 1), V) of the verify step whose inputs are in the device buffers,
