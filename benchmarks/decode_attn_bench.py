@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from peregrine.kernels import reference as ref  # noqa: E402
 from peregrine.kernels.decode_attention import (VARIANTS, decode_split_len,  # noqa: E402
                                                 paged_decode_attention, pick_config)
+from peregrine.kernels.decode_configs import DecodeConfig  # noqa: E402
 
 PEAK_GBS = 4200.0  # H200 HBM3e
 TOL = 3e-2  # max abs error of a bf16 output against the fp32 reference (outputs are O(1))
@@ -53,17 +54,8 @@ HEAD_DIM, BLOCK_SIZE = 128, 16
 DEV = torch.device("cuda")
 
 
-class Cfg(NamedTuple):
-    variant: str
-    block_n: int
-    num_warps: int
-    num_stages: int
-    prefetch: bool
-    programs_per_sm: int
-    clamp_tokens: bool
-    aligned: bool
-    asm_cvt: bool
-    heads_first: bool
+class Cfg(DecodeConfig):
+    """A launch config of the split kernel (decode_configs.DecodeConfig) with its table label."""
 
     def label(self) -> str:
         return (f"{self.variant:6s} bn={self.block_n:<3d} w={self.num_warps} s={self.num_stages} "
