@@ -1,7 +1,8 @@
 """Quantization methods by config.json `quant_method` name; see base.py for the interfaces.
 
-Adding a method is adding a file with a `QuantizationConfig` and its `QuantMethod`, plus one
-line in `_BUILTIN` (or a `register_quantization_config` call for a plug-in).
+Adding a method is adding a file with a `QuantizationConfig` (declaring its `name`) and its
+`QuantMethod`, plus one line in `_BUILTIN` (or a `register_quantization_config` call for a
+plug-in).
 """
 from __future__ import annotations
 
@@ -56,7 +57,10 @@ def get_quantization_config(name: str) -> _ConfigClass:
     if name in _BUILTIN:
         module, cls_name = _BUILTIN[name].split(":")
         cls = getattr(importlib.import_module(module), cls_name)
-        cls.name = name
+        # NOTE: the name is the class's own attribute, so it holds in a process that only
+        # unpickled a config (the engine core, a worker) and never went through this lookup.
+        if cls.__dict__.get("name") != name:
+            raise TypeError(f"{cls.__qualname__} must declare name = {name!r}")
         return cls
     known = ", ".join(quantization_methods()) or "none are available in this version"
     raise ValueError(f"unknown quantization method {name!r} (known: {known})")

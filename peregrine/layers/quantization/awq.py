@@ -33,6 +33,8 @@ class AWQConfig(QuantizationConfig):
     """quantization_config {"quant_method": "awq", "bits": 4, "group_size": 128,
     "zero_point": true, "version": "gemm"} (AutoAWQ's w_bit / q_group_size spellings too)."""
 
+    name = "awq"
+
     def __init__(self, group_size: int, skip: tuple[str, ...] = ()) -> None:
         self.group_size = group_size
         self.skip_modules = skip

@@ -31,6 +31,8 @@ def _matches(target: str, name: str) -> bool:
 class CompressedTensorsConfig(QuantizationConfig):
     """quant_method "compressed-tensors"."""
 
+    name = "compressed-tensors"
+
     def __init__(self, groups: dict[str, dict[str, Any]], fmt: str | None,
                  ignore: tuple[str, ...], kv_cache_scheme: dict[str, Any] | None) -> None:
         self.groups = groups

@@ -209,6 +209,8 @@ class Fp8BlockMethod(QuantMethod):
 class Fp8Config(QuantizationConfig):
     """quant_method "fp8": a checkpoint's `quantization_config`, or {} for online FP8."""
 
+    name = "fp8"
+
     def __init__(self, *, online: bool, static_input: bool = False,
                  block: tuple[int, int] | None = None, skip: tuple[str, ...] = ()) -> None:
         self.online = online

@@ -29,6 +29,8 @@ class GPTQConfig(QuantizationConfig):
     """quantization_config {"quant_method": "gptq", "bits": 4 | 8, "group_size": 128 | -1,
     "desc_act": bool, "sym": bool, "checkpoint_format": "gptq" | "gptq_v2"}."""
 
+    name = "gptq"
+
     def __init__(self, bits: int, group_size: int, desc_act: bool, sym: bool, v2: bool,
                  skip: tuple[str, ...] = ()) -> None:
         self.bits, self.group_size, self.desc_act, self.sym, self.v2 = (

@@ -41,6 +41,7 @@ def rtn_quantize(w: torch.Tensor, bits: int, group_size: int, scale_dtype: torch
 class RTNConfig(QuantizationConfig):
     """No checkpoint format: the method name picks the bit width."""
 
+    name = "rtn"
     bits = 4
 
     def __init__(self, skip: tuple[str, ...] = ()) -> None:
@@ -59,14 +60,17 @@ class RTNConfig(QuantizationConfig):
 
 
 class RTNInt4Config(RTNConfig):
+    name = "rtn-int4"
     bits = 4
 
 
 class RTNInt6Config(RTNConfig):
+    name = "rtn-int6"
     bits = 6
 
 
 class RTNInt8Config(RTNConfig):
+    name = "rtn-int8"
     bits = 8
 
 
