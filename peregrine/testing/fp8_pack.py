@@ -231,14 +231,16 @@ def engine_model(llm: Any) -> torch.nn.Module:
 
 def score_generation(path: Path, ref_path: Path, act_dtype: torch.dtype, group: int | None = None,
                      max_tokens: int = 6, dtype: str = "float32",
-                     decode_unrounded: bool = False) -> dict[str, list[float]]:
+                     decode_unrounded: bool = False,
+                     exact_reference: bool = False) -> dict[str, list[float]]:
     """Greedy generation from the quantized checkpoint at `path` (in `dtype`, prefix caching,
     chunked prefill in 16-token steps; the second prompt reuses the first one's prefix blocks),
     then the same tokens teacher-forced through the reference twin, plainly and with its linear
     inputs rounded like W8A8 activations (with decode_unrounded, only the prompt's rows: where
     decode steps of one row multiply x as it is, the CUDA GEMV path). Returns the generated
     tokens' logprobs under each: {"quantized": [...], "reference": [...],
-    "reference_rounded": [...]}."""
+    "reference_rounded": [...]}; with exact_reference also "reference_rounded_fp32", the rounded
+    reference run in float32 (what a `dtype` run of the same model is off by, measured)."""
     from peregrine.entrypoints.llm import LLM
     from peregrine.sampling_params import SamplingParams
     prefix = [(7 * i + 3) % 500 + 4 for i in range(40)]
@@ -252,14 +254,22 @@ def score_generation(path: Path, ref_path: Path, act_dtype: torch.dtype, group: 
     scores: dict[str, list[float]] = {"quantized": []}
     for p, o in zip(prompts, outs):
         scores["quantized"] += [o.logprobs[i][t].logprob for i, t in enumerate(o.token_ids)]
-    ref = LLM(str(ref_path), enable_prefix_caching=False, **common)
     forced = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
-    for key in ("reference", "reference_rounded"):
+    runs = [("reference", dtype, False), ("reference_rounded", dtype, True)]
+    if exact_reference:
+        runs.append(("reference_rounded_fp32", "float32", True))
+    refs: dict[str, Any] = {}
+    for key, ref_dtype, rounded in runs:
+        if ref_dtype not in refs:
+            refs.clear()  # one reference engine at a time
+            refs[ref_dtype] = LLM(str(ref_path), enable_prefix_caching=False,
+                                  **{**common, "dtype": ref_dtype})
+        ref = refs[ref_dtype]
         scores[key] = []
         for p, o in zip(prompts, outs):
             rows = len(p) if decode_unrounded else None
             hooks = round_linear_inputs(engine_model(ref), act_dtype, group, rows) \
-                if key != "reference" else []
+                if rounded else []
             plp = ref.generate([p + list(o.token_ids)], forced, use_tqdm=False)[0].prompt_logprobs
             scores[key] += [plp[len(p) + i][t].logprob for i, t in enumerate(o.token_ids)]
             for h in hooks:

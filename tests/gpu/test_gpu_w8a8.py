@@ -105,14 +105,43 @@ def test_block_fp8_gemm_matches_reference(k: int, n: int, m: int) -> None:
 def test_engine_bf16_matches_rounded_reference(tmp_path: Path, scheme: str, group: int | None,
                                                act: torch.dtype) -> None:
     """Through LLM (CUDA graphs, chunked prefill, prefix caching) in bf16: the generated tokens'
-    logprobs agree with the dequantized reference whose linear inputs are rounded the same way,
-    up to bf16 rounding."""
+    logprobs are as close to the exact (float32) rounded reference as a bf16 run of that
+    reference is.
+
+    The bound is measured, not fitted: the bf16 reference is the same rounded model computed by
+    another bf16 path (one prefill, no cached K/V), so its distance to float32 is what bf16
+    rounding does to these logprobs on this model, FP8 steps that flip when an input moves by
+    an ulp included (on this tiny random model that alone reaches ~0.7 nats at a token and
+    ~0.1 on average). The engine is one more such path and may be off by up to about twice
+    that; a wrong scale, layout or rounding rule moves logprobs by the FP8 rounding itself
+    (~0.5 nats on average here between rounded and unrounded inputs)."""
     if act == FP8_DTYPE:
         _needs_fp8()
     src = tiny_checkpoint("qwen3", dtype=torch.bfloat16)
     path = fp8_pack.write_compressed_tensors(src, tmp_path / "ct", scheme, block=(32, 32))
     # NOTE: decode steps (one row) take the weight-only GEMV, x not rounded; prompt chunks do.
     scores = fp8_pack.score_generation(path, tmp_path / "ct-reference", act, group,
-                                       dtype="bfloat16", decode_unrounded=True)
-    diff = torch.tensor(scores["quantized"]) - torch.tensor(scores["reference_rounded"])
-    assert diff.abs().max() < 0.5 and diff.abs().mean() < 0.1, diff.tolist()
+                                       dtype="bfloat16", decode_unrounded=True,
+                                       exact_reference=True)
+    exact = torch.tensor(scores["reference_rounded_fp32"])
+    engine = (torch.tensor(scores["quantized"]) - exact).abs()
+    bf16_ref = (torch.tensor(scores["reference_rounded"]) - exact).abs()
+    assert engine.mean() <= 2 * bf16_ref.mean() + 0.02, (engine.tolist(), bf16_ref.tolist())
+    assert engine.max() <= 2 * bf16_ref.max() + 0.1, (engine.tolist(), bf16_ref.tolist())
+
+
+@pytest.mark.parametrize("scheme, group, act", [
+    ("fp8_dynamic", None, FP8_DTYPE), ("fp8_block", 32, FP8_DTYPE),
+    ("int8_dynamic", None, torch.int8)])
+def test_engine_fp32_matches_rounded_reference(tmp_path: Path, scheme: str, group: int | None,
+                                               act: torch.dtype) -> None:
+    """The same in float32, where nothing but the rounding of activations separates the engine
+    from the reference: the GEMV for decode rows (x as it is), rounded prompt chunks, the
+    checkpoint's scales and layouts, cached prefix blocks. Float32 sums in another order differ
+    by ~1e-6; an FP8 step flipping on such a difference is rare, hence the small margin."""
+    src = tiny_checkpoint("qwen3", dtype=torch.float32)
+    path = fp8_pack.write_compressed_tensors(src, tmp_path / "ct", scheme, block=(32, 32))
+    scores = fp8_pack.score_generation(path, tmp_path / "ct-reference", act, group,
+                                       dtype="float32", decode_unrounded=True)
+    diff = (torch.tensor(scores["quantized"]) - torch.tensor(scores["reference_rounded"])).abs()
+    assert diff.max() < 2e-3 and diff.mean() < 2e-4, diff.tolist()
