@@ -4,17 +4,17 @@ Pure integer bookkeeping: decodes and prefill chunks share one token budget, so 
 and continuous batching are the same mechanism. Out of KV blocks, the scheduler preempts the last
 admitted (or lowest-priority) request, by recompute (its blocks are freed and it re-queues with
 num_computed_tokens = 0) or by swap (its blocks are copied to the CPU swap space and back when it
-resumes; preemption_mode, kv_cache/swap_cost.py for auto).
+resumes; preemption_mode; swap_preemption.py decides which).
 """
 from __future__ import annotations
 
 import bisect
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from peregrine.engine.request import Request, RequestStatus
+from peregrine.engine.swap_preemption import SwapPreemption
 from peregrine.kv_cache.manager import NO_COMPUTED_BLOCKS, KVCacheManager
 from peregrine.messages import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                 SchedulerOutput)
@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from peregrine.config import CacheConfig, SchedulerConfig
     from peregrine.spec_decode.config import SpeculativeConfig
 
-logger = logging.getLogger("peregrine")
 # A request whose drafts were all rejected this many verify steps in a row decodes plainly for a
 # while (2, 4, 8, ... steps, at most SPEC_MAX_BACKOFF), so text the proposer cannot predict costs
 # little more than plain decoding: nothing is proposed for it, no lookahead is held, and its
@@ -74,9 +73,7 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching, cache_config.num_cpu_blocks)
-        self.num_swapped_out = 0
-        self.num_swapped_in = 0
-        self._warned_swap_full = False
+        self.swap = SwapPreemption(config, self.kv)
         # This step's block copies for the workers (see SchedulerOutput).
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
@@ -158,7 +155,8 @@ class Scheduler:
         num_cpu = kv.cpu_pool.num_blocks
         return SchedulerStats(len(self.running), len(self.waiting), kv.usage,
                               kv.prefix_cache_queries, kv.prefix_cache_hits,
-                              self.num_preemptions, self.num_swapped_out, self.num_swapped_in,
+                              self.num_preemptions, self.swap.num_swapped_out,
+                              self.swap.num_swapped_in,
                               kv.num_swapped_requests,
                               1.0 - kv.num_free_cpu_blocks / num_cpu if num_cpu else 0.0,
                               self.spec_num_drafts, self.spec_num_draft_tokens,
@@ -198,7 +196,7 @@ class Scheduler:
             while not self.kv.allocate_slots(req, num_new):
                 victim = self._select_victim()
                 if victim is req and len(self.running) == 1:
-                    if self._release_swapped_holds(req):
+                    if self.swap.release_holds(req, self.waiting):
                         continue
                     # Alone and still out of blocks: it can never grow further in this pool.
                     self._finish_error(req, req.num_computed_tokens + num_new)
@@ -477,7 +475,8 @@ class Scheduler:
             if cap is not None and len(scheduled) >= cap:
                 break
             if req.status == RequestStatus.SWAPPED:
-                num_new = self._resume_swapped(req, budget)
+                num_new = self.swap.swap_in(req, budget, self._swap_in, self.waiting,
+                                            bool(self.running))
                 if not num_new:
                     break  # out of device blocks (or budget without chunking): later ones wait too
                 self.running.append(req)
@@ -568,7 +567,7 @@ class Scheduler:
         req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
-        if not self._swap_out_request(req):
+        if not self.swap.swap_out(req, self._swap_out):
             self.kv.free(req)
             req.num_computed_tokens = 0
             # NOTE: an in-flight sample of a preempted request is dropped; the recompute draws it
@@ -576,71 +575,6 @@ class Scheduler:
             req.num_output_placeholders = 0
             req.status = RequestStatus.PREEMPTED
         self._enqueue(req, front=True)
-
-    def _swap_out_request(self, req: Request) -> bool:
-        """Preempt by swap when the mode (and, for auto, the costs) says so; False: recompute."""
-        mode = self.config.preemption_mode
-        if mode == "recompute" or self.kv.cpu_pool.num_blocks == 0:
-            return False
-        # NOTE: the KV kept is that of every known token but the last: like a prefix hit, the
-        # resumed request computes at least one token, so its logits exist. A token sampled by a
-        # step still in flight is dropped and drawn again on resume (same seed and index). Its
-        # KV, and that of the last known token, may still be being written by that step: the
-        # workers queue the copy after it (one stream on CUDA; steps run in order on the CPU).
-        num_kept = min(req.num_computed_tokens, req.num_tokens - 1)
-        if num_kept <= 0:
-            return False
-        num_copied, num_shared = self.kv.swap_out_size(req, num_kept)
-        if mode == "auto":
-            cost = self.config.swap_cost
-            if cost is None or not cost.prefers_swap(num_kept, num_copied, num_shared):
-                return False
-        copies = self.kv.swap_out(req, num_kept)
-        if copies is None:
-            if mode == "swap" and not self._warned_swap_full:
-                self._warned_swap_full = True
-                logger.warning("the CPU swap space (%d blocks) is full: preempted requests are "
-                               "recomputed until it frees up; raise swap_space to swap more",
-                               self.kv.cpu_pool.num_blocks)
-            return False
-        self._swap_out.extend(copies)
-        req.num_computed_tokens = num_kept
-        req.num_output_placeholders = 0
-        req.status = RequestStatus.SWAPPED
-        self.num_swapped_out += 1
-        return True
-
-    def _release_swapped_holds(self, req: Request) -> bool:
-        """Turn the latest swapped request (not req) that holds device blocks into a recompute.
-
-        NOTE: swapped requests keep the full blocks they share on the device. When nothing else
-        runs (so nothing will free a block), those blocks must go before a lone request is
-        declared too big for the pool; once no swapped request holds any, req fits if it ever can.
-        """
-        for other in reversed(self.waiting):
-            if other is not req and self.kv.swapped_device_blocks(other):
-                self.kv.free(other)
-                other.num_computed_tokens = 0
-                other.status = RequestStatus.PREEMPTED
-                return True
-        return False
-
-    def _resume_swapped(self, req: Request, budget: int) -> int:
-        """Copy a swapped request's blocks back; its tokens to compute this step, or 0 (wait)."""
-        num_new = min(req.num_tokens, self.config.max_model_len) - req.num_computed_tokens
-        if num_new > budget:
-            if not self.config.enable_chunked_prefill:
-                return 0
-            num_new = budget
-        copies = self.kv.swap_in(req, num_new)
-        while copies is None and not self.running and self._release_swapped_holds(req):
-            copies = self.kv.swap_in(req, num_new)
-        if copies is None:
-            return 0
-        self._swap_in.extend(copies)
-        req.status = RequestStatus.RUNNING
-        self.num_swapped_in += 1
-        return num_new
 
     def _enqueue(self, req: Request, front: bool) -> None:
         if self.config.policy == "priority":
