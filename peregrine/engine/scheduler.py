@@ -14,28 +14,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from peregrine.engine.request import Request, RequestStatus
+from peregrine.engine.spec_scheduling import DraftScheduling
 from peregrine.engine.swap_preemption import SwapPreemption
 from peregrine.kv_cache.manager import NO_COMPUTED_BLOCKS, KVCacheManager
 from peregrine.messages import (CachedRequestData, ModelRunnerOutput, NewRequestData,
                                 SchedulerOutput)
-from peregrine.spec_decode.config import speculation_allowed
 
 if TYPE_CHECKING:
     from peregrine.config import CacheConfig, SchedulerConfig
     from peregrine.spec_decode.config import SpeculativeConfig
-
-# A request whose drafts were all rejected this many verify steps in a row decodes plainly for a
-# while (2, 4, 8, ... steps, at most SPEC_MAX_BACKOFF), so text the proposer cannot predict costs
-# little more than plain decoding: nothing is proposed for it, no lookahead is held, and its
-# steps can be pipelined. One accepted draft resets it. So do SPEC_EMPTY_BACKOFF_AFTER proposals
-# in a row that found no draft (cheaper than a rejected verify step, so later and shorter: at
-# most SPEC_EMPTY_MAX_BACKOFF steps); a found draft resets that count. A back-off ends on a step
-# that is a multiple of its length, so backing-off requests propose together and the steps
-# between stay pipelined.
-SPEC_BACKOFF_AFTER = 2
-SPEC_MAX_BACKOFF = 32
-SPEC_EMPTY_BACKOFF_AFTER = 4
-SPEC_EMPTY_MAX_BACKOFF = 16
 
 
 @dataclass
@@ -97,14 +84,7 @@ class Scheduler:
         self._batch_queue = config.max_concurrent_batches > 1
         self._in_flight_ids: set[str] = set()
         self._sent_outputs: dict[str, int] = {}  # output tokens of each request the workers hold
-        # Speculative decoding: requests that may verify drafts get slots for this many positions
-        # past the step's tokens, so the next step's drafts (and a draft model's KV) fit.
-        self.speculative = speculative
-        self.num_lookahead = speculative.num_speculative_tokens + 1 if speculative else 0
-        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
-        self._speculate = False  # this step's decision (see schedule)
-        self._no_propose: list[str] = []  # backing off: no drafts wanted after this step
-        self._num_steps = 0  # schedule() calls: back-offs end on multiples of their length
+        self.spec = DraftScheduling(speculative, config, self.kv)  # speculative decoding
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -115,6 +95,21 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def spec_num_drafts(self) -> int:
+        """Verify steps so far, one per request verified (speculative decoding)."""
+        return self.spec.num_drafts
+
+    @property
+    def spec_num_draft_tokens(self) -> int:
+        """Drafts verified so far."""
+        return self.spec.num_draft_tokens
+
+    @property
+    def spec_num_accepted_tokens(self) -> int:
+        """Drafts accepted so far."""
+        return self.spec.num_accepted_tokens
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
@@ -171,12 +166,7 @@ class Scheduler:
         scheduled: dict[Request, int] = {}  # insertion-ordered: the batch order
         preempted: list[Request] = []
         cap = self._step_request_cap()
-        spec = self.speculative
-        # NOTE: past disable_by_batch_size running requests a verify step stops paying: decode
-        # plainly (and propose nothing) until the batch shrinks.
-        speculate = spec is not None and (spec.disable_by_batch_size is None
-                                          or len(self.running) <= spec.disable_by_batch_size)
-        self._speculate = speculate
+        speculate = self.spec.begin_step(len(self.running))
         drafts: dict[Request, list[int]] = {}
         i = 0
         while i < len(self.running) and budget > 0:
@@ -191,7 +181,7 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            if speculate and self._with_drafts(req, num_new, budget, drafts):
+            if speculate and self.spec.take_drafts(req, num_new, budget, drafts):
                 num_new += len(drafts[req])
             while not self.kv.allocate_slots(req, num_new):
                 victim = self._select_victim()
@@ -218,55 +208,12 @@ class Scheduler:
             self._admit(scheduled, budget, cap)
         finished_ids, self._finished_ids = self._finished_ids, []
         out = self._make_output(scheduled, [r.request_id for r in preempted], finished_ids)
-        # NOTE: a step after which nothing is proposed can be pipelined (async scheduling): only
-        # a proposal needs the step's tokens on the host before the next step is scheduled.
-        no_propose = set(self._no_propose)
-        out.propose_drafts = speculate and any(
-            self._samples(req, n) and speculation_allowed(req.sampling_params)
-            and req.request_id not in no_propose for req, n in scheduled.items())
-        out.no_propose_req_ids, self._no_propose = self._no_propose, []
-        self._num_steps += 1
-        if drafts:
-            out.scheduled_spec_decode_tokens = {r.request_id: d for r, d in drafts.items()}
+        self.spec.end_step(out, scheduled, drafts)
         assert not (self._swap_out and self._swap_in), "a step both swaps out and admits"
         out.blocks_to_swap_out, self._swap_out = self._swap_out, []
         out.blocks_to_swap_in, self._swap_in = self._swap_in, []
         self._steps[id(out)] = list(scheduled)
         return out
-
-    def _with_drafts(self, req: Request, num_new: int, budget: int,
-                     drafts: dict[Request, list[int]]) -> bool:
-        """Take req's proposed drafts into this step (trimmed to the budget, max_model_len and
-        max_tokens) and hold lookahead slots; True when some drafts are scheduled."""
-        proposed, req.spec_token_ids = req.spec_token_ids, []
-        if not speculation_allowed(req.sampling_params):
-            return False
-        if req.spec_skip:
-            req.spec_skip -= 1
-            proposed = []
-            if req.spec_skip:
-                # NOTE: nothing will be proposed after this step: no drafts, no lookahead.
-                self._no_propose.append(req.request_id)
-                return False
-        cfg = self.config
-        num_d = 0
-        if proposed and num_new == 1 and req.num_computed_tokens == req.num_tokens - 1:
-            # NOTE: the step emits up to num_d + 1 tokens; none may pass a length limit.
-            num_d = min(len(proposed), budget - 1, cfg.max_model_len - req.num_tokens - 1,
-                        req.max_tokens - req.num_output_tokens - 1)
-        num_d = max(num_d, 0)
-        total = num_new + num_d
-        look = 0
-        if req.num_computed_tokens + num_new >= req.num_tokens:  # it samples: drafts may follow
-            look = max(0, min(self.num_lookahead,
-                              cfg.max_model_len - req.num_computed_tokens - total))
-        # NOTE: drafts and lookahead are an optimisation: when the pool is tight they are dropped
-        # (a plain decode follows) rather than preempting another request for them.
-        if (num_d or look) and not self.kv.allocate_slots(req, total + look):
-            return False
-        if num_d:
-            drafts[req] = proposed[:num_d]
-        return num_d > 0
 
     def _make_output(self, scheduled: dict[Request, int], preempted_ids: list[str],
                      finished_ids: list[str]) -> SchedulerOutput:
@@ -322,12 +269,6 @@ class Scheduler:
     def requests_of(self, out: SchedulerOutput) -> list[Request]:
         """The requests a step scheduled (in num_scheduled_tokens order), until it is updated."""
         return self._steps.get(id(out), [])
-
-    @staticmethod
-    def _samples(req: Request, num_new: int) -> bool:
-        """Whether `num_new` scheduled tokens reach req's last known token (in-flight included)."""
-        return (req.num_computed_tokens + num_new
-                >= len(req.all_token_ids) + req.num_output_placeholders)
 
     def _num_new_tokens(self, req: Request) -> int:
         """Tokens of a running request still to compute, counting in-flight samples as known."""
@@ -388,20 +329,7 @@ class Scheduler:
                 if spec_tokens:
                     num_d = len(spec_tokens.get(req.request_id, ()))
                     if num_d:
-                        # NOTE: the KV of rejected drafts is garbage: roll back past it (the
-                        # slots stay held, and blocks enter the prefix cache only when verified).
-                        num_accepted = len(tokens) - 1
-                        if not 0 <= num_accepted <= num_d:
-                            raise ValueError(f"request {req.request_id!r} verified {num_d} "
-                                             f"drafts but got {len(tokens)} tokens")
-                        req.num_computed_tokens -= num_d - num_accepted
-                        if num_accepted:
-                            req.spec_misses = 0
-                        else:
-                            self._missed(req)
-                        self.spec_num_drafts += 1
-                        self.spec_num_draft_tokens += num_d
-                        self.spec_num_accepted_tokens += num_accepted
+                        self.spec.verified(req, num_d, len(tokens))
                 assert req.num_computed_tokens <= req.num_tokens + max(len(tokens) - 1, 0), \
                     f"{req} computed past its tokens"
             if not tokens:
@@ -420,31 +348,11 @@ class Scheduler:
             if status is not None:
                 self._finish(req, status)
             else:
-                req.spec_token_ids = draft_out.get(req.request_id, []) if draft_out else []
-                if req.spec_token_ids:
-                    req.spec_empty = 0
-                elif (out.propose_drafts and not req.spec_skip
-                        and speculation_allowed(req.sampling_params)):
-                    req.spec_empty += 1  # proposed for, and the proposer found nothing
-                    if req.spec_empty >= SPEC_EMPTY_BACKOFF_AFTER:
-                        self._back_off(req, req.spec_empty - SPEC_EMPTY_BACKOFF_AFTER + 1,
-                                       SPEC_EMPTY_MAX_BACKOFF)
+                self.spec.take_proposal(
+                    req, draft_out.get(req.request_id, []) if draft_out else [],
+                    out.propose_drafts)
             changed.append(req)
         return changed
-
-    def _missed(self, req: Request) -> None:
-        """A verify step accepted none of req's drafts: after SPEC_BACKOFF_AFTER in a row it backs
-        off."""
-        req.spec_misses += 1
-        if req.spec_misses >= SPEC_BACKOFF_AFTER:
-            self._back_off(req, req.spec_misses - SPEC_BACKOFF_AFTER + 1, SPEC_MAX_BACKOFF)
-
-    def _back_off(self, req: Request, level: int, most: int) -> None:
-        """No drafts for req for up to min(2 ** level, most) steps, until a step that is a
-        multiple of that length (the last one proposes)."""
-        period = min(2 ** level, most)
-        # NOTE: the step just updated is number _num_steps - 1.
-        req.spec_skip = period - (self._num_steps - 1) % period
 
     def fail_step(self, out: SchedulerOutput, error: str) -> list[Request]:
         """The workers could not run a step: finish its requests with `error`; returns them."""
@@ -498,7 +406,7 @@ class Scheduler:
                 if not cfg.enable_chunked_prefill:
                     break
                 num_new = budget
-            look = self._admit_lookahead(req, start + num_new)
+            look = self.spec.admit_lookahead(req, start + num_new)
             if shared:
                 assert req.fork_source is not None
                 self.kv.fork(req.fork_source, req, shared)
@@ -523,14 +431,6 @@ class Scheduler:
             budget -= num_new
         if admitted:
             self.waiting = [r for r in self.waiting if id(r) not in admitted]
-
-    def _admit_lookahead(self, req: Request, end: int) -> int:
-        """Lookahead slots for an admitted request whose chunk ends at token `end`: it samples
-        there and may then get drafts."""
-        if (not self._speculate or end < req.num_tokens
-                or not speculation_allowed(req.sampling_params)):
-            return 0
-        return max(0, min(self.num_lookahead, self.config.max_model_len - end))
 
     def _fork_tokens(self, req: Request) -> int | None:
         """Tokens req can share with its fork source now (0: go alone), or None to keep waiting."""
