@@ -10,39 +10,20 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from peregrine.engine.request import Request, RequestStatus
+from peregrine.engine.scheduler_output import SchedulerStats, StepEncoder
 from peregrine.engine.spec_scheduling import DraftScheduling
 from peregrine.engine.swap_preemption import SwapPreemption
 from peregrine.kv_cache.manager import NO_COMPUTED_BLOCKS, KVCacheManager
-from peregrine.messages import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                SchedulerOutput)
+from peregrine.messages import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from peregrine.config import CacheConfig, SchedulerConfig
     from peregrine.spec_decode.config import SpeculativeConfig
 
-
-@dataclass
-class SchedulerStats:
-    """A snapshot for metrics; token and preemption counters are cumulative."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of KV blocks held by requests, 0..1
-    prefix_cache_queries: int  # tokens looked up in the prefix cache
-    prefix_cache_hits: int  # tokens found there
-    num_preemptions: int  # recompute and swap
-    num_swapped_out: int = 0  # preemptions that swapped the request's blocks to the CPU
-    num_swapped_in: int = 0  # swapped requests resumed
-    num_swapped: int = 0  # requests whose blocks are in the CPU swap space now
-    cpu_cache_usage: float = 0.0  # fraction of CPU swap blocks in use, 0..1
-    # Speculative decoding, cumulative: verify steps of a request, drafts verified, accepted.
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
+__all__ = ["Scheduler", "SchedulerStats"]
 
 
 class Scheduler:
@@ -73,8 +54,6 @@ class Scheduler:
         self._finished_ids: list[str] = []  # reported by the next schedule()
         self._finished_reqs: list[Request] = []  # reported by take_finished()
         self._errored: list[Request] = []  # finished inside schedule(), returned by update
-        # Blocks of each request the workers already hold (absent: the workers do not know it).
-        self._sent_blocks: dict[str, int] = {}
         # The Request objects of each step not yet updated, keyed by id(SchedulerOutput).
         self._steps: dict[int, list[Request]] = {}
         # Pipeline parallelism (max_concurrent_batches > 1): several steps are in flight, each
@@ -83,7 +62,7 @@ class Scheduler:
         # sampled since a request was last sent (CachedRequestData.new_token_ids).
         self._batch_queue = config.max_concurrent_batches > 1
         self._in_flight_ids: set[str] = set()
-        self._sent_outputs: dict[str, int] = {}  # output tokens of each request the workers hold
+        self._encoder = StepEncoder(send_new_tokens=self._batch_queue)
         self.spec = DraftScheduling(speculative, config, self.kv)  # speculative decoding
 
     # ---- queue management -------------------------------------------------------------------
@@ -207,43 +186,13 @@ class Scheduler:
         if not preempted:
             self._admit(scheduled, budget, cap)
         finished_ids, self._finished_ids = self._finished_ids, []
-        out = self._make_output(scheduled, [r.request_id for r in preempted], finished_ids)
+        out = self._encoder.encode(scheduled, [r.request_id for r in preempted], finished_ids)
         self.spec.end_step(out, scheduled, drafts)
         assert not (self._swap_out and self._swap_in), "a step both swaps out and admits"
         out.blocks_to_swap_out, self._swap_out = self._swap_out, []
         out.blocks_to_swap_in, self._swap_in = self._swap_in, []
         self._steps[id(out)] = list(scheduled)
         return out
-
-    def _make_output(self, scheduled: dict[Request, int], preempted_ids: list[str],
-                     finished_ids: list[str]) -> SchedulerOutput:
-        """The step as data: full data for requests the workers lack, block deltas for the rest."""
-        new_reqs: list[NewRequestData] = []
-        cached = CachedRequestData()
-        sent_blocks = self._sent_blocks
-        counts: dict[str, int] = {}
-        total = 0
-        for req, n in scheduled.items():
-            rid = req.request_id
-            counts[rid] = n
-            total += n
-            block_ids = req.block_ids
-            sent = sent_blocks.get(rid)
-            sent_blocks[rid] = len(block_ids)
-            if sent is None:
-                new_reqs.append(NewRequestData(
-                    rid, req.prompt_token_ids, req.sampling_params, req.seed, req.eos_token_ids,
-                    list(block_ids), req.num_computed_tokens, list(req.output_token_ids),
-                    req.max_tokens))
-            else:
-                cached.req_ids.append(rid)
-                cached.new_block_ids.append(block_ids[sent:])
-                cached.num_computed_tokens.append(req.num_computed_tokens)
-            if self._batch_queue:
-                self._add_new_tokens(req, cached, sent is None)
-        # NOTE: running requests come first and the workers know them all; admitted ones (new or
-        # resumed after preemption) follow, so the batch order is cached requests, then new ones.
-        return SchedulerOutput(new_reqs, cached, counts, total, preempted_ids, finished_ids)
 
     def _step_request_cap(self) -> int | None:
         """Pipeline parallelism: the most requests one step takes, so that the requests split
@@ -253,13 +202,6 @@ class Scheduler:
             return None
         live = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
         return max(1, -(-live // self.config.max_concurrent_batches))
-
-    def _add_new_tokens(self, req: Request, cached: CachedRequestData, is_new: bool) -> None:
-        """Pipeline parallelism: the output tokens the workers lack go with a cached request."""
-        outputs = req.output_token_ids
-        if not is_new:
-            cached.new_token_ids.append(outputs[self._sent_outputs[req.request_id]:])
-        self._sent_outputs[req.request_id] = len(outputs)
 
     def take_finished(self) -> list[Request]:
         """Requests finished (any reason) since the last call."""
@@ -462,8 +404,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self._sent_blocks.pop(req.request_id, None)  # the workers drop it; resumed, it is new
-        self._sent_outputs.pop(req.request_id, None)
+        self._encoder.forget(req.request_id)  # the workers drop it; resumed, it is new
         req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -508,8 +449,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         req.status = status
-        self._sent_blocks.pop(req.request_id, None)
-        self._sent_outputs.pop(req.request_id, None)
+        self._encoder.forget(req.request_id)
         del self.requests[req.request_id]
         del self._add_order[req.request_id]
         self._finished_ids.append(req.request_id)
