@@ -64,6 +64,8 @@ class Scheduler:
         self._in_flight_ids: set[str] = set()
         self._encoder = StepEncoder(send_new_tokens=self._batch_queue)
         self.spec = DraftScheduling(speculative, config, self.kv)  # speculative decoding
+        # Cumulative: verify steps (one per request verified), drafts verified, drafts accepted.
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -74,21 +76,6 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
-
-    @property
-    def spec_num_drafts(self) -> int:
-        """Verify steps so far, one per request verified (speculative decoding)."""
-        return self.spec.num_drafts
-
-    @property
-    def spec_num_draft_tokens(self) -> int:
-        """Drafts verified so far."""
-        return self.spec.num_draft_tokens
-
-    @property
-    def spec_num_accepted_tokens(self) -> int:
-        """Drafts accepted so far."""
-        return self.spec.num_accepted_tokens
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
@@ -271,7 +258,10 @@ class Scheduler:
                 if spec_tokens:
                     num_d = len(spec_tokens.get(req.request_id, ()))
                     if num_d:
-                        self.spec.verified(req, num_d, len(tokens))
+                        num_accepted = self.spec.verified(req, num_d, len(tokens))
+                        self.spec_num_drafts += 1
+                        self.spec_num_draft_tokens += num_d
+                        self.spec_num_accepted_tokens += num_accepted
                 assert req.num_computed_tokens <= req.num_tokens + max(len(tokens) - 1, 0), \
                     f"{req} computed past its tokens"
             if not tokens:

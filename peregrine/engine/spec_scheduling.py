@@ -36,7 +36,7 @@ def samples(req: Request, num_new: int) -> bool:
 
 
 class DraftScheduling:
-    """One scheduler's speculative state: this step's decision, back-offs, acceptance counters."""
+    """One scheduler's speculative state: this step's decision and the back-offs."""
 
     def __init__(self, speculative: SpeculativeConfig | None, config: SchedulerConfig,
                  kv: KVCacheManager) -> None:
@@ -46,8 +46,6 @@ class DraftScheduling:
         # Requests that may verify drafts get slots for this many positions past the step's
         # tokens, so the next step's drafts (and a draft model's KV) fit.
         self.num_lookahead = speculative.num_speculative_tokens + 1 if speculative else 0
-        # Cumulative: verify steps of a request, drafts verified, drafts accepted.
-        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.speculate = False  # this step's decision (see begin_step)
         self._no_propose: list[str] = []  # backing off: no drafts wanted after this step
         self._num_steps = 0  # steps scheduled: back-offs end on multiples of their length
@@ -118,9 +116,9 @@ class DraftScheduling:
         if drafts:
             out.scheduled_spec_decode_tokens = {r.request_id: d for r, d in drafts.items()}
 
-    def verified(self, req: Request, num_d: int, num_tokens: int) -> None:
+    def verified(self, req: Request, num_d: int, num_tokens: int) -> int:
         """req's step verified `num_d` drafts and returned `num_tokens` tokens: roll back past the
-        rejected drafts and count."""
+        rejected drafts; returns how many were accepted."""
         # NOTE: the KV of rejected drafts is garbage: roll back past it (the slots stay held,
         # and blocks enter the prefix cache only when verified).
         num_accepted = num_tokens - 1
@@ -132,9 +130,7 @@ class DraftScheduling:
             req.spec_misses = 0
         else:
             self._missed(req)
-        self.num_drafts += 1
-        self.num_draft_tokens += num_d
-        self.num_accepted_tokens += num_accepted
+        return num_accepted
 
     def take_proposal(self, req: Request, draft_ids: list[int], proposed_for: bool) -> None:
         """Keep the drafts proposed for req after its step for the next one; `proposed_for`: the
