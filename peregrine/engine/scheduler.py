@@ -4,59 +4,26 @@ Pure integer bookkeeping: decodes and prefill chunks share one token budget, so 
 and continuous batching are the same mechanism. Out of KV blocks, the scheduler preempts the last
 admitted (or lowest-priority) request, by recompute (its blocks are freed and it re-queues with
 num_computed_tokens = 0) or by swap (its blocks are copied to the CPU swap space and back when it
-resumes; preemption_mode, kv_cache/swap_cost.py for auto).
+resumes; preemption_mode; swap_preemption.py decides which).
 """
 from __future__ import annotations
 
 import bisect
-import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from peregrine.engine.request import Request, RequestStatus
+from peregrine.engine.scheduler_output import SchedulerStats, StepEncoder
+from peregrine.engine.spec_scheduling import DraftScheduling
+from peregrine.engine.swap_preemption import SwapPreemption
 from peregrine.kv_cache.manager import NO_COMPUTED_BLOCKS, KVCacheManager
-from peregrine.messages import (CachedRequestData, ModelRunnerOutput, NewRequestData,
-                                SchedulerOutput)
-from peregrine.spec_decode.config import speculation_allowed
+from peregrine.messages import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from peregrine.config import CacheConfig, SchedulerConfig
     from peregrine.spec_decode.config import SpeculativeConfig
 
-logger = logging.getLogger("peregrine")
-# A request whose drafts were all rejected this many verify steps in a row decodes plainly for a
-# while (2, 4, 8, ... steps, at most SPEC_MAX_BACKOFF), so text the proposer cannot predict costs
-# little more than plain decoding: nothing is proposed for it, no lookahead is held, and its
-# steps can be pipelined. One accepted draft resets it. So do SPEC_EMPTY_BACKOFF_AFTER proposals
-# in a row that found no draft (cheaper than a rejected verify step, so later and shorter: at
-# most SPEC_EMPTY_MAX_BACKOFF steps); a found draft resets that count. A back-off ends on a step
-# that is a multiple of its length, so backing-off requests propose together and the steps
-# between stay pipelined.
-SPEC_BACKOFF_AFTER = 2
-SPEC_MAX_BACKOFF = 32
-SPEC_EMPTY_BACKOFF_AFTER = 4
-SPEC_EMPTY_MAX_BACKOFF = 16
-
-
-@dataclass
-class SchedulerStats:
-    """A snapshot for metrics; token and preemption counters are cumulative."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of KV blocks held by requests, 0..1
-    prefix_cache_queries: int  # tokens looked up in the prefix cache
-    prefix_cache_hits: int  # tokens found there
-    num_preemptions: int  # recompute and swap
-    num_swapped_out: int = 0  # preemptions that swapped the request's blocks to the CPU
-    num_swapped_in: int = 0  # swapped requests resumed
-    num_swapped: int = 0  # requests whose blocks are in the CPU swap space now
-    cpu_cache_usage: float = 0.0  # fraction of CPU swap blocks in use, 0..1
-    # Speculative decoding, cumulative: verify steps of a request, drafts verified, accepted.
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
+__all__ = ["Scheduler", "SchedulerStats"]
 
 
 class Scheduler:
@@ -74,9 +41,7 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching, cache_config.num_cpu_blocks)
-        self.num_swapped_out = 0
-        self.num_swapped_in = 0
-        self._warned_swap_full = False
+        self.swap = SwapPreemption(config, self.kv)
         # This step's block copies for the workers (see SchedulerOutput).
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
@@ -89,8 +54,6 @@ class Scheduler:
         self._finished_ids: list[str] = []  # reported by the next schedule()
         self._finished_reqs: list[Request] = []  # reported by take_finished()
         self._errored: list[Request] = []  # finished inside schedule(), returned by update
-        # Blocks of each request the workers already hold (absent: the workers do not know it).
-        self._sent_blocks: dict[str, int] = {}
         # The Request objects of each step not yet updated, keyed by id(SchedulerOutput).
         self._steps: dict[int, list[Request]] = {}
         # Pipeline parallelism (max_concurrent_batches > 1): several steps are in flight, each
@@ -99,15 +62,10 @@ class Scheduler:
         # sampled since a request was last sent (CachedRequestData.new_token_ids).
         self._batch_queue = config.max_concurrent_batches > 1
         self._in_flight_ids: set[str] = set()
-        self._sent_outputs: dict[str, int] = {}  # output tokens of each request the workers hold
-        # Speculative decoding: requests that may verify drafts get slots for this many positions
-        # past the step's tokens, so the next step's drafts (and a draft model's KV) fit.
-        self.speculative = speculative
-        self.num_lookahead = speculative.num_speculative_tokens + 1 if speculative else 0
+        self._encoder = StepEncoder(send_new_tokens=self._batch_queue)
+        self.spec = DraftScheduling(speculative, config, self.kv)  # speculative decoding
+        # Cumulative: verify steps (one per request verified), drafts verified, drafts accepted.
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
-        self._speculate = False  # this step's decision (see schedule)
-        self._no_propose: list[str] = []  # backing off: no drafts wanted after this step
-        self._num_steps = 0  # schedule() calls: back-offs end on multiples of their length
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -158,7 +116,8 @@ class Scheduler:
         num_cpu = kv.cpu_pool.num_blocks
         return SchedulerStats(len(self.running), len(self.waiting), kv.usage,
                               kv.prefix_cache_queries, kv.prefix_cache_hits,
-                              self.num_preemptions, self.num_swapped_out, self.num_swapped_in,
+                              self.num_preemptions, self.swap.num_swapped_out,
+                              self.swap.num_swapped_in,
                               kv.num_swapped_requests,
                               1.0 - kv.num_free_cpu_blocks / num_cpu if num_cpu else 0.0,
                               self.spec_num_drafts, self.spec_num_draft_tokens,
@@ -173,12 +132,7 @@ class Scheduler:
         scheduled: dict[Request, int] = {}  # insertion-ordered: the batch order
         preempted: list[Request] = []
         cap = self._step_request_cap()
-        spec = self.speculative
-        # NOTE: past disable_by_batch_size running requests a verify step stops paying: decode
-        # plainly (and propose nothing) until the batch shrinks.
-        speculate = spec is not None and (spec.disable_by_batch_size is None
-                                          or len(self.running) <= spec.disable_by_batch_size)
-        self._speculate = speculate
+        speculate = self.spec.begin_step(len(self.running))
         drafts: dict[Request, list[int]] = {}
         i = 0
         while i < len(self.running) and budget > 0:
@@ -193,12 +147,12 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            if speculate and self._with_drafts(req, num_new, budget, drafts):
+            if speculate and self.spec.take_drafts(req, num_new, budget, drafts):
                 num_new += len(drafts[req])
             while not self.kv.allocate_slots(req, num_new):
                 victim = self._select_victim()
                 if victim is req and len(self.running) == 1:
-                    if self._release_swapped_holds(req):
+                    if self.swap.release_holds(req, self.waiting):
                         continue
                     # Alone and still out of blocks: it can never grow further in this pool.
                     self._finish_error(req, req.num_computed_tokens + num_new)
@@ -219,86 +173,13 @@ class Scheduler:
         if not preempted:
             self._admit(scheduled, budget, cap)
         finished_ids, self._finished_ids = self._finished_ids, []
-        out = self._make_output(scheduled, [r.request_id for r in preempted], finished_ids)
-        # NOTE: a step after which nothing is proposed can be pipelined (async scheduling): only
-        # a proposal needs the step's tokens on the host before the next step is scheduled.
-        no_propose = set(self._no_propose)
-        out.propose_drafts = speculate and any(
-            self._samples(req, n) and speculation_allowed(req.sampling_params)
-            and req.request_id not in no_propose for req, n in scheduled.items())
-        out.no_propose_req_ids, self._no_propose = self._no_propose, []
-        self._num_steps += 1
-        if drafts:
-            out.scheduled_spec_decode_tokens = {r.request_id: d for r, d in drafts.items()}
+        out = self._encoder.encode(scheduled, [r.request_id for r in preempted], finished_ids)
+        self.spec.end_step(out, scheduled, drafts)
         assert not (self._swap_out and self._swap_in), "a step both swaps out and admits"
         out.blocks_to_swap_out, self._swap_out = self._swap_out, []
         out.blocks_to_swap_in, self._swap_in = self._swap_in, []
         self._steps[id(out)] = list(scheduled)
         return out
-
-    def _with_drafts(self, req: Request, num_new: int, budget: int,
-                     drafts: dict[Request, list[int]]) -> bool:
-        """Take req's proposed drafts into this step (trimmed to the budget, max_model_len and
-        max_tokens) and hold lookahead slots; True when some drafts are scheduled."""
-        proposed, req.spec_token_ids = req.spec_token_ids, []
-        if not speculation_allowed(req.sampling_params):
-            return False
-        if req.spec_skip:
-            req.spec_skip -= 1
-            proposed = []
-            if req.spec_skip:
-                # NOTE: nothing will be proposed after this step: no drafts, no lookahead.
-                self._no_propose.append(req.request_id)
-                return False
-        cfg = self.config
-        num_d = 0
-        if proposed and num_new == 1 and req.num_computed_tokens == req.num_tokens - 1:
-            # NOTE: the step emits up to num_d + 1 tokens; none may pass a length limit.
-            num_d = min(len(proposed), budget - 1, cfg.max_model_len - req.num_tokens - 1,
-                        req.max_tokens - req.num_output_tokens - 1)
-        num_d = max(num_d, 0)
-        total = num_new + num_d
-        look = 0
-        if req.num_computed_tokens + num_new >= req.num_tokens:  # it samples: drafts may follow
-            look = max(0, min(self.num_lookahead,
-                              cfg.max_model_len - req.num_computed_tokens - total))
-        # NOTE: drafts and lookahead are an optimisation: when the pool is tight they are dropped
-        # (a plain decode follows) rather than preempting another request for them.
-        if (num_d or look) and not self.kv.allocate_slots(req, total + look):
-            return False
-        if num_d:
-            drafts[req] = proposed[:num_d]
-        return num_d > 0
-
-    def _make_output(self, scheduled: dict[Request, int], preempted_ids: list[str],
-                     finished_ids: list[str]) -> SchedulerOutput:
-        """The step as data: full data for requests the workers lack, block deltas for the rest."""
-        new_reqs: list[NewRequestData] = []
-        cached = CachedRequestData()
-        sent_blocks = self._sent_blocks
-        counts: dict[str, int] = {}
-        total = 0
-        for req, n in scheduled.items():
-            rid = req.request_id
-            counts[rid] = n
-            total += n
-            block_ids = req.block_ids
-            sent = sent_blocks.get(rid)
-            sent_blocks[rid] = len(block_ids)
-            if sent is None:
-                new_reqs.append(NewRequestData(
-                    rid, req.prompt_token_ids, req.sampling_params, req.seed, req.eos_token_ids,
-                    list(block_ids), req.num_computed_tokens, list(req.output_token_ids),
-                    req.max_tokens))
-            else:
-                cached.req_ids.append(rid)
-                cached.new_block_ids.append(block_ids[sent:])
-                cached.num_computed_tokens.append(req.num_computed_tokens)
-            if self._batch_queue:
-                self._add_new_tokens(req, cached, sent is None)
-        # NOTE: running requests come first and the workers know them all; admitted ones (new or
-        # resumed after preemption) follow, so the batch order is cached requests, then new ones.
-        return SchedulerOutput(new_reqs, cached, counts, total, preempted_ids, finished_ids)
 
     def _step_request_cap(self) -> int | None:
         """Pipeline parallelism: the most requests one step takes, so that the requests split
@@ -309,13 +190,6 @@ class Scheduler:
         live = min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
         return max(1, -(-live // self.config.max_concurrent_batches))
 
-    def _add_new_tokens(self, req: Request, cached: CachedRequestData, is_new: bool) -> None:
-        """Pipeline parallelism: the output tokens the workers lack go with a cached request."""
-        outputs = req.output_token_ids
-        if not is_new:
-            cached.new_token_ids.append(outputs[self._sent_outputs[req.request_id]:])
-        self._sent_outputs[req.request_id] = len(outputs)
-
     def take_finished(self) -> list[Request]:
         """Requests finished (any reason) since the last call."""
         done, self._finished_reqs = self._finished_reqs, []
@@ -324,12 +198,6 @@ class Scheduler:
     def requests_of(self, out: SchedulerOutput) -> list[Request]:
         """The requests a step scheduled (in num_scheduled_tokens order), until it is updated."""
         return self._steps.get(id(out), [])
-
-    @staticmethod
-    def _samples(req: Request, num_new: int) -> bool:
-        """Whether `num_new` scheduled tokens reach req's last known token (in-flight included)."""
-        return (req.num_computed_tokens + num_new
-                >= len(req.all_token_ids) + req.num_output_placeholders)
 
     def _num_new_tokens(self, req: Request) -> int:
         """Tokens of a running request still to compute, counting in-flight samples as known."""
@@ -390,17 +258,7 @@ class Scheduler:
                 if spec_tokens:
                     num_d = len(spec_tokens.get(req.request_id, ()))
                     if num_d:
-                        # NOTE: the KV of rejected drafts is garbage: roll back past it (the
-                        # slots stay held, and blocks enter the prefix cache only when verified).
-                        num_accepted = len(tokens) - 1
-                        if not 0 <= num_accepted <= num_d:
-                            raise ValueError(f"request {req.request_id!r} verified {num_d} "
-                                             f"drafts but got {len(tokens)} tokens")
-                        req.num_computed_tokens -= num_d - num_accepted
-                        if num_accepted:
-                            req.spec_misses = 0
-                        else:
-                            self._missed(req)
+                        num_accepted = self.spec.verified(req, num_d, len(tokens))
                         self.spec_num_drafts += 1
                         self.spec_num_draft_tokens += num_d
                         self.spec_num_accepted_tokens += num_accepted
@@ -422,31 +280,11 @@ class Scheduler:
             if status is not None:
                 self._finish(req, status)
             else:
-                req.spec_token_ids = draft_out.get(req.request_id, []) if draft_out else []
-                if req.spec_token_ids:
-                    req.spec_empty = 0
-                elif (out.propose_drafts and not req.spec_skip
-                        and speculation_allowed(req.sampling_params)):
-                    req.spec_empty += 1  # proposed for, and the proposer found nothing
-                    if req.spec_empty >= SPEC_EMPTY_BACKOFF_AFTER:
-                        self._back_off(req, req.spec_empty - SPEC_EMPTY_BACKOFF_AFTER + 1,
-                                       SPEC_EMPTY_MAX_BACKOFF)
+                self.spec.take_proposal(
+                    req, draft_out.get(req.request_id, []) if draft_out else [],
+                    out.propose_drafts)
             changed.append(req)
         return changed
-
-    def _missed(self, req: Request) -> None:
-        """A verify step accepted none of req's drafts: after SPEC_BACKOFF_AFTER in a row it backs
-        off."""
-        req.spec_misses += 1
-        if req.spec_misses >= SPEC_BACKOFF_AFTER:
-            self._back_off(req, req.spec_misses - SPEC_BACKOFF_AFTER + 1, SPEC_MAX_BACKOFF)
-
-    def _back_off(self, req: Request, level: int, most: int) -> None:
-        """No drafts for req for up to min(2 ** level, most) steps, until a step that is a
-        multiple of that length (the last one proposes)."""
-        period = min(2 ** level, most)
-        # NOTE: the step just updated is number _num_steps - 1.
-        req.spec_skip = period - (self._num_steps - 1) % period
 
     def fail_step(self, out: SchedulerOutput, error: str) -> list[Request]:
         """The workers could not run a step: finish its requests with `error`; returns them."""
@@ -477,7 +315,8 @@ class Scheduler:
             if cap is not None and len(scheduled) >= cap:
                 break
             if req.status == RequestStatus.SWAPPED:
-                num_new = self._resume_swapped(req, budget)
+                num_new = self.swap.swap_in(req, budget, self._swap_in, self.waiting,
+                                            bool(self.running))
                 if not num_new:
                     break  # out of device blocks (or budget without chunking): later ones wait too
                 self.running.append(req)
@@ -499,7 +338,7 @@ class Scheduler:
                 if not cfg.enable_chunked_prefill:
                     break
                 num_new = budget
-            look = self._admit_lookahead(req, start + num_new)
+            look = self.spec.admit_lookahead(req, start + num_new)
             if shared:
                 assert req.fork_source is not None
                 self.kv.fork(req.fork_source, req, shared)
@@ -524,14 +363,6 @@ class Scheduler:
             budget -= num_new
         if admitted:
             self.waiting = [r for r in self.waiting if id(r) not in admitted]
-
-    def _admit_lookahead(self, req: Request, end: int) -> int:
-        """Lookahead slots for an admitted request whose chunk ends at token `end`: it samples
-        there and may then get drafts."""
-        if (not self._speculate or end < req.num_tokens
-                or not speculation_allowed(req.sampling_params)):
-            return 0
-        return max(0, min(self.num_lookahead, self.config.max_model_len - end))
 
     def _fork_tokens(self, req: Request) -> int | None:
         """Tokens req can share with its fork source now (0: go alone), or None to keep waiting."""
@@ -563,12 +394,11 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self._sent_blocks.pop(req.request_id, None)  # the workers drop it; resumed, it is new
-        self._sent_outputs.pop(req.request_id, None)
+        self._encoder.forget(req.request_id)  # the workers drop it; resumed, it is new
         req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
-        if not self._swap_out_request(req):
+        if not self.swap.swap_out(req, self._swap_out):
             self.kv.free(req)
             req.num_computed_tokens = 0
             # NOTE: an in-flight sample of a preempted request is dropped; the recompute draws it
@@ -576,71 +406,6 @@ class Scheduler:
             req.num_output_placeholders = 0
             req.status = RequestStatus.PREEMPTED
         self._enqueue(req, front=True)
-
-    def _swap_out_request(self, req: Request) -> bool:
-        """Preempt by swap when the mode (and, for auto, the costs) says so; False: recompute."""
-        mode = self.config.preemption_mode
-        if mode == "recompute" or self.kv.cpu_pool.num_blocks == 0:
-            return False
-        # NOTE: the KV kept is that of every known token but the last: like a prefix hit, the
-        # resumed request computes at least one token, so its logits exist. A token sampled by a
-        # step still in flight is dropped and drawn again on resume (same seed and index). Its
-        # KV, and that of the last known token, may still be being written by that step: the
-        # workers queue the copy after it (one stream on CUDA; steps run in order on the CPU).
-        num_kept = min(req.num_computed_tokens, req.num_tokens - 1)
-        if num_kept <= 0:
-            return False
-        num_copied, num_shared = self.kv.swap_out_size(req, num_kept)
-        if mode == "auto":
-            cost = self.config.swap_cost
-            if cost is None or not cost.prefers_swap(num_kept, num_copied, num_shared):
-                return False
-        copies = self.kv.swap_out(req, num_kept)
-        if copies is None:
-            if mode == "swap" and not self._warned_swap_full:
-                self._warned_swap_full = True
-                logger.warning("the CPU swap space (%d blocks) is full: preempted requests are "
-                               "recomputed until it frees up; raise swap_space to swap more",
-                               self.kv.cpu_pool.num_blocks)
-            return False
-        self._swap_out.extend(copies)
-        req.num_computed_tokens = num_kept
-        req.num_output_placeholders = 0
-        req.status = RequestStatus.SWAPPED
-        self.num_swapped_out += 1
-        return True
-
-    def _release_swapped_holds(self, req: Request) -> bool:
-        """Turn the latest swapped request (not req) that holds device blocks into a recompute.
-
-        NOTE: swapped requests keep the full blocks they share on the device. When nothing else
-        runs (so nothing will free a block), those blocks must go before a lone request is
-        declared too big for the pool; once no swapped request holds any, req fits if it ever can.
-        """
-        for other in reversed(self.waiting):
-            if other is not req and self.kv.swapped_device_blocks(other):
-                self.kv.free(other)
-                other.num_computed_tokens = 0
-                other.status = RequestStatus.PREEMPTED
-                return True
-        return False
-
-    def _resume_swapped(self, req: Request, budget: int) -> int:
-        """Copy a swapped request's blocks back; its tokens to compute this step, or 0 (wait)."""
-        num_new = min(req.num_tokens, self.config.max_model_len) - req.num_computed_tokens
-        if num_new > budget:
-            if not self.config.enable_chunked_prefill:
-                return 0
-            num_new = budget
-        copies = self.kv.swap_in(req, num_new)
-        while copies is None and not self.running and self._release_swapped_holds(req):
-            copies = self.kv.swap_in(req, num_new)
-        if copies is None:
-            return 0
-        self._swap_in.extend(copies)
-        req.status = RequestStatus.RUNNING
-        self.num_swapped_in += 1
-        return num_new
 
     def _enqueue(self, req: Request, front: bool) -> None:
         if self.config.policy == "priority":
@@ -674,8 +439,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         req.status = status
-        self._sent_blocks.pop(req.request_id, None)
-        self._sent_outputs.pop(req.request_id, None)
+        self._encoder.forget(req.request_id)
         del self.requests[req.request_id]
         del self._add_order[req.request_id]
         self._finished_ids.append(req.request_id)
