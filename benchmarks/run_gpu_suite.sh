@@ -2,7 +2,7 @@
 # The GPU tests (kernels, sampler, engine equality), then W2 latency and W1 throughput, in one go.
 # Usage: bash benchmarks/run_gpu_suite.sh [steps...]
 #   steps: tests (all GPU tests) kernels sampler engine enginefp32 kernelbench samplerbench
-#          w2 w2hf w1 w1prof w1hf serve ttft pacing coldstart
+#          w2 w2hf w1 w1prof w1hf serve ttft pacing coldstart asyncprobe poolcost
 # Logs, JUnit XML (tests) and JSON results go under $OUT (default /tmp/out).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -32,6 +32,9 @@ for s in $steps; do
              run w4diag 300 python benchmarks/serve_workloads.py w4 --w4-prompts "${W4_PROMPTS:-60}" --w4-no-zero-hits --out-dir "$OUT/serve_diag"
              [ -n "${W4_EXTRA_ENV:-}" ] && run w4exp 200 env $W4_EXTRA_ENV python benchmarks/serve_workloads.py w4 --w4-caching on --w4-no-zero-hits --w4-prompts "${W4_PROMPTS:-60}" --out-dir "$OUT/serve_exp" ;;
     coldstart) run coldstart 400 python benchmarks/cold_start.py --out "$OUT/cold_start.json" ;;
+    asyncprobe) run asyncprobe 300 python benchmarks/async_probe.py --out "$OUT/async_probe.json" ;;
+    poolcost) wheels  # tokenization in the server's pool vs inline on the event loop
+             run poolcost 290 python benchmarks/pool_cost.py --json "$OUT/pool_cost.json" --finite-prompts "${POOL_FINITE_PROMPTS:-600}" -- --max-num-seqs 1024 ;;
     pacing)  wheels  # TTFT at 8 req/s with the core's launch pacer on and off, then rate inf
              run w3rate8_paced 200 python benchmarks/serve_workloads.py w3 --num-prompts 400 --rates 8 --tag _paced --out-dir "$OUT/serve"
              run w3rate8_unpaced 200 env PEREGRINE_CORE_PACING=0 python benchmarks/serve_workloads.py w3 --num-prompts 400 --rates 8 --tag _unpaced --out-dir "$OUT/serve"
