@@ -1,6 +1,7 @@
 """What the server's preprocessing thread pool costs or saves: the same W3-style load of text
-prompts through the real HTTP server, with tokenization in the pool as shipped and inline on the
-event loop.
+prompts through the real HTTP server, with every tokenization in the pool and every one inline
+on the event loop (as shipped, inputs up to a few thousand characters run inline and larger ones
+in the pool, so W3's prompts take the inline path).
 
     python benchmarks/pool_cost.py --json /tmp/pool-cost.json -- --max-num-seqs 1024
     python benchmarks/pool_cost.py --json out.json --num-prompts 8 --input-len 32 \
@@ -8,7 +9,7 @@ event loop.
 
 One `peregrine serve` of the demo model (it has a real tokenizer) starts in a subprocess with the
 arguments after `--`; its ServingContext's executor (where `encode` and chat templates run) is
-switched between the shipped pool and an inline executor (the call runs at once, on the event
+switched between the server's pool and an inline executor (the call runs at once, on the event
 loop) through a route only this script adds. Prompts are windows of ~input-len tokens of Python
 standard library source, decoded to text, so the server tokenizes every one. For each rate the
 same requests run once per mode, pool first; each mode is warmed up once before the first rate.
@@ -111,6 +112,9 @@ def serve(argv: list[str]) -> int:
         ctx = app.state.ctx
         executors = {"pool": TimedExecutor(ctx.executor), "inline": TimedExecutor(InlineExecutor())}
         ctx.executor = executors["pool"]
+        # NOTE: every call through the executor of the mode, short inputs too (as shipped they run
+        # inline: the "inline" rows), so "pool" is the cost of sending all of them to the pool.
+        ctx.inline_max_chars = -1
 
         # NOTE: async, so the switch happens on the event loop, between handlers' steps.
         async def switch(mode: str | None = None) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: messages rendered with the tokenizer's chat template (off the event
-loop, in the server's thread pool)."""
+loop, in the server's thread pool, unless the conversation is short)."""
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -70,8 +71,9 @@ async def render_chat(ctx: ServingContext, messages: list[ChatMessage], *,
                       tools: list[ChatTool] | None = None,
                       documents: list[dict[str, str]] | None = None,
                       add_special_tokens: bool = False) -> list[int]:
-    """Apply the chat template and tokenize, both in the thread pool (the template writes the
-    special tokens itself; add_special_tokens adds the tokenizer's on top)."""
+    """Apply the chat template and tokenize, both in the thread pool unless the conversation is
+    short and the template the server's own (the template writes the special tokens itself;
+    add_special_tokens adds the tokenizer's on top)."""
     tok = ctx.require_tokenizer("chat")
     template, kwargs = request_template(ctx, chat_template, template_kwargs)
     if template is None and not has_chat_template(tok):
@@ -86,7 +88,11 @@ async def render_chat(ctx: ServingContext, messages: list[ChatMessage], *,
         dumped.append(_template_message(m, i))
     tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     try:
-        text = await ctx.run(apply_chat_template, tok, dumped,
+        # NOTE: a template sent with the request (trusted by flag) always runs in the pool: its
+        # cost does not follow from the size of the conversation.
+        size = len(json.dumps([dumped, tool_dicts, documents, kwargs], default=str))
+        render = ctx.run if template is not None else functools.partial(ctx.run_sized, size)
+        text = await render(apply_chat_template, tok, dumped,
                              add_generation_prompt=add_generation_prompt,
                              continue_final_message=continue_final_message,
                              chat_template=template, template_kwargs=kwargs, tools=tool_dicts,

@@ -111,8 +111,8 @@ async def _parse_prompts(ctx: ServingContext, req: CompletionRequest) -> list[_P
     for item in items:
         if isinstance(item, str) and req.echo:
             ctx.require_tokenizer("a text prompt")
-            ids, offsets = await ctx.run(_encode_with_offsets, ctx.tokenizer, item,
-                                         req.add_special_tokens)
+            ids, offsets = await ctx.run_sized(len(item), _encode_with_offsets, ctx.tokenizer,
+                                               item, req.add_special_tokens)
             prompt = _Prompt(item, ids, offsets)
         elif isinstance(item, str):
             prompt = _Prompt(item, await ctx.encode(item, add_special_tokens=req.add_special_tokens,
