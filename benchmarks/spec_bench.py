@@ -2,15 +2,23 @@
 acceptance, the draft's cost per step, the speedup predicted from those next to the measured one,
 and a batch-size sweep that shows where speculation stops paying (disable_by_batch_size).
 
-Cases (greedy, ignore_eos, bf16, CUDA graphs):
+Cases (greedy unless said, ignore_eos, bf16, CUDA graphs):
 - ngram-code: n-gram proposer on the demo model, prompts cut from Python's standard library;
 - ngram-random: n-gram on random token prompts (drawn from 64 token ids, so the prompt itself
   offers matches), Llama-3-8B's shape with dummy weights, sampled at temperature 1 (seeded): the
   nothing-accepted case, whose slowdown (the proposer's search, rejected verify steps, then the
   back-off) must stay within 3% (`slowdown_ok`);
 - draft-demo: the demo draft on the demo model (needs the draft-model proposer);
+- demo-self-rtn, demo-self-fp8: the demo model drafted by its own weights quantized online
+  (4-bit RTN, FP8), on the code prompts: a trained model, so acceptance means something;
 - self-rtn, self-fp8: Llama-3-8B's shape, dummy weights, drafted by its own weights quantized
-  online (needs the draft-model proposer).
+  online (needs the draft-model proposer); random weights accept almost nothing, so these
+  measure the draft's cost.
+
+The n-gram cases take k and prompt_lookup_min / max from the command line; the draft cases take
+k. For the demo-model cases `--fp32` also runs batch 1 in float32 (no sweep) and reports
+`same_tokens_as_plain_fp32`, which must be 1.0: in bf16 a verify step of k + 1 tokens and k + 1
+steps of one token may round near-ties apart, in float32 they may not.
 
 Predicted speedup = tokens per step x t_plain / (t_plain + t_propose): what speculation gives if
 a verify step of k + 1 tokens costs what a plain step of one costs (true while decoding is bound
@@ -18,7 +26,8 @@ by reading the weights) and proposing costs t_propose; the gap to the measured s
 verify step's extra cost.
 
 Usage: python benchmarks/spec_bench.py --out PATH [--cases ngram-code,ngram-random,...]
-       [--output-len N] [--batches 1,4,16,64] [-k K]
+       [--output-len N] [--batches 1,4,16,64] [-k K] [--lookup-min N] [--lookup-max N]
+       [--draft-k K] [--fp32]
 """
 from __future__ import annotations
 
@@ -34,10 +43,18 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_8B = ROOT / "benchmarks" / "configs" / "llama-3-8b.json"
-CASES = ("ngram-code", "ngram-random", "draft-demo", "self-rtn", "self-fp8")
+CASES = ("ngram-code", "ngram-random", "draft-demo", "demo-self-rtn", "demo-self-fp8",
+         "self-rtn", "self-fp8")
+DEMO_CASES = ("ngram-code", "draft-demo", "demo-self-rtn", "demo-self-fp8")
 STDLIB_MODULES = ("textwrap", "json.encoder", "argparse", "csv", "shlex", "fractions",
                   "heapq", "bisect", "calendar", "string", "glob", "fnmatch")
 MAX_SLOWDOWN = 0.03
+# The n-gram settings with the most tokens per step at batch 1 on the code prompts (replayed for
+# many settings by benchmarks/ngram_sweep.py), and the draft models' k.
+DEFAULT_NGRAM_K = 8
+DEFAULT_LOOKUP_MIN = 1
+DEFAULT_LOOKUP_MAX = 4
+DEFAULT_DRAFT_K = 4
 
 
 def code_prompts(n: int, chars: int = 600) -> list[str]:
@@ -156,12 +173,49 @@ class Bench:
 _PLAIN: dict[tuple, dict[str, Any]] = {}  # plain runs shared by cases on the same model
 
 
+def case_spec(case: str, ns: argparse.Namespace, model: str) -> dict[str, Any]:
+    """The case's speculative_config, from the command line's settings."""
+    from peregrine import demo
+    if case.startswith("ngram"):
+        return {"method": "ngram", "num_speculative_tokens": ns.k,
+                "prompt_lookup_max": ns.lookup_max, "prompt_lookup_min": ns.lookup_min}
+    if case == "draft-demo":
+        return {"model": str(demo.demo_draft_path()), "num_speculative_tokens": ns.draft_k}
+    return {"model": model, "quantization": case.rsplit("-", 1)[1],
+            "num_speculative_tokens": ns.draft_k}
+
+
+def _plain_then_spec(key: tuple, model: str, spec: dict, prompts: list, ns: argparse.Namespace,
+                     temperature: float, batches: list[int], engine_args: dict[str, Any]
+                     ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Batch-1 latency and the sweep without speculation (shared under `key`), then with it."""
+    out = []
+    for s in (None, spec):
+        if s is None and key in _PLAIN:
+            out.append(dict(_PLAIN[key]))
+            continue
+        b = Bench(model, s, temperature, **engine_args)
+        try:
+            res = b.latency(prompts, ns.output_len)
+            res["sweep_tokens_per_s"] = b.sweep(prompts, ns.output_len, batches)
+        finally:
+            b.close()
+        if s is None:
+            _PLAIN[key] = dict(res)
+        out.append(res)
+    return out[0], out[1]
+
+
+def _same_tokens(a: list[list[int]], b: list[list[int]]) -> float:
+    return sum(x == y for x, y in zip(a, b)) / len(a)
+
+
 def run_case(case: str, ns: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
     """One case's results; `overrides` go to the engines (the CPU smoke test's device)."""
     from peregrine import demo
     from peregrine.entrypoints.model_path import model_folder
-    k = ns.k
-    if case in ("ngram-code", "draft-demo"):
+    on_demo = case in DEMO_CASES
+    if on_demo:
         model, prompts = str(demo.demo_model_path()), code_prompts(ns.num_prompts)
         engine_args: dict[str, Any] = dict(dtype="bfloat16", max_model_len=512)
     else:
@@ -169,13 +223,7 @@ def run_case(case: str, ns: argparse.Namespace, **overrides: Any) -> dict[str, A
         prompts = random_prompts(ns.num_prompts, 128, 128256)
         engine_args = dict(dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
                            max_model_len=1024)
-    if case.startswith("ngram"):
-        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-                "prompt_lookup_min": 2}
-    elif case == "draft-demo":
-        spec = {"model": str(demo.demo_draft_path()), "num_speculative_tokens": k}
-    else:
-        spec = {"model": model, "quantization": case.split("-")[1], "num_speculative_tokens": k}
+    spec = case_spec(case, ns, model)
     # NOTE: graphs only for what the run uses, so that engines start quickly.
     engine_args.update(max_num_seqs=max(ns.batches), max_prefill_graph_tokens=512)
     engine_args.update(overrides)
@@ -183,29 +231,18 @@ def run_case(case: str, ns: argparse.Namespace, **overrides: Any) -> dict[str, A
         why = draft_model_available()
         if why is not None:
             return {"skipped": f"the draft-model proposer is not available: {why}"}
-    result: dict[str, Any] = {"model": model if case != "ngram-code" else "demo", "spec": spec}
+    result: dict[str, Any] = {"model": "demo" if on_demo else model, "spec_config": spec}
     temperature = 1.0 if case == "ngram-random" else 0.0
-    key = (case.startswith("ngram-code") or case == "draft-demo", temperature, ns.output_len,
-           ns.num_prompts, tuple(ns.batches), tuple(sorted(overrides.items())))
-    for name, s in (("plain", None), ("spec", spec)):
-        if name == "plain" and key in _PLAIN:
-            result[name] = dict(_PLAIN[key])
-            continue
-        b = Bench(model, s, temperature, **engine_args)
-        try:
-            result[name] = b.latency(prompts, ns.output_len)
-            result[name]["sweep_tokens_per_s"] = b.sweep(prompts, ns.output_len, ns.batches)
-        finally:
-            b.close()
-        if name == "plain":
-            _PLAIN[key] = dict(result[name])
-    plain, sp = result["plain"], result["spec"]
+    key = (on_demo, temperature, ns.output_len, ns.num_prompts, tuple(ns.batches),
+           tuple(sorted(overrides.items())))
+    plain, sp = _plain_then_spec(key, model, spec, prompts, ns, temperature, ns.batches,
+                                 engine_args)
+    result["plain"], result["spec"] = plain, sp
     t_plain = 1.0 / plain["tokens_per_s"]
     t_prop = sp["propose_ms_per_step"] / 1e3
     result["measured_speedup"] = sp["tokens_per_s"] / plain["tokens_per_s"]
     result["predicted_speedup"] = sp["tokens_per_step"] * t_plain / (t_plain + t_prop)
-    result["same_tokens_as_plain"] = sum(
-        a == b for a, b in zip(plain.pop("tokens"), sp.pop("tokens"))) / len(prompts)
+    result["same_tokens_as_plain"] = _same_tokens(plain.pop("tokens"), sp.pop("tokens"))
     result["sweep_speedup"] = {b: sp["sweep_tokens_per_s"][b] / plain["sweep_tokens_per_s"][b]
                                for b in ns.batches}
     paying = [b for b in ns.batches if result["sweep_speedup"][b] > 1.0]
@@ -213,6 +250,16 @@ def run_case(case: str, ns: argparse.Namespace, **overrides: Any) -> dict[str, A
     if case == "ngram-random":
         result["slowdown"] = 1.0 - result["measured_speedup"]
         result["slowdown_ok"] = result["slowdown"] <= MAX_SLOWDOWN
+    if ns.fp32 and on_demo:
+        # NOTE: batch 1 only (no sweep): float32 makes verify and plain steps agree exactly.
+        args32 = {**engine_args, "dtype": "float32", "max_num_seqs": 1}
+        p32, s32 = _plain_then_spec(("fp32", *key), model, spec, prompts, ns, temperature, [],
+                                    args32)
+        result["same_tokens_as_plain_fp32"] = _same_tokens(p32.pop("tokens"), s32.pop("tokens"))
+        result["fp32"] = {"plain_tokens_per_s": p32["tokens_per_s"],
+                          "spec_tokens_per_s": s32["tokens_per_s"],
+                          "tokens_per_step": s32["tokens_per_step"],
+                          "measured_speedup": s32["tokens_per_s"] / p32["tokens_per_s"]}
     return result
 
 
@@ -224,9 +271,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--batches", default="1,4,16,64")
-    p.add_argument("-k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("-k", type=int, default=DEFAULT_NGRAM_K,
+                   help="num_speculative_tokens of the n-gram cases")
+    p.add_argument("--lookup-min", type=int, default=DEFAULT_LOOKUP_MIN,
+                   help="prompt_lookup_min of the n-gram cases")
+    p.add_argument("--lookup-max", type=int, default=DEFAULT_LOOKUP_MAX,
+                   help="prompt_lookup_max of the n-gram cases")
+    p.add_argument("--draft-k", type=int, default=DEFAULT_DRAFT_K,
+                   help="num_speculative_tokens of the draft-model cases")
+    p.add_argument("--fp32", action="store_true",
+                   help="demo-model cases: also batch 1 in float32, same_tokens_as_plain_fp32")
     ns = p.parse_args(argv)
     ns.batches = [int(b) for b in ns.batches.split(",")]
+    for name in ("k", "lookup_min", "draft_k"):
+        if getattr(ns, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
+    if ns.lookup_max < ns.lookup_min:
+        p.error(f"--lookup-max {ns.lookup_max} is below --lookup-min {ns.lookup_min}")
     cases = ns.cases.split(",")
     bad = [c for c in cases if c not in CASES]
     if bad:
@@ -236,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         print("spec_bench.py measures the GPU: CUDA is not available", file=sys.stderr)
         return 2
     results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "k": ns.k,
+                               "lookup_min": ns.lookup_min, "lookup_max": ns.lookup_max,
+                               "draft_k": ns.draft_k,
                                "output_len": ns.output_len, "cases": {}}
     for case in cases:
         t0 = time.perf_counter()
@@ -250,8 +313,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{res['spec']['tokens_per_s']:.1f} tok/s (measured x{res['measured_speedup']:.2f}, "
               f"predicted x{res['predicted_speedup']:.2f}), acceptance "
               f"{res['spec'].get('acceptance_rate', 0):.2f}, mean length "
-              f"{res['spec'].get('mean_acceptance_length', 0):.2f}, sweep "
-              + ", ".join(f"{b}: x{s:.2f}" for b, s in res["sweep_speedup"].items()))
+              f"{res['spec'].get('mean_acceptance_length', 0):.2f}, tokens per step "
+              f"{res['spec']['tokens_per_step']:.2f}, same tokens "
+              f"{res['same_tokens_as_plain']:.2f}"
+              + (f" (fp32 {res['same_tokens_as_plain_fp32']:.2f})" if "fp32" in res else "")
+              + ", sweep " + ", ".join(f"{b}: x{s:.2f}" for b, s in res["sweep_speedup"].items()))
     return 0
 
 

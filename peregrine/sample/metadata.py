@@ -100,6 +100,10 @@ def seed_to_int64(seed: int) -> int:
     return s - (1 << 64) if s >= (1 << 63) else s
 
 
+# Compositions (which rows sample, in which order) kept per batch: k + 1 draft counts and more.
+MAX_CACHED_COMPOSITIONS = 16
+
+
 @dataclass
 class _Composition:
     """The part of a step's metadata that depends only on which rows sample, in which order."""
@@ -148,7 +152,10 @@ class SamplingRows:
         # NOTE: the window holds a sequence's prefix at most: every bad word's tokens but the last.
         self.recent = RecentTokenPool(MAX_BAD_WORD_TOKENS - 1, self.device)
         self.version = 0  # bumped whenever a row changes: cached compositions are then stale
-        self._composition: _Composition | None = None
+        # NOTE: several compositions of one batch alternate under speculative decoding (a verify
+        # step repeats a row once per draft, and the draft count varies), so a few are kept.
+        self._compositions: dict[bytes, _Composition] = {}
+        self._compositions_version = 0
 
     # ---- rows ---------------------------------------------------------------------------------
     def add_row(self, row: int, params: SamplingParams, seed: int, eos_token_ids: Sequence[int],
@@ -248,10 +255,17 @@ class SamplingRows:
             raise ValueError("sampling metadata needs at least one row")
         if steps.shape != rows.shape:
             raise ValueError(f"steps has {steps.size} entries for {rows.size} rows")
-        key = (self.version, rows.tobytes())
-        comp = self._composition
-        if comp is None or comp.key != key:
-            comp = self._composition = self._build_composition(key, rows)
+        comps = self._compositions
+        if self._compositions_version != self.version:
+            comps.clear()
+            self._compositions_version = self.version
+        order = rows.tobytes()
+        comp = comps.pop(order, None)
+        if comp is None:
+            comp = self._build_composition((self.version, order), rows)
+            if len(comps) >= MAX_CACHED_COMPOSITIONS:
+                del comps[next(iter(comps))]  # the least recently used
+        comps[order] = comp  # most recently used last
         arrays = [steps]
         below = np.flatnonzero(steps[comp.min_token_rows] < comp.min_token_limits)
         if below.size:

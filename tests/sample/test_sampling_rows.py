@@ -33,6 +33,25 @@ def test_same_composition_reuses_the_device_rows_and_moves_only_steps() -> None:
     assert d.temperature is not c.temperature
 
 
+def test_alternating_compositions_are_each_uploaded_once_per_batch() -> None:
+    from peregrine.sample.metadata import MAX_CACHED_COMPOSITIONS
+    rows = _rows(dict(temperature=0.5), dict(temperature=0.0))
+    plain, verify = np.array([0, 1]), np.array([0, 0, 0, 1, 1])  # a verify step repeats rows
+    a = rows.metadata(plain, np.array([3, 4]))
+    v = rows.metadata(verify, np.arange(5))
+    b = rows.metadata(plain, np.array([4, 5]))
+    w = rows.metadata(verify, np.arange(5) + 1)
+    assert b.temperature is a.temperature and w.temperature is v.temperature
+    assert w.temperature.tolist() == pytest.approx([0.5, 0.5, 0.5, 1.0, 1.0])
+    assert w.greedy_mask.tolist() == [False] * 3 + [True] * 2 and w.steps.tolist() == [1, 2, 3, 4, 5]
+    for n in range(2, 2 + MAX_CACHED_COMPOSITIONS):  # the plain one is used least recently
+        rows.metadata(np.zeros(n, np.int64), np.arange(n))
+    assert rows.metadata(plain, np.array([5, 6])).temperature is not a.temperature
+    rows.remove_row(1)
+    c = rows.metadata(np.array([0]), np.array([7]))  # the batch changed: built afresh
+    assert c.temperature.tolist() == pytest.approx([0.5])
+
+
 def test_penalty_counts_follow_the_sampled_tokens_on_the_device() -> None:
     rows = _rows(dict(temperature=0.0), dict(temperature=0.0, presence_penalty=2.0),
                  outputs=[[], [3]])

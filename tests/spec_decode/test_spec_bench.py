@@ -35,14 +35,23 @@ def test_throughput_reports_acceptance() -> None:
 
 
 @pytest.mark.slow
-def test_spec_bench_case_runs_on_the_cpu() -> None:
+@pytest.mark.parametrize("case", ["ngram-code", "demo-self-rtn"])
+def test_spec_bench_case_runs_on_the_cpu(case: str) -> None:
     import argparse
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import spec_bench
-    ns = argparse.Namespace(k=3, output_len=6, num_prompts=1, batches=[1, 2])
-    res = spec_bench.run_case("ngram-code", ns, device="cpu", dtype="float32")
+    ns = argparse.Namespace(k=3, lookup_min=2, lookup_max=3, draft_k=2, fp32=False,
+                            output_len=6, num_prompts=1, batches=[1, 2])
+    res = spec_bench.run_case(case, ns, device="cpu", dtype="float32")
+    spec = res["spec_config"]
+    if case == "ngram-code":
+        assert (spec["num_speculative_tokens"], spec["prompt_lookup_min"],
+                spec["prompt_lookup_max"]) == (3, 2, 3)
+    else:
+        assert (spec["num_speculative_tokens"], spec["quantization"]) == (2, "rtn")
+        assert res["spec"]["num_drafts"] > 0  # a draft model proposes at every step
     assert res["same_tokens_as_plain"] == 1.0
     assert set(res["sweep_speedup"]) == {1, 2}
     assert res["predicted_speedup"] > 0 and res["spec"]["num_drafts"] >= 0
