@@ -51,7 +51,7 @@ def greedy_outputs(model: str, prompts: list, output_len: int, **engine_args: An
 @contextlib.contextmanager
 def backoff_constants(values: tuple[int, int, int, int] | None) -> Iterator[None]:
     """The scheduler's back-off constants set to `values` inside the block (None: as they are)."""
-    from peregrine.engine import scheduler
+    from peregrine.engine import spec_scheduling as scheduler
     old = tuple(getattr(scheduler, n) for n in BACKOFF_NAMES)
     if values is not None:
         after, most, empty_after, empty_most = values

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 # most SPEC_EMPTY_MAX_BACKOFF steps); a found draft resets that count. A back-off ends on a step
 # that is a multiple of its length, so backing-off requests propose together and the steps
 # between stay pipelined.
-SPEC_BACKOFF_AFTER = 2
+SPEC_BACKOFF_AFTER = 4
 SPEC_MAX_BACKOFF = 32
 SPEC_EMPTY_BACKOFF_AFTER = 4
 SPEC_EMPTY_MAX_BACKOFF = 16

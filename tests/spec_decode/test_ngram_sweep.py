@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from peregrine.engine import scheduler
+from peregrine.engine import spec_scheduling as scheduler
 from peregrine.testing.checkpoints import tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))

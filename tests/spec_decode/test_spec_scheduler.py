@@ -5,6 +5,7 @@ from __future__ import annotations
 from peregrine.config import CacheConfig, SchedulerConfig
 from peregrine.engine.request import Request, RequestStatus
 from peregrine.engine.scheduler import Scheduler
+from peregrine.engine.spec_scheduling import SPEC_BACKOFF_AFTER
 from peregrine.messages import ModelRunnerOutput, SchedulerOutput
 from peregrine.sampling_params import SamplingParams
 from peregrine.spec_decode.config import SpeculativeConfig
@@ -211,11 +212,12 @@ def test_requests_back_off_after_drafts_are_rejected_in_a_row() -> None:
         run(s, out, {"a": tokens[:1 + len(out.scheduled_spec_decode_tokens.get("a", []))]},
             {"a": [8, 9, 10]} if out.propose_drafts else {})
     T, F = True, False
-    # misses 1, 2 (steps 1, 2) -> back off until step 4 (a multiple of 2), which proposes; miss 3
-    # (step 5) -> until step 8; miss 4 (step 9) -> until 16; step 17 accepts and resets; misses
-    # 1, 2 (steps 18, 19) -> until step 20
-    assert verified == [T, T, F, F, T, F, F, F, T] + [F] * 7 + [T, T, T, F, T]
-    assert proposing == [T, T, F, T, T, F, F, T, T] + [F] * 6 + [T, T, T, T, T, T]
+    assert SPEC_BACKOFF_AFTER == 4
+    # misses 1-4 (steps 1-4) -> back off until step 6 (a multiple of 2), which proposes; miss 5
+    # (step 7) -> until step 8; miss 6 (step 9) -> until 16; step 17 accepts and resets; misses
+    # 1-4 (steps 18-21) keep verifying
+    assert verified == [T, T, T, T, F, F, T, F, T] + [F] * 7 + [T, T, T, T, T]
+    assert proposing == [T, T, T, T, F, T, T, T, T] + [F] * 6 + [T, T, T, T, T, T]
 
 
 def test_empty_proposals_back_off_and_back_off_steps_hold_no_lookahead() -> None:
