@@ -26,13 +26,9 @@ logger = logging.getLogger("peregrine")
 
 
 def load_tokenizer(path: str):
-    """A local Hugging Face fast tokenizer (no remote code, no hub)."""
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"could not load a tokenizer from {path!r} ({e}); pass "
-                         "skip_tokenizer_init=True to use token ids only") from e
+    """A local Hugging Face tokenizer (no remote code, no hub): peregrine.tokenizer's choice."""
+    from peregrine.tokenizer import load_tokenizer as load
+    return load(path)
 
 
 class QueueFullError(ValueError):
