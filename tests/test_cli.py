@@ -271,3 +271,12 @@ def test_the_prompt_bound_covers_the_demo_tokenizers_count() -> None:
     for text in ["", "def f(x):\n    return x", "naïve 東京 🦅🚀", "<|im_start|><pad>" * 3,
                  "\t\n  \r\n" * 20, "é" * 50]:
         assert len(tok.encode(text)) <= len(text.encode("utf-8")) + PROMPT_TOKEN_MARGIN
+
+
+def test_the_generate_command_line_imports_no_bench_module() -> None:
+    code = ("import sys; from peregrine.entrypoints.cli import build_parser; "
+            "ns = build_parser('generate').parse_args(['generate', 'x']); "
+            "print(ns.prompt, sorted(m for m in sys.modules if m.startswith('peregrine.bench')))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True).stdout
+    assert out.split() == ["['x']", "[]"]

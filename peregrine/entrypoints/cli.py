@@ -163,7 +163,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=serve.run)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with `command` "generate", the bench parsers (and the imports
+    they need) are left out, since that command line cannot reach them."""
     parser = argparse.ArgumentParser(prog="peregrine", description="Peregrine LLM inference engine")
     parser.add_argument("-V", "--version", action="version", version=f"peregrine {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -171,7 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     # `serve` parses its own flags (entrypoints/serve.py); listed here for --help.
     sub.add_parser("serve", help="run the OpenAI-compatible server (needs the serve extra)",
                    add_help=False)
-    _add_bench(sub)
+    if command == "generate":
+        sub.add_parser("bench", help="benchmarks: throughput, latency, serve", add_help=False)
+    else:
+        _add_bench(sub)
     return parser
 
 
@@ -206,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if argv[:1] == ["serve"]:
         return _serve(argv[1:])
-    ns = build_parser().parse_args(argv)
+    ns = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         return ns.func(ns)
     except ValueError as e:
