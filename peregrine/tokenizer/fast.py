@@ -307,5 +307,15 @@ class FastTokenizer:
             self.__dict__["_hf"] = tok
         return tok
 
+    @property
+    def tokenizer_class(self) -> str:
+        """The class transformers would load this folder as (what /tokenizer_info reports)."""
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            major = int(version("transformers").split(".")[0])
+        except (PackageNotFoundError, ValueError):
+            major = 5
+        return "TokenizersBackend" if major >= 5 else "PreTrainedTokenizerFast"
+
     def __repr__(self) -> str:
         return f"FastTokenizer(name_or_path={self.name_or_path!r}, vocab_size={len(self)})"
