@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+_MIN_JINJA2 = (3, 1, 6)
 
 
 @functools.lru_cache(maxsize=32)
@@ -25,6 +27,12 @@ def compile_template(source: str) -> Any:
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    # NOTE: templates come from model folders (untrusted); older jinja2 has sandbox escapes.
+    found = tuple(int(x) for x in re.findall(r"\d+", jinja2.__version__)[:3])
+    if found < _MIN_JINJA2:
+        raise ImportError(f"chat templates need jinja2 >= 3.1.6 (sandbox fixes), found "
+                          f"{jinja2.__version__}: pip install -U jinja2")
 
     class GenerationBlock(jinja2.ext.Extension):
         # NOTE: transformers uses this tag to find assistant tokens; rendering only needs the body.
