@@ -11,6 +11,13 @@ ready_s (the phases line), first_output_s and teardown_s (last output to exit). 
 run repeats the warm demo under `python -X importtime` and lists the slowest top-level imports.
 Each run also lists what it added to Triton's cache (kernel variants by name, host modules).
 
+Python bytecode, two ways (--bytecode): "installed" compiles the interpreter's standard library,
+site-packages and peregrine ahead into a PYTHONPYCACHEPREFIX folder that the runs read (what
+`pip install` leaves behind: it writes .pyc files at install time; the compile time is reported
+apart, as install-time work), and "raw" points the runs at an empty prefix and writes nothing, so
+every process compiles every module it imports from source (a site-packages without bytecode).
+Each mode has its own empty Triton cache, so each has a cold run.
+
     python benchmarks/cold_start.py --out $OUT/cold_start.json
 """
 from __future__ import annotations
@@ -18,8 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import site
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -119,8 +129,70 @@ def new_compiles(before: set[str], after: set[str]) -> dict[str, int]:
     return counts
 
 
+# What the start-up path imports (the CLI, the engine, a worker, the kernels, the tokenizer).
+STARTUP_MODULES = ("peregrine.entrypoints.cli", "peregrine.entrypoints.llm",
+                   "peregrine.engine.core_client", "peregrine.executor.uniproc",
+                   "peregrine.executor.multiproc", "peregrine.worker.worker",
+                   "peregrine.attention.triton_backend", "peregrine.tokenizer",
+                   "tokenizers", "jinja2.sandbox", "triton")
+
+
+def _site_roots() -> list[Path]:
+    paths = sysconfig.get_paths()
+    return sorted({Path(p) for p in (*site.getsitepackages(), paths["purelib"], paths["platlib"])})
+
+
+def bytecode_dirs() -> list[str]:
+    """The folders `pip install` compiles for what the start-up path imports: the standard
+    library (the interpreter's install compiles it), peregrine, and every installed top-level
+    package the start-up imports (pip compiles a package's every file, so modules imported
+    lazily later are covered too)."""
+    code = ("import importlib, json, sys\n"
+            f"for m in {STARTUP_MODULES!r}:\n"
+            "    try:\n        importlib.import_module(m)\n"
+            "    except Exception:\n        pass\n"
+            "print(json.dumps([getattr(m, '__file__', None) or '' "
+            "for m in list(sys.modules.values())]))")
+    files = json.loads(subprocess.run([sys.executable, "-c", code], check=True, text=True,
+                                      capture_output=True, cwd=REPO,
+                                      env={**os.environ, "PYTHONPATH": str(REPO)}).stdout)
+    dirs = {sysconfig.get_paths()["stdlib"], str(REPO / "peregrine")}
+    for f in filter(None, files):
+        path = Path(f)
+        for root in _site_roots():
+            if root in path.parents:
+                top = root / path.relative_to(root).parts[0]
+                dirs.add(str(top if top.is_dir() else path))
+    return sorted(dirs)
+
+
+def compile_bytecode(prefix: str) -> dict:
+    """Compile bytecode_dirs() into the PYTHONPYCACHEPREFIX `prefix` (many processes)."""
+    dirs = bytecode_dirs()
+    # NOTE: the standard library's folder may hold site-packages: leave it out of that walk,
+    # its packages that the start-up imports are listed on their own.
+    roots = _site_roots()
+    inside = [d for d in dirs if any(r in Path(d).parents for r in roots)]
+    outside = [d for d in dirs if d not in inside]
+    skip = "|".join(re.escape(str(r)) for r in roots)
+    t0 = time.perf_counter()
+    rcs = []
+    for args in (["-x", skip, *outside], inside):
+        if args:
+            rcs.append(subprocess.run(
+                [sys.executable, "-m", "compileall", "-q", "-j", "0", *args],
+                env={**os.environ, "PYTHONPYCACHEPREFIX": prefix}, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL).returncode)
+    files = sum(1 for _ in Path(prefix).rglob("*.pyc"))
+    # NOTE: compileall exits 1 when some file does not compile (test data written for
+    # Python 2, templates); pip ignores those too.
+    return {"dirs": dirs, "pyc_files": files, "seconds": round(time.perf_counter() - t0, 2),
+            "rc": max(rcs)}
+
+
 def report(r: dict) -> None:
-    print(f"{r['case']:18s} {r['cache']:22s} rc={r['rc']} {r['wall_s']:7.2f} s  ready "
+    print(f"{r['case']:18s} {r['bytecode']:9s} {r['cache']:20s} rc={r['rc']} "
+          f"{r['wall_s']:7.2f} s  ready "
           f"{r['ready_s']}  first output {r['first_output_s']}  teardown {r['teardown_s']}",
           flush=True)
     for p in r["phases"]:
@@ -146,47 +218,78 @@ def main() -> int:
     p.add_argument("--only", default=None,
                    help="comma-separated cases to run (demo, demo_eager, demo_core_process, "
                         "llama-3-8b); the first of them in that order runs cold")
+    p.add_argument("--bytecode", choices=("both", "installed", "raw"), default="both",
+                   help="installed: bytecode compiled ahead, as pip does; raw: none, every "
+                        "process compiles from source (both: every case installed, the first "
+                        "case raw too)")
     p.add_argument("--child-big", default=None, help=argparse.SUPPRESS)
     ns = p.parse_args()
     if ns.child_big:
         return big_child(ns.child_big)
-    results = []
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TRITON_CACHE_DIR": cache, "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
-        demo = ["generate", ns.prompt]
-        cases = [("demo", demo, ("cold", "warm")),
-                 ("demo_eager", [*demo, "--enforce-eager"], ("cold", "warm")),
-                 ("demo_core_process", [*demo, "--engine-core-process"], ("warm",))]
-        if not ns.skip_big:
-            cases.append(("llama-3-8b", ["--child-big", ns.big_config], ("cold", "warm")))
-        if ns.only:
-            wanted = ns.only.split(",")
-            unknown = sorted(set(wanted) - {c[0] for c in cases})
-            if unknown:
-                p.error(f"--only: unknown case(s) {', '.join(unknown)}")
-            cases = [c for c in cases if c[0] in wanted]
-        for name, args, temps in cases:
-            for temp in temps:
-                if temp == "cold" and name != cases[0][0]:
-                    temp = "cold-for-new-kernels"  # the cache already holds the demo's kernels
-                before = cache_files(cache)
-                r = run_once(args, env)
-                r.update(case=name, cache=temp, compiled=new_compiles(before, cache_files(cache)))
+    demo = ["generate", ns.prompt]
+    cases = [("demo", demo, ("cold", "warm")),
+             ("demo_eager", [*demo, "--enforce-eager"], ("cold", "warm")),
+             ("demo_core_process", [*demo, "--engine-core-process"], ("warm",))]
+    if not ns.skip_big:
+        cases.append(("llama-3-8b", ["--child-big", ns.big_config], ("cold", "warm")))
+    if ns.only:
+        wanted = ns.only.split(",")
+        unknown = sorted(set(wanted) - {c[0] for c in cases})
+        if unknown:
+            p.error(f"--only: unknown case(s) {', '.join(unknown)}")
+        cases = [c for c in cases if c[0] in wanted]
+    modes = ["installed", "raw"] if ns.bytecode == "both" else [ns.bytecode]
+    out: dict = {"python": sys.version.split()[0], "bytecode_compile": None, "runs": []}
+    results = out["runs"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in modes:
+            prefix = os.path.join(tmp, f"pycache-{mode}")
+            os.makedirs(prefix)
+            if mode == "installed":
+                out["bytecode_compile"] = compile_bytecode(prefix)
+                c = out["bytecode_compile"]
+                print(f"bytecode compiled ahead (install-time work, not start-up): "
+                      f"{c['pyc_files']} files in {c['seconds']} s into PYTHONPYCACHEPREFIX "
+                      f"({', '.join(c['dirs'])})", flush=True)
+            else:
+                print("raw: an empty PYTHONPYCACHEPREFIX and PYTHONDONTWRITEBYTECODE=1: every "
+                      "process compiles every module it imports", flush=True)
+            cache = os.path.join(tmp, f"triton-{mode}")
+            os.makedirs(cache)
+            env = {**os.environ, "TRITON_CACHE_DIR": cache, "PYTHONUNBUFFERED": "1",
+                   "PYTHONPYCACHEPREFIX": prefix, "PYTHONDONTWRITEBYTECODE": "1",
+                   "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+            # NOTE: under both, raw runs only the first case (cold and warm): the other cases
+            # differ from it by the same per-process compile time.
+            mode_cases = cases[:1] if mode == "raw" and len(modes) > 1 else cases
+            for name, args, temps in mode_cases:
+                for temp in temps:
+                    if temp == "cold" and name != mode_cases[0][0]:
+                        temp = "cold-for-new-kernels"  # the cache already holds the demo's kernels
+                    before = cache_files(cache)
+                    r = run_once(args, env)
+                    r.update(case=name, bytecode=mode, cache=temp,
+                             compiled=new_compiles(before, cache_files(cache)))
+                    analyse(r)
+                    results.append(r)
+                    report(r)
+            if not ns.skip_import_time and mode == modes[0]:
+                r = run_once(demo, env, ("-X", "importtime"))
+                r.update(case="demo_import_time", bytecode=mode, cache="warm")
                 analyse(r)
+                r["slowest_imports"] = slowest_imports(r["lines"])
+                r["lines"] = [x for x in r["lines"] if not x[1].startswith("import time:")]
                 results.append(r)
                 report(r)
-        if not ns.skip_import_time:
-            r = run_once(demo, env, ("-X", "importtime"))
-            r.update(case="demo_import_time", cache="warm")
-            analyse(r)
-            r["slowest_imports"] = slowest_imports(r["lines"])
-            r["lines"] = [x for x in r["lines"] if not x[1].startswith("import time:")]
-            results.append(r)
-            report(r)
-            for row in r["slowest_imports"]:
-                print(f"    import {row['module']:50s} {row['cumulative_s']:6.2f} s", flush=True)
-    Path(ns.out).write_text(json.dumps(results, indent=1))
+                for row in r["slowest_imports"]:
+                    print(f"    import {row['module']:50s} {row['cumulative_s']:6.2f} s",
+                          flush=True)
+    Path(ns.out).write_text(json.dumps(out, indent=1))
+    print(f"\n{'case':18s} {'bytecode':9s} {'triton cache':20s} {'wall':>7s} {'ready':>7s} "
+          f"{'output':>7s} {'teardown':>8s}")
+    for r in results:
+        print(f"{r['case']:18s} {r['bytecode']:9s} {r['cache']:20s} {r['wall_s']:7.2f} "
+              f"{r['ready_s'] or 0:7.2f} {r['first_output_s'] or 0:7.2f} {r['teardown_s'] or 0:8.2f}")
     return 0
 
 

@@ -1,9 +1,7 @@
 """`python -m peregrine ...` runs the `peregrine` command."""
 from __future__ import annotations
 
-import sys
-
-from peregrine.entrypoints.cli import main
+from peregrine.entrypoints.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

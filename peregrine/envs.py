@@ -32,6 +32,12 @@ def core_pacing() -> bool:
     return _flag("PEREGRINE_CORE_PACING", True)
 
 
+def transformers_tokenizer() -> bool:
+    """PEREGRINE_TRANSFORMERS_TOKENIZER: load every tokenizer through transformers' AutoTokenizer,
+    plain fast tokenizers too (default off: those load through `tokenizers` alone)."""
+    return _flag("PEREGRINE_TRANSFORMERS_TOKENIZER", False)
+
+
 def cache_dir() -> str | None:
     """PEREGRINE_CACHE_DIR: where the demo model is built (None: ~/.cache/peregrine)."""
     return os.environ.get("PEREGRINE_CACHE_DIR") or None

@@ -7,7 +7,9 @@ The engine's front end (`LLMEngine`) and every worker record their phases into t
     engine_core/device=0.80 engine_core/model=0.40 ... engine_core/other=0.05 other=0.01 total=11.24
 
 A phase opened inside another is named parent/child; `other` is the time no phase covers, so the
-phases of each level add up to their parent (and the top level to `total`). `pre_engine` is the
+phases of each level add up to their parent (and the top level to `total`). A phase that ran in
+another thread beside them (`tokenizer_overlapped`: the tokenizer loads while the engine core
+starts) ends in OVERLAPPED and is left out of those sums. `pre_engine` is the
 time from the process's start to the engine's first phase: interpreter start-up, imports, and
 whatever the program did before it built the engine.
 """
@@ -23,6 +25,7 @@ from typing import Any
 logger = logging.getLogger("peregrine")
 
 LINE_PREFIX = "start-up phases (s):"
+OVERLAPPED = "_overlapped"  # the name's suffix of a phase that ran beside the others
 
 
 def process_age() -> float | None:
@@ -98,6 +101,16 @@ class StartupPhases:
             self._open.pop()
             self.seconds[key] = self.seconds.get(key, 0.0) + self._clock() - t0
 
+    def overlapped(self, name: str, seconds: float) -> None:
+        """Record `seconds` that phase `name` ran in another thread, beside the phases here (as
+        name + OVERLAPPED, a top-level phase outside the sums)."""
+        if "/" in name or "=" in name or " " in name:
+            raise ValueError(f"a start-up phase name has no '/', '=' or space: {name!r}")
+        if self._begun is None:
+            self._begun = self._clock()
+        key = name + OVERLAPPED
+        self.seconds[key] = self.seconds.get(key, 0.0) + seconds
+
     def summary(self) -> dict[str, float]:
         """Every phase, each level's `other`, and `total` (pre_engine + the time since begin)."""
         out: dict[str, float] = {}
@@ -110,7 +123,8 @@ class StartupPhases:
                 out.update(nested)
                 direct = sum(v for k, v in nested.items() if k.count("/") == 1)
                 out[key + "/other"] = max(0.0, secs - direct)
-        timed = sum(v for k, v in top.items() if k != "pre_engine")
+        timed = sum(v for k, v in top.items()
+                    if k != "pre_engine" and not k.endswith(OVERLAPPED))
         out["other"] = max(0.0, elapsed - timed)
         out["total"] = top.get("pre_engine", 0.0) + elapsed
         return out

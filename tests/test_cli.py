@@ -179,6 +179,11 @@ class _FakeLLM:
     def __init__(self, **kwargs) -> None:
         pass
 
+    shutdowns = 0
+
+    def shutdown(self) -> None:
+        type(self).shutdowns += 1
+
     def generate(self, prompts, params, use_tqdm=True):
         if isinstance(self.outcome, Exception):
             raise self.outcome
@@ -202,8 +207,10 @@ def test_generate_exits_non_zero_when_a_request_fails(monkeypatch, capsys, outco
                                                       reason) -> None:
     import peregrine.entrypoints.llm as llm_module
     from peregrine.entrypoints.cli import main
-    monkeypatch.setattr(llm_module, "LLM", type("LLM", (_FakeLLM,), {"outcome": outcome}))
+    fake = type("LLM", (_FakeLLM,), {"outcome": outcome})
+    monkeypatch.setattr(llm_module, "LLM", fake)
     assert main(["generate", "p"]) == code
+    assert fake.shutdowns == 1  # the engine is shut down, failed or not
     err = capsys.readouterr().err
     if reason is None:
         assert "error" not in err
@@ -241,3 +248,35 @@ def test_bench_latency_runs_on_the_cpu_and_removes_its_temporary_folder(tmp_path
     result = json.loads(out.read_text())
     assert result["workload"] == "W2" and result["decode_tokens_per_s"] > 0
     assert [p.name for p in scratch.iterdir() if p.name.startswith("peregrine-config-")] == []
+
+
+def test_generate_sizes_the_engine_for_its_prompts() -> None:
+    from peregrine.config import EngineArgs
+    from peregrine.entrypoints.cli import PROMPT_TOKEN_MARGIN, fit_to_prompts
+    args = EngineArgs(max_num_seqs=256, max_prefill_graph_tokens=2048)
+    fit = fit_to_prompts(args, ["ab", "ü"], chat=False)
+    assert (fit.max_num_seqs, fit.max_prefill_graph_tokens) == (2, 2 + 2 + 2 * PROMPT_TOKEN_MARGIN)
+    assert fit.max_model_len == args.max_model_len and fit.model == args.model
+    many = fit_to_prompts(args, ["x" * 100] * 300, chat=False)
+    assert (many.max_num_seqs, many.max_prefill_graph_tokens) == (256, 2048)
+    # a chat's template adds text the bound cannot know before the tokenizer loads
+    assert fit_to_prompts(args, ["x"], chat=True).max_prefill_graph_tokens == 2048
+
+
+def test_the_prompt_bound_covers_the_demo_tokenizers_count() -> None:
+    from peregrine.demo import demo_model_path
+    from peregrine.entrypoints.cli import PROMPT_TOKEN_MARGIN
+    from peregrine.tokenizer import load_tokenizer
+    tok = load_tokenizer(str(demo_model_path()))
+    for text in ["", "def f(x):\n    return x", "naïve 東京 🦅🚀", "<|im_start|><pad>" * 3,
+                 "\t\n  \r\n" * 20, "é" * 50]:
+        assert len(tok.encode(text)) <= len(text.encode("utf-8")) + PROMPT_TOKEN_MARGIN
+
+
+def test_the_generate_command_line_imports_no_bench_module() -> None:
+    code = ("import sys; from peregrine.entrypoints.cli import build_parser; "
+            "ns = build_parser('generate').parse_args(['generate', 'x']); "
+            "print(ns.prompt, sorted(m for m in sys.modules if m.startswith('peregrine.bench')))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True).stdout
+    assert out.split() == ["['x']", "[]"]

@@ -101,6 +101,21 @@ def test_phase_names_that_would_break_the_line_are_refused() -> None:
                 pass
 
 
+def test_an_overlapped_phase_is_listed_but_left_out_of_the_sums() -> None:
+    p, clock = _phases(age=1.0)
+    p.begin()
+    with p.phase("engine_core"):
+        clock.advance(2.0)
+    p.overlapped("tokenizer", 1.5)  # ran in a thread during engine_core
+    clock.advance(0.25)
+    s = p.summary()
+    assert s["tokenizer_overlapped"] == 1.5
+    assert s["other"] == pytest.approx(0.25)
+    assert s["total"] == pytest.approx(3.25)
+    with pytest.raises(ValueError, match="phase name"):
+        p.overlapped("a b", 1.0)
+
+
 def test_finish_logs_one_line_that_parse_line_reads_back(caplog) -> None:
     p, clock = _phases(age=1.5)
     p.begin()

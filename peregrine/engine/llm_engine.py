@@ -26,13 +26,40 @@ logger = logging.getLogger("peregrine")
 
 
 def load_tokenizer(path: str):
-    """A local Hugging Face fast tokenizer (no remote code, no hub)."""
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"could not load a tokenizer from {path!r} ({e}); pass "
-                         "skip_tokenizer_init=True to use token ids only") from e
+    """A local Hugging Face tokenizer (no remote code, no hub): peregrine.tokenizer's choice."""
+    from peregrine.tokenizer import load_tokenizer as load
+    return load(path)
+
+
+class _TokenizerLoad:
+    """load_tokenizer(path) in a thread of its own; result() returns it (or raises its error) and
+    records its time as an overlapped start-up phase."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._value = self._error = None
+        self._seconds = 0.0
+        self._thread = threading.Thread(target=self._load, name="tokenizer-load", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._value = load_tokenizer(self._path)
+        except BaseException as e:  # handed to the caller by result()
+            self._error = e
+        self._seconds = time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Wait for the load; raise its error, if any."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def result(self):
+        self.wait()
+        STARTUP.overlapped("tokenizer", self._seconds)
+        return self._value
 
 
 class QueueFullError(ValueError):
@@ -50,25 +77,29 @@ class LLMEngine:
         self.config = config
         mc = config.model
         STARTUP.begin(join=True)  # from_engine_args began it, before the config
-        # NOTE: a core in its own process is spawned first, so its start-up (imports, CUDA,
-        # weights, graphs) overlaps loading the tokenizer here.
-        spawned = None
+        # NOTE: the tokenizer loads in a thread while the engine core starts (a core process is
+        # spawned first; an in-process core loads the model here meanwhile).
+        spawned = built = None
         if core_client is None and config.engine_core_process:
             with STARTUP.phase("engine_core_spawn"):
                 spawned = core_client = ProcessCoreClient(config, wait=False)
+        tokenizer = None if mc.skip_tokenizer_init else _TokenizerLoad(mc.tokenizer)
         try:
-            with STARTUP.phase("tokenizer"):
-                self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(mc.tokenizer)
+            if spawned is not None and tokenizer is not None:
+                tokenizer.wait()  # NOTE: a broken tokenizer fails before the core is waited for
             # NOTE: in this process the workers' phases nest under engine_core; a core process
             # logs its own line.
             with STARTUP.phase("engine_core"):
                 if spawned is not None:
                     spawned.wait_ready()
-                self.core_client = core_client if core_client is not None \
-                    else make_core_client(config)
+                if core_client is None:
+                    built = core_client = make_core_client(config)
+            self.tokenizer = tokenizer.result() if tokenizer is not None else None
+            self.core_client = core_client
         except BaseException:
-            if spawned is not None:
-                spawned.shutdown()
+            for started in (spawned, built):
+                if started is not None:
+                    started.shutdown()
             raise
         self._groups: dict[str, RequestGroup] = {}
         self._seqs: dict[str, tuple[RequestGroup, SequenceState]] = {}  # sequence id -> state

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import importlib.util
 import logging
+import os
 import sys
 import typing
 from collections.abc import Collection, Mapping, Sequence
@@ -71,14 +72,34 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return dataclass_from(ns, EngineArgs)
 
 
+# NOTE: a prompt of B UTF-8 bytes is at most B tokens for byte-level BPE, and at most a few
+# more (a leading-space piece, BOS / EOS) for other tokenizers.
+PROMPT_TOKEN_MARGIN = 16
+
+
+def fit_to_prompts(args: EngineArgs, prompts: Sequence[str], chat: bool) -> EngineArgs:
+    """The engine arguments cut to what generating `prompts` can use.
+
+    All prompts are added at once, so no more than len(prompts) sequences ever run, and the
+    only prefill step holds at most their tokens: decode graphs, the worst-case profile and the
+    KV pool's cap need cover no more sequences, and piecewise graphs no more tokens (a step past
+    them runs eagerly). Results do not change; start-up does less.
+    """
+    fit = {"max_num_seqs": min(args.max_num_seqs, max(1, len(prompts)))}
+    if not chat:  # the chat template's own text is unknown before the tokenizer loads
+        bound = sum(len(p.encode("utf-8")) + PROMPT_TOKEN_MARGIN for p in prompts)
+        fit["max_prefill_graph_tokens"] = min(args.max_prefill_graph_tokens, bound)
+    return dataclasses.replace(args, **fit)
+
+
 def _generate(ns: argparse.Namespace) -> int:
     from peregrine.entrypoints.llm import LLM
     from peregrine.sampling_params import SamplingParams
-    args = engine_args_from(ns)
+    prompts = ns.prompt or ["def fibonacci(n):"]
+    args = fit_to_prompts(engine_args_from(ns), prompts, ns.chat)
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             top_k=ns.top_k, seed=ns.sampling_seed)
     llm = LLM(**dataclasses.asdict(args))
-    prompts = ns.prompt or ["def fibonacci(n):"]
     try:
         if ns.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
@@ -89,6 +110,8 @@ def _generate(ns: argparse.Namespace) -> int:
         logging.getLogger("peregrine").debug("generate failed", exc_info=True)
         print(f"error: generation failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    finally:
+        llm.shutdown()
     failed = 0
     for prompt, out in zip(prompts, outs):
         print(f"Prompt: {prompt!r}")
@@ -103,7 +126,9 @@ def _generate(ns: argparse.Namespace) -> int:
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="generate text offline from prompts",
-                         description="Generate text offline from prompts.")
+                         description="Generate text offline from prompts. The engine is sized "
+                         "for them: --max-num-seqs and --max-prefill-graph-tokens are cut to "
+                         "what the prompts can use.")
     gen.add_argument("prompt", nargs="*", help="prompt(s) (default: a demo prompt)")
     add_engine_args(gen)
     gen.add_argument("--max-tokens", type=int, default=32,
@@ -138,7 +163,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=serve.run)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with `command` "generate", the bench parsers (and the imports
+    they need) are left out, since that command line cannot reach them."""
     parser = argparse.ArgumentParser(prog="peregrine", description="Peregrine LLM inference engine")
     parser.add_argument("-V", "--version", action="version", version=f"peregrine {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,7 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     # `serve` parses its own flags (entrypoints/serve.py); listed here for --help.
     sub.add_parser("serve", help="run the OpenAI-compatible server (needs the serve extra)",
                    add_help=False)
-    _add_bench(sub)
+    if command == "generate":
+        sub.add_parser("bench", help="benchmarks: throughput, latency, serve", add_help=False)
+    else:
+        _add_bench(sub)
     return parser
 
 
@@ -181,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if argv[:1] == ["serve"]:
         return _serve(argv[1:])
-    ns = build_parser().parse_args(argv)
+    ns = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         return ns.func(ns)
     except ValueError as e:
@@ -189,5 +219,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run() -> None:
+    """The `peregrine` program. After `generate` (its engine shut down, its output printed) the
+    process exits at once: tearing down the interpreter's modules and the device's memory
+    piece by piece only delays the exit that releases them all."""
+    argv = sys.argv[1:]
+    code = main(argv)
+    if argv[:1] != ["generate"]:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -26,6 +26,10 @@ class LLM:
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine (its core process and workers, if any) and release the device."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

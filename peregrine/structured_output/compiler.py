@@ -72,10 +72,13 @@ def tokenizer_info(tokenizer: Any, key: tuple) -> Any:
     with _INFOS_LOCK:
         info = _INFOS.get(key)
         if info is None:
+            from peregrine.tokenizer import transformers_tokenizer
             xgr = import_xgrammar()
             _, vocab_size, stop_ids = key
+            # NOTE: xgrammar reads a transformers tokenizer (its class decides the vocab's encoding).
             info = xgr.TokenizerInfo.from_huggingface(
-                tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_ids) or None)
+                transformers_tokenizer(tokenizer), vocab_size=vocab_size,
+                stop_token_ids=list(stop_ids) or None)
             _INFOS[key] = info
         return info
 

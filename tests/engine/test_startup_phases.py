@@ -7,7 +7,7 @@ import pytest
 
 from peregrine.config import EngineArgs
 from peregrine.engine.llm_engine import LLMEngine
-from peregrine.startup_timing import LINE_PREFIX, STARTUP, parse_line
+from peregrine.startup_timing import LINE_PREFIX, OVERLAPPED, STARTUP, parse_line
 from peregrine.testing.checkpoints import tiny_checkpoint
 from peregrine.worker.worker import Worker
 
@@ -28,11 +28,13 @@ def test_an_engine_logs_one_line_with_its_workers_phases_nested(caplog) -> None:
     assert len(lines) == 1
     s = engine.startup_seconds
     assert parse_line(lines[0]) == pytest.approx(s, abs=0.006)  # two decimals in the line
-    for key in ("import_torch", "config", "tokenizer", "engine_core", "engine_core/device",
+    for key in ("import_torch", "config", "tokenizer_overlapped", "engine_core",
+                "engine_core/device",
                 "engine_core/model", "engine_core/runner", "engine_core/kv_alloc",
                 "engine_core/other", "other", "total"):
         assert key in s, key
-    top = [v for k, v in s.items() if "/" not in k and k != "total"]
+    # NOTE: the tokenizer loads in a thread beside engine_core: outside the sum.
+    top = [v for k, v in s.items() if "/" not in k and k != "total" and not k.endswith(OVERLAPPED)]
     assert sum(top) == pytest.approx(s["total"], rel=1e-6)
     nested = [v for k, v in s.items() if k.startswith("engine_core/")]
     assert sum(nested) == pytest.approx(s["engine_core"], rel=1e-6)

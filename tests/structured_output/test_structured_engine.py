@@ -84,7 +84,9 @@ def test_each_kind_gives_valid_text(llm, kind, temperature) -> None:
 
 def _check_json_object_prefix(llm: LLM, text: str) -> None:
     import xgrammar as xgr
-    tok = llm.get_tokenizer()
+
+    from peregrine.tokenizer import transformers_tokenizer
+    tok = transformers_tokenizer(llm.get_tokenizer())  # xgrammar reads transformers' class
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=llm.engine.config.model.vocab_size)
     matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_builtin_json_grammar())
     assert text.startswith("{") and matcher.accept_string(text), text

@@ -40,5 +40,7 @@ def tokenizer_info(tokenizer: Any) -> dict[str, Any]:
     max_len = getattr(tokenizer, "model_max_length", None)
     if isinstance(max_len, int):
         info["model_max_length"] = max_len
-    info["tokenizer_class"] = type(tokenizer).__name__
+    # NOTE: a FastTokenizer names the transformers class it stands in for.
+    name = getattr(tokenizer, "tokenizer_class", None)
+    info["tokenizer_class"] = name if isinstance(name, str) else type(tokenizer).__name__
     return info
