@@ -37,7 +37,8 @@ class DecodeConfig(NamedTuple):
 # CUDA choices are the fastest correct configs of benchmarks/decode_attn_bench.py on an H200
 # (decode at W1's shape: 1,000 Qwen3-0.6B sequences of ~1,000 tokens, 16 q / 8 kv heads, and
 # Llama-3-8B's: 256 sequences of ~2,000 tokens, 32 / 8), against the former single choice
-# ("dot", 64 tokens, 4 warps, 2 stages, no option):
+# ("dot", 64 tokens, 4 warps, 2 stages, no option); the FP8 small-group choice is chosen from
+# its sm_90 SASS and not timed yet (the benchmark times it beside the one it replaced):
 _CONFIGS = {
     # the interpreter: small tiles keep it fast
     "cpu": DecodeConfig("dot", 16, 4, 2, False, PROGRAMS_PER_SM, False, False, False),
@@ -46,9 +47,14 @@ _CONFIGS = {
     # bf16 cache: W1 961 us (was 963, both at the HBM wall), Llama-3-8B 499 us (was 538)
     "cuda-16bit-cache": DecodeConfig("dot", 64, 4, 2, False, PROGRAMS_PER_SM, True, True,
                                      False),
-    # FP8 cache, up to 2 q heads per kv head: W1 795 us (was 878)
-    "cuda-fp8-cache-small-group": DecodeConfig("fma", 16, 2, 3, False, PROGRAMS_PER_SM, False,
-                                               False, False),
+    # FP8 cache, up to 2 q heads per kv head: the CUDA-core variant on 32-bit words (sm_90
+    # SASS: 5.8 instructions per K/V element in the loop against the "fma" variant's 7.2; 128
+    # registers, so 8 programs per SM, each with its next 4 KB tile in flight while it computes
+    # one), split for 32 programs per SM: 180 sequences of ~1,000 tokens in a 2,048-token table
+    # run 2 splits each (2,880 programs, 2.7 waves) instead of 1 (1,440, 1.8 waves). The "fma"
+    # variant before it (16, 2 warps, 3 stages, 4 programs per SM): W1 (1,000 x ~1,000) 795 us.
+    "cuda-fp8-cache-small-group": DecodeConfig("fma_fp8", 16, 2, 1, True, 32, True, True,
+                                               True),
     # FP8 cache, larger groups: Llama-3-8B 367 us (was 486)
     "cuda-fp8-cache": DecodeConfig("dot", 64, 2, 2, False, PROGRAMS_PER_SM, True, True, False),
 }
@@ -63,7 +69,7 @@ def pick_config(q_dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
     if q_dtype == torch.float32:
         return _CONFIGS["cuda-fp32"]
     if cache_dtype in FP8_DTYPES:
-        # NOTE: the CUDA-core variant does group multiply-adds per K and V element; past 2 heads
+        # NOTE: the CUDA-core variants do group multiply-adds per K and V element; past 2 heads
         # per kv head the padded tensor-core dot is cheaper.
         return _CONFIGS["cuda-fp8-cache-small-group" if group <= 2 else "cuda-fp8-cache"]
     return _CONFIGS["cuda-16bit-cache"]
