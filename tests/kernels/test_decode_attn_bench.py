@@ -21,7 +21,8 @@ _spec.loader.exec_module(bench)
 
 def fake_ms(cfg) -> float:
     """A made-up time per config, so the best one is known."""
-    return ({"dot": 3.0, "dot_kt": 2.0, "fma": 1.0}[cfg.variant] + 0.5 * cfg.prefetch
+    return ({"dot": 3.0, "dot_kt": 2.0, "fma": 1.0, "fma_fp8": 1.5}[cfg.variant]
+            + 0.5 * cfg.prefetch
             + 0.25 * cfg.clamp_tokens + 0.125 * (not cfg.aligned) + cfg.block_n / 1000)
 
 
@@ -41,9 +42,13 @@ def tiny(monkeypatch):
     monkeypatch.setattr(bench, "bench_ms", lambda fn: fake_ms(current["cfg"]))
 
 
+def _no_pps(cfgs) -> set:
+    return {c._replace(programs_per_sm=0) for c in cfgs}
+
+
 def _args(tmp_path, caches: str) -> argparse.Namespace:
     return argparse.Namespace(out=str(tmp_path / "r.json"), budget_s=0.0, shapes=["tiny"],
-                              caches=caches.split(","), ncu=False, from_json=None)
+                              caches=caches.split(","), ncu=False, from_json=None, quick=False)
 
 
 def test_phase_one_runs_every_start_correctly_and_keeps_the_fastest(tiny, tmp_path) -> None:
@@ -52,11 +57,15 @@ def test_phase_one_runs_every_start_correctly_and_keeps_the_fastest(tiny, tmp_pa
     measured = {bench.Cfg(*(r[f] for f in bench.Cfg._fields)) for r in rows}
     default = bench.Cfg(*bench.pick_config(torch.bfloat16, torch.float8_e4m3fn, 2, True))
     former = bench.Cfg(programs_per_sm=default.programs_per_sm, **bench.FORMER)
+    previous = bench.Cfg(**bench.PREVIOUS_FP8_SMALL_GROUP)
     starts = {former._replace(**start) for start in bench.PHASE1}
     starts = {c._replace(asm_cvt=False) if c.variant == "fma" else c for c in starts}
-    assert measured == {default} | starts
-    assert {r["tag"] for r in rows} == {"default", "former", "base"}
+    # NOTE: the tiny table has room for one split only: configs that differ only in programs
+    # per SM are the same kernel and are timed once.
+    assert _no_pps(measured) == _no_pps({default, previous} | starts)
+    assert {r["tag"] for r in rows} == {"default", "previous", "former", "base"}
     assert {r["variant"] for r in rows} == set(bench.VARIANTS)
+    assert all(r["programs"] >= 2 * 2 for r in rows)  # a split per sequence and kv head at least
     assert all(r["ok"] and r["max_err"] < 1.6e-2 for r in rows), rows  # 2 bf16 ulps
     best = result["best"]["tiny/fp8"]
     assert best["us"] == min(r["us"] for r in rows) and best["variant"] == "fma"
@@ -79,6 +88,36 @@ def test_a_wrong_result_is_never_the_best(tiny, tmp_path, monkeypatch) -> None:
     assert result["best"]["tiny/bf16"]["variant"] == "dot_kt"  # the next cheapest
     # the bf16 cache has no FP8 conversion to choose: those starts are timed once
     assert not any(r["asm_cvt"] for r in result["results"])
+    # variants that read FP8 caches only are not tried on a bf16 cache
+    assert not any(r["variant"] in bench.FP8_ONLY_VARIANTS for r in result["results"])
+
+
+def test_quick_times_the_default_the_previous_choice_and_the_fp8_word_starts(tiny,
+                                                                             tmp_path) -> None:
+    args = _args(tmp_path, "fp8,bf16")
+    args.quick = True
+    rows = bench.run_sweep(args, t0=0.0)["results"]
+    fp8 = [r for r in rows if r["cache"] == "fp8"]
+    assert {r["tag"] for r in fp8} == {"default", "previous", "base"}
+    assert all(r["variant"] in bench.FP8_ONLY_VARIANTS for r in fp8 if r["tag"] == "base")
+    former = bench.Cfg(programs_per_sm=4, **bench.FORMER)
+    starts = {former._replace(**s) for s in bench.PHASE1
+              if s.get("variant") in bench.FP8_ONLY_VARIANTS}
+    default = bench.Cfg(*bench.pick_config(torch.bfloat16, torch.float8_e4m3fn, 2, True))
+    measured = {bench.Cfg(*(r[f] for f in bench.Cfg._fields)) for r in fp8}
+    assert _no_pps(measured) == _no_pps(starts | {default, bench.Cfg(
+        **bench.PREVIOUS_FP8_SMALL_GROUP)})
+    assert [r["tag"] for r in rows if r["cache"] == "bf16"] == ["default"]
+    assert all(r["ok"] for r in rows)
+
+
+def test_shapes_pad_the_batch_like_a_decode_graph_over_a_wide_table(monkeypatch) -> None:
+    monkeypatch.setattr(bench, "DEV", torch.device("cpu"))
+    monkeypatch.setattr(bench, "SHAPES", {"g": (5, 20, 40, 4, 2, 256, True)})
+    p = bench.make_problem("g", "fp8", with_reference=False)
+    assert p.q.shape[0] == 16 and p.block_table.shape == (16, 16)
+    assert (p.seq_lens[5:] == 0).all() and (p.seq_lens[:5] >= 20).all()
+    assert p.nbytes == (2 * sum(p.lens) * 2 * bench.HEAD_DIM + 2 * p.q.numel() * 2)
 
 
 def test_neighbours_move_one_knob() -> None:
