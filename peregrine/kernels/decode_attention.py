@@ -42,8 +42,10 @@ _MAX_SPLITS = 64
 #   ALIGNED:      tiles start on a multiple of BLOCK_N, so addresses split into a per-tile block
 #                 id and a per-lane offset computed once (fewer integer ops per token).
 #   ASM_CVT:      (dot variants, FP8 cache, CUDA) FP8 -> fp16 in registers by inline PTX right
-#                 after the load. NOTE: without it the compiler stages the FP8 tile in shared
-#                 memory and reads V back byte by byte to transpose it for the dot operand.
+#                 after the load (with PREFETCH: the prefetched tile is carried as fp16).
+#                 NOTE: without it the compiler stages the FP8 tile in shared memory and reads
+#                 V back byte by byte to transpose it for the dot operand. ("fma_fp8": the
+#                 packed conversion instructions instead of byte shifts.)
 VARIANTS = ("dot", "dot_kt", "fma", "fma_fp8")
 FP8_ONLY_VARIANTS = ("fma_fp8",)  # read FP8 caches only
 _VARIANT_IDS = {name: i for i, name in enumerate(VARIANTS)}
@@ -324,6 +326,9 @@ def _decode_split_kernel(
                                      stride_vc_b, stride_vc_s, stride_vc_h,
                                      HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT,
                                      CLAMP_TOKENS, ALIGNED, ROWS)
+        if ASM_CVT and VARIANT < 2:  # NOTE: carried as fp16, not as FP8 bytes (see below)
+            k_raw = _fp8_to_f16(k_raw, KV_E5M2)
+            v_raw = _fp8_to_f16(v_raw, KV_E5M2)
     for n0 in range(start, end, BLOCK_N):
         n_mask = n0 + offs_n < end  # (BN,)
         if ALIGNED and HAS_WINDOW:
@@ -336,6 +341,11 @@ def _decode_split_kernel(
                                          stride_vc_b, stride_vc_s, stride_vc_h,
                                          HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT,
                                          CLAMP_TOKENS, ALIGNED, ROWS)
+            if ASM_CVT and VARIANT < 2:
+                # NOTE: FP8 tiles carried across iterations sit one byte per register and cost
+                # byte shuffles; converted right after the load they carry as packed fp16.
+                k_raw = _fp8_to_f16(k_raw, KV_E5M2)
+                v_raw = _fp8_to_f16(v_raw, KV_E5M2)
         else:
             k_cur, v_cur = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kvh,
                                          stride_kc_b, stride_kc_s, stride_kc_h,
@@ -378,7 +388,7 @@ def _decode_split_kernel(
             acc = acc * alpha[:, :, None] + p[:, :, None] * v  # (BG, BN, BD)
             m_i = m_new
         else:
-            if ASM_CVT:
+            if ASM_CVT and not PREFETCH:  # (prefetched tiles were converted on load)
                 k_cur = _fp8_to_f16(k_cur, KV_E5M2)
                 v_cur = _fp8_to_f16(v_cur, KV_E5M2)
             if VARIANT == 1:

@@ -47,14 +47,15 @@ _CONFIGS = {
     # bf16 cache: W1 961 us (was 963, both at the HBM wall), Llama-3-8B 499 us (was 538)
     "cuda-16bit-cache": DecodeConfig("dot", 64, 4, 2, False, PROGRAMS_PER_SM, True, True,
                                      False),
-    # FP8 cache, up to 2 q heads per kv head: the CUDA-core variant on 32-bit words (sm_90
-    # SASS: 5.8 instructions per K/V element in the loop against the "fma" variant's 7.2; 128
-    # registers, so 8 programs per SM, each with its next 4 KB tile in flight while it computes
-    # one), split for 32 programs per SM: 180 sequences of ~1,000 tokens in a 2,048-token table
-    # run 2 splits each (2,880 programs, 2.7 waves) instead of 1 (1,440, 1.8 waves). The "fma"
-    # variant before it (16, 2 warps, 3 stages, 4 programs per SM): W1 (1,000 x ~1,000) 795 us.
-    "cuda-fp8-cache-small-group": DecodeConfig("fma_fp8", 16, 2, 1, True, 32, True, True,
-                                               True),
+    # FP8 cache, up to 2 q heads per kv head: the tensor-core dot on 32-token tiles, 2 warps,
+    # the next tile prefetched into registers and converted to fp16 there (sm_90 SASS: 3.6
+    # instructions per K/V element in the loop, against 7.2 for the "fma" variant it replaces
+    # and 5.8 for "fma_fp8"; 166 registers, 12 KB of shared memory: 6 programs per SM, each
+    # with 8 KB in flight while it computes a tile), splits aimed at 32 programs per SM: 180
+    # sequences of ~1,000 tokens in a 2,048-token table run 2 splits each (2,880 programs)
+    # instead of 1 (1,440: 1.8 waves, the second one short). Before ("fma", 16 tokens, 2 warps,
+    # 3 stages, 4 programs per SM): W1 (1,000 x ~1,000) 795 us.
+    "cuda-fp8-cache-small-group": DecodeConfig("dot", 32, 2, 1, True, 32, True, True, True),
     # FP8 cache, larger groups: Llama-3-8B 367 us (was 486)
     "cuda-fp8-cache": DecodeConfig("dot", 64, 2, 2, False, PROGRAMS_PER_SM, True, True, False),
 }
