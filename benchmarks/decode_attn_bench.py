@@ -10,8 +10,8 @@ multiple of 16 with empty sequences) over a 2,048-token block table; w1 = 1,000 
 Caches: bf16, and FP8 e4m3 holding k / K_SCALE, v / V_SCALE (bf16 queries either way).
 Phase 1 times the launcher's default, the choice it replaced ("previous") and a list of
 starting points (PHASE1: changes to the former single choice, every variant and option of
-decode_configs.DecodeConfig) for every (shape, cache) (--quick: only the FP8-only variants'
-starts); phase 2 walks one knob at a time (BLOCK_N, num_warps, num_stages, programs per
+decode_configs.DecodeConfig) for every (shape, cache) (--quick: only the prefetched starts);
+phase 2 walks one knob at a time (BLOCK_N, num_warps, num_stages, programs per
 SM, prefetch, clamped tokens, aligned tiles, inline-PTX FP8 conversion, heads-first grid) away
 from each variant's best on the FP8 pairs, then from each pair's best, until the budget is
 spent. Each config: triton.testing.do_bench (no CUDA
@@ -100,6 +100,17 @@ PHASE1 = (
     dict(aligned=True, asm_cvt=True, num_stages=1),
     dict(aligned=True, asm_cvt=True, num_stages=1, heads_first=True),
     dict(variant="dot_kt", aligned=True),
+    # the dot with a prefetched tile converted to fp16 in registers: tiles, warps, split counts
+    dict(block_n=32, num_warps=2, num_stages=1, prefetch=True, clamp_tokens=True, aligned=True,
+         asm_cvt=True, programs_per_sm=32),
+    dict(block_n=32, num_warps=2, num_stages=1, prefetch=True, clamp_tokens=True, aligned=True,
+         asm_cvt=True, programs_per_sm=4),
+    dict(block_n=32, num_warps=2, num_stages=1, prefetch=True, clamp_tokens=True, aligned=True,
+         asm_cvt=True, programs_per_sm=64),
+    dict(block_n=32, num_warps=4, num_stages=1, prefetch=True, clamp_tokens=True, aligned=True,
+         asm_cvt=True, programs_per_sm=32),
+    dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, clamp_tokens=True, aligned=True,
+         asm_cvt=True, programs_per_sm=32),
     # CUDA-core math on FP8 words (FP8 caches only): prefetched, aligned, clamped; tile tokens,
     # warps, split counts, no prefetch
     dict(variant="fma_fp8", block_n=16, num_warps=2, num_stages=1, prefetch=True,
@@ -309,7 +320,7 @@ def run_sweep(args: argparse.Namespace, t0: float) -> dict:
         if previous_cfg(p) is not None:
             try_cfg(p, previous_cfg(p), "previous")
         for start in PHASE1:
-            if args.quick and start.get("variant") not in FP8_ONLY_VARIANTS:
+            if args.quick and not start.get("prefetch"):  # the prefetched starts only
                 continue
             try_cfg(p, former_cfg(p)._replace(**start), "base" if start else "former")
     print(f"phase 1 done at {time.time() - t0:.0f} s; phase 2: one knob at a time", flush=True)
@@ -404,7 +415,7 @@ def main() -> int:
     parser.add_argument("--caches", default="bf16,fp8", help=f"subset of {list(CACHES)}")
     parser.add_argument("--quick", action="store_true",
                         help="phase 1 times only the default, the previous FP8 choice and the "
-                             "FP8-only variants' starts (with --budget-s 0: no phase 2)")
+                             "prefetched starts (with --budget-s 0: no phase 2)")
     parser.add_argument("--ncu", action="store_true", help="one launch per chosen config")
     parser.add_argument("--from", dest="from_json", help="--ncu: the best configs of this file")
     args = parser.parse_args()

@@ -92,22 +92,23 @@ def test_a_wrong_result_is_never_the_best(tiny, tmp_path, monkeypatch) -> None:
     assert not any(r["variant"] in bench.FP8_ONLY_VARIANTS for r in result["results"])
 
 
-def test_quick_times_the_default_the_previous_choice_and_the_fp8_word_starts(tiny,
-                                                                             tmp_path) -> None:
+def test_quick_times_the_default_the_previous_choice_and_the_prefetched_starts(tiny,
+                                                                              tmp_path) -> None:
     args = _args(tmp_path, "fp8,bf16")
     args.quick = True
     rows = bench.run_sweep(args, t0=0.0)["results"]
-    fp8 = [r for r in rows if r["cache"] == "fp8"]
-    assert {r["tag"] for r in fp8} == {"default", "previous", "base"}
-    assert all(r["variant"] in bench.FP8_ONLY_VARIANTS for r in fp8 if r["tag"] == "base")
     former = bench.Cfg(programs_per_sm=4, **bench.FORMER)
-    starts = {former._replace(**s) for s in bench.PHASE1
-              if s.get("variant") in bench.FP8_ONLY_VARIANTS}
-    default = bench.Cfg(*bench.pick_config(torch.bfloat16, torch.float8_e4m3fn, 2, True))
-    measured = {bench.Cfg(*(r[f] for f in bench.Cfg._fields)) for r in fp8}
-    assert _no_pps(measured) == _no_pps(starts | {default, bench.Cfg(
+    starts = {former._replace(**s) for s in bench.PHASE1 if s.get("prefetch")}
+    assert any(c.variant in bench.FP8_ONLY_VARIANTS for c in starts)
+    fp8_default = bench.Cfg(*bench.pick_config(torch.bfloat16, torch.float8_e4m3fn, 2, True))
+    fp8 = {bench.Cfg(*(r[f] for f in bench.Cfg._fields)) for r in rows if r["cache"] == "fp8"}
+    assert _no_pps(fp8) == _no_pps(starts | {fp8_default, bench.Cfg(
         **bench.PREVIOUS_FP8_SMALL_GROUP)})
-    assert [r["tag"] for r in rows if r["cache"] == "bf16"] == ["default"]
+    bf16_default = bench.Cfg(*bench.pick_config(torch.bfloat16, torch.bfloat16, 2, True))
+    bf16 = {bench.Cfg(*(r[f] for f in bench.Cfg._fields)) for r in rows if r["cache"] == "bf16"}
+    starts = {c._replace(asm_cvt=False) for c in starts if c.variant not in
+              bench.FP8_ONLY_VARIANTS}
+    assert _no_pps(bf16) == _no_pps(starts | {bf16_default})
     assert all(r["ok"] for r in rows)
 
 
