@@ -95,7 +95,8 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kvh,
                 v_n_mask = tok >= 0  # (BN,) all true
                 blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)  # (BN,)
             else:
-                blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=v_n_mask, other=0).to(tl.int64)  # (BN,)
+                blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=v_n_mask,
+                              other=0).to(tl.int64)  # (BN,)
             k_n_mask = v_n_mask
             off = tok % BLOCK_SIZE  # (BN,)
         k_row = blk * stride_kc_b + (off * stride_kc_s + kvh * stride_kc_h)  # (BN,)
@@ -433,7 +434,8 @@ def _decode_split_kernel(
             acc = tl.sum(acc * w[:, :, None], 1)  # (BG, BD)
             m_i = m_row
         if HAS_WINDOW:
-            # NOTE: a split wholly before the window saw no key: zero output and weight in the merge.
+            # NOTE: a split wholly before the window saw no key: zero output and weight in the
+            # merge.
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (BG, BD)
             lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))  # (BG,)
         else:
