@@ -230,12 +230,21 @@ def _fp8_words_to_f32(w, E5M2: tl.constexpr, ASM_CVT: tl.constexpr):
                 "=r,=r,=r,=r,r", [w], dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
                 is_pure=True, pack=1)
     else:
-        fp8: tl.constexpr = tl.float8e5 if E5M2 else tl.float8e4nv
-        x0 = (w & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float32)
-        x1 = ((w >> 8) & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float32)
-        x2 = ((w >> 16) & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float32)
-        x3 = ((w >> 24) & 0xFF).to(tl.uint8).to(fp8, bitcast=True).to(tl.float32)
+        x0 = _fp8_byte_to_f32(w & 0xFF, E5M2)
+        x1 = _fp8_byte_to_f32((w >> 8) & 0xFF, E5M2)
+        x2 = _fp8_byte_to_f32((w >> 16) & 0xFF, E5M2)
+        x3 = _fp8_byte_to_f32((w >> 24) & 0xFF, E5M2)
     return x0, x1, x2, x3
+
+
+@triton.jit
+def _fp8_byte_to_f32(b, E5M2: tl.constexpr):
+    """The fp32 value of FP8 bits held in the low byte of an int32."""
+    if E5M2:
+        x = b.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
+    else:
+        x = b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return x
 
 
 # NOTE: ints that change with the batch are not specialised on (==1, %16): each new value would
