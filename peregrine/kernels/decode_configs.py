@@ -37,8 +37,7 @@ class DecodeConfig(NamedTuple):
 # CUDA choices are the fastest correct configs of benchmarks/decode_attn_bench.py on an H200
 # (decode at W1's shape: 1,000 Qwen3-0.6B sequences of ~1,000 tokens, 16 q / 8 kv heads, and
 # Llama-3-8B's: 256 sequences of ~2,000 tokens, 32 / 8), against the former single choice
-# ("dot", 64 tokens, 4 warps, 2 stages, no option); the FP8 small-group choice is chosen from
-# its sm_90 SASS and not timed yet (the benchmark times it beside the one it replaced):
+# ("dot", 64 tokens, 4 warps, 2 stages, no option):
 _CONFIGS = {
     # the interpreter: small tiles keep it fast
     "cpu": DecodeConfig("dot", 16, 4, 2, False, PROGRAMS_PER_SM, False, False, False),
@@ -47,15 +46,14 @@ _CONFIGS = {
     # bf16 cache: W1 961 us (was 963, both at the HBM wall), Llama-3-8B 499 us (was 538)
     "cuda-16bit-cache": DecodeConfig("dot", 64, 4, 2, False, PROGRAMS_PER_SM, True, True,
                                      False),
-    # FP8 cache, up to 2 q heads per kv head: the tensor-core dot on 32-token tiles, 2 warps,
-    # the next tile prefetched into registers and converted to fp16 there (sm_90 SASS: 3.6
-    # instructions per K/V element in the loop, against 7.2 for the "fma" variant it replaces
-    # and 5.8 for "fma_fp8"; 166 registers, 12 KB of shared memory: 6 programs per SM, each
-    # with 8 KB in flight while it computes a tile), splits aimed at 32 programs per SM: 180
-    # sequences of ~1,000 tokens in a 2,048-token table run 2 splits each (2,880 programs)
-    # instead of 1 (1,440: 1.8 waves, the second one short). Before ("fma", 16 tokens, 2 warps,
-    # 3 stages, 4 programs per SM): W1 (1,000 x ~1,000) 795 us.
-    "cuda-fp8-cache-small-group": DecodeConfig("dot", 32, 2, 1, True, 32, True, True, True),
+    # FP8 cache, up to 2 q heads per kv head: W1 (1,000 x ~1,000) 795 us (878 with the
+    # tensor-core dot). At W1's real batches (H200): 180 x ~960 tokens 158.8 us, 75 x ~1,200
+    # 101.5 us. Fewer instructions did not make it faster: the dot with a prefetched tile
+    # converted on load (3.6 SASS instructions per K/V element against 7.2, 8 KB in flight per
+    # program) took 177.2 / 104.8 / 901.3 us; the best at 180 x ~960 was this variant again
+    # (157.7 us with the heads-first grid), not "fma_fp8" (5.8 instructions per element).
+    "cuda-fp8-cache-small-group": DecodeConfig("fma", 16, 2, 3, False, PROGRAMS_PER_SM, False,
+                                               False, False),
     # FP8 cache, larger groups: Llama-3-8B 367 us (was 486)
     "cuda-fp8-cache": DecodeConfig("dot", 64, 2, 2, False, PROGRAMS_PER_SM, True, True, False),
 }

