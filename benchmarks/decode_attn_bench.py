@@ -10,7 +10,9 @@ multiple of 16 with empty sequences) over a 2,048-token block table; w1 = 1,000 
 Caches: bf16, and FP8 e4m3 holding k / K_SCALE, v / V_SCALE (bf16 queries either way).
 Phase 1 times the launcher's default, the choice it replaced ("previous") and a list of
 starting points (PHASE1: changes to the former single choice, every variant and option of
-decode_configs.DecodeConfig) for every (shape, cache) (--quick: only the prefetched starts);
+decode_configs.DecodeConfig) for every (shape, cache) (--quick: only the prefetched starts;
+--probe first times a bare paged read of the same caches, no math, with 1, 2, 4 or 8 kv heads
+per program: the bandwidth the access pattern itself allows, by contiguous bytes per token row);
 phase 2 walks one knob at a time (BLOCK_N, num_warps, num_stages, programs per
 SM, prefetch, clamped tokens, aligned tiles, inline-PTX FP8 conversion, heads-first grid) away
 from each variant's best on the FP8 pairs, then from each pair's best, until the budget is
@@ -47,6 +49,9 @@ from peregrine.kernels.decode_attention import (FP8_ONLY_VARIANTS, VARIANTS,  # 
                                                 decode_split_len, paged_decode_attention,
                                                 pick_config)
 from peregrine.kernels.decode_configs import DecodeConfig  # noqa: E402
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 PEAK_GBS = 4200.0  # H200 HBM3e
 TOL = 3e-2  # max abs error of a bf16 output against the fp32 reference (outputs are O(1))
@@ -210,6 +215,89 @@ def default_cfg(p: Problem) -> Cfg:
     return Cfg(*pick_config(p.q.dtype, p.k_cache.dtype, group, True))
 
 
+PROBE_HEADS = (1, 2, 4, 8)  # kv heads per program: contiguous bytes per token row read
+
+
+@triton.jit
+def _read_probe_kernel(k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, stride_b, stride_s, stride_h,
+                       stride_bt, HEADS: tl.constexpr, WORDS: tl.constexpr,
+                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """XOR of every 32-bit word of K and V that program (b, head group) would read: the
+    decode kernel's paged access pattern with no math, HEADS kv heads side by side."""
+    b = tl.program_id(0)
+    hg = tl.program_id(1)
+    seq_len = tl.load(lens_ptr + b)
+    offs_n = tl.arange(0, BLOCK_N)  # (BN,)
+    col = ((hg * HEADS + tl.arange(0, HEADS))[:, None] * stride_h
+           + tl.arange(0, WORDS)[None, :])  # (H, W) words
+    acc = tl.zeros([BLOCK_N, HEADS, WORDS], tl.int32)
+    for n0 in range(0, seq_len, BLOCK_N):
+        tok = n0 + offs_n  # (BN,)
+        mask = tok < seq_len
+        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + tok // BLOCK_SIZE, mask=mask,
+                      other=0).to(tl.int64)  # (BN,)
+        ptrs = (blk * stride_b + (tok % BLOCK_SIZE) * stride_s)[:, None, None] + col[None]
+        m3 = mask[:, None, None]
+        acc = acc ^ tl.load(k_ptr + ptrs, mask=m3, other=0) ^ tl.load(v_ptr + ptrs, mask=m3,
+                                                                        other=0)
+    x = tl.xor_sum(tl.xor_sum(tl.xor_sum(acc, 2), 1), 0)
+    tl.store(out_ptr + b * tl.num_programs(1) + hg, x)
+
+
+def read_probe(p: Problem, heads: int, out: torch.Tensor) -> None:
+    """Launch the read probe over p's caches (viewed as 32-bit words), `heads` kv heads per
+    program; out (B, Hkv / heads) int32."""
+    kw, vw = p.k_cache.view(torch.int32), p.v_cache.view(torch.int32)
+    _read_probe_kernel[(p.q.shape[0], p.k_cache.shape[2] // heads)](
+        kw, vw, p.block_table, p.seq_lens, out, kw.stride(0), kw.stride(1), kw.stride(2),
+        p.block_table.stride(0), HEADS=heads, WORDS=kw.shape[3], BLOCK_SIZE=BLOCK_SIZE,
+        BLOCK_N=max(4, 32 // heads), num_warps=4)  # the same 32 token rows per tile
+
+
+def probe_expected(p: Problem, heads: int) -> torch.Tensor:
+    """The probe's answer computed on the host (a check that it reads exactly the bytes)."""
+    import numpy as np
+    kw = p.k_cache.view(torch.int32).cpu().numpy()
+    vw = p.v_cache.view(torch.int32).cpu().numpy()
+    bt = p.block_table.cpu().numpy()
+    hkv = p.k_cache.shape[2]
+    out = np.zeros((len(p.lens), hkv // heads), np.int32)
+    for b, n in enumerate(p.lens):
+        if n == 0:
+            continue
+        tok = np.arange(n)
+        rows_k = kw[bt[b, tok // BLOCK_SIZE], tok % BLOCK_SIZE]  # (n, Hkv, W)
+        rows_v = vw[bt[b, tok // BLOCK_SIZE], tok % BLOCK_SIZE]
+        x = np.bitwise_xor(rows_k, rows_v).reshape(n, hkv // heads, -1)
+        out[b] = np.bitwise_xor.reduce(np.bitwise_xor.reduce(x, 2), 0)
+    return torch.from_numpy(out)
+
+
+def run_probe(problems: dict[tuple[str, str], Problem], check: bool) -> list[dict]:
+    """Bandwidth of the bare paged read per (shape, cache) and kv heads per program: what the
+    access pattern allows before any math (bytes: K + V of the real tokens)."""
+    rows = []
+    for (shape, cache), p in problems.items():
+        kv_bytes = 2.0 * sum(p.lens) * p.k_cache.shape[2] * HEAD_DIM * p.k_cache.element_size()
+        for heads in PROBE_HEADS:
+            if p.k_cache.shape[2] % heads:
+                continue
+            out = torch.empty(p.q.shape[0], p.k_cache.shape[2] // heads, dtype=torch.int32,
+                              device=DEV)
+            read_probe(p, heads, out)
+            ok = bool(torch.equal(out.cpu(), probe_expected(p, heads))) if check else None
+            ms = bench_ms(lambda: read_probe(p, heads, out))
+            gbs = kv_bytes / ms / 1e6
+            rows.append(dict(shape=shape, cache=cache, heads_per_program=heads,
+                             row_bytes=heads * HEAD_DIM * p.k_cache.element_size(), us=ms * 1e3,
+                             gbs=gbs, pct_hbm=100 * gbs / PEAK_GBS, ok=ok))
+            print(f"probe {shape:8s} {cache:5s} {heads} kv heads/program "
+                  f"({rows[-1]['row_bytes']:4d} B per token row) {ms * 1e3:8.1f} us "
+                  f"{gbs:6.0f} GB/s ({rows[-1]['pct_hbm']:4.1f}%)"
+                  f"{'' if ok in (True, None) else ' WRONG'}", flush=True)
+    return rows
+
+
 def bench_ms(fn) -> float:
     """Mean ms per call: triton.testing.do_bench (warm-up first, L2 flushed, no CUDA graph)."""
     from triton.testing import do_bench
@@ -301,6 +389,7 @@ def run_sweep(args: argparse.Namespace, t0: float) -> dict:
         t = time.time()
         problems[shape, cache] = make_problem(shape, cache, with_reference=True)
         print(f"inputs and reference for {shape} {cache}: {time.time() - t:.1f} s", flush=True)
+    probe = run_probe(problems, check=True) if args.probe else []
     seen: set[tuple] = set()
 
     def try_cfg(p: Problem, cfg: Cfg, tag: str) -> None:
@@ -345,7 +434,8 @@ def run_sweep(args: argparse.Namespace, t0: float) -> dict:
             improved |= variant is not None or best_of(rows, *key)["us"] < start_us
     result = dict(device=device_name(), torch=torch.__version__,
                   triton=__import__("triton").__version__, peak_gbs=PEAK_GBS, tol=TOL,
-                  shapes={s: SHAPES[s] for s in args.shapes}, results=rows, best={})
+                  shapes={s: SHAPES[s] for s in args.shapes}, results=rows, best={},
+                  probe=probe)
     print(f"\n{len(rows)} configs in {time.time() - t0:.0f} s. Best per (shape, cache):")
     for key in pairs:
         ref_us = {tag: next((r["us"] for r in rows if (r["shape"], r["cache"]) == key
@@ -416,6 +506,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true",
                         help="phase 1 times only the default, the previous FP8 choice and the "
                              "prefetched starts (with --budget-s 0: no phase 2)")
+    parser.add_argument("--probe", action="store_true",
+                        help="first time a bare paged read of the caches (no math) at 1, 2, 4 "
+                             "and 8 kv heads per program, checked against the host")
     parser.add_argument("--ncu", action="store_true", help="one launch per chosen config")
     parser.add_argument("--from", dest="from_json", help="--ncu: the best configs of this file")
     args = parser.parse_args()

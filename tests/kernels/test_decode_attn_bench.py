@@ -48,7 +48,8 @@ def _no_pps(cfgs) -> set:
 
 def _args(tmp_path, caches: str) -> argparse.Namespace:
     return argparse.Namespace(out=str(tmp_path / "r.json"), budget_s=0.0, shapes=["tiny"],
-                              caches=caches.split(","), ncu=False, from_json=None, quick=False)
+                              caches=caches.split(","), ncu=False, from_json=None, quick=False,
+                              probe=False)
 
 
 def test_phase_one_runs_every_start_correctly_and_keeps_the_fastest(tiny, tmp_path) -> None:
@@ -120,6 +121,28 @@ def test_shapes_pad_the_batch_like_a_decode_graph_over_a_wide_table(monkeypatch)
     assert p.q.shape[0] == 16 and p.block_table.shape == (16, 16)
     assert (p.seq_lens[5:] == 0).all() and (p.seq_lens[:5] >= 20).all()
     assert p.nbytes == (2 * sum(p.lens) * 2 * bench.HEAD_DIM + 2 * p.q.numel() * 2)
+
+
+def test_read_probe_reads_exactly_the_cache_bytes_of_each_head_group(monkeypatch) -> None:
+    """The probe's XOR of every K/V word each program reads equals the host's, for one and two
+    kv heads per program, FP8 and bf16, with a padding sequence; a flipped byte shows."""
+    monkeypatch.setattr(bench, "DEV", torch.device("cpu"))
+    monkeypatch.setattr(bench, "HEAD_DIM", 16)
+    monkeypatch.setattr(bench, "SHAPES", {"g": (3, 20, 40, 4, 2, 64, True)})
+    monkeypatch.setattr(bench, "bench_ms", lambda fn: 1.0)
+    problems = {("g", c): bench.make_problem("g", c, with_reference=False)
+                for c in ("fp8", "bf16")}
+    rows = bench.run_probe(problems, check=True)
+    assert [(r["cache"], r["heads_per_program"]) for r in rows] == [
+        ("fp8", 1), ("fp8", 2), ("bf16", 1), ("bf16", 2)]
+    assert all(r["ok"] for r in rows)
+    p = problems["g", "fp8"]
+    before = bench.probe_expected(p, 1)
+    p.v_cache.view(torch.uint8)[int(p.block_table[0, 0]), 0, 1, 3] ^= 0x10  # seq 0, kv head 1
+    out = torch.empty(16, 2, dtype=torch.int32)
+    bench.read_probe(p, 1, out)
+    changed = (out != before).nonzero().tolist()
+    assert changed == [[0, 1]] and torch.equal(out, bench.probe_expected(p, 1))
 
 
 def test_neighbours_move_one_knob() -> None:
