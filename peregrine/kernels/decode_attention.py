@@ -28,6 +28,13 @@ _MAX_SPLITS = 64
 #   "fma":    no tl.dot: fp32 broadcast multiplies on CUDA cores, reduced over D for the scores;
 #             every token row of the tile keeps its own softmax state and output rows, so the
 #             loop never reduces across tokens (one reduction at the end).
+#   "fma_fp8": (FP8 caches only) CUDA-core math on 32-bit words of four FP8 values: the tile
+#             (T, ROWS, D / 4) puts d in 16-byte vectors over a few lanes, ROWS token rows over
+#             the other lanes and warps and T tokens in each thread's registers. Each row keeps
+#             one softmax state, so the T tokens of a thread fold into it with in-thread adds
+#             and the rescale costs one multiply per row and tile, not per element; a word
+#             becomes four fp32 values by two packed FP8 -> fp16 conversions (inline PTX on
+#             sm_89+) and four fp16 -> fp32 moves; words carry cleanly through the prefetch.
 # Options of every variant (constexpr flags; DecodeConfig):
 #   PREFETCH:     the next tile's block ids, K and V are loaded before the current tile is
 #                 computed (register double buffering).
@@ -35,9 +42,12 @@ _MAX_SPLITS = 64
 #   ALIGNED:      tiles start on a multiple of BLOCK_N, so addresses split into a per-tile block
 #                 id and a per-lane offset computed once (fewer integer ops per token).
 #   ASM_CVT:      (dot variants, FP8 cache, CUDA) FP8 -> fp16 in registers by inline PTX right
-#                 after the load. NOTE: without it the compiler stages the FP8 tile in shared
-#                 memory and reads V back byte by byte to transpose it for the dot operand.
-VARIANTS = ("dot", "dot_kt", "fma")
+#                 after the load (with PREFETCH: the prefetched tile is carried as fp16).
+#                 NOTE: without it the compiler stages the FP8 tile in shared memory and reads
+#                 V back byte by byte to transpose it for the dot operand. ("fma_fp8": the
+#                 packed conversion instructions instead of byte shifts.)
+VARIANTS = ("dot", "dot_kt", "fma", "fma_fp8")
+FP8_ONLY_VARIANTS = ("fma_fp8",)  # read FP8 caches only
 _VARIANT_IDS = {name: i for i, name in enumerate(VARIANTS)}
 
 
@@ -46,67 +56,75 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kvh,
                   stride_kc_b, stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s, stride_vc_h,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, VARIANT: tl.constexpr, CLAMP_TOKENS: tl.constexpr,
-                  ALIGNED: tl.constexpr):
+                  ALIGNED: tl.constexpr, ROWS: tl.constexpr):
     """Raw K and V tiles of tokens n0 .. n0 + BLOCK_N, shaped for VARIANT: "dot" K (BD, BN),
-    V (BN, BD); "dot_kt" both (BN, BD); "fma" both (1, BN, BD). Tokens at or past `end` (>= 1)
+    V (BN, BD); "dot_kt" both (BN, BD); "fma" both (1, BN, BD); "fma_fp8" int32 words
+    (_load_fp8_words). Tokens at or past `end` (>= 1)
     are zeros, or with CLAMP_TOKENS unpredicated re-reads of real cache rows (token end - 1, or
     with ALIGNED K of the last block's slots, V still zeros); the caller masks their scores.
     ALIGNED: n0 is a multiple of BLOCK_N, so a token's block and slot split into a per-tile
     part and a per-lane part that stays the same every tile (addresses hoisted out of the loop)."""
-    offs_n = tl.arange(0, BLOCK_N)  # (BN,)
-    offs_d = tl.arange(0, BLOCK_D)  # (BD,)
-    tok = n0 + offs_n  # (BN,)
-    d_mask = offs_d < HEAD_DIM
-    v_n_mask = tok < end
-    if ALIGNED:
-        if BLOCK_N >= BLOCK_SIZE:
-            idx = n0 // BLOCK_SIZE + offs_n // BLOCK_SIZE  # (BN,)
-            off = offs_n % BLOCK_SIZE  # (BN,) the same every tile
+    if VARIANT == 3:
+        k, v = _load_fp8_words(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kvh, stride_kc_b,
+                               stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s, stride_vc_h,
+                               HEAD_DIM // 4, BLOCK_D // 4, BLOCK_N, ROWS, BLOCK_SIZE,
+                               CLAMP_TOKENS, ALIGNED)
+    else:
+        offs_n = tl.arange(0, BLOCK_N)  # (BN,)
+        offs_d = tl.arange(0, BLOCK_D)  # (BD,)
+        tok = n0 + offs_n  # (BN,)
+        d_mask = offs_d < HEAD_DIM
+        v_n_mask = tok < end
+        if ALIGNED:
+            if BLOCK_N >= BLOCK_SIZE:
+                idx = n0 // BLOCK_SIZE + offs_n // BLOCK_SIZE  # (BN,)
+                off = offs_n % BLOCK_SIZE  # (BN,) the same every tile
+            else:
+                idx = n0 // BLOCK_SIZE + offs_n * 0  # (BN,)
+                off = n0 % BLOCK_SIZE + offs_n  # (BN,)
+            if CLAMP_TOKENS:
+                idx = tl.minimum(idx, (end - 1) // BLOCK_SIZE)
+                k_n_mask = offs_n >= 0  # (BN,) all true
+                blk = tl.load(bt_row + idx).to(tl.int64)  # (BN,)
+            else:
+                k_n_mask = v_n_mask
+                blk = tl.load(bt_row + idx, mask=v_n_mask, other=0).to(tl.int64)  # (BN,)
         else:
-            idx = n0 // BLOCK_SIZE + offs_n * 0  # (BN,)
-            off = n0 % BLOCK_SIZE + offs_n  # (BN,)
-        if CLAMP_TOKENS:
-            idx = tl.minimum(idx, (end - 1) // BLOCK_SIZE)
-            k_n_mask = offs_n >= 0  # (BN,) all true
-            blk = tl.load(bt_row + idx).to(tl.int64)  # (BN,)
-        else:
+            if CLAMP_TOKENS:
+                tok = tl.minimum(tok, end - 1)
+                v_n_mask = tok >= 0  # (BN,) all true
+                blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)  # (BN,)
+            else:
+                blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=v_n_mask,
+                              other=0).to(tl.int64)  # (BN,)
             k_n_mask = v_n_mask
-            blk = tl.load(bt_row + idx, mask=v_n_mask, other=0).to(tl.int64)  # (BN,)
-    else:
-        if CLAMP_TOKENS:
-            tok = tl.minimum(tok, end - 1)
-            v_n_mask = tok >= 0  # (BN,) all true
-            blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)  # (BN,)
+            off = tok % BLOCK_SIZE  # (BN,)
+        k_row = blk * stride_kc_b + (off * stride_kc_s + kvh * stride_kc_h)  # (BN,)
+        v_row = blk * stride_vc_b + (off * stride_vc_s + kvh * stride_vc_h)  # (BN,)
+        if VARIANT == 2:
+            # NOTE: loaded 3-D, so the (G, N, D) products take the load's layout (d in registers
+            # and a few lanes) instead of a default one that spreads d over every warp.
+            k_ptrs = k_cache_ptr + k_row[None, :, None] + offs_d[None, None, :]  # (1, BN, BD)
+            v_ptrs = v_cache_ptr + v_row[None, :, None] + offs_d[None, None, :]  # (1, BN, BD)
+            k_mask = (k_n_mask[:, None] & d_mask[None, :])[None, :, :]
+            v_mask = (v_n_mask[:, None] & d_mask[None, :])[None, :, :]
         else:
-            blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=v_n_mask, other=0).to(tl.int64)  # (BN,)
-        k_n_mask = v_n_mask
-        off = tok % BLOCK_SIZE  # (BN,)
-    k_row = blk * stride_kc_b + (off * stride_kc_s + kvh * stride_kc_h)  # (BN,)
-    v_row = blk * stride_vc_b + (off * stride_vc_s + kvh * stride_vc_h)  # (BN,)
-    if VARIANT == 2:
-        # NOTE: loaded 3-D, so the (G, N, D) products take the load's layout (d in registers
-        # and a few lanes) instead of a default one that spreads d over every warp.
-        k_ptrs = k_cache_ptr + k_row[None, :, None] + offs_d[None, None, :]  # (1, BN, BD)
-        v_ptrs = v_cache_ptr + v_row[None, :, None] + offs_d[None, None, :]  # (1, BN, BD)
-        k_mask = (k_n_mask[:, None] & d_mask[None, :])[None, :, :]
-        v_mask = (v_n_mask[:, None] & d_mask[None, :])[None, :, :]
-    else:
-        if VARIANT == 1:
-            k_ptrs = k_cache_ptr + k_row[:, None] + offs_d[None, :]  # (BN, BD)
-            k_mask = k_n_mask[:, None] & d_mask[None, :]
+            if VARIANT == 1:
+                k_ptrs = k_cache_ptr + k_row[:, None] + offs_d[None, :]  # (BN, BD)
+                k_mask = k_n_mask[:, None] & d_mask[None, :]
+            else:
+                k_ptrs = k_cache_ptr + k_row[None, :] + offs_d[:, None]  # (BD, BN)
+                k_mask = d_mask[:, None] & k_n_mask[None, :]
+            v_ptrs = v_cache_ptr + v_row[:, None] + offs_d[None, :]  # (BN, BD)
+            v_mask = v_n_mask[:, None] & d_mask[None, :]
+        if CLAMP_TOKENS and HEAD_DIM == BLOCK_D:  # K: no predicate at all
+            k = tl.load(k_ptrs)
         else:
-            k_ptrs = k_cache_ptr + k_row[None, :] + offs_d[:, None]  # (BD, BN)
-            k_mask = d_mask[:, None] & k_n_mask[None, :]
-        v_ptrs = v_cache_ptr + v_row[:, None] + offs_d[None, :]  # (BN, BD)
-        v_mask = v_n_mask[:, None] & d_mask[None, :]
-    if CLAMP_TOKENS and HEAD_DIM == BLOCK_D:  # K: no predicate at all
-        k = tl.load(k_ptrs)
-    else:
-        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
-    if CLAMP_TOKENS and HEAD_DIM == BLOCK_D and not ALIGNED:  # V: every row a real token's
-        v = tl.load(v_ptrs)
-    else:
-        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+            k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+        if CLAMP_TOKENS and HEAD_DIM == BLOCK_D and not ALIGNED:  # V: every row a real token's
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=v_mask, other=0.0)
     return k, v
 
 
@@ -130,6 +148,105 @@ def _fp8_to_f16(x, E5M2: tl.constexpr):
     return y
 
 
+@triton.jit
+def _load_fp8_words(k_words_ptr, v_words_ptr, bt_row, n0, end, kvh,
+                    stride_kc_b, stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s, stride_vc_h,
+                    HEAD_WORDS: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
+                    ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CLAMP_TOKENS: tl.constexpr,
+                    ALIGNED: tl.constexpr):
+    """The "fma_fp8" variant's raw K and V tiles: int32 words of four FP8 values, shaped
+    (1, T, ROWS, BW) with T = BLOCK_N // ROWS, token n0 + t * ROWS + r at [0, t, r] (strides in
+    words). Tokens at or past `end` (>= 1) are zeros, or with CLAMP_TOKENS unpredicated
+    re-reads of token end - 1 (with ALIGNED: K of the last block's slots, V still zeros); the
+    caller masks their scores. ALIGNED: n0 is a multiple of BLOCK_N, so each lane's block
+    offset and slot stay the same every tile."""
+    offs_t = tl.arange(0, BLOCK_N // ROWS)  # (T,)
+    offs_r = tl.arange(0, ROWS)  # (R,)
+    offs_w = tl.arange(0, BLOCK_W)  # (BW,)
+    lane_tok = offs_t[:, None] * ROWS + offs_r[None, :]  # (T, R) the same every tile
+    tok = n0 + lane_tok  # (T, R)
+    n_mask = tok < end  # (T, R)
+    w_mask = (offs_w < HEAD_WORDS)[None, None, None, :]  # (1, 1, 1, BW)
+    v_mask = n_mask[None, :, :, None] & w_mask  # (1, T, R, BW)
+    if ALIGNED:
+        if BLOCK_N >= BLOCK_SIZE:
+            idx = n0 // BLOCK_SIZE + lane_tok // BLOCK_SIZE  # (T, R)
+            off = lane_tok % BLOCK_SIZE  # (T, R) the same every tile
+        else:
+            idx = n0 // BLOCK_SIZE + lane_tok * 0  # (T, R)
+            off = n0 % BLOCK_SIZE + lane_tok  # (T, R)
+        if CLAMP_TOKENS:
+            idx = tl.minimum(idx, (end - 1) // BLOCK_SIZE)
+            blk = tl.load(bt_row + idx).to(tl.int64)  # (T, R)
+            k_mask = w_mask
+        else:
+            blk = tl.load(bt_row + idx, mask=n_mask, other=0).to(tl.int64)  # (T, R)
+            k_mask = v_mask
+    else:
+        if CLAMP_TOKENS:
+            tok = tl.minimum(tok, end - 1)
+            blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)  # (T, R)
+            k_mask = w_mask
+            v_mask = w_mask
+        else:
+            blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+            k_mask = v_mask
+        off = tok % BLOCK_SIZE  # (T, R)
+    k_row = blk * stride_kc_b + (off * stride_kc_s + kvh * stride_kc_h)  # (T, R)
+    v_row = blk * stride_vc_b + (off * stride_vc_s + kvh * stride_vc_h)  # (T, R)
+    k_ptrs = k_words_ptr + k_row[None, :, :, None] + offs_w[None, None, None, :]  # (1, T, R, BW)
+    v_ptrs = v_words_ptr + v_row[None, :, :, None] + offs_w[None, None, None, :]  # (1, T, R, BW)
+    if CLAMP_TOKENS and HEAD_WORDS == BLOCK_W:  # K: every row a real one, every word real
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=k_mask, other=0)
+    if CLAMP_TOKENS and HEAD_WORDS == BLOCK_W and not ALIGNED:  # V: every row a real token's
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=v_mask, other=0)
+    return k, v
+
+
+@triton.jit
+def _fp8_words_to_f32(w, E5M2: tl.constexpr, ASM_CVT: tl.constexpr):
+    """The four fp32 values (bytes 0..3: d = 4i .. 4i + 3) of int32 words of FP8 values. With
+    ASM_CVT (CUDA sm_89+): two packed FP8 -> fp16 conversions and four exact fp16 -> fp32 moves
+    per word; else byte shifts and Triton's own conversion (the interpreter, older GPUs)."""
+    if ASM_CVT:
+        if E5M2:
+            x0, x1, x2, x3 = tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi, a0, a1, b0, b1; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
+                "cvt.rn.f16x2.e5m2x2 a, lo; cvt.rn.f16x2.e5m2x2 b, hi; "
+                "mov.b32 {a0, a1}, a; mov.b32 {b0, b1}, b; cvt.f32.f16 $0, a0; "
+                "cvt.f32.f16 $1, a1; cvt.f32.f16 $2, b0; cvt.f32.f16 $3, b1; }",
+                "=r,=r,=r,=r,r", [w], dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+                is_pure=True, pack=1)
+        else:
+            x0, x1, x2, x3 = tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi, a0, a1, b0, b1; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
+                "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
+                "mov.b32 {a0, a1}, a; mov.b32 {b0, b1}, b; cvt.f32.f16 $0, a0; "
+                "cvt.f32.f16 $1, a1; cvt.f32.f16 $2, b0; cvt.f32.f16 $3, b1; }",
+                "=r,=r,=r,=r,r", [w], dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+                is_pure=True, pack=1)
+    else:
+        x0 = _fp8_byte_to_f32(w & 0xFF, E5M2)
+        x1 = _fp8_byte_to_f32((w >> 8) & 0xFF, E5M2)
+        x2 = _fp8_byte_to_f32((w >> 16) & 0xFF, E5M2)
+        x3 = _fp8_byte_to_f32((w >> 24) & 0xFF, E5M2)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _fp8_byte_to_f32(b, E5M2: tl.constexpr):
+    """The fp32 value of FP8 bits held in the low byte of an int32."""
+    if E5M2:
+        x = b.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
+    else:
+        x = b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return x
+
+
 # NOTE: ints that change with the batch are not specialised on (==1, %16): each new value would
 # compile a variant on the request path. The merge's BLOCK_S variants are compiled by precompile().
 @triton.jit(do_not_specialize=["split_len", "window", "stride_bt", "stride_mo_b", "stride_mo_h",
@@ -148,7 +265,7 @@ def _decode_split_kernel(
     DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr, HAS_WINDOW: tl.constexpr,
     CLAMP_Q: tl.constexpr, VARIANT: tl.constexpr, PREFETCH: tl.constexpr, KV_FP8: tl.constexpr,
     CLAMP_TOKENS: tl.constexpr, ALIGNED: tl.constexpr, ASM_CVT: tl.constexpr,
-    KV_E5M2: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    KV_E5M2: tl.constexpr, HEADS_FIRST: tl.constexpr, ROWS: tl.constexpr,
 ):
     if HEADS_FIRST:  # grid (Hkv, B, S): the kv heads of one sequence run side by side
         kvh = tl.program_id(0)
@@ -175,11 +292,21 @@ def _decode_split_kernel(
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     b64 = b.to(tl.int64)
-    q = tl.load(q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # (BG, BD)
+    if VARIANT == 3:  # q as four (BG, 1, 1, BW) slices: d = 4 * word + j for j = 0 .. 3
+        offs_w = tl.arange(0, BLOCK_D // 4)  # (BW,)
+        q_w = (q_ptr + b64 * stride_qb + heads[:, None, None, None] * stride_qh
+               + 4 * offs_w[None, None, None, :])  # (BG, 1, 1, BW)
+        q_w_mask = g_mask[:, None, None, None] & (4 * offs_w < HEAD_DIM)[None, None, None, :]
+        q0 = tl.load(q_w, mask=q_w_mask, other=0.0).to(tl.float32) * scale_log2
+        q1 = tl.load(q_w + 1, mask=q_w_mask, other=0.0).to(tl.float32) * scale_log2
+        q2 = tl.load(q_w + 2, mask=q_w_mask, other=0.0).to(tl.float32) * scale_log2
+        q3 = tl.load(q_w + 3, mask=q_w_mask, other=0.0).to(tl.float32) * scale_log2
+    else:
+        q = tl.load(q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)  # (BG, BD)
     if VARIANT == 2:
         q3 = (q * scale_log2)[:, None, :]  # (BG, 1, BD) fp32 throughout: the scale folds in once
-    else:
+    elif VARIANT != 3:
         if CLAMP_Q:  # a bf16 query cast to fp16 for an FP8 cache (kv_dot_dtype)
             q = tl.minimum(tl.maximum(q, -65504.0), 65504.0)
         q = q.to(DOT_DTYPE)
@@ -189,6 +316,15 @@ def _decode_split_kernel(
         m_i = tl.full([BLOCK_G, BLOCK_N], -1.0e30, tl.float32)  # (BG, BN) log2 units
         l_i = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)  # (BG, BN)
         acc = tl.zeros([BLOCK_G, BLOCK_N, BLOCK_D], tl.float32)  # (BG, BN, BD)
+    elif VARIANT == 3:  # one state per token row r; acc_j holds d = 4 * word + j
+        offs_tr = (tl.arange(0, BLOCK_N // ROWS)[:, None] * ROWS
+                   + tl.arange(0, ROWS)[None, :])[None, :, :, None]  # (1, T, R, 1)
+        m_i = tl.full([BLOCK_G, 1, ROWS, 1], -1.0e30, tl.float32)  # (BG, 1, R, 1) log2 units
+        l_i = tl.zeros([BLOCK_G, 1, ROWS, 1], tl.float32)  # (BG, 1, R, 1)
+        acc0 = tl.zeros([BLOCK_G, 1, ROWS, BLOCK_D // 4], tl.float32)  # (BG, 1, R, BW)
+        acc1 = tl.zeros([BLOCK_G, 1, ROWS, BLOCK_D // 4], tl.float32)
+        acc2 = tl.zeros([BLOCK_G, 1, ROWS, BLOCK_D // 4], tl.float32)
+        acc3 = tl.zeros([BLOCK_G, 1, ROWS, BLOCK_D // 4], tl.float32)
     else:
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # (BG,) running max, log2 units
         l_i = tl.zeros([BLOCK_G], tl.float32)  # (BG,) running sum
@@ -199,7 +335,10 @@ def _decode_split_kernel(
                                      stride_kc_b, stride_kc_s, stride_kc_h,
                                      stride_vc_b, stride_vc_s, stride_vc_h,
                                      HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT,
-                                     CLAMP_TOKENS, ALIGNED)
+                                     CLAMP_TOKENS, ALIGNED, ROWS)
+        if ASM_CVT and VARIANT < 2:  # NOTE: carried as fp16, not as FP8 bytes (see below)
+            k_raw = _fp8_to_f16(k_raw, KV_E5M2)
+            v_raw = _fp8_to_f16(v_raw, KV_E5M2)
     for n0 in range(start, end, BLOCK_N):
         n_mask = n0 + offs_n < end  # (BN,)
         if ALIGNED and HAS_WINDOW:
@@ -211,16 +350,40 @@ def _decode_split_kernel(
                                          kvh, stride_kc_b, stride_kc_s, stride_kc_h,
                                          stride_vc_b, stride_vc_s, stride_vc_h,
                                          HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT,
-                                         CLAMP_TOKENS, ALIGNED)
+                                         CLAMP_TOKENS, ALIGNED, ROWS)
+            if ASM_CVT and VARIANT < 2:
+                # NOTE: FP8 tiles carried across iterations sit one byte per register and cost
+                # byte shuffles; converted right after the load they carry as packed fp16.
+                k_raw = _fp8_to_f16(k_raw, KV_E5M2)
+                v_raw = _fp8_to_f16(v_raw, KV_E5M2)
         else:
             k_cur, v_cur = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kvh,
                                          stride_kc_b, stride_kc_s, stride_kc_h,
                                          stride_vc_b, stride_vc_s, stride_vc_h,
                                          HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT,
-                                         CLAMP_TOKENS, ALIGNED)
+                                         CLAMP_TOKENS, ALIGNED, ROWS)
         # NOTE: the K scale is inside scale_log2 and the V scale is applied by the merge, so an
         # FP8 tile costs one conversion per element here and nothing more.
-        if VARIANT == 2:
+        if VARIANT == 3:
+            k0, k1, k2, k3 = _fp8_words_to_f32(k_cur, KV_E5M2, ASM_CVT)  # (1, T, R, BW) each
+            s = tl.sum(q0 * k0 + q1 * k1 + q2 * k2 + q3 * k3, 3, keep_dims=True)  # (BG, T, R, 1)
+            tok = n0 + offs_tr  # (1, T, R, 1)
+            t_mask = tok < end
+            if ALIGNED and HAS_WINDOW:
+                t_mask = t_mask & (tok >= lo)
+            s = tl.where(t_mask, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1, keep_dims=True))  # (BG, 1, R, 1)
+            alpha = tl.exp2(m_i - m_new)  # (BG, 1, R, 1)
+            p = tl.exp2(s - m_new)  # (BG, T, R, 1)
+            l_i = l_i * alpha + tl.sum(p, 1, keep_dims=True)
+            v0, v1, v2, v3 = _fp8_words_to_f32(v_cur, KV_E5M2, ASM_CVT)  # (1, T, R, BW) each
+            # NOTE: the T tokens of a row sit in one thread: these sums are in-register adds.
+            acc0 = acc0 * alpha + tl.sum(p * v0, 1, keep_dims=True)  # (BG, 1, R, BW)
+            acc1 = acc1 * alpha + tl.sum(p * v1, 1, keep_dims=True)
+            acc2 = acc2 * alpha + tl.sum(p * v2, 1, keep_dims=True)
+            acc3 = acc3 * alpha + tl.sum(p * v3, 1, keep_dims=True)
+            m_i = m_new
+        elif VARIANT == 2:
             if KV_FP8:  # FP8 -> fp16 is one packed conversion per two elements, then exact fp32
                 k_cur = k_cur.to(tl.float16)
                 v_cur = v_cur.to(tl.float16)
@@ -235,7 +398,7 @@ def _decode_split_kernel(
             acc = acc * alpha[:, :, None] + p[:, :, None] * v  # (BG, BN, BD)
             m_i = m_new
         else:
-            if ASM_CVT:
+            if ASM_CVT and not PREFETCH:  # (prefetched tiles were converted on load)
                 k_cur = _fp8_to_f16(k_cur, KV_E5M2)
                 v_cur = _fp8_to_f16(v_cur, KV_E5M2)
             if VARIANT == 1:
@@ -252,22 +415,44 @@ def _decode_split_kernel(
                                                 input_precision=DOT_PREC)  # (BG, BD)
             m_i = m_new
 
-    if VARIANT == 2:  # fold the token rows: one max, one weighted sum
-        m_row = tl.max(m_i, 1)  # (BG,)
-        w = tl.exp2(m_i - m_row[:, None])  # (BG, BN)
-        l_i = tl.sum(l_i * w, 1)  # (BG,)
-        acc = tl.sum(acc * w[:, :, None], 1)  # (BG, BD)
-        m_i = m_row
-    if HAS_WINDOW:
-        # NOTE: a split wholly before the window saw no key: zero output and weight in the merge.
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (BG, BD)
-        lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))  # (BG,)
+    if VARIANT == 3:  # fold the rows, then store d = 4 * word + j from acc_j
+        m_row = tl.max(m_i, 2, keep_dims=True)  # (BG, 1, 1, 1)
+        w = tl.exp2(m_i - m_row)  # (BG, 1, R, 1)
+        l_row = tl.sum(l_i * w, 2, keep_dims=True)  # (BG, 1, 1, 1)
+        if HAS_WINDOW:  # a split wholly before the window: zero output and weight
+            inv = 1.0 / tl.where(l_row > 0, l_row, 1.0)
+            lse = tl.where(l_row > 0, m_row + tl.log2(l_row), float("-inf"))  # (BG, 1, 1, 1)
+        else:
+            inv = 1.0 / l_row
+            lse = m_row + tl.log2(l_row)  # (BG, 1, 1, 1)
+        g4 = heads[:, None, None, None]  # (BG, 1, 1, 1)
+        mo = (mid_o_ptr + b64 * stride_mo_b + g4 * stride_mo_h + split * stride_mo_s
+              + 4 * offs_w[None, None, None, :])  # (BG, 1, 1, BW)
+        o_mask = g_mask[:, None, None, None] & (4 * offs_w < HEAD_DIM)[None, None, None, :]
+        tl.store(mo, tl.sum(acc0 * w, 2, keep_dims=True) * inv, mask=o_mask)
+        tl.store(mo + 1, tl.sum(acc1 * w, 2, keep_dims=True) * inv, mask=o_mask)
+        tl.store(mo + 2, tl.sum(acc2 * w, 2, keep_dims=True) * inv, mask=o_mask)
+        tl.store(mo + 3, tl.sum(acc3 * w, 2, keep_dims=True) * inv, mask=o_mask)
+        tl.store(mid_lse_ptr + b64 * stride_ml_b + g4 * stride_ml_h + split, lse,
+                 mask=g_mask[:, None, None, None])
     else:
-        out = acc / l_i[:, None]  # (BG, BD)
-        lse = m_i + tl.log2(l_i)  # (BG,)
-    mo = mid_o_ptr + b64 * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s
-    tl.store(mo + offs_d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
-    tl.store(mid_lse_ptr + b64 * stride_ml_b + heads * stride_ml_h + split, lse, mask=g_mask)
+        if VARIANT == 2:  # fold the token rows: one max, one weighted sum
+            m_row = tl.max(m_i, 1)  # (BG,)
+            w = tl.exp2(m_i - m_row[:, None])  # (BG, BN)
+            l_i = tl.sum(l_i * w, 1)  # (BG,)
+            acc = tl.sum(acc * w[:, :, None], 1)  # (BG, BD)
+            m_i = m_row
+        if HAS_WINDOW:
+            # NOTE: a split wholly before the window saw no key: zero output and weight in the
+            # merge.
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (BG, BD)
+            lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))  # (BG,)
+        else:
+            out = acc / l_i[:, None]  # (BG, BD)
+            lse = m_i + tl.log2(l_i)  # (BG,)
+        mo = mid_o_ptr + b64 * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s
+        tl.store(mo + offs_d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(mid_lse_ptr + b64 * stride_ml_b + heads * stride_ml_h + split, lse, mask=g_mask)
 
 
 @triton.jit(do_not_specialize=["split_len", "stride_mo_b", "stride_mo_h", "stride_ml_b",
@@ -360,18 +545,32 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                           device=q.device)  # (B, Hq, S)
     block_d = max(16, next_pow2(head_dim))
     variant = variant or cfg.variant
+    num_warps = num_warps or cfg.num_warps
     dot_type, clamp_q = kv_dot_dtype(q, k_cache)
     kv_fp8 = k_cache.dtype in FP8_DTYPES
-    # NOTE: tl.dot needs 16 rows; the CUDA-core variant computes only the real q heads.
-    block_g = next_pow2(group) if variant == "fma" else max(16, next_pow2(group))
+    # NOTE: tl.dot needs 16 rows; the CUDA-core variants compute only the real q heads.
+    block_g = next_pow2(group) if variant in ("fma", "fma_fp8") else max(16, next_pow2(group))
+    k_arg, v_arg, rows = k_cache, v_cache, 1
+    if variant == "fma_fp8":
+        if not kv_fp8 or head_dim % 4:
+            raise ValueError(f"paged_decode_attention: variant 'fma_fp8' reads FP8 caches with a "
+                             f"head dim divisible by 4, got {k_cache.dtype} and {head_dim}")
+        try:  # the caches as int32 words of four FP8 values (strides in words)
+            k_arg, v_arg = k_cache.view(torch.int32), v_cache.view(torch.int32)
+        except RuntimeError as e:
+            raise ValueError(f"paged_decode_attention: variant 'fma_fp8' reads the caches as "
+                             f"32-bit words, which their layout does not allow: {e}") from e
+        # NOTE: the word tile's load layout: 16-byte vectors, block_d / 16 lanes along d, the
+        # other lanes and the warps along token rows; more rows than tile tokens only repeat.
+        rows = min(block_n, 32 // min(32, block_d // 16) * num_warps)
     heads_first = cfg.heads_first if heads_first is None else heads_first
     grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
     _decode_split_kernel[grid](
-        q, k_cache, v_cache, block_table, seq_lens, mid_o, mid_lse,
+        q, k_arg, v_arg, block_table, seq_lens, mid_o, mid_lse,
         scale * k_scale * math.log2(math.e), split_len, window or 0,
         q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_arg.stride(0), k_arg.stride(1), k_arg.stride(2),
+        v_arg.stride(0), v_arg.stride(1), v_arg.stride(2),
         block_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
@@ -386,8 +585,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         ASM_CVT=(cfg.asm_cvt if asm_cvt is None else asm_cvt) and kv_fp8 and variant != "fma"
         and has_fp8_convert(q.device),
         KV_E5M2=k_cache.dtype == torch.float8_e5m2,
-        HEADS_FIRST=heads_first,
-        num_warps=num_warps or cfg.num_warps,
+        HEADS_FIRST=heads_first, ROWS=rows,
+        num_warps=num_warps,
         num_stages=num_stages or cfg.num_stages,
     )
     _decode_merge_kernel[(batch, num_q_heads)](

@@ -46,7 +46,12 @@ _CONFIGS = {
     # bf16 cache: W1 961 us (was 963, both at the HBM wall), Llama-3-8B 499 us (was 538)
     "cuda-16bit-cache": DecodeConfig("dot", 64, 4, 2, False, PROGRAMS_PER_SM, True, True,
                                      False),
-    # FP8 cache, up to 2 q heads per kv head: W1 795 us (was 878)
+    # FP8 cache, up to 2 q heads per kv head: W1 (1,000 x ~1,000) 795 us (878 with the
+    # tensor-core dot). At W1's real batches (H200): 180 x ~960 tokens 158.8 us, 75 x ~1,200
+    # 101.5 us. Fewer instructions did not make it faster: the dot with a prefetched tile
+    # converted on load (3.6 SASS instructions per K/V element against 7.2, 8 KB in flight per
+    # program) took 177.2 / 104.8 / 901.3 us; the best at 180 x ~960 was this variant again
+    # (157.7 us with the heads-first grid), not "fma_fp8" (5.8 instructions per element).
     "cuda-fp8-cache-small-group": DecodeConfig("fma", 16, 2, 3, False, PROGRAMS_PER_SM, False,
                                                False, False),
     # FP8 cache, larger groups: Llama-3-8B 367 us (was 486)
@@ -63,7 +68,7 @@ def pick_config(q_dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
     if q_dtype == torch.float32:
         return _CONFIGS["cuda-fp32"]
     if cache_dtype in FP8_DTYPES:
-        # NOTE: the CUDA-core variant does group multiply-adds per K and V element; past 2 heads
+        # NOTE: the CUDA-core variants do group multiply-adds per K and V element; past 2 heads
         # per kv head the padded tensor-core dot is cheaper.
         return _CONFIGS["cuda-fp8-cache-small-group" if group <= 2 else "cuda-fp8-cache"]
     return _CONFIGS["cuda-16bit-cache"]

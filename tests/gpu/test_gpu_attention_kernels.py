@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from gpu_cases import ATTN_TOL, DEV, DTYPE_IDS, attn_error, decode_lens, paged_inputs
-from peregrine.kernels.decode_attention import VARIANTS, paged_decode_attention
+from peregrine.kernels.decode_attention import (FP8_ONLY_VARIANTS, VARIANTS,
+                                                paged_decode_attention)
 from peregrine.kernels.extend_attention import extend_attention
 
 pytestmark = pytest.mark.gpu
@@ -279,8 +280,14 @@ def test_decode_variant_matches_reference(variant: str, prefetch: bool, clamp: b
                                           aligned: bool, asm: bool,
                                           cache_dtype: torch.dtype) -> None:
     """Every variant at Qwen3-0.6B's heads and at Llama-3-8B's with a sliding window, bf16
-    queries, several tiles and splits; FP8 against the dequantized cache."""
+    queries, several tiles and splits; FP8 against the dequantized cache (variants that read
+    FP8 caches only must refuse a bf16 one)."""
     batch, ctx = 12, 3000
+    if variant in FP8_ONLY_VARIANTS and cache_dtype == torch.bfloat16:
+        q, kc, vc, bt, sl, _ = paged_inputs([100], [1], 16, 8, 128, torch.bfloat16)
+        with pytest.raises(ValueError, match=variant):
+            paged_decode_attention(q, kc, vc, bt, sl, 1.0, variant=variant)
+        return
     for (hq, hkv), window in zip(FP8_HEADS, (None, 700)):
         q, kc, vc, bt, sl, _ = paged_inputs(decode_lens(batch, ctx), [1] * batch, hq, hkv, 128,
                                             torch.bfloat16)

@@ -7,8 +7,8 @@ import torch
 
 from kernel_cases import (FP8_DTYPES, FP8_IDS, K_SCALE, TOLERANCES, V_SCALE, exact_reference,
                           fp8_case, fp8_error_bounds, make_paged_case)
-from peregrine.kernels.decode_attention import (VARIANTS, decode_split_len, paged_decode_attention,
-                                                pick_config)
+from peregrine.kernels.decode_attention import (FP8_ONLY_VARIANTS, VARIANTS, decode_split_len,
+                                                paged_decode_attention, pick_config)
 
 SCALE = 0.125
 
@@ -165,7 +165,8 @@ def test_decode_fp8_scales_fold_into_scores_and_output() -> None:
 # (variant, prefetch, clamp_tokens, aligned)
 OPTION_SETS = ((False, False, False), (False, True, True), (True, True, True),
                (True, False, True))
-VARIANT_CASES = [(v, *opts) for v in VARIANTS for opts in OPTION_SETS]
+ANY_CACHE_VARIANTS = [v for v in VARIANTS if v not in FP8_ONLY_VARIANTS]
+VARIANT_CASES = [(v, *opts) for v in ANY_CACHE_VARIANTS for opts in OPTION_SETS]
 VARIANT_IDS = [f"{v}{'-prefetch' if pf else ''}{'-clamp' if ct else ''}{'-aligned' if al else ''}"
                for v, pf, ct, al in VARIANT_CASES]
 
@@ -212,7 +213,7 @@ def test_every_variant_is_exact_in_fp32_with_empty_and_windowed_splits(
                                atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ANY_CACHE_VARIANTS)
 def test_aligned_tiles_smaller_than_a_block(variant: str) -> None:
     """Aligned tiles of 16 tokens in blocks of 32 (the tile's slot offset moves every tile),
     clamped at the last block, with a window starting mid-tile."""
@@ -237,7 +238,7 @@ def test_every_variant_reads_an_fp8_cache_with_scales(variant: str) -> None:
                                **TOLERANCES[torch.bfloat16])
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ANY_CACHE_VARIANTS)
 def test_heads_first_grid_matches_reference(variant: str) -> None:
     """The (Hkv, B, S) grid: every program still finds its own sequence and kv head (uneven
     lengths, a padding sequence, several splits, GQA 3:1)."""
@@ -249,6 +250,53 @@ def test_heads_first_grid_matches_reference(variant: str) -> None:
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     torch.testing.assert_close(out[[0, 2, 3]], exact_reference(case, SCALE)[[0, 2, 3]],
                                atol=1e-5, rtol=1e-5)
+
+
+FP8_WORD_CASES = [  # (prefetch, clamp_tokens, aligned, heads_first, block_n, head_dim)
+    (False, False, False, False, 16, 32), (True, True, False, False, 32, 32),
+    (True, False, True, True, 16, 40), (False, True, True, False, 32, 64),
+    (True, True, True, False, 16, 32)]
+
+
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=FP8_IDS)
+@pytest.mark.parametrize("prefetch,clamp,aligned,heads_first,block_n,head_dim", FP8_WORD_CASES)
+def test_fma_fp8_is_exact_on_the_dequantized_cache(cache_dtype: torch.dtype, prefetch: bool,
+                                                   clamp: bool, aligned: bool, heads_first: bool,
+                                                   block_n: int, head_dim: int) -> None:
+    """fp32 queries over FP8 words: a padding sequence gives zeros, windows start mid-tile and
+    skip whole splits, a group of 3 pads to 4 rows, tiles end mid-block and mid-split, a head
+    dim of 40 keeps the word mask (10 of 16 words); exact against the dequantized cache."""
+    case = make_paged_case([20, 1, 100, 57], [1, 1, 1, 1], 6, 2, head_dim=head_dim, seed=3)
+    seq_lens = case.seq_lens.clone()
+    seq_lens[1] = 0
+    quant, deq = fp8_case(case._replace(seq_lens=seq_lens), cache_dtype)
+    for window in (None, 30):
+        out = _run(quant, split_len=32, window=window, variant="fma_fp8", prefetch=prefetch,
+                   clamp_tokens=clamp, aligned=aligned, heads_first=heads_first, block_n=block_n,
+                   asm_cvt=True, k_scale=K_SCALE, v_scale=V_SCALE)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        torch.testing.assert_close(out[[0, 2, 3]], exact_reference(deq, SCALE, window)[[0, 2, 3]],
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_fma_fp8_rows_wider_than_the_tile_still_cover_every_token() -> None:
+    """Few tokens per tile against many warps: the word tile's rows are capped at the tile."""
+    case = make_paged_case([45, 9], [1, 1], 2, 1, head_dim=16)
+    quant, deq = fp8_case(case, torch.float8_e4m3fn)
+    out = _run(quant, split_len=16, block_n=16, num_warps=8, variant="fma_fp8",
+               k_scale=K_SCALE, v_scale=V_SCALE)
+    torch.testing.assert_close(out, exact_reference(deq, SCALE), atol=1e-5, rtol=1e-5)
+
+
+def test_fma_fp8_refuses_what_it_cannot_read() -> None:
+    """A 16-bit cache, or a head dim that does not fill whole 32-bit words."""
+    case = make_paged_case([9], [1], 2, 1, head_dim=32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="fma_fp8.*bfloat16"):
+        _run(case, variant="fma_fp8")
+    odd = make_paged_case([9], [1], 2, 1, head_dim=6)
+    quant, _ = fp8_case(odd, torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="head dim divisible by 4.*6"):
+        _run(quant, variant="fma_fp8")
 
 
 def test_decode_rejects_unknown_variant_and_bad_block_n() -> None:
