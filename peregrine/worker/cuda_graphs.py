@@ -221,10 +221,10 @@ class PiecewiseGraphs:
         if i == len(self.layers):
             self.hidden[:n].copy_(self.model.norm(x, residual)[0])
             return
-        q, k, v, residual = self.layers[i].pre_attention(buf.d_positions[:n], x, residual)
         # NOTE: K/V go to the cache inside the graph (padding slots are -1): the eager part
         # between pieces is the attention kernels alone.
-        self.layers[i].self_attn.attn.store(k, v, self.kv_caches[i], buf.d_slot_mapping[:n])
+        q, residual = self.layers[i].pre_attention(buf.d_positions[:n], x, residual,
+                                                   self.kv_caches[i], buf.d_slot_mapping[:n])
         self.q[:n].copy_(q)
         self.residual[:n].copy_(residual)
 

@@ -34,8 +34,8 @@ def test_registered_models_meet_the_protocol(arch: str) -> None:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_forward_equals_the_pieces_graphs_run(arch: str) -> None:
-    """embed → (pre_attention, store, attention over the cache, post_attention) per layer → norm,
-    as the piecewise graphs call them, gives forward's hidden states exactly."""
+    """embed → (pre_attention, which stores K/V, attention over the cache, post_attention) per
+    layer → norm, as the piecewise graphs call them, gives forward's hidden states exactly."""
     cfg, model = _model(arch)
     ids, pos = torch.tensor(TOKENS), torch.arange(len(TOKENS))
     with torch.inference_mode():
@@ -44,12 +44,38 @@ def test_forward_equals_the_pieces_graphs_run(arch: str) -> None:
         caches, meta = one_prefill(cfg, len(TOKENS))
         x, residual = model.embed_tokens(ids), None
         for layer, cache in zip(model.layers, caches):
-            q, k, v, residual = layer.pre_attention(pos, x, residual)
-            layer.self_attn.attn.store(k, v, cache, meta.slot_mapping)
+            q, residual = layer.pre_attention(pos, x, residual, cache, meta.slot_mapping)
             x, residual = layer.post_attention(layer.self_attn.attn(q, None, None, cache, meta),
                                                residual)
         got = model.norm(x, residual)[0]
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_kernel_layers_match_the_torch_layers(arch: str) -> None:
+    """The fused kernels (q/k norm + RoPE + K/V store in one launch, RMSNorm, SiLU-and-mul) give
+    the torch path's hidden states and K/V cache, through forward and through the pieces."""
+    cfg, torch_model = _model(arch)
+    _, fused_model = _model(arch, kernels=KernelConfig(fused=True))
+    ids, pos = torch.tensor(TOKENS), torch.arange(len(TOKENS))
+    with torch.inference_mode():
+        want_caches, meta = one_prefill(cfg, len(TOKENS))
+        want = torch_model(ids, pos, want_caches, meta)
+        caches, _ = one_prefill(cfg, len(TOKENS))
+        got = fused_model(ids, pos, caches, meta)
+        piece_caches, _ = one_prefill(cfg, len(TOKENS))
+        x, residual = fused_model.embed_tokens(ids), None
+        for layer, cache in zip(fused_model.layers, piece_caches):
+            q, residual = layer.pre_attention(pos, x, residual, cache, meta.slot_mapping)
+            x, residual = layer.post_attention(layer.self_attn.attn(q, None, None, cache, meta),
+                                               residual)
+        pieces = fused_model.norm(x, residual)[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(pieces, got)
+    for (k, v), (k_want, v_want) in zip(caches, want_caches):
+        torch.testing.assert_close(k, k_want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v, v_want, atol=1e-4, rtol=1e-4)
+        assert k.abs().sum() > 0
 
 
 def test_built_in_its_dtype_without_a_process_wide_default() -> None:
