@@ -32,9 +32,9 @@ def _norm_rope(x1, x2, w_ptr, cos, sin, eps, offs_r, r_mask, out_ty,
 
 @triton.jit
 def _norm_rope_store_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr,
+    q_ptr, q_out_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr,
     k_cache_ptr, v_cache_ptr, slot_ptr, eps, inv_k_scale, inv_v_scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+    stride_qt, stride_qh, stride_qot, stride_qoh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_kc_b, stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s, stride_vc_h,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_GROUPS: tl.constexpr,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -60,8 +60,9 @@ def _norm_rope_store_kernel(
         x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)  # (BH, BR)
         o1, o2 = _norm_rope(x1, x2, qw_ptr, cos, sin, eps, offs_r, r_mask,
                             q_ptr.dtype.element_ty, HALF, HAS_NORM)
-        tl.store(p1, o1.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(p1 + HALF, o2.to(q_ptr.dtype.element_ty), mask=mask)
+        po = q_out_ptr + t * stride_qot + heads[:, None] * stride_qoh + offs_r[None, :]
+        tl.store(po, o1.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(po + HALF, o2.to(q_ptr.dtype.element_ty), mask=mask)
     else:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         heads = (g - Q_GROUPS) * BLOCK_H + offs_h  # (BH,)
@@ -106,11 +107,11 @@ def norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
                     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
                     q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                    eps: float = 1e-6) -> torch.Tensor:
-    """RoPE q (T, Hq, D) in place and write RoPE'd k / k_scale and v / v_scale (T, Hkv, D) into
-    k_cache / v_cache (num_blocks, block_size, Hkv, D) at slot_mapping (T,) (slots < 0 are
-    skipped); with q_weight and k_weight (D,), q and k are RMS-normalised per head first. k and
-    v themselves are left as they are. Returns q."""
+                    eps: float = 1e-6, q_out: torch.Tensor | None = None) -> torch.Tensor:
+    """RoPE q (T, Hq, D) in place (into q_out when given) and write RoPE'd k / k_scale and
+    v / v_scale (T, Hkv, D) into k_cache / v_cache (num_blocks, block_size, Hkv, D) at
+    slot_mapping (T,) (slots < 0 are skipped); with q_weight and k_weight (D,), q and k are
+    RMS-normalised per head first. k and v themselves are left as they are. Returns the new q."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape:
@@ -128,6 +129,11 @@ def norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"norm_rope_store: k_cache {k_cache.dtype} and v_cache {v_cache.dtype} "
                          "differ")
+    if q_out is None:
+        q_out = q
+    elif q_out.shape != q.shape or q_out.dtype != q.dtype:
+        raise ValueError(f"norm_rope_store: q_out {tuple(q_out.shape)} {q_out.dtype} does not "
+                         f"match q {tuple(q.shape)} {q.dtype}")
     if (q_weight is None) != (k_weight is None):
         raise ValueError("norm_rope_store: give both q_weight and k_weight, or neither")
     if q_weight is not None and (q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,)):
@@ -137,12 +143,13 @@ def norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         raise ValueError(f"norm_rope_store: k_scale and v_scale must be > 0, got {k_scale}, "
                          f"{v_scale}")
     check_block_size(k_cache.shape[1])
-    for name, x in (("q", q), ("k", k), ("v", v), ("cos_sin_cache", cos_sin_cache),
+    for name, x in (("q", q), ("q_out", q_out), ("k", k), ("v", v),
+                    ("cos_sin_cache", cos_sin_cache),
                     ("k_cache", k_cache), ("v_cache", v_cache)):
         if x.stride(-1) != 1:
             raise ValueError(f"norm_rope_store: {name} must be contiguous in its last dim")
     if num_tokens == 0:
-        return q
+        return q_out
     consts = _fp8_constants(k_cache.dtype)
     # NOTE: as in store_kv: the interpreter's fp32 -> fp8 rounding is wrong, so on the CPU the
     # kernel writes the FP8 bits it builds itself through a uint8 view.
@@ -154,11 +161,11 @@ def norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     q_groups = triton.cdiv(num_q_heads, block_h)
     has_norm = q_weight is not None
     _norm_rope_store_kernel[(num_tokens, q_groups + triton.cdiv(num_kv_heads, block_h))](
-        q, k, v, positions, cos_sin_cache, q_weight if has_norm else q,
+        q, q_out, k, v, positions, cos_sin_cache, q_weight if has_norm else q,
         k_weight if has_norm else q, k_cache, v_cache, slot_mapping, eps,
         1.0 / k_scale, 1.0 / v_scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos_sin_cache.stride(0),
+        q.stride(0), q.stride(1), q_out.stride(0), q_out.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_GROUPS=q_groups,
@@ -166,4 +173,4 @@ def norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         HAS_NORM=has_norm, SOFT_FP8=soft, num_warps=2 if block_h * head_dim <= 512 else 4,
         **consts,
     )
-    return q
+    return q_out

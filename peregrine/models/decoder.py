@@ -86,13 +86,15 @@ class DecoderAttention(nn.Module):
         return q, k, v.reshape(t, self.num_kv_heads, self.head_dim)
 
     def project_and_store(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
-                          slot_mapping: torch.Tensor) -> torch.Tensor:
-        """q (T, Hq, D) of x (T, hidden) with q/k norm and RoPE applied; this step's K/V
-        written into kv_cache at slot_mapping (T,) (-1 writes nothing)."""
+                          slot_mapping: torch.Tensor, q_out: torch.Tensor | None = None
+                          ) -> torch.Tensor:
+        """q (T, Hq, D) of x (T, hidden) with q/k norm and RoPE applied (written into q_out
+        when given); this step's K/V written into kv_cache at slot_mapping (T,) (-1 writes
+        nothing)."""
         if not self.use_fused:
             q, k, v = self.project(positions, x)
             self.attn.store(k, v, kv_cache, slot_mapping)
-            return q
+            return q if q_out is None else q_out.copy_(q)
         from peregrine.kernels.rope_store import norm_rope_store
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, q_size + 2 kv_size)
@@ -105,7 +107,7 @@ class DecoderAttention(nn.Module):
         k_scale, v_scale = self.attn.cache_scales(kv_cache[0])
         return norm_rope_store(q, k, v, positions, self.rotary_emb.cos_sin_cache, kv_cache[0],
                                kv_cache[1], slot_mapping, k_scale, v_scale, q_weight, k_weight,
-                               eps)
+                               eps, q_out)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -158,14 +160,19 @@ class DecoderLayer(nn.Module):
     # NOTE: the halves around attention are what piecewise CUDA graphs capture (cuda_graphs.py).
     def pre_attention(self, positions: torch.Tensor, x: torch.Tensor,
                       residual: torch.Tensor | None, kv_cache: KVCache,
-                      slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Input norm (residual add included), q/k/v with this step's K/V stored: (q, residual)."""
+                      slot_mapping: torch.Tensor,
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input norm (residual add included), q/k/v with this step's K/V stored: (q, residual),
+        written into out = (q (T, Hq, D), residual (T, hidden)) buffers when given."""
+        q_out, res_out = (None, None) if out is None else out
         if residual is None:
-            residual = x
+            residual = x if res_out is None else res_out.copy_(x)
             x = self.input_layernorm(x)
         else:
-            x, residual = self.input_layernorm(x, residual)
-        return self.self_attn.project_and_store(positions, x, kv_cache, slot_mapping), residual
+            x, residual = self.input_layernorm(x, residual, residual_out=res_out)
+        q = self.self_attn.project_and_store(positions, x, kv_cache, slot_mapping, q_out)
+        return q, residual
 
     def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor):
         """Output projection, residual add and norm, MLP: (x, residual) for the next layer."""

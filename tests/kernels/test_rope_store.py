@@ -61,6 +61,21 @@ def test_norm_rope_store_matches_reference(dtype: torch.dtype, qk_norm: bool,
     assert torch.equal(kc.flatten(0, 1)[untouched], kc_ref.flatten(0, 1)[untouched])
 
 
+def test_norm_rope_store_writes_q_into_q_out_when_given() -> None:
+    _, q, k, v, pos, kc, vc, slots, (qw, kw) = _case(torch.float32, 4, 2, 64)
+    cache = _cos_sin_cache(64, 64)
+    q_before = q.clone()
+    q_ref = norm_rope_store_ref(q, k, v, pos, cache, kc.clone(), vc.clone(), slots,
+                                q_weight=qw, k_weight=kw)
+    q_out = torch.full_like(q_before, float("nan"))
+    got = norm_rope_store(q, k, v, pos, cache, kc, vc, slots, q_weight=qw, k_weight=kw,
+                          q_out=q_out)
+    assert got is q_out and torch.equal(q, q_before)
+    torch.testing.assert_close(q_out, q_ref, **TOL[torch.float32])
+    with pytest.raises(ValueError, match="q_out"):
+        norm_rope_store(q, k, v, pos, cache, kc, vc, slots, q_out=q_out[:, :2])
+
+
 def test_norm_rope_store_skips_padding_slots() -> None:
     _, q, k, v, pos, kc, vc, _, _ = _case(torch.float32, 2, 2, 64)
     slots = torch.full((q.shape[0],), -1, dtype=torch.int64)

@@ -32,22 +32,35 @@ def test_registered_models_meet_the_protocol(arch: str) -> None:
         assert isinstance(layer.self_attn.attn, PagedAttention)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_forward_equals_the_pieces_graphs_run(arch: str) -> None:
+def _run_pieces(model, ids: torch.Tensor, pos: torch.Tensor, caches, meta,
+                buffers: bool) -> torch.Tensor:
     """embed → (pre_attention, which stores K/V, attention over the cache, post_attention) per
-    layer → norm, as the piecewise graphs call them, gives forward's hidden states exactly."""
+    layer → norm, as the piecewise graphs call them (into fixed q / residual buffers or not)."""
+    x, residual = model.embed_tokens(ids), None
+    attn = model.layers[0].self_attn
+    q_buf = torch.full((len(ids), attn.num_heads, attn.head_dim), float("nan"))
+    res_buf = torch.full_like(x, float("nan"))
+    for layer, cache in zip(model.layers, caches):
+        out = (q_buf, res_buf) if buffers else None
+        q, residual = layer.pre_attention(pos, x, residual, cache, meta.slot_mapping, out=out)
+        if buffers:
+            assert q is q_buf and residual is res_buf
+        x, residual = layer.post_attention(layer.self_attn.attn(q, None, None, cache, meta),
+                                           residual)
+    return model.norm(x, residual)[0]
+
+
+@pytest.mark.parametrize("buffers", [False, True], ids=["returned", "into_buffers"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_forward_equals_the_pieces_graphs_run(arch: str, buffers: bool) -> None:
+    """The pieces, run as the piecewise graphs run them, give forward's hidden states exactly."""
     cfg, model = _model(arch)
     ids, pos = torch.tensor(TOKENS), torch.arange(len(TOKENS))
     with torch.inference_mode():
         caches, meta = one_prefill(cfg, len(TOKENS))
         want = model(ids, pos, caches, meta)
         caches, meta = one_prefill(cfg, len(TOKENS))
-        x, residual = model.embed_tokens(ids), None
-        for layer, cache in zip(model.layers, caches):
-            q, residual = layer.pre_attention(pos, x, residual, cache, meta.slot_mapping)
-            x, residual = layer.post_attention(layer.self_attn.attn(q, None, None, cache, meta),
-                                               residual)
-        got = model.norm(x, residual)[0]
+        got = _run_pieces(model, ids, pos, caches, meta, buffers)
     assert torch.equal(got, want)
 
 
@@ -64,12 +77,7 @@ def test_fused_kernel_layers_match_the_torch_layers(arch: str) -> None:
         caches, _ = one_prefill(cfg, len(TOKENS))
         got = fused_model(ids, pos, caches, meta)
         piece_caches, _ = one_prefill(cfg, len(TOKENS))
-        x, residual = fused_model.embed_tokens(ids), None
-        for layer, cache in zip(fused_model.layers, piece_caches):
-            q, residual = layer.pre_attention(pos, x, residual, cache, meta.slot_mapping)
-            x, residual = layer.post_attention(layer.self_attn.attn(q, None, None, cache, meta),
-                                               residual)
-        pieces = fused_model.norm(x, residual)[0]
+        pieces = _run_pieces(fused_model, ids, pos, piece_caches, meta, buffers=True)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert torch.equal(pieces, got)
     for (k, v), (k_want, v_want) in zip(caches, want_caches):
