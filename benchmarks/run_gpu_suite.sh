@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tests (kernels, sampler, engine equality), then W2 latency and W1 throughput, in one go.
 # Usage: bash benchmarks/run_gpu_suite.sh [steps...]
-#   steps: tests (all GPU tests) kernels sampler engine enginefp32 kernelbench samplerbench
-#          w2 w2hf w1 w1prof w1hf serve ttft pacing coldstart asyncprobe poolcost
+#   steps: tests (all GPU tests) kernels sampler engine enginefp32 kernelbench layerbench
+#          samplerbench w2 w2hf w1 w1prof w1hf serve ttft pacing coldstart asyncprobe poolcost
 # Logs, JUnit XML (tests) and JSON results go under $OUT (default /tmp/out).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -15,10 +15,11 @@ gputest() { local name=$1 limit=$2; shift 2; run "$name" "$limit" python -m pyte
 for s in $steps; do
   case $s in
     tests)   gputest gpu_tests 900 tests/gpu ;;
-    kernels) gputest kernels 420 tests/gpu/test_gpu_attention_kernels.py tests/gpu/test_gpu_elementwise_kernels.py ;;
+    kernels) gputest kernels 420 tests/gpu/test_gpu_attention_kernels.py tests/gpu/test_gpu_elementwise_kernels.py tests/gpu/test_gpu_rope_store.py ;;
     sampler) gputest sampler 180 tests/gpu/test_gpu_sampling_kernel.py ;;
     engine)  gputest engine 480 tests/gpu/test_gpu_engine.py ;;
     kernelbench)  run kernelbench 240 python benchmarks/gpu_kernels.py ;;
+    layerbench)   run layerbench 120 python benchmarks/layer_kernels_bench.py "$OUT/layer_kernels.json" ;;
     samplerbench) run samplerbench 120 python benchmarks/gpu_sampler.py ;;
     w2)      run w2 150 python -m peregrine.entrypoints.cli bench latency --model "$CFG/llama-3-8b.json" --output-json "$OUT/w2.json" ;;
     w2hf)    run w2hf 300 python -m peregrine.entrypoints.cli bench latency --model "$CFG/llama-3-8b.json" --iters 1 --compare-transformers --output-json "$OUT/w2hf.json" ;;

@@ -135,6 +135,20 @@ def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     return rotate(q), rotate(k)
 
 
+def norm_rope_store_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        k_scale: float = 1.0, v_scale: float = 1.0,
+                        q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                        eps: float = 1e-6) -> torch.Tensor:
+    """Per-head RMSNorm of q and k (with weights), RoPE, k and v stored; returns the new q."""
+    if q_weight is not None:
+        q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
+    q, k = apply_rope_ref(q, k, positions, cos_sin_cache)
+    store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q
+
+
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """silu(x[..., :I]) * x[..., I:] for x (..., 2I), computed in fp32."""
     gate, up = x.float().chunk(2, dim=-1)

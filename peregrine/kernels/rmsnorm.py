@@ -33,10 +33,10 @@ def _rms_norm_kernel(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None
+             residual: torch.Tensor | None = None, residual_out: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim of x (..., H); with residual returns (norm(x + residual),
-    x + residual)."""
+    x + residual), the sum written into residual_out (shaped like x) when given."""
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match hidden {hidden}")
@@ -51,7 +51,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         res2 = residual.reshape(-1, hidden)  # (N, H)
         if res2.stride(-1) != 1:
             res2 = res2.contiguous()
-        new_res = torch.empty_like(out)  # (N, H)
+        new_res = torch.empty_like(out) if residual_out is None \
+            else _out_rows(residual_out, x.shape)  # (N, H)
     if x2.shape[0] > 0:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out, new_res, eps,
@@ -62,4 +63,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = out.view(x.shape)
     if residual is None:
         return out
-    return out, new_res.view(x.shape)
+    return out, new_res.view(x.shape) if residual_out is None else residual_out
+
+
+def _out_rows(out: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """out (shaped like x) as (N, H) rows the kernel writes through; ValueError if it cannot."""
+    if out.shape != shape or out.stride(-1) != 1:
+        raise ValueError(f"rms_norm: residual_out {tuple(out.shape)} must be shaped like x "
+                         f"{tuple(shape)} and contiguous in its last dim")
+    try:
+        return out.view(-1, shape[-1])
+    except RuntimeError:
+        raise ValueError("rms_norm: residual_out's rows must be one stride apart") from None

@@ -15,13 +15,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.use_fused = fused  # the Triton kernel (chosen when the model is built)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                residual_out: torch.Tensor | None = None):
+        """norm(x), or (norm(x + residual), x + residual) with the sum written into
+        residual_out when given (a fixed buffer: piecewise CUDA graphs)."""
         if self.use_fused:
             from peregrine.kernels.rmsnorm import rms_norm
-            return rms_norm(x, self.weight, self.eps, residual)
+            return rms_norm(x, self.weight, self.eps, residual, residual_out)
         if residual is not None:
             x = x + residual
-            residual = x
+            residual = x if residual_out is None else residual_out.copy_(x)
         # NOTE: same op order as transformers (normalize in fp32, cast, then scale) so fp32 matches.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -51,6 +51,9 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * head_dim, hidden, bias=self.o_bias(hf),
                                         prefix=f"{prefix}.o_proj", **linear)
         self.rotary_emb = rope
+        # NOTE: with fused kernels, q/k norm, RoPE and the K/V store are one launch
+        # (kernels/rope_store.py); chosen here, once.
+        self.use_fused = opts.kernels.fused
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5,
                               opts.backend, sliding_window=window)
 
@@ -63,8 +66,13 @@ class DecoderAttention(nn.Module):
         return bool(hf.get("attention_bias", False))
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head q/k normalisation before RoPE (none here; Qwen3 overrides)."""
+        """Per-head q/k normalisation before RoPE (none here; Qwen3 overrides this and
+        qk_norm_params, which the fused kernel reads)."""
         return q, k
+
+    def qk_norm_params(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """(q weight, k weight, eps) of the per-head q/k RMSNorm, None without one."""
+        return None
 
     def project(self, positions: torch.Tensor, x: torch.Tensor):
         """q (T, Hq, D), k and v (T, Hkv, D) of x (T, hidden), with q/k norm and RoPE applied."""
@@ -77,10 +85,34 @@ class DecoderAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         return q, k, v.reshape(t, self.num_kv_heads, self.head_dim)
 
+    def project_and_store(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                          slot_mapping: torch.Tensor, q_out: torch.Tensor | None = None
+                          ) -> torch.Tensor:
+        """q (T, Hq, D) of x (T, hidden) with q/k norm and RoPE applied (written into q_out
+        when given); this step's K/V written into kv_cache at slot_mapping (T,) (-1 writes
+        nothing)."""
+        if not self.use_fused:
+            q, k, v = self.project(positions, x)
+            self.attn.store(k, v, kv_cache, slot_mapping)
+            return q if q_out is None else q_out.copy_(q)
+        from peregrine.kernels.rope_store import norm_rope_store
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # (T, q_size + 2 kv_size)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # (T, Hq, D), a view into qkv
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        norm = self.qk_norm_params()
+        q_weight, k_weight, eps = norm if norm is not None else (None, None, 1e-6)
+        k_scale, v_scale = self.attn.cache_scales(kv_cache[0])
+        return norm_rope_store(q, k, v, positions, self.rotary_emb.cos_sin_cache, kv_cache[0],
+                               kv_cache[1], slot_mapping, k_scale, v_scale, q_weight, k_weight,
+                               eps, q_out)
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.project(positions, x)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))  # (T, hidden)
+        q = self.project_and_store(positions, x, kv_cache, meta.slot_mapping)
+        return self.o_proj(self.attn(q, None, None, kv_cache, meta))  # (T, hidden)
 
 
 class DecoderMLP(nn.Module):
@@ -122,19 +154,25 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = parts.norm(hidden, _eps(hf), **norm)
 
     def forward(self, positions, x, residual, kv_cache, meta):
-        q, k, v, residual = self.pre_attention(positions, x, residual)
-        return self.post_attention(self.self_attn.attn(q, k, v, kv_cache, meta), residual)
+        q, residual = self.pre_attention(positions, x, residual, kv_cache, meta.slot_mapping)
+        return self.post_attention(self.self_attn.attn(q, None, None, kv_cache, meta), residual)
 
     # NOTE: the halves around attention are what piecewise CUDA graphs capture (cuda_graphs.py).
     def pre_attention(self, positions: torch.Tensor, x: torch.Tensor,
-                      residual: torch.Tensor | None):
-        """Input norm (residual add included) and q/k/v: (q, k, v, residual)."""
+                      residual: torch.Tensor | None, kv_cache: KVCache,
+                      slot_mapping: torch.Tensor,
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input norm (residual add included), q/k/v with this step's K/V stored: (q, residual),
+        written into out = (q (T, Hq, D), residual (T, hidden)) buffers when given."""
+        q_out, res_out = (None, None) if out is None else out
         if residual is None:
-            residual = x
+            residual = x if res_out is None else res_out.copy_(x)
             x = self.input_layernorm(x)
         else:
-            x, residual = self.input_layernorm(x, residual)
-        return (*self.self_attn.project(positions, x), residual)
+            x, residual = self.input_layernorm(x, residual, residual_out=res_out)
+        q = self.self_attn.project_and_store(positions, x, kv_cache, slot_mapping, q_out)
+        return q, residual
 
     def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor):
         """Output projection, residual add and norm, MLP: (x, residual) for the next layer."""

@@ -88,10 +88,14 @@ class PiecewiseLayer(Protocol):
     self_attn: SelfAttention
 
     def pre_attention(self, positions: torch.Tensor, hidden: torch.Tensor,
-                      residual: torch.Tensor | None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q (T, Hq, D), k (T, Hkv, D), v (T, Hkv, D), residual (T, hidden)); residual is None
-        for the first layer (hidden is then the embedding)."""
+                      residual: torch.Tensor | None, kv_cache: KVCache,
+                      slot_mapping: torch.Tensor,
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q (T, Hq, D), residual (T, hidden)), with this step's K/V written into kv_cache at
+        slot_mapping (T,) (-1 writes nothing), so attention runs with k = v = None; residual is
+        None for the first layer (hidden is then the embedding). With `out` = (q, residual)
+        buffers, the results are written there (what piecewise graphs read)."""
 
     def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,9 @@ class Qwen3Attention(DecoderAttention):
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q), self.k_norm(k)  # (T, Hq, D), (T, Hkv, D)
 
+    def qk_norm_params(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
     parts = DecoderParts(attention=Qwen3Attention)

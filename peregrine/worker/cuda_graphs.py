@@ -221,12 +221,11 @@ class PiecewiseGraphs:
         if i == len(self.layers):
             self.hidden[:n].copy_(self.model.norm(x, residual)[0])
             return
-        q, k, v, residual = self.layers[i].pre_attention(buf.d_positions[:n], x, residual)
         # NOTE: K/V go to the cache inside the graph (padding slots are -1): the eager part
-        # between pieces is the attention kernels alone.
-        self.layers[i].self_attn.attn.store(k, v, self.kv_caches[i], buf.d_slot_mapping[:n])
-        self.q[:n].copy_(q)
-        self.residual[:n].copy_(residual)
+        # between pieces is the attention kernels alone. q and the residual are written straight
+        # into the fixed buffers the next piece reads (no copies with fused kernels).
+        self.layers[i].pre_attention(buf.d_positions[:n], x, residual, self.kv_caches[i],
+                                     buf.d_slot_mapping[:n], out=(self.q[:n], self.residual[:n]))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

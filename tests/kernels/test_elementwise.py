@@ -36,6 +36,19 @@ def test_rms_norm_with_residual_returns_norm_and_sum(dtype: torch.dtype) -> None
     torch.testing.assert_close(out.float(), out_ref.float(), **TOL[dtype])
 
 
+def test_rms_norm_writes_the_new_residual_into_residual_out() -> None:
+    x, res = torch.randn(3, 64), torch.randn(3, 64)
+    w = torch.rand(64) + 0.5
+    buf = torch.full((8, 64), float("nan"))  # a larger fixed buffer, its first rows used
+    out, new_res = rms_norm(x, w, 1e-6, residual=res, residual_out=buf[:3])
+    out_ref, res_ref = rms_norm_ref(x, w, 1e-6, residual=res)
+    assert new_res.data_ptr() == buf.data_ptr() and torch.equal(buf[:3], res_ref)
+    assert buf[3:].isnan().all()
+    torch.testing.assert_close(out, out_ref, **TOL[torch.float32])
+    with pytest.raises(ValueError, match="residual_out"):
+        rms_norm(x, w, 1e-6, residual=res, residual_out=torch.empty(3, 32))
+
+
 def _cos_sin_cache(max_pos: int, rotary_dim: int) -> torch.Tensor:
     inv_freq = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
     freqs = torch.outer(torch.arange(max_pos).float(), inv_freq)  # (max_pos, rot/2)

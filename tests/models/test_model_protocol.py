@@ -32,24 +32,58 @@ def test_registered_models_meet_the_protocol(arch: str) -> None:
         assert isinstance(layer.self_attn.attn, PagedAttention)
 
 
+def _run_pieces(model, ids: torch.Tensor, pos: torch.Tensor, caches, meta,
+                buffers: bool) -> torch.Tensor:
+    """embed → (pre_attention, which stores K/V, attention over the cache, post_attention) per
+    layer → norm, as the piecewise graphs call them (into fixed q / residual buffers or not)."""
+    x, residual = model.embed_tokens(ids), None
+    attn = model.layers[0].self_attn
+    q_buf = torch.full((len(ids), attn.num_heads, attn.head_dim), float("nan"))
+    res_buf = torch.full_like(x, float("nan"))
+    for layer, cache in zip(model.layers, caches):
+        out = (q_buf, res_buf) if buffers else None
+        q, residual = layer.pre_attention(pos, x, residual, cache, meta.slot_mapping, out=out)
+        if buffers:
+            assert q is q_buf and residual is res_buf
+        x, residual = layer.post_attention(layer.self_attn.attn(q, None, None, cache, meta),
+                                           residual)
+    return model.norm(x, residual)[0]
+
+
+@pytest.mark.parametrize("buffers", [False, True], ids=["returned", "into_buffers"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_forward_equals_the_pieces_graphs_run(arch: str) -> None:
-    """embed → (pre_attention, store, attention over the cache, post_attention) per layer → norm,
-    as the piecewise graphs call them, gives forward's hidden states exactly."""
+def test_forward_equals_the_pieces_graphs_run(arch: str, buffers: bool) -> None:
+    """The pieces, run as the piecewise graphs run them, give forward's hidden states exactly."""
     cfg, model = _model(arch)
     ids, pos = torch.tensor(TOKENS), torch.arange(len(TOKENS))
     with torch.inference_mode():
         caches, meta = one_prefill(cfg, len(TOKENS))
         want = model(ids, pos, caches, meta)
         caches, meta = one_prefill(cfg, len(TOKENS))
-        x, residual = model.embed_tokens(ids), None
-        for layer, cache in zip(model.layers, caches):
-            q, k, v, residual = layer.pre_attention(pos, x, residual)
-            layer.self_attn.attn.store(k, v, cache, meta.slot_mapping)
-            x, residual = layer.post_attention(layer.self_attn.attn(q, None, None, cache, meta),
-                                               residual)
-        got = model.norm(x, residual)[0]
+        got = _run_pieces(model, ids, pos, caches, meta, buffers)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_kernel_layers_match_the_torch_layers(arch: str) -> None:
+    """The fused kernels (q/k norm + RoPE + K/V store in one launch, RMSNorm, SiLU-and-mul) give
+    the torch path's hidden states and K/V cache, through forward and through the pieces."""
+    cfg, torch_model = _model(arch)
+    _, fused_model = _model(arch, kernels=KernelConfig(fused=True))
+    ids, pos = torch.tensor(TOKENS), torch.arange(len(TOKENS))
+    with torch.inference_mode():
+        want_caches, meta = one_prefill(cfg, len(TOKENS))
+        want = torch_model(ids, pos, want_caches, meta)
+        caches, _ = one_prefill(cfg, len(TOKENS))
+        got = fused_model(ids, pos, caches, meta)
+        piece_caches, _ = one_prefill(cfg, len(TOKENS))
+        pieces = _run_pieces(fused_model, ids, pos, piece_caches, meta, buffers=True)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(pieces, got)
+    for (k, v), (k_want, v_want) in zip(caches, want_caches):
+        torch.testing.assert_close(k, k_want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v, v_want, atol=1e-4, rtol=1e-4)
+        assert k.abs().sum() > 0
 
 
 def test_built_in_its_dtype_without_a_process_wide_default() -> None:
