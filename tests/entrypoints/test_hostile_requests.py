@@ -12,7 +12,8 @@ import pytest
 
 from fake_engine import FakeEngine
 from server_utils import RunningServer
-from peregrine.entrypoints.openai.serving_common import MIN_PROMPT_CHARS, prompt_char_limit
+from peregrine.entrypoints.openai.serving_common import (INLINE_MAX_CHARS, MIN_PROMPT_CHARS,
+                                                         prompt_char_limit)
 from peregrine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -147,15 +148,18 @@ def test_trusted_slow_template_renders_off_the_event_loop():
         assert pending.result().json()["tokens"]
 
 
+# NOTE: just over what runs inline; sent to /tokenize, which does not hold it to the context.
+_LONG = " ".join(["hi"] * (INLINE_MAX_CHARS // 3 + 1))
+_LONG_CHAT = [{"role": "user", "content": _LONG}]
+
+
 @pytest.mark.parametrize("gated,path,body", [
-    ("encode", "/v1/completions", {"prompt": "hi there", "max_tokens": 2}),
-    ("encode", "/tokenize", {"prompt": "hi there"}),
-    ("encode", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}),
-    ("apply_chat_template", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}),
-    ("apply_chat_template", "/tokenize", {"messages": CHAT}),
+    ("encode", "/tokenize", {"prompt": _LONG}),
+    ("encode", "/tokenize", {"messages": _LONG_CHAT}),
+    ("apply_chat_template", "/tokenize", {"messages": _LONG_CHAT}),
 ])
-def test_templates_and_tokenization_run_in_the_server_thread_pool(server, watched, gated, path,
-                                                                  body):
+def test_large_inputs_are_templated_and_tokenized_in_the_server_thread_pool(server, watched,
+                                                                            gated, path, body):
     tok = watched(gated=gated, hold=True)
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(_post, server, path, body)
@@ -166,6 +170,20 @@ def test_templates_and_tokenization_run_in_the_server_thread_pool(server, watche
             tok.release.set()
         assert pending.result().status_code == 200, pending.result().text
     assert tok.threads and all(n.startswith("peregrine-preprocess") for n in tok.threads)
+
+
+@pytest.mark.parametrize("gated,path,body", [
+    ("encode", "/v1/completions", {"prompt": "hi there", "max_tokens": 2}),
+    ("encode", "/tokenize", {"prompt": "hi there"}),
+    ("encode", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}),
+    ("apply_chat_template", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}),
+    ("apply_chat_template", "/tokenize", {"messages": CHAT}),
+])
+def test_short_inputs_are_templated_and_tokenized_inline(server, watched, gated, path, body):
+    tok = watched(gated=gated)
+    r = _post(server, path, body)
+    assert r.status_code == 200, r.text
+    assert tok.threads and not any(n.startswith("peregrine-preprocess") for n in tok.threads)
 
 
 # ----------------------------------------------------------------------------- prompt length
