@@ -23,13 +23,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import functools
 import json
 import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +39,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks import local_server  # noqa: E402
 
 MODES = ("pool", "inline")
 _ROUTE = "/bench/preprocess"  # added by this script's server only
@@ -171,12 +171,6 @@ def text_requests(tokenizer, num: int, input_len: int, output_len: int, ratio: f
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, timeout: float = 10.0) -> dict[str, Any]:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read())
@@ -184,37 +178,12 @@ def _get(url: str, timeout: float = 10.0) -> dict[str, Any]:
 
 def start_server(serve_args: list[str], log_path: str, timeout: float) -> tuple[subprocess.Popen, str]:
     """This script's server on a free local port; (process, base url) once healthy."""
-    port = _free_port()
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", *serve_args,
-           "--host", "127.0.0.1", "--port", str(port), "--log-stats-interval", "0"]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}; see {log_path}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            pass
-        time.sleep(0.5)
-    stop_server(proc)
-    raise RuntimeError(f"the server was not healthy after {timeout:.0f}s; see {log_path}")
+    return local_server.start_server([sys.executable, str(Path(__file__).resolve()), "--serve",
+                                      *serve_args], log_path, timeout, signal.SIGINT)
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    local_server.stop_server(proc, signal.SIGINT)
 
 
 def _rate_name(rate: float) -> str:

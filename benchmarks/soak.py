@@ -19,7 +19,6 @@ import os
 import random
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import openai
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks import local_server  # noqa: E402
 from peregrine.entrypoints.openai.serving_common import prompt_char_limit  # noqa: E402
 
 _MIB = 1 << 20
@@ -304,45 +304,14 @@ class Round:
 
 
 # ---------------------------------------------------------------- the server
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(serve_args: list[str], log_path: str,
                  timeout: float) -> tuple[subprocess.Popen, str]:
     """`peregrine serve SERVE_ARGS` on a free local port; (process, base url) once healthy."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "peregrine.entrypoints.cli", "serve", *serve_args,
-           "--host", "127.0.0.1", "--port", str(port), "--log-stats-interval", "0"]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}; see {log_path}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    stop_server(proc)
-    raise RuntimeError(f"the server was not healthy after {timeout:.0f}s; see {log_path}")
+    return local_server.start_server(
+        [sys.executable, "-m", "peregrine.entrypoints.cli", "serve", *serve_args], log_path, timeout)
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+stop_server = local_server.stop_server
 
 
 def _count_tracebacks(log_path: str | None) -> int | None:
