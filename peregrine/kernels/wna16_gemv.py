@@ -1,23 +1,39 @@
 """Split-K GEMV for weight-only int weights in layers/quantization/wna16.py's layout, for decode
-batches of at most GEMV_MAX_M rows: y (M, N) = x (M, K) @ dequant(W) (K, N).
+batches of at most GEMV_MAX_ROWS rows: y (M, N) = x (M, K) @ dequant(W) (K, N). Two variants:
 
-Each program owns BLOCK_N output columns and a K range. Per K block it loads the (BLOCK_K / pack,
+mma (the default for 4 / 8-bit weights and 16-bit activations; sm_90+ on CUDA): per K block each
+program dequantizes its (BLOCK_N columns, BLOCK_K inputs) tile to exact 16-bit q - zero with a
+few inline-PTX bit tricks on whole words (4-bit: shift, lop3 into the exponent of 128 / 1024, one
+packed subtraction of (magic + zero) per two values; 8-bit fp16 the same with a byte prmt; 8-bit
+bf16 through float32 2^23 + q), and one tl.dot multiplies it by x^T padded to 16 columns: the
+weight is the dot's first operand, so the padding costs x, not the weight, and every row count up
+to 16 runs the same instructions. Block sums are float32, scaled per group. The interpreter gets
+the same values from plain Triton ops.
+
+fma (6-bit, 32-bit activations, and on request): per K block it loads the (BLOCK_K / pack,
 BLOCK_N) packed int32 words once (rows of N contiguous words: coalesced), and for each of the
 pack values a word holds takes a shift and a mask in registers. An integer q < 2^23 becomes the
 float 2^23 + q by OR-ing it into the mantissa of 2^23, so q - zero is one float subtraction of
 (2^23 + zero). Each row m keeps a (words, BLOCK_N) float32 accumulator in the words' own layout:
 acc_m += scale * sum_j (q_j - zero) * x[m, k_j], so nothing crosses threads until the end, where
-one reduction over the words gives the row's sums. Split-K partials are combined as in gemv.py
-(deterministic). Act-order (g_idx) weights use the GEMM (wna16_gemm.py).
+one reduction over the words gives the row's sums.
+
+SASS per weight value in the K loop, compiled for sm_90 (benchmarks/gemv_sass.py): fma 4-bit with
+zero points 6.6 / 9.0 / 12.3 at 1 / 2 / 4 rows, 8-bit 6.4 at 1 row; mma 4-bit 2.8 (2.6 without
+zero points), 8-bit fp16 2.7, 8-bit bf16 4.8, at any row count (168 / 136 registers, 4 warps).
+Split-K partials are combined as in gemv.py (deterministic). Act-order (g_idx) weights use the
+GEMM (wna16_gemm.py).
 """
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
+from peregrine.kernels._utils import dot_dtype
 from peregrine.kernels.gemv import (GEMV_MAX_M, GemvConfig, block_m_for, choose_split,
                                     finish_split_k, launch_buffers, store_partial)
 
@@ -35,7 +51,7 @@ def _x_col(a_ptr, m, M, stride_am, kk, k_mask):
 
 
 @triton.jit(do_not_specialize=["M", "stride_am", "stride_cm", "K_ITERS", "SPLIT_K"])
-def _wna16_gemv_kernel(
+def _wna16_gemv_fma_kernel(
     a_ptr, q_ptr, qhi_ptr, s_ptr, z_ptr, part_ptr, lock_ptr, c_ptr,
     M, N, K, stride_am, stride_cm, K_ITERS, SPLIT_K,
     GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZP: tl.constexpr, PER_WORD: tl.constexpr,
@@ -146,11 +162,201 @@ def _wna16_gemv_kernel(
                    SPLIT_K, HAS_SPLIT, BLOCK_M, BLOCK_N)
 
 
-# 16 rows of 64 words per K block. Compiled for sm_90 (4-bit, zero points): 4 warps at 1 / 2 /
-# 4 rows take 56 / 89 / 128 registers and about 6.6 / 8.9 / 12.3 instructions per weight value
-# in the K loop; 8 rows take 8 warps (169 registers, 22.7 per value) where 4 would use all 255.
+
+# --- the tensor-core variant: 4 / 8-bit weights, 16-bit activations -----------------------------
+# Each word becomes 16-bit pairs (q - zero) in registers, exact (|q - zero| <= 255 fits 16-bit
+# floats), and one tl.dot multiplies the (BLOCK_N, BLOCK_K) tile by x^T padded to _MMA_ROWS
+# columns: the weight is the dot's first operand, so the padding costs x, not the weight. The
+# pairs come out of a word in the order the bit tricks give (4-bit: nibbles 0,4 1,5 2,6 3,7), so
+# x's K block is loaded in that same order: the sum over K does not care.
+_MMA_ROWS = tl.constexpr(16)
+# Tile column PACK * w + i holds value PAIR_ORDER[bits][i] of word w (x is loaded likewise).
+PAIR_ORDER = {4: (0, 4, 1, 5, 2, 6, 3, 7), 8: (0, 1, 2, 3)}
+# 4-bit: shift + lop3 into the exponent of 128 (bf16) / 1024 (fp16), then one packed subtraction
+# of (magic + zero): 11 instructions per 8 values. $8: the word, $9: (magic + zero) twice.
+_ASM_U4 = """{
+.reg .b32 t1, t2, t3, p0, p1, p2, p3;
+shr.u32 t1, $8, 4;
+shr.u32 t2, $8, 8;
+shr.u32 t3, $8, 12;
+lop3.b32 p0, $8, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 p1, t1, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 p2, t2, 0x000F000F, MAGIC, 0xEA;
+lop3.b32 p3, t3, 0x000F000F, MAGIC, 0xEA;
+SUB p0, p0, $9;
+SUB p1, p1, $9;
+SUB p2, p2, $9;
+SUB p3, p3, $9;
+mov.b32 {$0, $1}, p0;
+mov.b32 {$2, $3}, p1;
+mov.b32 {$4, $5}, p2;
+mov.b32 {$6, $7}, p3;
+}"""
+ASM_U4_BF16 = tl.constexpr(_ASM_U4.replace("MAGIC", "0x43004300").replace("SUB", "sub.bf16x2"))
+ASM_U4_F16 = tl.constexpr(_ASM_U4.replace("MAGIC", "0x64006400").replace("SUB", "sub.f16x2"))
+# 8-bit, fp16: one prmt puts two bytes under 1024's exponent, one packed subtraction of
+# (1024 + zero). $4: the word, $5: (1024 + zero) twice.
+ASM_U8_F16 = tl.constexpr("""{
+.reg .b32 m, p0, p1;
+mov.b32 m, 0x64646464;
+prmt.b32 p0, $4, m, 0x4140;
+prmt.b32 p1, $4, m, 0x4342;
+sub.f16x2 p0, p0, $5;
+sub.f16x2 p1, p1, $5;
+mov.b32 {$0, $1}, p0;
+mov.b32 {$2, $3}, p1;
+}""")
+# 8-bit, bf16 (8 mantissa bits are too few for magic + q): 2^23 + q in float32 by prmt, minus
+# (2^23 + zero), and the exact integer's top halves packed by prmt. $5: (2^23 + zero) as f32.
+ASM_U8_BF16 = tl.constexpr("""{
+.reg .b32 m, f0, f1, f2, f3, p0, p1;
+mov.b32 m, 0x4B000000;
+prmt.b32 f0, $4, m, 0x7650;
+prmt.b32 f1, $4, m, 0x7651;
+prmt.b32 f2, $4, m, 0x7652;
+prmt.b32 f3, $4, m, 0x7653;
+sub.f32 f0, f0, $5;
+sub.f32 f1, f1, $5;
+sub.f32 f2, f2, $5;
+sub.f32 f3, f3, $5;
+prmt.b32 p0, f0, f1, 0x7632;
+prmt.b32 p1, f2, f3, 0x7632;
+mov.b32 {$0, $1}, p0;
+mov.b32 {$2, $3}, p1;
+}""")
+
+
+@triton.jit
+def _value(words, shift, mask, z, ACT: tl.constexpr):
+    """(q - z) of the value at `shift` in every word, in ACT (the interpreter's dequantization)."""
+    return (((words >> shift) & mask).to(tl.float32) - z).to(ACT)
+
+
+@triton.jit
+def _dequant_tile(words, z, BITS: tl.constexpr, ACT: tl.constexpr, ASM: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(BLOCK_N, BLOCK_K) q - z in ACT from (BLOCK_N, words) packed words and (BLOCK_N,) float32
+    zeros, each word's values in the asm's pair order (4-bit: 0 4 1 5 2 6 3 7; 8-bit: 0 1 2 3)."""
+    zc = z[:, None]  # (BN, 1)
+    if BITS == 4:
+        if ASM and ACT == tl.bfloat16:
+            zb = (zc + 128.0).to(ACT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+                ASM_U4_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, zb | (zb << 16)],
+                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+        elif ASM:
+            zb = (zc + 1024.0).to(ACT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+                ASM_U4_F16, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, zb | (zb << 16)],
+                dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        else:
+            o0 = _value(words, 0, 15, zc, ACT)
+            o1 = _value(words, 16, 15, zc, ACT)
+            o2 = _value(words, 4, 15, zc, ACT)
+            o3 = _value(words, 20, 15, zc, ACT)
+            o4 = _value(words, 8, 15, zc, ACT)
+            o5 = _value(words, 24, 15, zc, ACT)
+            o6 = _value(words, 12, 15, zc, ACT)
+            o7 = _value(words, 28, 15, zc, ACT)
+        # NOTE: join adds a last axis; pairing o_i with o_{i+4} first makes the flattened order
+        # o0..o7, so each word's 8 values are contiguous (one 16-byte store to shared memory).
+        tile = tl.join(tl.join(tl.join(o0, o4), tl.join(o2, o6)),
+                       tl.join(tl.join(o1, o5), tl.join(o3, o7)))  # (BN, W, 2, 2, 2)
+    else:
+        if ASM and ACT == tl.bfloat16:
+            zw = (zc + 8388608.0).to(tl.int32, bitcast=True)
+            o0, o1, o2, o3 = tl.inline_asm_elementwise(
+                ASM_U8_BF16, "=h,=h,=h,=h,r,r", [words, zw], dtype=(tl.bfloat16,) * 4,
+                is_pure=True, pack=1)
+        elif ASM:
+            zh = (zc + 1024.0).to(ACT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            o0, o1, o2, o3 = tl.inline_asm_elementwise(
+                ASM_U8_F16, "=h,=h,=h,=h,r,r", [words, zh | (zh << 16)],
+                dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+        else:
+            o0 = _value(words, 0, 255, zc, ACT)
+            o1 = _value(words, 8, 255, zc, ACT)
+            o2 = _value(words, 16, 255, zc, ACT)
+            o3 = _value(words, 24, 255, zc, ACT)
+        tile = tl.join(tl.join(o0, o2), tl.join(o1, o3))  # (BN, W, 2, 2)
+    return tl.reshape(tile, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit(do_not_specialize=["M", "stride_cm", "K_ITERS", "SPLIT_K"])
+def _wna16_gemv_mma_kernel(
+    a_ptr, q_ptr, s_ptr, z_ptr, part_ptr, lock_ptr, c_ptr,
+    M, N, K, stride_cm, K_ITERS, SPLIT_K,
+    BITS: tl.constexpr, HAS_ZP: tl.constexpr, GROUP: tl.constexpr, ASM: tl.constexpr,
+    DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    PACK: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // PACK
+    ROWS: tl.constexpr = _MMA_ROWS
+    ACT: tl.constexpr = c_ptr.dtype.element_ty
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, WORDS)  # (W,)
+    offs_m = tl.arange(0, ROWS)  # (R,)
+    m_mask = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)  # (BK,)
+    acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+    q_rows = q_ptr + (split * K_ITERS * WORDS + offs_w)[None, :] * N + offs_n[:, None]  # (BN, W)
+    # NOTE: the last split may hold fewer K blocks: its loop stops at K, no masks needed.
+    iters = tl.minimum(K_ITERS, tl.cdiv(K, BLOCK_K) - split * K_ITERS)
+    for it in range(0, iters):
+        k0 = (split * K_ITERS + it) * BLOCK_K
+        if EVEN_N and EVEN_K:
+            words = tl.load(q_rows)  # (BN, W) int32
+        else:
+            w_ok = (k0 // PACK + offs_w) < K // PACK  # (W,)
+            words = tl.load(q_rows, mask=w_ok[None, :] & n_mask[:, None], other=0)
+        q_rows += WORDS * N
+        grp = k0 // GROUP  # the whole block is in one group
+        if EVEN_N:
+            s = tl.load(s_ptr + grp * N + offs_n).to(tl.float32)  # (BN,)
+        else:
+            s = tl.load(s_ptr + grp * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if HAS_ZP:
+            if EVEN_N:
+                z = tl.load(z_ptr + grp * N + offs_n).to(tl.float32)
+            else:
+                z = tl.load(z_ptr + grp * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        else:
+            z = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.float32)
+        wq = _dequant_tile(words, z, BITS, ACT, ASM, BLOCK_N, BLOCK_K)  # (BN, BK)
+        kk = k0 + offs_k  # (BK,)
+        if EVEN_K:
+            x = tl.load(a_ptr + offs_m[:, None] * K + kk[None, :], mask=m_mask[:, None],
+                        other=0.0)  # (R, BK)
+        else:
+            x = tl.load(a_ptr + offs_m[:, None] * K + kk[None, :],
+                        mask=m_mask[:, None] & (kk < K)[None, :], other=0.0)
+        if BITS == 4:  # tile column 8w + 2c + h holds nibble 4h + c of word w: x likewise
+            x = tl.reshape(tl.permute(tl.reshape(x, (ROWS, WORDS, 2, 4)), (0, 1, 3, 2)),
+                           (ROWS, BLOCK_K))
+        # NOTE: q - zero and x are exact in ACT; products and sums are float32.
+        acc += tl.dot(wq.to(DOT), tl.trans(x.to(DOT))) * s[:, None]  # (BN, R)
+    if HAS_SPLIT:
+        dst = part_ptr + (split * M + offs_m).to(tl.int64)[None, :] * N + offs_n[:, None]
+        tl.store(dst, acc, mask=n_mask[:, None] & m_mask[None, :])
+    else:
+        tl.store(c_ptr + offs_m[None, :] * stride_cm + offs_n[:, None], acc.to(ACT),
+                 mask=n_mask[:, None] & m_mask[None, :])
+    finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, stride_cm,
+                   SPLIT_K, HAS_SPLIT, ROWS, BLOCK_N)
+
+# fma: 16 rows of 64 words per K block. Compiled for sm_90 (4-bit, zero points): 4 warps at 1 /
+# 2 / 4 rows take 56 / 89 / 128 registers and about 6.6 / 8.9 / 12.3 instructions per weight
+# value in the K loop; 8 rows take 8 warps (169 registers, 22.7 per value) where 4 would use all
+# 255. mma: 128 columns x 128 inputs per K block, 4 warps, any row count up to _MMA_ROWS.
 _WORDS = 16
 _BLOCK_N = 64
+_MMA_BLOCK_N = 128
+_MMA_BLOCK_K = 128
+VARIANTS = ("mma", "fma")
 
 
 def _block_k(bits: int) -> int:
@@ -158,8 +364,8 @@ def _block_k(bits: int) -> int:
 
 
 def gemv_supported(w: WNA16Layout, block_k: int | None = None) -> bool:
-    """Whether the GEMV reads this layout: no act-order, and every K block either inside one
-    group or made of whole words of each group."""
+    """Whether the (fma) GEMV reads this layout: no act-order, and every K block either inside
+    one group or made of whole words of each group. The mma variant takes a subset."""
     if w.g_idx is not None:
         return False
     bk = block_k or _block_k(w.bits)
@@ -168,26 +374,80 @@ def gemv_supported(w: WNA16Layout, block_k: int | None = None) -> bool:
     return g % bk == 0 or g == w.in_features or (bk % g == 0 and g % pack == 0)
 
 
-def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1) -> GemvConfig:
-    """64 output columns (256 bytes of words per row) per program; K split to fill the SMs."""
-    block_k = _block_k(w.bits)
-    tiles = triton.cdiv(w.out_features, _BLOCK_N)
+def _mma_block_k(w: WNA16Layout) -> int:
+    """The mma variant's K block: 128 inputs, or the group when it is smaller (one scale and
+    zero per block); 0 when no block of 16+ inputs fits the groups."""
+    bk = _MMA_BLOCK_K
+    while bk >= 16:
+        if w.group_size % bk == 0 or w.group_size == w.in_features:
+            return bk
+        bk //= 2
+    return 0
+
+
+def mma_supported(w: WNA16Layout, dtype: torch.dtype, device: torch.device,
+                  block_k: int | None = None) -> bool:
+    """Whether the tensor-core variant serves this layout for activations of `dtype`: 4 or 8
+    bits, no act-order, 16-bit activations, K blocks inside one group, and on CUDA sm_90+
+    (packed bf16 arithmetic; the interpreter runs it anywhere)."""
+    if w.g_idx is not None or w.bits not in (4, 8):
+        return False
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    bk = block_k or _mma_block_k(w)
+    if bk < 16 or not (w.group_size % bk == 0 or w.group_size == w.in_features):
+        return False
+    if device.type != "cuda":
+        return True
+    return _is_sm90_or_later(device.index if device.index is not None
+                             else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=8)
+def _is_sm90_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
+             config: GemvConfig | None) -> str:
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"wna16_gemv: unknown variant {variant!r} (known: {VARIANTS})")
+    block_k = config.block_k if config is not None else None
+    ok = mma_supported(w, x.dtype, x.device, block_k)
+    if variant == "mma" and not ok:
+        raise ValueError(f"wna16_gemv: the mma variant takes 4 / 8-bit weights without act-order, "
+                         f"16-bit activations and K blocks inside one group (sm_90+ on CUDA); "
+                         f"got {w.bits} bits, {x.dtype}, group {w.group_size}, block_k "
+                         f"{block_k or _mma_block_k(w)}")
+    return variant or ("mma" if ok else "fma")
+
+
+def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
+                variant: str = "fma") -> GemvConfig:
+    """fma: 64 output columns (256 bytes of words per row) per program; mma: 128 columns x 128
+    inputs (or the group) per K block. K split to fill the SMs."""
+    if variant == "mma":
+        block_n, block_k, warps = _MMA_BLOCK_N, _mma_block_k(w), 4
+    else:
+        block_n, block_k, warps = _BLOCK_N, _block_k(w.bits), 8 if block_m > 4 else 4
+    tiles = triton.cdiv(w.out_features, block_n)
     split, k_iters = choose_split(tiles, triton.cdiv(w.in_features, block_k), device)
-    return GemvConfig(_BLOCK_N, block_k, split, k_iters, 8 if block_m > 4 else 4)
+    return GemvConfig(block_n, block_k, split, k_iters, warps)
 
 
-def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None) -> torch.Tensor:
-    """y (..., N) = x (..., K) @ dequant(w) (K, N) in x's dtype, for at most GEMV_MAX_M rows."""
+def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None,
+               variant: str | None = None) -> torch.Tensor:
+    """y (..., N) = x (..., K) @ dequant(w) (K, N) in x's dtype, for at most GEMV_MAX_ROWS rows.
+    variant: "mma" (tensor cores), "fma" (float32 FMAs) or None: mma where it applies."""
     k, n = w.in_features, w.out_features
     if x.shape[-1] != k:
         raise ValueError(f"wna16_gemv: x has {x.shape[-1]} inputs, the weight {k}")
     lead = x.shape[:-1]
-    a = x.reshape(-1, k)  # (M, K)
-    if a.stride(-1) != 1:
-        a = a.contiguous()
+    a = x.reshape(-1, k).contiguous()  # (M, K), rows K apart
     m = a.shape[0]
     bm = block_m_for(m)
-    cfg = config or gemv_config(w, x.device, bm)
+    kind = _variant(w, a, variant, config)
+    cfg = config or gemv_config(w, x.device, bm, kind)
     if cfg.block_k & (cfg.block_k - 1) or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"wna16_gemv: block_k {cfg.block_k} and block_n {cfg.block_n} must be "
                          "powers of two")
@@ -196,13 +456,22 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
                          f"{w.g_idx is not None}) does not fit K blocks of {cfg.block_k}")
     if cfg.block_k % (16 if w.bits == 6 else 32 // w.bits):
         raise ValueError(f"wna16_gemv: block_k {cfg.block_k} is not whole words of {w.bits} bits")
-    per_word = not (w.group_size % cfg.block_k == 0 or w.group_size == k)
     tiles = triton.cdiv(n, cfg.block_n)
     out, part, lock = launch_buffers(a, n, tiles, cfg.split_k)
     q = w.qweight
-    _wna16_gemv_kernel[(tiles, cfg.split_k)](
-        a, q, w.qweight_hi if w.qweight_hi is not None else q, w.scales,
-        w.zeros if w.zeros is not None else w.scales, part, lock, out,
+    zeros = w.zeros if w.zeros is not None else w.scales
+    if kind == "mma":
+        gpu = a.is_cuda
+        _wna16_gemv_mma_kernel[(tiles, cfg.split_k)](
+            a, q, w.scales, zeros, part, lock, out, m, n, k, out.stride(0), cfg.k_iters,
+            cfg.split_k, BITS=w.bits, HAS_ZP=w.zeros is not None, GROUP=w.group_size, ASM=gpu,
+            DOT=dot_dtype(a), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            HAS_SPLIT=cfg.split_k > 1, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
+            num_warps=cfg.num_warps)
+        return out.reshape(*lead, n)
+    per_word = not (w.group_size % cfg.block_k == 0 or w.group_size == k)
+    _wna16_gemv_fma_kernel[(tiles, cfg.split_k)](
+        a, q, w.qweight_hi if w.qweight_hi is not None else q, w.scales, zeros, part, lock, out,
         m, n, k, a.stride(0), out.stride(0), cfg.k_iters, cfg.split_k,
         GROUP=w.group_size, BITS=w.bits, HAS_ZP=w.zeros is not None, PER_WORD=per_word,
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_SPLIT=cfg.split_k > 1,
