@@ -456,6 +456,9 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
                          f"{w.g_idx is not None}) does not fit K blocks of {cfg.block_k}")
     if cfg.block_k % (16 if w.bits == 6 else 32 // w.bits):
         raise ValueError(f"wna16_gemv: block_k {cfg.block_k} is not whole words of {w.bits} bits")
+    if cfg.split_k * cfg.k_iters * cfg.block_k < k:
+        raise ValueError(f"wna16_gemv: {cfg.split_k} splits x {cfg.k_iters} blocks of "
+                         f"{cfg.block_k} do not cover the {k} inputs")
     tiles = triton.cdiv(n, cfg.block_n)
     out, part, lock = launch_buffers(a, n, tiles, cfg.split_k)
     q = w.qweight

@@ -104,6 +104,9 @@ def test_bad_inputs_are_named() -> None:
     with pytest.raises(ValueError, match="powers of two"):
         wna16_gemv(_x(1), w, GemvConfig(block_n=16, block_k=96, split_k=1, k_iters=3,
                                         num_warps=4))
+    with pytest.raises(ValueError, match="do not cover the 256 inputs"):
+        wna16_gemv(_x(1), w, GemvConfig(block_n=16, block_k=64, split_k=2, k_iters=1,
+                                        num_warps=4))
 
 
 def test_row_buckets_and_split_choice() -> None:
