@@ -19,8 +19,9 @@ acc_m += scale * sum_j (q_j - zero) * x[m, k_j], so nothing crosses threads unti
 one reduction over the words gives the row's sums.
 
 SASS per weight value in the K loop, compiled for sm_90 (benchmarks/gemv_sass.py): fma 4-bit with
-zero points 6.6 / 9.0 / 12.3 at 1 / 2 / 4 rows, 8-bit 6.4 at 1 row; mma 4-bit 2.8 (2.6 without
-zero points), 8-bit fp16 2.7, 8-bit bf16 4.8, at any row count (168 / 136 registers, 4 warps).
+zero points 6.6 / 9.0 / 12.3 at 1 / 2 / 4 rows, 8-bit 6.4 at 1 row; mma 4-bit 2.7 (with or
+without zero points, bf16 or fp16), 8-bit fp16 2.7, 8-bit bf16 4.9, at any row count (168 / 138
+registers, 4 warps).
 Split-K partials are combined as in gemv.py (deterministic). Act-order (g_idx) weights use the
 GEMM (wna16_gemm.py).
 """
@@ -162,7 +163,6 @@ def _wna16_gemv_fma_kernel(
                    SPLIT_K, HAS_SPLIT, BLOCK_M, BLOCK_N)
 
 
-
 # --- the tensor-core variant: 4 / 8-bit weights, 16-bit activations -----------------------------
 # Each word becomes 16-bit pairs (q - zero) in registers, exact (|q - zero| <= 255 fits 16-bit
 # floats), and one tl.dot multiplies the (BLOCK_N, BLOCK_K) tile by x^T padded to _MMA_ROWS
@@ -282,6 +282,24 @@ def _dequant_tile(words, z, BITS: tl.constexpr, ACT: tl.constexpr, ASM: tl.const
     return tl.reshape(tile, (BLOCK_N, BLOCK_K))
 
 
+@triton.jit
+def _group_row(s_ptr, z_ptr, grp, N, offs_n, n_mask, BITS: tl.constexpr, HAS_ZP: tl.constexpr,
+               EVEN_N: tl.constexpr):
+    """Group grp's (BLOCK_N,) float32 scales and zero points (2^(bits-1) without them)."""
+    if EVEN_N:
+        s = tl.load(s_ptr + grp * N + offs_n).to(tl.float32)
+    else:
+        s = tl.load(s_ptr + grp * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if HAS_ZP:
+        if EVEN_N:
+            z = tl.load(z_ptr + grp * N + offs_n).to(tl.float32)
+        else:
+            z = tl.load(z_ptr + grp * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    else:
+        z = tl.full(offs_n.shape, 1 << (BITS - 1), tl.float32)
+    return s, z
+
+
 @triton.jit(do_not_specialize=["M", "stride_cm", "K_ITERS", "SPLIT_K"])
 def _wna16_gemv_mma_kernel(
     a_ptr, q_ptr, s_ptr, z_ptr, part_ptr, lock_ptr, c_ptr,
@@ -306,6 +324,8 @@ def _wna16_gemv_mma_kernel(
     q_rows = q_ptr + (split * K_ITERS * WORDS + offs_w)[None, :] * N + offs_n[:, None]  # (BN, W)
     # NOTE: the last split may hold fewer K blocks: its loop stops at K, no masks needed.
     iters = tl.minimum(K_ITERS, tl.cdiv(K, BLOCK_K) - split * K_ITERS)
+    first = tl.minimum(split * K_ITERS * BLOCK_K, K - 1) // GROUP
+    s_next, z_next = _group_row(s_ptr, z_ptr, first, N, offs_n, n_mask, BITS, HAS_ZP, EVEN_N)
     for it in range(0, iters):
         k0 = (split * K_ITERS + it) * BLOCK_K
         if EVEN_N and EVEN_K:
@@ -314,18 +334,11 @@ def _wna16_gemv_mma_kernel(
             w_ok = (k0 // PACK + offs_w) < K // PACK  # (W,)
             words = tl.load(q_rows, mask=w_ok[None, :] & n_mask[:, None], other=0)
         q_rows += WORDS * N
-        grp = k0 // GROUP  # the whole block is in one group
-        if EVEN_N:
-            s = tl.load(s_ptr + grp * N + offs_n).to(tl.float32)  # (BN,)
-        else:
-            s = tl.load(s_ptr + grp * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        if HAS_ZP:
-            if EVEN_N:
-                z = tl.load(z_ptr + grp * N + offs_n).to(tl.float32)
-            else:
-                z = tl.load(z_ptr + grp * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        else:
-            z = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.float32)
+        # NOTE: the next block's scales and zeros are loaded a block ahead (the words are
+        # pipelined by the compiler, these are not); past K, the last group is read again.
+        s, z = s_next, z_next
+        s_next, z_next = _group_row(s_ptr, z_ptr, tl.minimum(k0 + BLOCK_K, K - 1) // GROUP, N,
+                                    offs_n, n_mask, BITS, HAS_ZP, EVEN_N)
         wq = _dequant_tile(words, z, BITS, ACT, ASM, BLOCK_N, BLOCK_K)  # (BN, BK)
         kk = k0 + offs_k  # (BK,)
         if EVEN_K:
