@@ -1,6 +1,6 @@
 """Small-batch quantized matmuls on the GPU: per Llama-3-8B / Llama-2-70B projection and M rows,
-the time and achieved GB/s of the GEMVs (kernels/wna16_gemv.py: its tensor-core "mma" variant,
-the default, beside the float32-FMA "fma" one; kernels/gemv.py) beside the weight-only int GEMM
+the time and achieved GB/s of the GEMVs (kernels/wna16_gemv.py: each variant, "fma" (the
+default), "fma_prefetch" and the tensor-core "mma"; kernels/gemv.py) beside the weight-only int GEMM
 (kernels/wna16_gemm.py), bf16 F.linear, FP8 per-token quant + torch._scaled_mm and INT8
 per-token quant + torch._int_mm.
 
@@ -133,7 +133,7 @@ def shape_rows(model: str, proj: str, k: int, n: int, rows: list[int], iters: in
         for m in rows:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             if m <= GEMV_MAX_ROWS:  # past the dispatch cut-offs too, to re-measure them
-                for variant in ("mma", "fma"):  # tensor cores (the default) and the FMA kernel
+                for variant in ("fma", "fma_prefetch", "mma"):
                     if variant == "mma" and not mma_supported(w, x.dtype, dev):
                         continue
                     cfg = gemv_config(w, dev, block_m_for(m), variant)

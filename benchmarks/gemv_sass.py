@@ -90,9 +90,10 @@ def count(variant: str, bits: int, zp: bool, act: str, rows: int) -> dict:
                    stride_cm="i32", K_ITERS="i32", SPLIT_K="i32")
         bn, bk, warps = g._BLOCK_N, g._block_k(bits), 8 if rows > 4 else 4
         ce = dict(GROUP=128, BITS=bits, HAS_ZP=zp, PER_WORD=False, BLOCK_M=rows, BLOCK_N=bn,
-                  BLOCK_K=bk, HAS_SPLIT=True)
+                  BLOCK_K=bk, HAS_SPLIT=True, PREFETCH=variant == "fma_prefetch")
         kernel = g._wna16_gemv_fma_kernel
-    loop, regs = _k_loop(_compile(kernel, sig, ce, warps).asm["cubin"])
+    compiled = _compile(kernel, sig, ce, warps)
+    loop, regs = _k_loop(compiled.asm["cubin"])
     values = bn * bk / (32 * warps)  # weight values per thread per K iteration
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
                               for ins in loop)
@@ -102,7 +103,10 @@ def count(variant: str, bits: int, zp: bool, act: str, rows: int) -> dict:
 
 
 CASES = [("fma", 4, True, "bf16", 1), ("fma", 4, True, "bf16", 2), ("fma", 4, True, "bf16", 4),
-         ("fma", 8, False, "bf16", 1), ("mma", 4, True, "bf16", 1), ("mma", 4, False, "bf16", 1),
+         ("fma", 8, False, "bf16", 1), ("fma_prefetch", 4, True, "bf16", 1),
+         ("fma_prefetch", 4, True, "bf16", 4), ("fma_prefetch", 4, True, "bf16", 8),
+         ("fma_prefetch", 6, True, "bf16", 8), ("fma_prefetch", 8, False, "bf16", 1),
+         ("mma", 4, True, "bf16", 1), ("mma", 4, False, "bf16", 1),
          ("mma", 4, True, "fp16", 1), ("mma", 8, False, "bf16", 1), ("mma", 8, False, "fp16", 1)]
 
 
@@ -112,13 +116,13 @@ def main() -> int:
     ns = p.parse_args()
     rows = []
     print(f"triton {triton.__version__}, sm_90 (mma: any row count up to 16 compiles the same)")
-    print(f"{'variant':7} {'bits':>4} {'zp':>3} {'act':4} {'rows':>4} {'regs':>4} "
+    print(f"{'variant':12} {'bits':>4} {'zp':>3} {'act':4} {'rows':>4} {'regs':>4} "
           f"{'loop':>5} {'/value':>6}  top opcodes")
     for case in CASES:
         r = count(*case)
         rows.append(r)
         top = " ".join(f"{o}:{c}" for o, c in list(r["opcodes"].items())[:6])
-        print(f"{r['variant']:7} {r['bits']:4d} {int(r['zero_points']):3d} {r['act']:4} "
+        print(f"{r['variant']:12} {r['bits']:4d} {int(r['zero_points']):3d} {r['act']:4} "
               f"{r['rows']:4d} {r['registers']:4d} {r['loop_instructions']:5d} "
               f"{r['per_value']:6.2f}  {top}")
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)

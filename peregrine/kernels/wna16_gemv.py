@@ -1,29 +1,30 @@
 """Split-K GEMV for weight-only int weights in layers/quantization/wna16.py's layout, for decode
-batches of at most GEMV_MAX_ROWS rows: y (M, N) = x (M, K) @ dequant(W) (K, N). Two variants:
+batches of at most GEMV_MAX_ROWS rows: y (M, N) = x (M, K) @ dequant(W) (K, N). Variants, chosen
+by wna16_gemv's `variant` argument:
 
-mma (the default for 4 / 8-bit weights and 16-bit activations; sm_90+ on CUDA): per K block each
-program dequantizes its (BLOCK_N columns, BLOCK_K inputs) tile to exact 16-bit q - zero with a
-few inline-PTX bit tricks on whole words (4-bit: shift, lop3 into the exponent of 128 / 1024, one
+fma (the default, every layout): per K block it loads the (BLOCK_K / pack, BLOCK_N) packed int32
+words once (rows of N contiguous words: coalesced), and for each of the pack values a word holds
+takes a shift and a mask in registers. An integer q < 2^23 becomes the float 2^23 + q by OR-ing
+it into the mantissa of 2^23, so q - zero is one float subtraction of (2^23 + zero). Each row m
+keeps a (words, BLOCK_N) float32 accumulator in the words' own layout: acc_m += scale * sum_j
+(q_j - zero) * x[m, k_j], so nothing crosses threads until the end, where one reduction over the
+words gives the row's sums. fma_prefetch: the same, with the K loop software-pipelined by the
+compiler (each block's words copied to shared memory two iterations ahead: more bytes in flight).
+
+mma (4 / 8-bit weights, 16-bit activations, sm_90+ on CUDA): per K block each program
+dequantizes its (BLOCK_N columns, BLOCK_K inputs) tile to exact 16-bit q - zero with a few
+inline-PTX bit tricks on whole words (4-bit: shift, lop3 into the exponent of 128 / 1024, one
 packed subtraction of (magic + zero) per two values; 8-bit fp16 the same with a byte prmt; 8-bit
 bf16 through float32 2^23 + q), and one tl.dot multiplies it by x^T padded to 16 columns: the
 weight is the dot's first operand, so the padding costs x, not the weight, and every row count up
-to 16 runs the same instructions. Block sums are float32, scaled per group. The interpreter gets
-the same values from plain Triton ops.
-
-fma (6-bit, 32-bit activations, and on request): per K block it loads the (BLOCK_K / pack,
-BLOCK_N) packed int32 words once (rows of N contiguous words: coalesced), and for each of the
-pack values a word holds takes a shift and a mask in registers. An integer q < 2^23 becomes the
-float 2^23 + q by OR-ing it into the mantissa of 2^23, so q - zero is one float subtraction of
-(2^23 + zero). Each row m keeps a (words, BLOCK_N) float32 accumulator in the words' own layout:
-acc_m += scale * sum_j (q_j - zero) * x[m, k_j], so nothing crosses threads until the end, where
-one reduction over the words gives the row's sums.
+to 16 runs the same instructions. The interpreter gets the same values from plain Triton ops.
 
 SASS per weight value in the K loop, compiled for sm_90 (benchmarks/gemv_sass.py): fma 4-bit with
-zero points 6.6 / 9.0 / 12.3 at 1 / 2 / 4 rows, 8-bit 6.4 at 1 row; mma 4-bit 2.7 (with or
-without zero points, bf16 or fp16), 8-bit fp16 2.7, 8-bit bf16 4.9, at any row count (168 / 138
-registers, 4 warps).
-Split-K partials are combined as in gemv.py (deterministic). Act-order (g_idx) weights use the
-GEMM (wna16_gemm.py).
+zero points 6.6 / 9.0 / 12.3 at 1 / 2 / 4 rows, 8-bit 6.4 at 1 row; mma 4-bit 2.7, 8-bit fp16
+2.7, 8-bit bf16 4.9 at any row count. Yet on an H200 at Llama-3-8B shapes mma took about twice
+fma's time (M = 1 and 4): neither is issue-bound there; both wait on memory latency (too few
+bytes in flight), which is what fma_prefetch addresses. Split-K partials are combined as in
+gemv.py (deterministic). Act-order (g_idx) weights use the GEMM (wna16_gemm.py).
 """
 from __future__ import annotations
 
@@ -51,12 +52,51 @@ def _x_col(a_ptr, m, M, stride_am, kk, k_mask):
     return tl.load(a_ptr + m * stride_am + kk, mask=k_mask & row_ok, other=0.0).to(tl.float32)
 
 
+@triton.jit
+def _fma_block(q_ptr, qhi_ptr, s_ptr, z_ptr, k0, K, N, offs_w, offs_n, n_mask,
+               GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZP: tl.constexpr,
+               PER_WORD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K block at k0's loads: (W, BN) words, the 6-bit high words (else the words again),
+    float32 scales and 2^23 + zero points, (W, BN) per word row or (1, BN) for the block.
+    Past K nothing is read (masked words; the last group's scales)."""
+    PACK: tl.constexpr = 4 if BITS == 8 else 8
+    WORDS: tl.constexpr = BLOCK_K // PACK
+    half: tl.constexpr = 1 << (BITS - 1)
+    word = k0 // PACK + offs_w  # (W,) word rows of the main plane
+    tile_mask = (word < K // PACK)[:, None] & n_mask[None, :]
+    words = tl.load(q_ptr + word.to(tl.int64)[:, None] * N + offs_n[None, :], mask=tile_mask,
+                    other=0)  # (W, BN) int32
+    hi = words
+    if BITS == 6:  # the high 2 bits: 16 per word, so word row w's values sit at half w // 2
+        hi = tl.load(qhi_ptr + (word // 2).to(tl.int64)[:, None] * N + offs_n[None, :],
+                     mask=tile_mask, other=0)  # (W, BN) int32
+    if PER_WORD:  # groups smaller than the block: each word row reads its group's row
+        grp = (word * PACK) // GROUP  # (W,)
+        s = tl.load(s_ptr + grp.to(tl.int64)[:, None] * N + offs_n[None, :], mask=tile_mask,
+                    other=0.0).to(tl.float32)  # (W, BN)
+        if HAS_ZP:
+            z = tl.load(z_ptr + grp.to(tl.int64)[:, None] * N + offs_n[None, :],
+                        mask=tile_mask, other=0.0).to(tl.float32) + 8388608.0
+        else:
+            z = tl.full((WORDS, BLOCK_N), 8388608.0 + half, tl.float32)
+    else:  # the whole block is in one group
+        grp = tl.minimum(k0, K - 1) // GROUP
+        s = tl.load(s_ptr + grp * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_ZP:
+            z = tl.load(z_ptr + grp * N + offs_n, mask=n_mask,
+                        other=0.0).to(tl.float32)[None, :] + 8388608.0  # (1, BN)
+        else:
+            z = tl.full((1, BLOCK_N), 8388608.0 + half, tl.float32)
+    return words, hi, s, z
+
+
 @triton.jit(do_not_specialize=["M", "stride_am", "stride_cm", "K_ITERS", "SPLIT_K"])
 def _wna16_gemv_fma_kernel(
     a_ptr, q_ptr, qhi_ptr, s_ptr, z_ptr, part_ptr, lock_ptr, c_ptr,
     M, N, K, stride_am, stride_cm, K_ITERS, SPLIT_K,
     GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZP: tl.constexpr, PER_WORD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     PACK: tl.constexpr = 4 if BITS == 8 else 8  # values per word of the main plane
     WIDTH: tl.constexpr = 8 if BITS == 8 else 4  # bits per value in the main plane
@@ -75,34 +115,16 @@ def _wna16_gemv_fma_kernel(
     acc6 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
     acc7 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
     half: tl.constexpr = 1 << (BITS - 1)
-    for it in range(0, K_ITERS):
+    # NOTE: with PREFETCH the compiler's software pipeliner copies each K block's words into
+    # shared memory (cp.async) two iterations ahead; without it the loads are issued in the loop.
+    for it in tl.range(0, K_ITERS, num_stages=3 if PREFETCH else 1):
         k0 = (split * K_ITERS + it) * BLOCK_K
         word = k0 // PACK + offs_w  # (W,) word rows of the main plane
         w_mask = word < K // PACK
-        tile_mask = w_mask[:, None] & n_mask[None, :]
-        words = tl.load(q_ptr + word.to(tl.int64)[:, None] * N + offs_n[None, :], mask=tile_mask,
-                        other=0)  # (W, BN) int32
-        if BITS == 6:  # the high 2 bits: 16 per word, so word row w's values sit at half w // 2
-            hi = tl.load(qhi_ptr + (word // 2).to(tl.int64)[:, None] * N + offs_n[None, :],
-                         mask=tile_mask, other=0)  # (W, BN) int32
-            hi_base = ((word % 2) * 16)[:, None]  # (W, 1)
-        if PER_WORD:  # groups smaller than the block: each word row reads its group's row
-            grp = (word * PACK) // GROUP  # (W,)
-            s = tl.load(s_ptr + grp.to(tl.int64)[:, None] * N + offs_n[None, :], mask=tile_mask,
-                        other=0.0).to(tl.float32)  # (W, BN)
-            if HAS_ZP:
-                z = tl.load(z_ptr + grp.to(tl.int64)[:, None] * N + offs_n[None, :],
-                            mask=tile_mask, other=0.0).to(tl.float32) + 8388608.0
-            else:
-                z = tl.full((WORDS, BLOCK_N), 8388608.0 + half, tl.float32)
-        else:  # the whole block is in one group
-            grp = k0 // GROUP
-            s = tl.load(s_ptr + grp * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            if HAS_ZP:
-                z = tl.load(z_ptr + grp * N + offs_n, mask=n_mask,
-                            other=0.0).to(tl.float32)[None, :] + 8388608.0  # (1, BN)
-            else:
-                z = tl.full((1, BLOCK_N), 8388608.0 + half, tl.float32)
+        words, hi, s, z = _fma_block(q_ptr, qhi_ptr, s_ptr, z_ptr, k0, K, N, offs_w, offs_n,
+                                     n_mask, GROUP, BITS, HAS_ZP, PER_WORD, BLOCK_N, BLOCK_K)
+        if BITS == 6:
+            hi_base = ((word % 2) * 16)[:, None]  # (W, 1) the half of hi's word holding row w
         t0 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
         t1 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
         t2 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
@@ -369,7 +391,7 @@ _WORDS = 16
 _BLOCK_N = 64
 _MMA_BLOCK_N = 128
 _MMA_BLOCK_K = 128
-VARIANTS = ("mma", "fma")
+VARIANTS = ("fma", "fma_prefetch", "mma")
 
 
 def _block_k(bits: int) -> int:
@@ -432,7 +454,7 @@ def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
                          f"16-bit activations and K blocks inside one group (sm_90+ on CUDA); "
                          f"got {w.bits} bits, {x.dtype}, group {w.group_size}, block_k "
                          f"{block_k or _mma_block_k(w)}")
-    return variant or ("mma" if ok else "fma")
+    return variant or "fma"
 
 
 def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
@@ -451,7 +473,8 @@ def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
 def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None,
                variant: str | None = None) -> torch.Tensor:
     """y (..., N) = x (..., K) @ dequant(w) (K, N) in x's dtype, for at most GEMV_MAX_ROWS rows.
-    variant: "mma" (tensor cores), "fma" (float32 FMAs) or None: mma where it applies."""
+    variant: "fma" (float32 FMAs, the default), "fma_prefetch" (the same, its loads pipelined
+    two K blocks ahead) or "mma" (tensor cores; 4 / 8 bits, 16-bit x, sm_90+)."""
     k, n = w.in_features, w.out_features
     if x.shape[-1] != k:
         raise ValueError(f"wna16_gemv: x has {x.shape[-1]} inputs, the weight {k}")
@@ -491,7 +514,7 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
         m, n, k, a.stride(0), out.stride(0), cfg.k_iters, cfg.split_k,
         GROUP=w.group_size, BITS=w.bits, HAS_ZP=w.zeros is not None, PER_WORD=per_word,
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_SPLIT=cfg.split_k > 1,
-        num_warps=cfg.num_warps)
+        PREFETCH=kind == "fma_prefetch", num_warps=cfg.num_warps)
     return out.reshape(*lead, n)
 
 

@@ -3,7 +3,7 @@
 above): weight-only int (4, 6, 8 bits, zero points, groups, per channel, fp16), FP8 per channel
 and 128x128 blocks, int8 per channel, each against dequantize-then-matmul of x as it is at
 M <= GEMV_MAX_M; the int layout's tensor-core variant (4 / 8 bits, bf16 / fp16, every shape, 1 to
-8 rows, ragged shapes) within one output ulp, and its FMA variant; bit-identical repeats
+8 rows, ragged shapes) within one output ulp, and fma_prefetch equal to fma bit for bit; repeats
 (deterministic split-K), CUDA-graph replay, nothing compiled after load, 6-bit GEMM tiles that
 compile at every batch size."""
 from __future__ import annotations
@@ -159,8 +159,8 @@ def test_mma_variant_rounds_only_the_output(shape: str, bits: int, zp: bool,
     assert _exact_err(got, x, w) <= 1.0
 
 
-@pytest.mark.parametrize("variant", ["mma", "fma"])
-def test_both_variants_agree_and_repeat_bit_for_bit(variant: str) -> None:
+@pytest.mark.parametrize("variant", ["mma", "fma", "fma_prefetch"])
+def test_every_variant_is_exact_and_repeats_bit_for_bit(variant: str) -> None:
     k, n = SHAPES["down"]  # the longest K: the most K blocks per split
     w = _layout(k, n, 4, zp=True)
     x = torch.randn(4, k, device=DEV, dtype=torch.bfloat16)
@@ -181,16 +181,29 @@ def test_mma_variant_ragged_shapes_and_explicit_configs() -> None:
     assert _exact_err(wna16_gemv(x, w, cfg, variant="mma"), x, w) <= 1.0
 
 
-def test_default_is_mma_where_it_applies() -> None:
+def test_mma_applies_to_4_and_8_bits_with_16_bit_activations_on_sm90() -> None:
     k, n = SHAPES["o"]
     w4, w6 = _layout(k, n, 4, zp=True), _layout(k, n, 6, zp=False)
     x = torch.randn(2, k, device=DEV, dtype=torch.bfloat16)
     assert mma_supported(w4, x.dtype, x.device) == (torch.cuda.get_device_capability() >= (9, 0))
     assert not mma_supported(w6, x.dtype, x.device)
     assert not mma_supported(w4, torch.float32, x.device)
-    want = "mma" if mma_supported(w4, x.dtype, x.device) else "fma"
-    assert torch.equal(wna16_gemv(x, w4), wna16_gemv(x, w4, variant=want))
-    assert torch.equal(wna16_gemv(x, w6), wna16_gemv(x, w6, variant="fma"))
+    assert torch.equal(wna16_gemv(x, w4), wna16_gemv(x, w4, variant="fma"))  # the default
+
+
+@pytest.mark.parametrize("m", (1, 3, 8))
+@pytest.mark.parametrize("bits, zp, group", [(4, True, 128), (8, False, 128), (6, True, 128),
+                                             (4, False, 32)])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_fma_prefetch_is_fma_bit_for_bit(shape: str, bits: int, zp: bool, group: int,
+                                         m: int) -> None:
+    """The same sums in the same order, only the loads issued an iteration earlier."""
+    k, n = SHAPES[shape]
+    w = _layout(k, n, bits, zp, group=group)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    got = wna16_gemv(x, w, variant="fma_prefetch")
+    assert torch.equal(got, wna16_gemv(x, w, variant="fma"))
+    assert _exact_err(got, x, w) <= 1.0
 
 
 @pytest.mark.parametrize("m", ROWS)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from peregrine.kernels import wna16_gemv as g
+from peregrine.kernels.wna16_gemv import _dequant_tile
 
 MASK = 0xFFFFFFFF
 _F16 = {"bf16": torch.bfloat16, "f16": torch.float16}
@@ -133,7 +134,7 @@ def _tile_kernel(w_ptr, z_ptr, out_ptr, BITS: tl.constexpr, BN: tl.constexpr,
     rows = tl.arange(0, BN)
     words = tl.load(w_ptr + rows[:, None] * W + tl.arange(0, W)[None, :])  # (BN, W)
     z = tl.load(z_ptr + rows)  # (BN,)
-    tile = g._dequant_tile(words, z, BITS, tl.float16, False, BN, BK)  # (BN, BK)
+    tile = _dequant_tile(words, z, BITS, tl.float16, False, BN, BK)  # (BN, BK)
     tl.store(out_ptr + rows[:, None] * BK + tl.arange(0, BK)[None, :], tile)
 
 

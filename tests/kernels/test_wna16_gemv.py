@@ -172,11 +172,25 @@ def test_mma_variant_ragged_n_and_k() -> None:
     assert _ulps(wna16_gemv(x.half(), w8, cfg, variant="mma"), x.half(), w8) < ULP
 
 
-def test_fma_variant_on_request_and_both_agree() -> None:
+def test_fma_is_the_default_and_every_variant_agrees() -> None:
     w = _layout(4, 128, zp=True, dtype=torch.bfloat16, seed=17)
     x = _x(4, torch.bfloat16, seed=18)
-    assert torch.equal(wna16_gemv(x, w), wna16_gemv(x, w, variant="mma"))  # the default
-    assert _ulps(wna16_gemv(x, w, variant="fma"), x, w) < ULP
+    assert torch.equal(wna16_gemv(x, w), wna16_gemv(x, w, variant="fma"))
+    for variant in ("fma", "fma_prefetch", "mma"):
+        assert _ulps(wna16_gemv(x, w, variant=variant), x, w) < ULP, variant
+
+
+@pytest.mark.parametrize("bits, group, zp", [(4, 32, True), (6, 16, True), (8, 128, False),
+                                             (4, K, False)])
+def test_fma_prefetch_equals_fma_bit_for_bit(bits: int, group: int, zp: bool) -> None:
+    # K = 192: 3 blocks of 64 in 2 splits of 2, so the last split's second block and the
+    # prefetch past it lie beyond K (nothing read); N = 40 against 16-column tiles.
+    w = _layout(bits, group if group != K else 192, zp, k=192, n=40, seed=19)
+    x = _x(3, k=192, seed=20)
+    cfg = GemvConfig(block_n=16, block_k=64, split_k=2, k_iters=2, num_warps=4)
+    got = wna16_gemv(x, w, cfg, variant="fma_prefetch")
+    torch.testing.assert_close(got, _reference(x, w), rtol=1e-5, atol=1e-4)
+    assert torch.equal(got, wna16_gemv(x, w, cfg, variant="fma"))
 
 
 def test_mma_variant_refuses_what_it_cannot_read() -> None:
