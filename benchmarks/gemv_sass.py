@@ -1,5 +1,5 @@
-"""SASS instructions per weight value in the K loop of the weight-only int GEMV's two variants
-(kernels/wna16_gemv.py), compiled offline for an sm_90 GPU: no GPU needed, only the ptxas and
+"""SASS instructions per weight value in the K loop of the weight-only int GEMV's variants
+(kernels/wna16_gemv.py, kernels/wna16_gemv_mma.py), compiled offline for an sm_90 GPU: no GPU needed, only the ptxas and
 nvdisasm that the Triton wheel bundles.
 
     python benchmarks/gemv_sass.py --out /tmp/out/gemv_sass.json
@@ -29,6 +29,7 @@ from triton.backends.compiler import GPUTarget
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from peregrine.kernels import wna16_gemv as g  # noqa: E402
+from peregrine.kernels.wna16_gemv_mma import _wna16_gemv_mma_kernel  # noqa: E402
 
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 _ACT = {"bf16": tl.bfloat16, "fp16": tl.float16}
@@ -83,7 +84,7 @@ def count(variant: str, bits: int, zp: bool, act: str, rows: int) -> dict:
         bn, bk, warps = g._MMA_BLOCK_N, g._MMA_BLOCK_K, 4
         ce = dict(BITS=bits, HAS_ZP=zp, GROUP=128, ASM=True, DOT=_ACT[act], BLOCK_N=bn,
                   BLOCK_K=bk, HAS_SPLIT=True, EVEN_N=True, EVEN_K=True)
-        kernel = g._wna16_gemv_mma_kernel
+        kernel = _wna16_gemv_mma_kernel
     else:
         sig = dict(common, qhi_ptr="*i32", s_ptr=ptr, z_ptr=ptr, part_ptr="*fp32",
                    lock_ptr="*i32", c_ptr=ptr, M="i32", N="i32", K="i32", stride_am="i32",

@@ -17,9 +17,9 @@ from gpu_cases import DEV, rel_err
 from peregrine.kernels.fp8_quant import FP8_DTYPE, block_dequantize, per_token_group_quant_ref
 from peregrine.kernels.gemv import GEMV_MAX_M, W8_GEMV_MAX_M, precompile_w8_gemv, w8_gemv
 from peregrine.kernels.wna16_gemm import wna16_gemm
-from peregrine.kernels.wna16_gemv import (_wna16_gemv_fma_kernel, _wna16_gemv_mma_kernel,
-                                          gemv_config, mma_supported, precompile_wna16_gemv,
-                                          wna16_gemv)
+from peregrine.kernels.wna16_gemv import (_wna16_gemv_fma_kernel, gemv_config, mma_supported,
+                                          precompile_wna16_gemv, wna16_gemv)
+from peregrine.kernels.wna16_gemv_mma import _wna16_gemv_mma_kernel
 from peregrine.layers.quantization.fp8 import Fp8BlockMethod, apply_fp8_linear, fp8_gemm_supported
 from peregrine.layers.quantization.int8 import apply_int8_linear
 from peregrine.layers.quantization.wna16 import WNA16LinearMethod, WNA16Layout

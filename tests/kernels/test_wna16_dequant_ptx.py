@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels import wna16_gemv as g
-from peregrine.kernels.wna16_gemv import _dequant_tile
+from peregrine.kernels import wna16_gemv_mma as g
+from peregrine.kernels.wna16_gemv_mma import _dequant_tile
 
 MASK = 0xFFFFFFFF
 _F16 = {"bf16": torch.bfloat16, "f16": torch.float16}
