@@ -1,7 +1,8 @@
 """Small-batch quantized matmuls on the GPU: per Llama-3-8B / Llama-2-70B projection and M rows,
-the time and achieved GB/s of the GEMVs (kernels/wna16_gemv.py, kernels/gemv.py) beside the
-weight-only int GEMM (kernels/wna16_gemm.py), bf16 F.linear, FP8 per-token quant +
-torch._scaled_mm and INT8 per-token quant + torch._int_mm.
+the time and achieved GB/s of the GEMVs (kernels/wna16_gemv.py: each variant, "fma" (the
+default), "fma_prefetch" and the tensor-core "mma"; kernels/gemv.py) beside the weight-only int GEMM
+(kernels/wna16_gemm.py), bf16 F.linear, FP8 per-token quant + torch._scaled_mm and INT8
+per-token quant + torch._int_mm.
 
     python benchmarks/gemv_bench.py --out /tmp/out/gemv.json [--models 8b,70b] [--rows 1,2,4,8,16]
         [--sweep]
@@ -100,7 +101,7 @@ def shape_rows(model: str, proj: str, k: int, n: int, rows: list[int], iters: in
                sweep: bool, dev: torch.device = torch.device("cuda")) -> list[dict]:
     from peregrine.kernels.gemv import GEMV_MAX_ROWS, block_m_for, w8_gemv
     from peregrine.kernels.wna16_gemm import wna16_gemm
-    from peregrine.kernels.wna16_gemv import gemv_config, wna16_gemv
+    from peregrine.kernels.wna16_gemv import gemv_config, mma_supported, wna16_gemv
     from peregrine.testing import fp8_pack
     out: list[dict] = []
 
@@ -132,13 +133,19 @@ def shape_rows(model: str, proj: str, k: int, n: int, rows: list[int], iters: in
         for m in rows:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             if m <= GEMV_MAX_ROWS:  # past the dispatch cut-offs too, to re-measure them
-                cfg = gemv_config(w, dev, block_m_for(m))
-                timed(f"{label} GEMV", m, [lambda v=v: wna16_gemv(x, v) for v in ws],
-                      wbytes + io(m), config=cfg._asdict())
-                if sweep and m in (1, GEMV_MAX_ROWS):
-                    out.append(_sweep(model, proj, k, n, m, f"{label} GEMV", wbytes + io(m),
-                                      iters, lambda c: [lambda v=v: wna16_gemv(x, v, c)
-                                                        for v in ws], wna16=True))
+                for variant in ("fma", "fma_prefetch", "mma"):
+                    if variant == "mma" and not mma_supported(w, x.dtype, dev):
+                        continue
+                    cfg = gemv_config(w, dev, block_m_for(m), variant)
+                    timed(f"{label} GEMV {variant}", m,
+                          [lambda v=v, var=variant: wna16_gemv(x, v, variant=var) for v in ws],
+                          wbytes + io(m), config=cfg._asdict())
+                    if sweep and m in (1, GEMV_MAX_ROWS):
+                        out.append(_sweep(model, proj, k, n, m, f"{label} GEMV {variant}",
+                                          wbytes + io(m), iters,
+                                          lambda c, var=variant: [
+                                              lambda v=v: wna16_gemv(x, v, c, variant=var)
+                                              for v in ws], wna16=True))
             timed(f"{label} GEMM", m, [lambda v=v: wna16_gemm(x, v) for v in ws],
                   wbytes + io(m))
         del ws, w
@@ -201,6 +208,21 @@ def _sweep(model: str, proj: str, k: int, n: int, m: int, label: str, moved: int
                 us=best[0], GBps=gbps, pct_hbm=100 * gbps / HBM_GBPS, config=best[1]._asdict())
 
 
+LAYERS = {"8b": 32, "70b": 80}
+
+
+def per_layer(results: list[dict]) -> list[dict]:
+    """Per model, method and M with every projection timed: the four projections' sum (one
+    decoder layer's linears) and the tokens/s bound it sets (layers x that sum per token)."""
+    sums: dict[tuple, list[float]] = {}
+    for r in results:
+        if "us" in r and "sweep" not in r["method"]:
+            sums.setdefault((r["model"], r["method"], r["M"]), []).append(r["us"])
+    return [dict(model=mo, method=me, M=m, layer_us=sum(v),
+                 tok_s_bound=1e6 / (LAYERS[mo] * sum(v)))
+            for (mo, me, m), v in sums.items() if len(v) == len(SHAPES[mo])]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="JSON results path")
@@ -224,7 +246,8 @@ def main() -> int:
         for proj, (k, n) in SHAPES[model].items():
             results += shape_rows(model, proj, k, n, rows, ns.iters, ns.sweep)
     doc = dict(device=torch.cuda.get_device_name(), hbm_gbps=HBM_GBPS, gemv_max_m=GEMV_MAX_M, w8_gemv_max_m=W8_GEMV_MAX_M,
-               torch=torch.__version__, seconds=time.time() - t0, rows=results)
+               torch=torch.__version__, seconds=time.time() - t0, rows=results,
+               per_layer=per_layer(results))
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps(doc, indent=2))
     print(f"GEMV cut-offs M <= {GEMV_MAX_M} (int layout), {W8_GEMV_MAX_M} (8-bit); GB/s against a {HBM_GBPS:.0f} GB/s ceiling")
@@ -236,6 +259,10 @@ def main() -> int:
             continue
         print(f"{head} {r['us']:8.1f} {r['GBps']:7.0f} {r['pct_hbm']:5.0f}"
               + (f"  {tuple(r['config'].values())}" if "sweep" in r["method"] else ""))
+    print(f"{'model':5} {'method':28} {'M':>3} {'layer us':>9} {'tok/s bound':>11}")
+    for r in doc["per_layer"]:
+        print(f"{r['model']:5} {r['method']:28} {r['M']:3d} {r['layer_us']:9.1f} "
+              f"{r['tok_s_bound']:11.0f}")
     print(f"({time.time() - t0:.0f} s; JSON in {ns.out})")
     return 0
 

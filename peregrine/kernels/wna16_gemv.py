@@ -1,25 +1,44 @@
 """Split-K GEMV for weight-only int weights in layers/quantization/wna16.py's layout, for decode
-batches of at most GEMV_MAX_M rows: y (M, N) = x (M, K) @ dequant(W) (K, N).
+batches of at most GEMV_MAX_ROWS rows: y (M, N) = x (M, K) @ dequant(W) (K, N). Variants, chosen
+by wna16_gemv's `variant` argument:
 
-Each program owns BLOCK_N output columns and a K range. Per K block it loads the (BLOCK_K / pack,
-BLOCK_N) packed int32 words once (rows of N contiguous words: coalesced), and for each of the
-pack values a word holds takes a shift and a mask in registers. An integer q < 2^23 becomes the
-float 2^23 + q by OR-ing it into the mantissa of 2^23, so q - zero is one float subtraction of
-(2^23 + zero). Each row m keeps a (words, BLOCK_N) float32 accumulator in the words' own layout:
-acc_m += scale * sum_j (q_j - zero) * x[m, k_j], so nothing crosses threads until the end, where
-one reduction over the words gives the row's sums. Split-K partials are combined as in gemv.py
-(deterministic). Act-order (g_idx) weights use the GEMM (wna16_gemm.py).
+fma (the default, every layout): per K block it loads the (BLOCK_K / pack, BLOCK_N) packed int32
+words once (rows of N contiguous words: coalesced), and for each of the pack values a word holds
+takes a shift and a mask in registers. An integer q < 2^23 becomes the float 2^23 + q by OR-ing
+it into the mantissa of 2^23, so q - zero is one float subtraction of (2^23 + zero). Each row m
+keeps a (words, BLOCK_N) float32 accumulator in the words' own layout: acc_m += scale * sum_j
+(q_j - zero) * x[m, k_j], so nothing crosses threads until the end, where one reduction over the
+words gives the row's sums. fma_prefetch: the same, with the K loop software-pipelined by the
+compiler (each block's words copied to shared memory two iterations ahead: more bytes in flight).
+
+mma (4 / 8-bit weights, 16-bit activations, sm_90+ on CUDA): per K block each program
+dequantizes its (BLOCK_N columns, BLOCK_K inputs) tile to exact 16-bit q - zero with a few
+inline-PTX bit tricks on whole words (4-bit: shift, lop3 into the exponent of 128 / 1024, one
+packed subtraction of (magic + zero) per two values; 8-bit fp16 the same with a byte prmt; 8-bit
+bf16 through float32 2^23 + q), and one tl.dot multiplies it by x^T padded to 16 columns: the
+weight is the dot's first operand, so the padding costs x, not the weight, and every row count up
+to 16 runs the same instructions. The interpreter gets the same values from plain Triton ops.
+
+SASS per weight value in the K loop, compiled for sm_90 (benchmarks/gemv_sass.py): fma 4-bit with
+zero points 6.6 / 9.0 / 12.3 at 1 / 2 / 4 rows, 8-bit 6.4 at 1 row; mma 4-bit 2.7, 8-bit fp16
+2.7, 8-bit bf16 4.9 at any row count. Yet on an H200 at Llama-3-8B shapes mma took about twice
+fma's time (M = 1 and 4): neither is issue-bound there; both wait on memory latency (too few
+bytes in flight), which is what fma_prefetch addresses. Split-K partials are combined as in
+gemv.py (deterministic). Act-order (g_idx) weights use the GEMM (wna16_gemm.py).
 """
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
+from peregrine.kernels._utils import dot_dtype
 from peregrine.kernels.gemv import (GEMV_MAX_M, GemvConfig, block_m_for, choose_split,
                                     finish_split_k, launch_buffers, store_partial)
+from peregrine.kernels.wna16_gemv_mma import _wna16_gemv_mma_kernel
 
 if TYPE_CHECKING:
     from peregrine.layers.quantization.wna16 import WNA16Layout
@@ -34,12 +53,51 @@ def _x_col(a_ptr, m, M, stride_am, kk, k_mask):
     return tl.load(a_ptr + m * stride_am + kk, mask=k_mask & row_ok, other=0.0).to(tl.float32)
 
 
+@triton.jit
+def _fma_block(q_ptr, qhi_ptr, s_ptr, z_ptr, k0, K, N, offs_w, offs_n, n_mask,
+               GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZP: tl.constexpr,
+               PER_WORD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K block at k0's loads: (W, BN) words, the 6-bit high words (else the words again),
+    float32 scales and 2^23 + zero points, (W, BN) per word row or (1, BN) for the block.
+    Past K nothing is read (masked words; the last group's scales)."""
+    PACK: tl.constexpr = 4 if BITS == 8 else 8
+    WORDS: tl.constexpr = BLOCK_K // PACK
+    half: tl.constexpr = 1 << (BITS - 1)
+    word = k0 // PACK + offs_w  # (W,) word rows of the main plane
+    tile_mask = (word < K // PACK)[:, None] & n_mask[None, :]
+    words = tl.load(q_ptr + word.to(tl.int64)[:, None] * N + offs_n[None, :], mask=tile_mask,
+                    other=0)  # (W, BN) int32
+    hi = words
+    if BITS == 6:  # the high 2 bits: 16 per word, so word row w's values sit at half w // 2
+        hi = tl.load(qhi_ptr + (word // 2).to(tl.int64)[:, None] * N + offs_n[None, :],
+                     mask=tile_mask, other=0)  # (W, BN) int32
+    if PER_WORD:  # groups smaller than the block: each word row reads its group's row
+        grp = (word * PACK) // GROUP  # (W,)
+        s = tl.load(s_ptr + grp.to(tl.int64)[:, None] * N + offs_n[None, :], mask=tile_mask,
+                    other=0.0).to(tl.float32)  # (W, BN)
+        if HAS_ZP:
+            z = tl.load(z_ptr + grp.to(tl.int64)[:, None] * N + offs_n[None, :],
+                        mask=tile_mask, other=0.0).to(tl.float32) + 8388608.0
+        else:
+            z = tl.full((WORDS, BLOCK_N), 8388608.0 + half, tl.float32)
+    else:  # the whole block is in one group
+        grp = tl.minimum(k0, K - 1) // GROUP
+        s = tl.load(s_ptr + grp * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if HAS_ZP:
+            z = tl.load(z_ptr + grp * N + offs_n, mask=n_mask,
+                        other=0.0).to(tl.float32)[None, :] + 8388608.0  # (1, BN)
+        else:
+            z = tl.full((1, BLOCK_N), 8388608.0 + half, tl.float32)
+    return words, hi, s, z
+
+
 @triton.jit(do_not_specialize=["M", "stride_am", "stride_cm", "K_ITERS", "SPLIT_K"])
-def _wna16_gemv_kernel(
+def _wna16_gemv_fma_kernel(
     a_ptr, q_ptr, qhi_ptr, s_ptr, z_ptr, part_ptr, lock_ptr, c_ptr,
     M, N, K, stride_am, stride_cm, K_ITERS, SPLIT_K,
     GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZP: tl.constexpr, PER_WORD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     PACK: tl.constexpr = 4 if BITS == 8 else 8  # values per word of the main plane
     WIDTH: tl.constexpr = 8 if BITS == 8 else 4  # bits per value in the main plane
@@ -57,35 +115,16 @@ def _wna16_gemv_kernel(
     acc5 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
     acc6 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
     acc7 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    half: tl.constexpr = 1 << (BITS - 1)
-    for it in range(0, K_ITERS):
+    # NOTE: with PREFETCH the compiler's software pipeliner copies each K block's words into
+    # shared memory (cp.async) two iterations ahead; without it the loads are issued in the loop.
+    for it in tl.range(0, K_ITERS, num_stages=3 if PREFETCH else 1):
         k0 = (split * K_ITERS + it) * BLOCK_K
         word = k0 // PACK + offs_w  # (W,) word rows of the main plane
         w_mask = word < K // PACK
-        tile_mask = w_mask[:, None] & n_mask[None, :]
-        words = tl.load(q_ptr + word.to(tl.int64)[:, None] * N + offs_n[None, :], mask=tile_mask,
-                        other=0)  # (W, BN) int32
-        if BITS == 6:  # the high 2 bits: 16 per word, so word row w's values sit at half w // 2
-            hi = tl.load(qhi_ptr + (word // 2).to(tl.int64)[:, None] * N + offs_n[None, :],
-                         mask=tile_mask, other=0)  # (W, BN) int32
-            hi_base = ((word % 2) * 16)[:, None]  # (W, 1)
-        if PER_WORD:  # groups smaller than the block: each word row reads its group's row
-            grp = (word * PACK) // GROUP  # (W,)
-            s = tl.load(s_ptr + grp.to(tl.int64)[:, None] * N + offs_n[None, :], mask=tile_mask,
-                        other=0.0).to(tl.float32)  # (W, BN)
-            if HAS_ZP:
-                z = tl.load(z_ptr + grp.to(tl.int64)[:, None] * N + offs_n[None, :],
-                            mask=tile_mask, other=0.0).to(tl.float32) + 8388608.0
-            else:
-                z = tl.full((WORDS, BLOCK_N), 8388608.0 + half, tl.float32)
-        else:  # the whole block is in one group
-            grp = k0 // GROUP
-            s = tl.load(s_ptr + grp * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            if HAS_ZP:
-                z = tl.load(z_ptr + grp * N + offs_n, mask=n_mask,
-                            other=0.0).to(tl.float32)[None, :] + 8388608.0  # (1, BN)
-            else:
-                z = tl.full((1, BLOCK_N), 8388608.0 + half, tl.float32)
+        words, hi, s, z = _fma_block(q_ptr, qhi_ptr, s_ptr, z_ptr, k0, K, N, offs_w, offs_n,
+                                     n_mask, GROUP, BITS, HAS_ZP, PER_WORD, BLOCK_N, BLOCK_K)
+        if BITS == 6:
+            hi_base = ((word % 2) * 16)[:, None]  # (W, 1) the half of hi's word holding row w
         t0 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
         t1 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
         t2 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
@@ -146,11 +185,15 @@ def _wna16_gemv_kernel(
                    SPLIT_K, HAS_SPLIT, BLOCK_M, BLOCK_N)
 
 
-# 16 rows of 64 words per K block. Compiled for sm_90 (4-bit, zero points): 4 warps at 1 / 2 /
-# 4 rows take 56 / 89 / 128 registers and about 6.6 / 8.9 / 12.3 instructions per weight value
-# in the K loop; 8 rows take 8 warps (169 registers, 22.7 per value) where 4 would use all 255.
+# fma: 16 rows of 64 words per K block. Compiled for sm_90 (4-bit, zero points): 4 warps at 1 /
+# 2 / 4 rows take 56 / 89 / 128 registers and about 6.6 / 8.9 / 12.3 instructions per weight
+# value in the K loop; 8 rows take 8 warps (169 registers, 22.7 per value) where 4 would use all
+# 255. mma: 128 columns x 128 inputs per K block, 4 warps, any row count up to _MMA_ROWS.
 _WORDS = 16
 _BLOCK_N = 64
+_MMA_BLOCK_N = 128
+_MMA_BLOCK_K = 128
+VARIANTS = ("fma", "fma_prefetch", "mma")
 
 
 def _block_k(bits: int) -> int:
@@ -158,8 +201,8 @@ def _block_k(bits: int) -> int:
 
 
 def gemv_supported(w: WNA16Layout, block_k: int | None = None) -> bool:
-    """Whether the GEMV reads this layout: no act-order, and every K block either inside one
-    group or made of whole words of each group."""
+    """Whether the (fma) GEMV reads this layout: no act-order, and every K block either inside
+    one group or made of whole words of each group. The mma variant takes a subset."""
     if w.g_idx is not None:
         return False
     bk = block_k or _block_k(w.bits)
@@ -168,26 +211,81 @@ def gemv_supported(w: WNA16Layout, block_k: int | None = None) -> bool:
     return g % bk == 0 or g == w.in_features or (bk % g == 0 and g % pack == 0)
 
 
-def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1) -> GemvConfig:
-    """64 output columns (256 bytes of words per row) per program; K split to fill the SMs."""
-    block_k = _block_k(w.bits)
-    tiles = triton.cdiv(w.out_features, _BLOCK_N)
+def _mma_block_k(w: WNA16Layout) -> int:
+    """The mma variant's K block: 128 inputs, or the group when it is smaller (one scale and
+    zero per block); 0 when no block of 16+ inputs fits the groups."""
+    bk = _MMA_BLOCK_K
+    while bk >= 16:
+        if w.group_size % bk == 0 or w.group_size == w.in_features:
+            return bk
+        bk //= 2
+    return 0
+
+
+def mma_supported(w: WNA16Layout, dtype: torch.dtype, device: torch.device,
+                  block_k: int | None = None) -> bool:
+    """Whether the tensor-core variant serves this layout for activations of `dtype`: 4 or 8
+    bits, no act-order, 16-bit activations, K blocks inside one group, and on CUDA sm_90+
+    (packed bf16 arithmetic; the interpreter runs it anywhere)."""
+    if w.g_idx is not None or w.bits not in (4, 8):
+        return False
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    bk = block_k or _mma_block_k(w)
+    if bk < 16 or not (w.group_size % bk == 0 or w.group_size == w.in_features):
+        return False
+    if device.type != "cuda":
+        return True
+    return _is_sm90_or_later(device.index if device.index is not None
+                             else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=8)
+def _is_sm90_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
+             config: GemvConfig | None) -> str:
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"wna16_gemv: unknown variant {variant!r} (known: {VARIANTS})")
+    block_k = config.block_k if config is not None else None
+    ok = mma_supported(w, x.dtype, x.device, block_k)
+    if variant == "mma" and not ok:
+        raise ValueError(f"wna16_gemv: the mma variant takes 4 / 8-bit weights without act-order, "
+                         f"16-bit activations and K blocks inside one group (sm_90+ on CUDA); "
+                         f"got {w.bits} bits, {x.dtype}, group {w.group_size}, block_k "
+                         f"{block_k or _mma_block_k(w)}")
+    return variant or "fma"
+
+
+def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
+                variant: str = "fma") -> GemvConfig:
+    """fma: 64 output columns (256 bytes of words per row) per program; mma: 128 columns x 128
+    inputs (or the group) per K block. K split to fill the SMs."""
+    if variant == "mma":
+        block_n, block_k, warps = _MMA_BLOCK_N, _mma_block_k(w), 4
+    else:
+        block_n, block_k, warps = _BLOCK_N, _block_k(w.bits), 8 if block_m > 4 else 4
+    tiles = triton.cdiv(w.out_features, block_n)
     split, k_iters = choose_split(tiles, triton.cdiv(w.in_features, block_k), device)
-    return GemvConfig(_BLOCK_N, block_k, split, k_iters, 8 if block_m > 4 else 4)
+    return GemvConfig(block_n, block_k, split, k_iters, warps)
 
 
-def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None) -> torch.Tensor:
-    """y (..., N) = x (..., K) @ dequant(w) (K, N) in x's dtype, for at most GEMV_MAX_M rows."""
+def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None,
+               variant: str | None = None) -> torch.Tensor:
+    """y (..., N) = x (..., K) @ dequant(w) (K, N) in x's dtype, for at most GEMV_MAX_ROWS rows.
+    variant: "fma" (float32 FMAs, the default), "fma_prefetch" (the same, its loads pipelined
+    two K blocks ahead) or "mma" (tensor cores; 4 / 8 bits, 16-bit x, sm_90+)."""
     k, n = w.in_features, w.out_features
     if x.shape[-1] != k:
         raise ValueError(f"wna16_gemv: x has {x.shape[-1]} inputs, the weight {k}")
     lead = x.shape[:-1]
-    a = x.reshape(-1, k)  # (M, K)
-    if a.stride(-1) != 1:
-        a = a.contiguous()
+    a = x.reshape(-1, k).contiguous()  # (M, K), rows K apart
     m = a.shape[0]
     bm = block_m_for(m)
-    cfg = config or gemv_config(w, x.device, bm)
+    kind = _variant(w, a, variant, config)
+    cfg = config or gemv_config(w, x.device, bm, kind)
     if cfg.block_k & (cfg.block_k - 1) or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"wna16_gemv: block_k {cfg.block_k} and block_n {cfg.block_n} must be "
                          "powers of two")
@@ -196,17 +294,29 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
                          f"{w.g_idx is not None}) does not fit K blocks of {cfg.block_k}")
     if cfg.block_k % (16 if w.bits == 6 else 32 // w.bits):
         raise ValueError(f"wna16_gemv: block_k {cfg.block_k} is not whole words of {w.bits} bits")
-    per_word = not (w.group_size % cfg.block_k == 0 or w.group_size == k)
+    if cfg.split_k * cfg.k_iters * cfg.block_k < k:
+        raise ValueError(f"wna16_gemv: {cfg.split_k} splits x {cfg.k_iters} blocks of "
+                         f"{cfg.block_k} do not cover the {k} inputs")
     tiles = triton.cdiv(n, cfg.block_n)
     out, part, lock = launch_buffers(a, n, tiles, cfg.split_k)
     q = w.qweight
-    _wna16_gemv_kernel[(tiles, cfg.split_k)](
-        a, q, w.qweight_hi if w.qweight_hi is not None else q, w.scales,
-        w.zeros if w.zeros is not None else w.scales, part, lock, out,
+    zeros = w.zeros if w.zeros is not None else w.scales
+    if kind == "mma":
+        gpu = a.is_cuda
+        _wna16_gemv_mma_kernel[(tiles, cfg.split_k)](
+            a, q, w.scales, zeros, part, lock, out, m, n, k, out.stride(0), cfg.k_iters,
+            cfg.split_k, BITS=w.bits, HAS_ZP=w.zeros is not None, GROUP=w.group_size, ASM=gpu,
+            DOT=dot_dtype(a), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            HAS_SPLIT=cfg.split_k > 1, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
+            num_warps=cfg.num_warps)
+        return out.reshape(*lead, n)
+    per_word = not (w.group_size % cfg.block_k == 0 or w.group_size == k)
+    _wna16_gemv_fma_kernel[(tiles, cfg.split_k)](
+        a, q, w.qweight_hi if w.qweight_hi is not None else q, w.scales, zeros, part, lock, out,
         m, n, k, a.stride(0), out.stride(0), cfg.k_iters, cfg.split_k,
         GROUP=w.group_size, BITS=w.bits, HAS_ZP=w.zeros is not None, PER_WORD=per_word,
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_SPLIT=cfg.split_k > 1,
-        num_warps=cfg.num_warps)
+        PREFETCH=kind == "fma_prefetch", num_warps=cfg.num_warps)
     return out.reshape(*lead, n)
 
 

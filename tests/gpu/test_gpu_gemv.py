@@ -1,9 +1,11 @@
 """The small-batch GEMVs compiled at Llama-3-8B shapes, through the quantization methods' dispatch
 (GEMV up to GEMV_MAX_M rows for the int layout and W8_GEMV_MAX_M for 8-bit weights, the GEMMs
-above): weight-only int (4, 6, 8 bits, zero points, groups, per channel, fp16), FP8 per channel and 128x128 blocks, int8 per channel, each against
-dequantize-then-matmul of x as it is at M <= GEMV_MAX_M; bit-identical repeats (deterministic
-split-K), CUDA-graph replay, nothing compiled after load, 6-bit GEMM tiles that compile at every
-batch size."""
+above): weight-only int (4, 6, 8 bits, zero points, groups, per channel, fp16), FP8 per channel
+and 128x128 blocks, int8 per channel, each against dequantize-then-matmul of x as it is at
+M <= GEMV_MAX_M; the int layout's tensor-core variant (4 / 8 bits, bf16 / fp16, every shape, 1 to
+8 rows, ragged shapes) within one output ulp, and fma_prefetch equal to fma bit for bit; repeats
+(deterministic split-K), CUDA-graph replay, nothing compiled after load, 6-bit GEMM tiles that
+compile at every batch size."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -15,8 +17,9 @@ from gpu_cases import DEV, rel_err
 from peregrine.kernels.fp8_quant import FP8_DTYPE, block_dequantize, per_token_group_quant_ref
 from peregrine.kernels.gemv import GEMV_MAX_M, W8_GEMV_MAX_M, precompile_w8_gemv, w8_gemv
 from peregrine.kernels.wna16_gemm import wna16_gemm
-from peregrine.kernels.wna16_gemv import (_wna16_gemv_kernel, precompile_wna16_gemv,
-                                          wna16_gemv)
+from peregrine.kernels.wna16_gemv import (_wna16_gemv_fma_kernel, gemv_config, mma_supported,
+                                          precompile_wna16_gemv, wna16_gemv)
+from peregrine.kernels.wna16_gemv_mma import _wna16_gemv_mma_kernel
 from peregrine.layers.quantization.fp8 import Fp8BlockMethod, apply_fp8_linear, fp8_gemm_supported
 from peregrine.layers.quantization.int8 import apply_int8_linear
 from peregrine.layers.quantization.wna16 import WNA16LinearMethod, WNA16Layout
@@ -117,10 +120,90 @@ def test_nothing_compiles_after_load_time_precompile() -> None:
     k, n = SHAPES["gate_up"]
     w = _layout(k, n, 4, zp=True)
     precompile_wna16_gemv(w, torch.bfloat16)
-    before = _compiled(_wna16_gemv_kernel)
+    before = _compiled(_wna16_gemv_fma_kernel) + _compiled(_wna16_gemv_mma_kernel)
     for m in range(1, GEMV_MAX_M + 1):
         wna16_gemv(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), w)
-    assert _compiled(_wna16_gemv_kernel) == before
+    assert _compiled(_wna16_gemv_fma_kernel) + _compiled(_wna16_gemv_mma_kernel) == before
+
+
+def _exact_err(got: torch.Tensor, x: torch.Tensor, w: WNA16Layout) -> float:
+    """The largest |got - x @ dequant(w)| in units of the output dtype's rounding of the
+    reference (its ulp at the reference's magnitude, at least the RMS's)."""
+    want = x.float() @ w.dequantize(torch.float32).t()  # (M, N)
+    eps = torch.finfo(x.dtype).eps
+    unit = torch.maximum(want.abs(), want.pow(2).mean().sqrt()) * eps
+    return ((got.float() - want).abs() / unit).max().item()
+
+
+@pytest.mark.parametrize("m", (1, 2, 3, 4, 8))
+@pytest.mark.parametrize("bits, zp, dtype, group", [
+    (4, True, torch.bfloat16, 128), (4, False, torch.bfloat16, 128),
+    (4, True, torch.float16, 128), (4, False, torch.float16, 32),
+    (8, False, torch.bfloat16, 128), (8, True, torch.bfloat16, 64),
+    (8, False, torch.float16, 128), (8, True, torch.float16, 0)],  # 0: one group per channel
+    ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_mma_variant_rounds_only_the_output(shape: str, bits: int, zp: bool,
+                                            dtype: torch.dtype, group: int, m: int) -> None:
+    """The tensor-core variant (inline-PTX dequantization) at every Llama-3-8B shape.
+    NOTE: q - zero and x are exact in 16 bits, products exact in float32, and K <= 14336 float32
+    additions err by < K * 2^-24 relative to the sum of |terms| (~ sqrt(K) times the result for
+    random signs): < 0.01 of an output ulp. So the only visible error is the output's rounding
+    (half an ulp); 1 ulp leaves room for a tie and the sums' order."""
+    k, n = SHAPES[shape]
+    w = _layout(k, n, bits, zp, dtype=dtype, group=group or k)
+    x = torch.randn(m, k, device=DEV, dtype=dtype)
+    assert mma_supported(w, dtype, x.device)
+    got = wna16_gemv(x, w, variant="mma")
+    assert got.dtype == dtype and got.shape == (m, n)
+    assert _exact_err(got, x, w) <= 1.0
+
+
+@pytest.mark.parametrize("variant", ["mma", "fma", "fma_prefetch"])
+def test_every_variant_is_exact_and_repeats_bit_for_bit(variant: str) -> None:
+    k, n = SHAPES["down"]  # the longest K: the most K blocks per split
+    w = _layout(k, n, 4, zp=True)
+    x = torch.randn(4, k, device=DEV, dtype=torch.bfloat16)
+    first = wna16_gemv(x, w, variant=variant)
+    assert _exact_err(first, x, w) <= 1.0
+    for _ in range(20):
+        assert torch.equal(wna16_gemv(x, w, variant=variant), first)
+
+
+def test_mma_variant_ragged_shapes_and_explicit_configs() -> None:
+    # N not a multiple of the 128-column tile, K not a multiple of the K block (one group per
+    # channel), and a single split (the output written directly).
+    k, n = 4160, 6200
+    w = _layout(k, n, 4, zp=True, group=k)
+    x = torch.randn(3, k, device=DEV, dtype=torch.bfloat16)
+    assert _exact_err(wna16_gemv(x, w, variant="mma"), x, w) <= 1.0
+    cfg = gemv_config(w, x.device, 4, "mma")._replace(split_k=1, k_iters=-(-k // 128))
+    assert _exact_err(wna16_gemv(x, w, cfg, variant="mma"), x, w) <= 1.0
+
+
+def test_mma_applies_to_4_and_8_bits_with_16_bit_activations_on_sm90() -> None:
+    k, n = SHAPES["o"]
+    w4, w6 = _layout(k, n, 4, zp=True), _layout(k, n, 6, zp=False)
+    x = torch.randn(2, k, device=DEV, dtype=torch.bfloat16)
+    assert mma_supported(w4, x.dtype, x.device) == (torch.cuda.get_device_capability() >= (9, 0))
+    assert not mma_supported(w6, x.dtype, x.device)
+    assert not mma_supported(w4, torch.float32, x.device)
+    assert torch.equal(wna16_gemv(x, w4), wna16_gemv(x, w4, variant="fma"))  # the default
+
+
+@pytest.mark.parametrize("m", (1, 3, 8))
+@pytest.mark.parametrize("bits, zp, group", [(4, True, 128), (8, False, 128), (6, True, 128),
+                                             (4, False, 32)])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_fma_prefetch_is_fma_bit_for_bit(shape: str, bits: int, zp: bool, group: int,
+                                         m: int) -> None:
+    """The same sums in the same order, only the loads issued an iteration earlier."""
+    k, n = SHAPES[shape]
+    w = _layout(k, n, bits, zp, group=group)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    got = wna16_gemv(x, w, variant="fma_prefetch")
+    assert torch.equal(got, wna16_gemv(x, w, variant="fma"))
+    assert _exact_err(got, x, w) <= 1.0
 
 
 @pytest.mark.parametrize("m", ROWS)

@@ -1,14 +1,17 @@
 """The small-batch split-K GEMV for weight-only int weights (under Triton's interpreter, tiny
 shapes) equals dequantize-then-matmul for 4, 6 and 8 bits, with and without zero points, groups of
 32 / 64 / 128 inputs and one group per channel, 1 to 8 rows, 16-bit activations; its split-K sums
-are the same bits every run; act-order weights are left to the GEMM."""
+are the same bits every run; act-order weights are left to the GEMM. The tensor-core variant (4 /
+8 bits, 16-bit activations; here its plain-Triton dequantization) is within an output ulp of the
+reference and refuses what it cannot read."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from peregrine.kernels.gemv import GEMV_MAX_ROWS, block_m_for, choose_split
-from peregrine.kernels.wna16_gemv import GemvConfig, gemv_supported, wna16_gemv
+from peregrine.kernels.wna16_gemv import (GemvConfig, gemv_config, gemv_supported,
+                                          mma_supported, wna16_gemv)
 from peregrine.layers.quantization.wna16 import WNA16Layout
 
 K, N = 256, 64
@@ -101,6 +104,9 @@ def test_bad_inputs_are_named() -> None:
     with pytest.raises(ValueError, match="powers of two"):
         wna16_gemv(_x(1), w, GemvConfig(block_n=16, block_k=96, split_k=1, k_iters=3,
                                         num_warps=4))
+    with pytest.raises(ValueError, match="do not cover the 256 inputs"):
+        wna16_gemv(_x(1), w, GemvConfig(block_n=16, block_k=64, split_k=2, k_iters=1,
+                                        num_warps=4))
 
 
 def test_row_buckets_and_split_choice() -> None:
@@ -109,3 +115,94 @@ def test_row_buckets_and_split_choice() -> None:
     split, iters = choose_split(tiles=1, k_blocks=5, device=dev)
     assert split * iters >= 5 and (split - 1) * iters < 5  # every split has a K block
     assert choose_split(tiles=10_000, k_blocks=64, device=dev) == (1, 64)
+
+
+def _ulps(got: torch.Tensor, x: torch.Tensor, w: WNA16Layout) -> float:
+    """The largest |got - x @ dequant(w)| in output ulps (eps times the reference's magnitude,
+    at least its RMS)."""
+    want = _reference(x, w)
+    unit = torch.maximum(want.abs(), want.pow(2).mean().sqrt()) * torch.finfo(got.dtype).eps
+    return ((got.float() - want).abs() / unit).max().item()
+
+
+# NOTE: in the mma variant q - zero and x are exact in 16 bits and the sums float32 (K = 256:
+# ~1e-6 relative), so the output's rounding is the only visible error: under half an ulp, under
+# one where the interpreter truncates bf16. A misplaced value or a wrong zero costs whole units.
+ULP = 1.001
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("zp", [False, True], ids=["sym", "zp"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_mma_variant_rounds_only_the_output(bits: int, zp: bool, dtype: torch.dtype) -> None:
+    w = _layout(bits, 128, zp, dtype=dtype, seed=8)
+    x = _x(3, dtype, seed=9)
+    got = wna16_gemv(x, w, variant="mma")
+    assert got.shape == (3, N) and got.dtype == dtype
+    assert _ulps(got, x, w) < ULP
+
+
+@pytest.mark.parametrize("group", [16, 32, 64, K], ids=["g16", "g32", "g64", "channel"])
+def test_mma_variant_takes_blocks_of_one_group(group: int) -> None:
+    w = _layout(4, group, zp=True, dtype=torch.bfloat16, seed=10)
+    cfg = gemv_config(w, torch.device("cpu"), 1, "mma")
+    assert cfg.block_k == min(group, 128)
+    x = _x(2, torch.bfloat16, seed=11)
+    assert _ulps(wna16_gemv(x, w, variant="mma"), x, w) < ULP
+
+
+@pytest.mark.parametrize("split", [1, 2, 4])
+def test_mma_split_k_adds_every_split_and_repeats_bit_for_bit(split: int) -> None:
+    w = _layout(4, 64, zp=True, dtype=torch.float16, k=512, seed=12)
+    x = _x(5, torch.float16, k=512, seed=13)
+    cfg = GemvConfig(block_n=32, block_k=64, split_k=split, k_iters=8 // split, num_warps=4)
+    first = wna16_gemv(x, w, cfg, variant="mma")
+    assert _ulps(first, x, w) < ULP
+    assert torch.equal(first, wna16_gemv(x, w, cfg, variant="mma"))
+
+
+def test_mma_variant_ragged_n_and_k() -> None:
+    # N = 40 against 32-column tiles, K = 144 (one group per channel) against 64-input blocks:
+    # the masked tails of both, the last split shorter than the others.
+    w = _layout(4, 144, zp=True, dtype=torch.bfloat16, k=144, n=40, seed=14)
+    x = _x(3, torch.bfloat16, k=144, seed=15)
+    cfg = GemvConfig(block_n=32, block_k=64, split_k=2, k_iters=2, num_warps=4)
+    assert _ulps(wna16_gemv(x, w, cfg, variant="mma"), x, w) < ULP
+    w8 = _layout(8, 144, zp=False, dtype=torch.float16, k=144, n=40, seed=16)
+    assert _ulps(wna16_gemv(x.half(), w8, cfg, variant="mma"), x.half(), w8) < ULP
+
+
+def test_fma_is_the_default_and_every_variant_agrees() -> None:
+    w = _layout(4, 128, zp=True, dtype=torch.bfloat16, seed=17)
+    x = _x(4, torch.bfloat16, seed=18)
+    assert torch.equal(wna16_gemv(x, w), wna16_gemv(x, w, variant="fma"))
+    for variant in ("fma", "fma_prefetch", "mma"):
+        assert _ulps(wna16_gemv(x, w, variant=variant), x, w) < ULP, variant
+
+
+@pytest.mark.parametrize("bits, group, zp", [(4, 32, True), (6, 16, True), (8, 128, False),
+                                             (4, K, False)])
+def test_fma_prefetch_equals_fma_bit_for_bit(bits: int, group: int, zp: bool) -> None:
+    # K = 192: 3 blocks of 64 in 2 splits of 2, so the last split's second block and the
+    # prefetch past it lie beyond K (nothing read); N = 40 against 16-column tiles.
+    w = _layout(bits, group if group != K else 192, zp, k=192, n=40, seed=19)
+    x = _x(3, k=192, seed=20)
+    cfg = GemvConfig(block_n=16, block_k=64, split_k=2, k_iters=2, num_warps=4)
+    got = wna16_gemv(x, w, cfg, variant="fma_prefetch")
+    torch.testing.assert_close(got, _reference(x, w), rtol=1e-5, atol=1e-4)
+    assert torch.equal(got, wna16_gemv(x, w, cfg, variant="fma"))
+
+
+def test_mma_variant_refuses_what_it_cannot_read() -> None:
+    x16 = _x(1, torch.bfloat16)
+    assert not mma_supported(_layout(6, 128, zp=True), torch.bfloat16, torch.device("cpu"))
+    assert not mma_supported(_layout(4, 128, zp=True), torch.float32, torch.device("cpu"))
+    assert not mma_supported(_layout(4, 8, zp=True), torch.bfloat16, torch.device("cpu"))
+    assert not mma_supported(_layout(4, 32, zp=True, act_order=True), torch.bfloat16,
+                             torch.device("cpu"))
+    with pytest.raises(ValueError, match="6 bits"):
+        wna16_gemv(x16, _layout(6, 128, zp=True, dtype=torch.bfloat16), variant="mma")
+    with pytest.raises(ValueError, match="torch.float32"):
+        wna16_gemv(_x(1), _layout(4, 128, zp=True), variant="mma")
+    with pytest.raises(ValueError, match="unknown variant 'fast'"):
+        wna16_gemv(x16, _layout(4, 128, zp=True, dtype=torch.bfloat16), variant="fast")
