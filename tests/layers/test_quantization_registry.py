@@ -17,7 +17,12 @@ def test_every_builtin_config_declares_its_own_name() -> None:
 
 
 def test_names_survive_unpickling_in_a_fresh_process() -> None:
-    classes = {name: get_quantization_config(name) for name in quantization_methods()}
+    # NOTE: the built-in methods; a plug-in's class gets its name from the decorator, which runs
+    # when the unpickling process imports the plug-in's module (test plug-ins are not importable
+    # from a fresh interpreter).
+    classes = {name: cls for name in quantization_methods()
+               if (cls := get_quantization_config(name)).__module__.startswith("peregrine.")}
+    assert "fp8" in classes and "awq" in classes
     script = ("import pickle, sys\n"
               "classes = pickle.loads(sys.stdin.buffer.read())\n"
               "print(sorted((n, getattr(c, 'name', None)) for n, c in classes.items()))\n")
