@@ -28,6 +28,9 @@ _MAX_SPLITS = 64
 #   "fma":    no tl.dot: fp32 broadcast multiplies on CUDA cores, reduced over D for the scores;
 #             every token row of the tile keeps its own softmax state and output rows, so the
 #             loop never reduces across tokens (one reduction at the end).
+#             With HEADS > 1 (kv_heads_per_program) one program reads HEADS adjacent kv heads
+#             of its sequence as (BN, HEADS, BD) tiles: a token's slice of the cache is HEADS
+#             times longer (FP8: 128 bytes a head at head dim 128, in rows HEADS * 128 apart).
 #   "fma_fp8": (FP8 caches only) CUDA-core math on 32-bit words of four FP8 values: the tile
 #             (T, ROWS, D / 4) puts d in 16-byte vectors over a few lanes, ROWS token rows over
 #             the other lanes and warps and T tokens in each thread's registers. Each row keeps
