@@ -10,11 +10,13 @@ multiple of 16 with empty sequences) over a 2,048-token block table; w1 = 1,000 
 Caches: bf16, and FP8 e4m3 holding k / K_SCALE, v / V_SCALE (bf16 queries either way).
 Phase 1 times the launcher's default, the choice it replaced ("previous") and a list of
 starting points (PHASE1: changes to the former single choice, every variant and option of
-decode_configs.DecodeConfig) for every (shape, cache) (--quick: only the prefetched starts;
+decode_configs.DecodeConfig) for every (shape, cache) (--quick: only the prefetched starts
+and the "fma" starts that read 2 or 4 adjacent kv heads a program;
 --probe first times a bare paged read of the same caches, no math, with 1, 2, 4 or 8 kv heads
 per program: the bandwidth the access pattern itself allows, by contiguous bytes per token row);
 phase 2 walks one knob at a time (BLOCK_N, num_warps, num_stages, programs per
-SM, prefetch, clamped tokens, aligned tiles, inline-PTX FP8 conversion, heads-first grid) away
+SM, prefetch, clamped tokens, aligned tiles, inline-PTX FP8 conversion, heads-first grid, kv
+heads per program) away
 from each variant's best on the FP8 pairs, then from each pair's best, until the budget is
 spent. Each config: triton.testing.do_bench (no CUDA
 graph, warm-up first), µs, GB/s (K+V read + q + output) against the 4.2 TB/s HBM peak, the
@@ -86,7 +88,7 @@ class Cfg(DecodeConfig):
         return (f"{self.variant:6s} bn={self.block_n:<3d} w={self.num_warps} s={self.num_stages} "
                 f"pf={int(self.prefetch)} ct={int(self.clamp_tokens)} al={int(self.aligned)} "
                 f"asm={int(self.asm_cvt)} hf={int(self.heads_first)} "
-                f"pps={self.programs_per_sm:<3d}")
+                f"kvh={self.kv_heads_per_program} pps={self.programs_per_sm:<3d}")
 
 
 # Phase 1: starting points, each a change to FORMER (the single choice before the variants);
@@ -130,7 +132,20 @@ PHASE1 = (
          clamp_tokens=True, aligned=True, asm_cvt=True, programs_per_sm=32),
     dict(variant="fma_fp8", block_n=16, num_warps=2, num_stages=1, clamp_tokens=True,
          aligned=True, asm_cvt=True, programs_per_sm=32),
+    # "fma" over 2 or 4 adjacent kv heads a program (HEADS x 128 contiguous FP8 bytes a token
+    # instead of 128): the launcher's FP8 choice with the warps that keep the wider tile in
+    # registers (sm_90: 2 heads 4 warps 164 registers, 4 heads 8 warps 172, no spills)
+    dict(variant="fma", block_n=16, num_warps=4, num_stages=3, kv_heads_per_program=2),
+    dict(variant="fma", block_n=16, num_warps=2, num_stages=3, kv_heads_per_program=2),
+    dict(variant="fma", block_n=16, num_warps=4, num_stages=3, kv_heads_per_program=2,
+         heads_first=True),
+    dict(variant="fma", block_n=16, num_warps=4, num_stages=3, kv_heads_per_program=2,
+         clamp_tokens=True, aligned=True),
+    dict(variant="fma", block_n=16, num_warps=8, num_stages=3, kv_heads_per_program=4),
+    dict(variant="fma", block_n=16, num_warps=4, num_stages=3, kv_heads_per_program=4),
 )
+# The starts --quick times besides the default and previous choices.
+QUICK = [s for s in PHASE1 if s.get("prefetch") or s.get("kv_heads_per_program", 1) > 1]
 # The launcher's choice for an FP8 cache and up to 2 q heads per kv head before "fma_fp8",
 # timed beside it ("previous").
 PREVIOUS_FP8_SMALL_GROUP = dict(variant="fma", block_n=16, num_warps=2, num_stages=3,
@@ -142,7 +157,8 @@ KNOBS = {"block_n": {"dot": (32, 64, 128), "dot_kt": (32, 64, 128), "fma": (16, 
          "num_warps": (2, 4, 8), "num_stages": (1, 2, 3, 4),
          "programs_per_sm": (4, 16, 32, 64, 128),
          "prefetch": (False, True), "clamp_tokens": (False, True), "aligned": (False, True),
-         "asm_cvt": (False, True), "heads_first": (False, True)}
+         "asm_cvt": (False, True), "heads_first": (False, True),
+         "kv_heads_per_program": (1, 2, 4)}  # ("fma" only)
 
 
 class Problem(NamedTuple):
@@ -200,14 +216,21 @@ def make_problem(shape: str, cache: str, with_reference: bool) -> Problem:
 
 def launch(p: Problem, cfg: Cfg, out: torch.Tensor) -> None:
     ks, vs = (1.0, 1.0) if p.cache == "bf16" else (K_SCALE, V_SCALE)
-    split_len = decode_split_len(p.q.shape[0], p.k_cache.shape[2], p.block_table.shape[1],
-                                 BLOCK_SIZE, DEV, cfg.block_n, cfg.programs_per_sm)
+    split_len = split_len_of(p, cfg)
     paged_decode_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
                            HEAD_DIM ** -0.5, out=out, split_len=split_len, block_n=cfg.block_n,
                            k_scale=ks, v_scale=vs, num_warps=cfg.num_warps,
                            num_stages=cfg.num_stages, variant=cfg.variant, prefetch=cfg.prefetch,
                            clamp_tokens=cfg.clamp_tokens, aligned=cfg.aligned,
-                           asm_cvt=cfg.asm_cvt, heads_first=cfg.heads_first)
+                           asm_cvt=cfg.asm_cvt, heads_first=cfg.heads_first,
+                           kv_heads_per_program=cfg.kv_heads_per_program)
+
+
+def split_len_of(p: Problem, cfg: Cfg) -> int:
+    """The launcher's split length for cfg: programs per SM over (sequence, kv-head row)."""
+    return decode_split_len(p.q.shape[0], p.k_cache.shape[2] // cfg.kv_heads_per_program,
+                            p.block_table.shape[1], BLOCK_SIZE, DEV, cfg.block_n,
+                            cfg.programs_per_sm)
 
 
 def default_cfg(p: Problem) -> Cfg:
@@ -317,16 +340,15 @@ def bench_ms(fn) -> float:
 
 
 def num_splits(p: Problem, cfg: Cfg) -> int:
-    split_len = decode_split_len(p.q.shape[0], p.k_cache.shape[2], p.block_table.shape[1],
-                                 BLOCK_SIZE, DEV, cfg.block_n, cfg.programs_per_sm)
+    split_len = split_len_of(p, cfg)
     return -(-p.block_table.shape[1] * BLOCK_SIZE // split_len)
 
 
 def num_programs(p: Problem, cfg: Cfg) -> int:
     """Split programs that read keys (the others exit at once): what fills the GPU's waves."""
-    split_len = decode_split_len(p.q.shape[0], p.k_cache.shape[2], p.block_table.shape[1],
-                                 BLOCK_SIZE, DEV, cfg.block_n, cfg.programs_per_sm)
-    return sum(-(-n // split_len) for n in p.lens) * p.k_cache.shape[2]
+    split_len = split_len_of(p, cfg)
+    return (sum(-(-n // split_len) for n in p.lens)
+            * (p.k_cache.shape[2] // cfg.kv_heads_per_program))
 
 
 def previous_cfg(p: Problem) -> Cfg | None:
@@ -388,6 +410,8 @@ def neighbours(cfg: Cfg) -> list[Cfg]:
     out = []
     for knob, values in KNOBS.items():
         values = values[cfg.variant] if isinstance(values, dict) else values
+        if knob == "kv_heads_per_program" and cfg.variant != "fma":
+            continue
         out += [cfg._replace(**{knob: v}) for v in values if v != getattr(cfg, knob)]
     return out
 
@@ -407,6 +431,8 @@ def run_sweep(args: argparse.Namespace, t0: float) -> dict:
     def try_cfg(p: Problem, cfg: Cfg, tag: str) -> None:
         if p.cache == "bf16" and cfg.variant in FP8_ONLY_VARIANTS:
             return
+        if p.k_cache.shape[2] % cfg.kv_heads_per_program:  # not a launch of this model
+            return
         cfg = normalized(p, cfg)
         # NOTE: programs per SM only matter through the split count they give.
         key = (p.shape, p.cache, cfg._replace(programs_per_sm=num_splits(p, cfg)))
@@ -420,9 +446,7 @@ def run_sweep(args: argparse.Namespace, t0: float) -> dict:
         try_cfg(p, default_cfg(p), "default")
         if previous_cfg(p) is not None:
             try_cfg(p, previous_cfg(p), "previous")
-        for start in PHASE1:
-            if args.quick and not start.get("prefetch"):  # the prefetched starts only
-                continue
+        for start in QUICK if args.quick else PHASE1:
             try_cfg(p, former_cfg(p)._replace(**start), "base" if start else "former")
     print(f"phase 1 done at {time.time() - t0:.0f} s; phase 2: one knob at a time", flush=True)
     # First each variant's own best on the FP8 pairs (a variant may lose at base tiles and win
@@ -472,7 +496,7 @@ def run_sweep(args: argparse.Namespace, t0: float) -> dict:
                       f"s={b['num_stages']} pf={int(b['prefetch'])} "
                       f"ct={int(b['clamp_tokens'])} al={int(b['aligned'])} "
                       f"asm={int(b['asm_cvt'])} hf={int(b['heads_first'])} "
-                      f"pps={b['programs_per_sm']}")
+                      f"kvh={b['kv_heads_per_program']} pps={b['programs_per_sm']}")
     failed = [r for r in rows if "max_err" in r and not r["ok"]]
     for r in failed:
         print(f"WRONG RESULT: {r['shape']} {r['cache']} {r['variant']} err={r['max_err']:.3g}")
@@ -489,12 +513,13 @@ def run_ncu(args: argparse.Namespace) -> dict:
             cfgs = [default_cfg(p)] + ([previous_cfg(p)] if previous_cfg(p) else [])
             row = best.get(f"{shape}/{cache}")
             if row:
-                cfgs.append(Cfg(*(row[f] for f in Cfg._fields)))
+                cfgs.append(Cfg(**{f: row[f] for f in Cfg._fields if f in row}))
             elif not args.from_json:
                 cfgs += [former_cfg(p)._replace(**start) for start in PHASE1]
             out = torch.empty_like(p.q)
             for cfg in dict.fromkeys(normalized(p, c) for c in cfgs
-                                     if cache != "bf16" or c.variant not in FP8_ONLY_VARIANTS):
+                                     if (cache != "bf16" or c.variant not in FP8_ONLY_VARIANTS)
+                                     and p.k_cache.shape[2] % c.kv_heads_per_program == 0):
                 print(f"ncu launch: {shape} {cache} {cfg.label()}", flush=True)
                 try:
                     launch(p, cfg, out)
@@ -516,8 +541,9 @@ def main() -> int:
                         help=f"subset of {list(SHAPES)}")
     parser.add_argument("--caches", default="bf16,fp8", help=f"subset of {list(CACHES)}")
     parser.add_argument("--quick", action="store_true",
-                        help="phase 1 times only the default, the previous FP8 choice and the "
-                             "prefetched starts (with --budget-s 0: no phase 2)")
+                        help="phase 1 times only the default, the previous FP8 choice, the "
+                             "prefetched starts and the several-kv-heads-a-program starts "
+                             "(with --budget-s 0: no phase 2)")
     parser.add_argument("--probe", action="store_true",
                         help="first time a bare paged read of the caches (no math) at 1, 2, 4 "
                              "and 8 kv heads per program, checked against the host")

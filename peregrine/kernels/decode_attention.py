@@ -28,6 +28,9 @@ _MAX_SPLITS = 64
 #   "fma":    no tl.dot: fp32 broadcast multiplies on CUDA cores, reduced over D for the scores;
 #             every token row of the tile keeps its own softmax state and output rows, so the
 #             loop never reduces across tokens (one reduction at the end).
+#             With HEADS > 1 (kv_heads_per_program) one program reads HEADS adjacent kv heads
+#             of its sequence as (BN, HEADS, BD) tiles: a token's slice of the cache is HEADS
+#             times longer (FP8: 128 bytes a head at head dim 128, in rows HEADS * 128 apart).
 #   "fma_fp8": (FP8 caches only) CUDA-core math on 32-bit words of four FP8 values: the tile
 #             (T, ROWS, D / 4) puts d in 16-byte vectors over a few lanes, ROWS token rows over
 #             the other lanes and warps and T tokens in each thread's registers. Each row keeps
@@ -56,12 +59,13 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kvh,
                   stride_kc_b, stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s, stride_vc_h,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, VARIANT: tl.constexpr, CLAMP_TOKENS: tl.constexpr,
-                  ALIGNED: tl.constexpr, ROWS: tl.constexpr):
+                  ALIGNED: tl.constexpr, ROWS: tl.constexpr, HEADS: tl.constexpr):
     """Raw K and V tiles of tokens n0 .. n0 + BLOCK_N, shaped for VARIANT: "dot" K (BD, BN),
-    V (BN, BD); "dot_kt" both (BN, BD); "fma" both (1, BN, BD); "fma_fp8" int32 words
-    (_load_fp8_words). Tokens at or past `end` (>= 1)
-    are zeros, or with CLAMP_TOKENS unpredicated re-reads of real cache rows (token end - 1, or
-    with ALIGNED K of the last block's slots, V still zeros); the caller masks their scores.
+    V (BN, BD); "dot_kt" both (BN, BD); "fma" both (1, BN, BD), with HEADS > 1 (1, BN, HEADS,
+    BD) of kv heads kvh .. kvh + HEADS - 1; "fma_fp8" int32 words (_load_fp8_words). Tokens at
+    or past `end` (>= 1) are zeros, or with CLAMP_TOKENS unpredicated re-reads of real cache
+    rows (token end - 1, or with ALIGNED K of the last block's slots, V still zeros); the caller
+    masks their scores.
     ALIGNED: n0 is a multiple of BLOCK_N, so a token's block and slot split into a per-tile
     part and a per-lane part that stays the same every tile (addresses hoisted out of the loop)."""
     if VARIANT == 3:
@@ -101,7 +105,17 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kvh,
             off = tok % BLOCK_SIZE  # (BN,)
         k_row = blk * stride_kc_b + (off * stride_kc_s + kvh * stride_kc_h)  # (BN,)
         v_row = blk * stride_vc_b + (off * stride_vc_s + kvh * stride_vc_h)  # (BN,)
-        if VARIANT == 2:
+        if VARIANT == 2 and HEADS > 1:
+            # NOTE: d fastest, then the heads: a token's HEADS * D bytes are one contiguous run
+            # of the cache, read by neighbouring lanes.
+            offs_h = tl.arange(0, HEADS)[None, None, :, None]  # (1, 1, H, 1)
+            d4 = offs_d[None, None, None, :]  # (1, 1, 1, BD)
+            k_ptrs = k_cache_ptr + k_row[None, :, None, None] + offs_h * stride_kc_h + d4
+            v_ptrs = v_cache_ptr + v_row[None, :, None, None] + offs_h * stride_vc_h + d4
+            hd_mask = (offs_h >= 0) & (d4 < HEAD_DIM)  # (1, 1, H, BD)
+            k_mask = k_n_mask[None, :, None, None] & hd_mask  # (1, BN, H, BD)
+            v_mask = v_n_mask[None, :, None, None] & hd_mask
+        elif VARIANT == 2:
             # NOTE: loaded 3-D, so the (G, N, D) products take the load's layout (d in registers
             # and a few lanes) instead of a default one that spreads d over every warp.
             k_ptrs = k_cache_ptr + k_row[None, :, None] + offs_d[None, None, :]  # (1, BN, BD)
@@ -247,6 +261,84 @@ def _fp8_byte_to_f32(b, E5M2: tl.constexpr):
     return x
 
 
+@triton.jit
+def _split_fma_heads(q_ptr, k_cache_ptr, v_cache_ptr, bt_row, mid_o_ptr, mid_lse_ptr, b64, kvh,
+                     split, start, lo, end, scale_log2, stride_qb, stride_qh,
+                     stride_kc_b, stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s, stride_vc_h,
+                     stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
+                     GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, PREFETCH: tl.constexpr,
+                     KV_FP8: tl.constexpr, CLAMP_TOKENS: tl.constexpr, ALIGNED: tl.constexpr):
+    """The "fma" variant over kv heads kvh .. kvh + HEADS - 1 of one sequence and split (HEADS >
+    1): tiles (1, BN, H, BD), every (q head, token row) its own softmax state, each q head scored
+    against its own kv head's slice only; writes the same partial outputs as one head a program."""
+    offs_g = tl.arange(0, BLOCK_G)  # (BG,)
+    offs_h = tl.arange(0, HEADS)  # (H,)
+    offs_d = tl.arange(0, BLOCK_D)  # (BD,)
+    offs_n = tl.arange(0, BLOCK_N)  # (BN,)
+    heads = (kvh + offs_h[None, :]) * GROUP + offs_g[:, None]  # (BG, H) q head of (g, h)
+    g_mask = (offs_g < GROUP)[:, None] & (offs_h >= 0)[None, :]  # (BG, H)
+    d_mask = offs_d < HEAD_DIM  # (BD,)
+    q = tl.load(q_ptr + b64 * stride_qb + heads[:, :, None] * stride_qh + offs_d[None, None, :],
+                mask=g_mask[:, :, None] & d_mask[None, None, :], other=0.0)  # (BG, H, BD)
+    q4 = (q.to(tl.float32) * scale_log2)[:, None, :, :]  # (BG, 1, H, BD)
+    # NOTE: per token row state; -1e30 (not -inf) keeps rows that saw no key free of NaN.
+    m_i = tl.full([BLOCK_G, BLOCK_N, HEADS], -1.0e30, tl.float32)  # (BG, BN, H) log2 units
+    l_i = tl.zeros([BLOCK_G, BLOCK_N, HEADS], tl.float32)  # (BG, BN, H)
+    acc = tl.zeros([BLOCK_G, BLOCK_N, HEADS, BLOCK_D], tl.float32)  # (BG, BN, H, BD)
+    if PREFETCH:
+        k_raw, v_raw = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, start, end, kvh,
+                                     stride_kc_b, stride_kc_s, stride_kc_h,
+                                     stride_vc_b, stride_vc_s, stride_vc_h,
+                                     HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, 2,
+                                     CLAMP_TOKENS, ALIGNED, 1, HEADS)
+    for n0 in range(start, end, BLOCK_N):
+        n_mask = n0 + offs_n < end  # (BN,)
+        if ALIGNED and HAS_WINDOW:
+            n_mask = n_mask & (n0 + offs_n >= lo)
+        if PREFETCH:
+            k_cur = k_raw
+            v_cur = v_raw
+            k_raw, v_raw = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0 + BLOCK_N, end,
+                                         kvh, stride_kc_b, stride_kc_s, stride_kc_h,
+                                         stride_vc_b, stride_vc_s, stride_vc_h,
+                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, 2,
+                                         CLAMP_TOKENS, ALIGNED, 1, HEADS)
+        else:
+            k_cur, v_cur = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kvh,
+                                         stride_kc_b, stride_kc_s, stride_kc_h,
+                                         stride_vc_b, stride_vc_s, stride_vc_h,
+                                         HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, 2,
+                                         CLAMP_TOKENS, ALIGNED, 1, HEADS)
+        if KV_FP8:  # FP8 -> fp16 is one packed conversion per two elements, then exact fp32
+            k_cur = k_cur.to(tl.float16)
+            v_cur = v_cur.to(tl.float16)
+        k = k_cur.to(tl.float32)  # (1, BN, H, BD)
+        v = v_cur.to(tl.float32)  # (1, BN, H, BD)
+        s = tl.sum(q4 * k, 3)  # (BG, BN, H)
+        s = tl.where(n_mask[None, :, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, s)  # (BG, BN, H)
+        alpha = tl.exp2(m_i - m_new)  # (BG, BN, H)
+        p = tl.exp2(s - m_new)  # (BG, BN, H)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, :, :, None] + p[:, :, :, None] * v  # (BG, BN, H, BD)
+        m_i = m_new
+    m_row = tl.max(m_i, 1)  # (BG, H) fold the token rows: one max, one weighted sum
+    w = tl.exp2(m_i - m_row[:, None, :])  # (BG, BN, H)
+    l_row = tl.sum(l_i * w, 1)  # (BG, H)
+    o = tl.sum(acc * w[:, :, :, None], 1)  # (BG, H, BD)
+    if HAS_WINDOW:  # a split wholly before the window: zero output and weight
+        o = o / tl.where(l_row > 0, l_row, 1.0)[:, :, None]
+        lse = tl.where(l_row > 0, m_row + tl.log2(l_row), float("-inf"))  # (BG, H)
+    else:
+        o = o / l_row[:, :, None]
+        lse = m_row + tl.log2(l_row)  # (BG, H)
+    mo = mid_o_ptr + b64 * stride_mo_b + heads[:, :, None] * stride_mo_h + split * stride_mo_s
+    tl.store(mo + offs_d[None, None, :], o, mask=g_mask[:, :, None] & d_mask[None, None, :])
+    tl.store(mid_lse_ptr + b64 * stride_ml_b + heads * stride_ml_h + split, lse, mask=g_mask)
+
+
 # NOTE: ints that change with the batch are not specialised on (==1, %16): each new value would
 # compile a variant on the request path. The merge's BLOCK_S variants are compiled by precompile().
 @triton.jit(do_not_specialize=["split_len", "window", "stride_bt", "stride_mo_b", "stride_mo_h",
@@ -266,13 +358,14 @@ def _decode_split_kernel(
     CLAMP_Q: tl.constexpr, VARIANT: tl.constexpr, PREFETCH: tl.constexpr, KV_FP8: tl.constexpr,
     CLAMP_TOKENS: tl.constexpr, ALIGNED: tl.constexpr, ASM_CVT: tl.constexpr,
     KV_E5M2: tl.constexpr, HEADS_FIRST: tl.constexpr, ROWS: tl.constexpr,
+    HEADS: tl.constexpr,
 ):
-    if HEADS_FIRST:  # grid (Hkv, B, S): the kv heads of one sequence run side by side
-        kvh = tl.program_id(0)
+    if HEADS_FIRST:  # grid (Hkv / HEADS, B, S): the kv heads of one sequence run side by side
+        kvh = tl.program_id(0) * HEADS
         b = tl.program_id(1)
-    else:  # grid (B, Hkv, S)
+    else:  # grid (B, Hkv / HEADS, S)
         b = tl.program_id(0)
-        kvh = tl.program_id(1)
+        kvh = tl.program_id(1) * HEADS
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     start = split * split_len
@@ -284,6 +377,15 @@ def _decode_split_kernel(
     lo = start  # the first key this program attends to
     if ALIGNED:  # tiles start on a multiple of BLOCK_N; keys before lo are masked
         start = start - start % BLOCK_N
+    if HEADS > 1:  # ("fma" only) HEADS adjacent kv heads, the first is kvh
+        _split_fma_heads(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr + b.to(tl.int64) *
+                         stride_bt, mid_o_ptr, mid_lse_ptr, b.to(tl.int64), kvh, split, start,
+                         lo, end, scale_log2, stride_qb, stride_qh,
+                         stride_kc_b, stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s,
+                         stride_vc_h, stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b,
+                         stride_ml_h, GROUP, HEADS, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N,
+                         BLOCK_SIZE, HAS_WINDOW, PREFETCH, KV_FP8, CLAMP_TOKENS, ALIGNED)
+        return
 
     offs_g = tl.arange(0, BLOCK_G)  # (BG,)
     offs_d = tl.arange(0, BLOCK_D)  # (BD,)
@@ -335,7 +437,7 @@ def _decode_split_kernel(
                                      stride_kc_b, stride_kc_s, stride_kc_h,
                                      stride_vc_b, stride_vc_s, stride_vc_h,
                                      HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT,
-                                     CLAMP_TOKENS, ALIGNED, ROWS)
+                                     CLAMP_TOKENS, ALIGNED, ROWS, 1)
         if ASM_CVT and VARIANT < 2:  # NOTE: carried as fp16, not as FP8 bytes (see below)
             k_raw = _fp8_to_f16(k_raw, KV_E5M2)
             v_raw = _fp8_to_f16(v_raw, KV_E5M2)
@@ -350,7 +452,7 @@ def _decode_split_kernel(
                                          kvh, stride_kc_b, stride_kc_s, stride_kc_h,
                                          stride_vc_b, stride_vc_s, stride_vc_h,
                                          HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT,
-                                         CLAMP_TOKENS, ALIGNED, ROWS)
+                                         CLAMP_TOKENS, ALIGNED, ROWS, 1)
             if ASM_CVT and VARIANT < 2:
                 # NOTE: FP8 tiles carried across iterations sit one byte per register and cost
                 # byte shuffles; converted right after the load they carry as packed fp16.
@@ -361,7 +463,7 @@ def _decode_split_kernel(
                                          stride_kc_b, stride_kc_s, stride_kc_h,
                                          stride_vc_b, stride_vc_s, stride_vc_h,
                                          HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT,
-                                         CLAMP_TOKENS, ALIGNED, ROWS)
+                                         CLAMP_TOKENS, ALIGNED, ROWS, 1)
         # NOTE: the K scale is inside scale_log2 and the V scale is applied by the merge, so an
         # FP8 tile costs one conversion per element here and nothing more.
         if VARIANT == 3:
@@ -508,13 +610,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            clamp_tokens: bool | None = None,
                            aligned: bool | None = None,
                            asm_cvt: bool | None = None,
-                           heads_first: bool | None = None) -> torch.Tensor:
+                           heads_first: bool | None = None,
+                           kv_heads_per_program: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence, q (B, Hq, D), over its whole paged context of
     seq_lens[b] <= block_table.shape[1] * block_size tokens (only the last `window` tokens with a
     sliding window); returns out (B, Hq, D). A sequence with seq_len 0 (CUDA-graph padding)
     gets zeros. The caches hold k / k_scale and v / v_scale (any float type, FP8 included).
     variant, block_n, num_warps, num_stages, prefetch, clamp_tokens, aligned, asm_cvt,
-    heads_first override pick_config's choice (DecodeConfig says what each does)."""
+    heads_first, kv_heads_per_program override pick_config's choice (DecodeConfig says what each
+    does)."""
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = check_q_and_caches(q, k_cache, v_cache)
     if block_table.shape[0] != batch or seq_lens.shape != (batch,):
@@ -533,9 +637,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n = block_n or cfg.block_n
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    if split_len is None:
-        split_len = decode_split_len(batch, num_kv_heads, block_table.shape[1], block_size,
-                                     q.device, block_n, cfg.programs_per_sm)
+    variant = variant or cfg.variant
+    per_program = cfg.kv_heads_per_program if kv_heads_per_program is None \
+        else kv_heads_per_program
+    check_kv_heads_per_program(per_program, num_kv_heads, variant)
+    if split_len is None:  # NOTE: programs per SM counts programs, so fewer kv rows, more splits
+        split_len = decode_split_len(batch, num_kv_heads // per_program, block_table.shape[1],
+                                     block_size, q.device, block_n, cfg.programs_per_sm)
     if split_len % block_n:
         raise ValueError(f"split_len {split_len} must be a multiple of block_n {block_n}")
     num_splits = max(1, math.ceil(block_table.shape[1] * block_size / split_len))
@@ -544,7 +652,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     mid_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32,
                           device=q.device)  # (B, Hq, S)
     block_d = max(16, next_pow2(head_dim))
-    variant = variant or cfg.variant
     num_warps = num_warps or cfg.num_warps
     dot_type, clamp_q = kv_dot_dtype(q, k_cache)
     kv_fp8 = k_cache.dtype in FP8_DTYPES
@@ -564,7 +671,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         # other lanes and the warps along token rows; more rows than tile tokens only repeat.
         rows = min(block_n, 32 // min(32, block_d // 16) * num_warps)
     heads_first = cfg.heads_first if heads_first is None else heads_first
-    grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
+    kv_rows = num_kv_heads // per_program
+    grid = (kv_rows, batch, num_splits) if heads_first else (batch, kv_rows, num_splits)
     _decode_split_kernel[grid](
         q, k_arg, v_arg, block_table, seq_lens, mid_o, mid_lse,
         scale * k_scale * math.log2(math.e), split_len, window or 0,
@@ -585,7 +693,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         ASM_CVT=(cfg.asm_cvt if asm_cvt is None else asm_cvt) and kv_fp8 and variant != "fma"
         and has_fp8_convert(q.device),
         KV_E5M2=k_cache.dtype == torch.float8_e5m2,
-        HEADS_FIRST=heads_first, ROWS=rows,
+        HEADS_FIRST=heads_first, ROWS=rows, HEADS=per_program,
         num_warps=num_warps,
         num_stages=num_stages or cfg.num_stages,
     )
@@ -598,6 +706,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_warps=4,
     )
     return out
+
+
+def check_kv_heads_per_program(per_program: int, num_kv_heads: int, variant: str) -> None:
+    """Refuse a kv_heads_per_program the split kernel cannot run: a power of two dividing the
+    kv head count, above 1 only for the "fma" variant."""
+    if (not isinstance(per_program, int) or isinstance(per_program, bool) or per_program < 1
+            or per_program & (per_program - 1)):
+        raise ValueError(f"paged_decode_attention: kv_heads_per_program must be a power of two "
+                         f">= 1, got {per_program!r}")
+    if num_kv_heads % per_program:
+        raise ValueError(f"paged_decode_attention: kv_heads_per_program {per_program} does not "
+                         f"divide the {num_kv_heads} kv heads")
+    if per_program > 1 and variant != "fma":
+        raise ValueError(f"paged_decode_attention: kv_heads_per_program {per_program} needs the "
+                         f"'fma' variant, got {variant!r}")
 
 
 def max_decode_splits(max_context: int) -> int:

@@ -20,7 +20,9 @@ class DecodeConfig(NamedTuple):
     an FP8 tile of the dot variants is converted to fp16 in registers right after its load
     (inline PTX; CUDA sm_89+ only, ignored elsewhere and for 16-bit caches), and whether the
     grid puts the kv heads of a sequence next to each other (programs running at the same time
-    then read whole token rows of the cache, not one head's slice of many sequences)."""
+    then read whole token rows of the cache, not one head's slice of many sequences), and how
+    many adjacent kv heads one program reads ("fma" only: a token's slice of the cache is then
+    that many times longer; the kv head count must be a multiple of it)."""
     variant: str
     block_n: int
     num_warps: int
@@ -31,6 +33,7 @@ class DecodeConfig(NamedTuple):
     aligned: bool
     asm_cvt: bool
     heads_first: bool = False
+    kv_heads_per_program: int = 1
 
 
 # The launch rule, by where the kernel runs and what it reads; the one place to change it. The

@@ -347,3 +347,39 @@ def test_decode_heads_first_grid_matches_reference(variant: str) -> None:
                                      block_n=32)  # (B, Hq, D)
         qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
         assert attn_error(out, q, kd, vd, bt, sl, qsl, scale) <= ATTN_TOL[torch.bfloat16]
+
+
+# (kv heads per program, warps, prefetch, clamp_tokens, aligned, heads_first) of the "fma"
+# variant over adjacent kv heads, at the warps that keep its tile in registers
+KV_HEADS_CASES = [(2, 4, False, False, False, False), (2, 2, True, True, True, True),
+                  (4, 8, False, True, True, False), (4, 4, True, False, False, True)]
+
+
+@pytest.mark.parametrize("per_program,warps,prefetch,clamp,aligned,heads_first", KV_HEADS_CASES,
+                         ids=[f"x{c[0]}-w{c[1]}" for c in KV_HEADS_CASES])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8], ids=["bf16", *FP8_IDS])
+def test_decode_kv_heads_per_program_matches_reference(per_program: int, warps: int,
+                                                       prefetch: bool, clamp: bool,
+                                                       aligned: bool, heads_first: bool,
+                                                       cache_dtype: torch.dtype) -> None:
+    """Several adjacent kv heads a program ("fma") at Qwen3-0.6B's heads and at Llama-3-8B's
+    with a sliding window, the launcher's split length, a padding sequence; FP8 against the
+    dequantized cache."""
+    batch, ctx = 12, 3000
+    for (hq, hkv), window in zip(FP8_HEADS, (None, 700)):
+        q, kc, vc, bt, sl, _ = paged_inputs(decode_lens(batch, ctx), [1] * batch, hq, hkv, 128,
+                                            torch.bfloat16)
+        sl[3] = 0
+        kw: dict = dict(variant="fma", kv_heads_per_program=per_program, num_warps=warps,
+                        prefetch=prefetch, clamp_tokens=clamp, aligned=aligned,
+                        heads_first=heads_first, block_n=16)
+        kd, vd = kc, vc
+        if cache_dtype != torch.bfloat16:
+            kc, vc, kd, vd = _fp8(kc, vc, cache_dtype)
+            kw.update(k_scale=K_SCALE, v_scale=V_SCALE)
+        scale = 128 ** -0.5
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+        out = paged_decode_attention(q, kc, vc, bt, sl, scale, window=window, **kw)
+        assert bool((out[3] == 0).all())
+        err = attn_error(out, q, kd, vd, bt, sl, qsl, scale, window)
+        assert err <= ATTN_TOL[torch.bfloat16], (hq, window, err)

@@ -61,13 +61,18 @@ def test_phase_one_runs_every_start_correctly_and_keeps_the_fastest(tiny, tmp_pa
     previous = bench.Cfg(**bench.PREVIOUS_FP8_SMALL_GROUP)
     starts = {former._replace(**start) for start in bench.PHASE1}
     starts = {c._replace(asm_cvt=False) if c.variant == "fma" else c for c in starts}
+    # the tiny model's 2 kv heads: starts over 4 kv heads a program are not its launches
+    assert any(c.kv_heads_per_program == 4 for c in starts)
+    starts = {c for c in starts if c.kv_heads_per_program <= 2}
     # NOTE: the tiny table has room for one split only: configs that differ only in programs
     # per SM are the same kernel and are timed once.
     assert _no_pps(measured) == _no_pps({default, previous} | starts)
     # (the previous FP8 choice is timed once, under "default", while the two coincide)
     assert {"default", "former", "base"} <= {r["tag"] for r in rows}
     assert {r["variant"] for r in rows} == set(bench.VARIANTS)
-    assert all(r["programs"] >= 2 * 2 for r in rows)  # a split per sequence and kv head at least
+    assert {r["kv_heads_per_program"] for r in rows} == {1, 2}
+    # a split per sequence and kv-head row at least
+    assert all(r["programs"] >= 2 * 2 // r["kv_heads_per_program"] for r in rows)
     assert all(r["ok"] and r["max_err"] < 1.6e-2 for r in rows), rows  # 2 bf16 ulps
     best = result["best"]["tiny/fp8"]
     assert best["us"] == min(r["us"] for r in rows) and best["variant"] == "fma"
@@ -94,14 +99,16 @@ def test_a_wrong_result_is_never_the_best(tiny, tmp_path, monkeypatch) -> None:
     assert not any(r["variant"] in bench.FP8_ONLY_VARIANTS for r in result["results"])
 
 
-def test_quick_times_the_default_the_previous_choice_and_the_prefetched_starts(tiny,
-                                                                              tmp_path) -> None:
+def test_quick_times_the_default_the_previous_choice_and_the_prefetched_and_multi_head_starts(
+        tiny, tmp_path) -> None:
     args = _args(tmp_path, "fp8,bf16")
     args.quick = True
     rows = bench.run_sweep(args, t0=0.0)["results"]
     former = bench.Cfg(programs_per_sm=4, **bench.FORMER)
-    starts = {former._replace(**s) for s in bench.PHASE1 if s.get("prefetch")}
+    starts = {former._replace(**s) for s in bench.PHASE1
+              if s.get("prefetch") or s.get("kv_heads_per_program", 1) == 2}
     assert any(c.variant in bench.FP8_ONLY_VARIANTS for c in starts)
+    assert any(c.kv_heads_per_program == 2 for c in starts)
     fp8_default = bench.Cfg(*bench.pick_config(torch.bfloat16, torch.float8_e4m3fn, 2, True))
     fp8 = {bench.Cfg(*(r[f] for f in bench.Cfg._fields)) for r in rows if r["cache"] == "fp8"}
     assert _no_pps(fp8) == _no_pps(starts | {fp8_default, bench.Cfg(
@@ -149,3 +156,6 @@ def test_neighbours_move_one_knob() -> None:
     cfg = bench.Cfg("fma", 32, 4, 2, True, 4, False, True, False, False)
     for n in bench.neighbours(cfg):
         assert sum(a != b for a, b in zip(n, cfg)) == 1 and n.variant == "fma"
+    assert {n.kv_heads_per_program for n in bench.neighbours(cfg)} == {1, 2, 4}
+    dot = cfg._replace(variant="dot", block_n=64)  # several kv heads a program: "fma" only
+    assert {n.kv_heads_per_program for n in bench.neighbours(dot)} == {1}
