@@ -131,14 +131,25 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kvh,
                 k_mask = d_mask[:, None] & k_n_mask[None, :]
             v_ptrs = v_cache_ptr + v_row[:, None] + offs_d[None, :]  # (BN, BD)
             v_mask = v_n_mask[:, None] & d_mask[None, :]
-        if CLAMP_TOKENS and HEAD_DIM == BLOCK_D:  # K: no predicate at all
-            k = tl.load(k_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=k_mask, other=0.0)
-        if CLAMP_TOKENS and HEAD_DIM == BLOCK_D and not ALIGNED:  # V: every row a real token's
-            v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+        # K: no predicate at all; V: every row a real token's unless ALIGNED
+        k, v = _load_k_v(k_ptrs, k_mask, v_ptrs, v_mask, CLAMP_TOKENS and HEAD_DIM == BLOCK_D,
+                         CLAMP_TOKENS and HEAD_DIM == BLOCK_D and not ALIGNED, 0.0)
+    return k, v
+
+
+@triton.jit
+def _load_k_v(k_ptrs, k_mask, v_ptrs, v_mask, K_UNMASKED: tl.constexpr,
+              V_UNMASKED: tl.constexpr, ZERO: tl.constexpr):
+    """K and V tiles: unpredicated loads where every address is a real cache row, else masked
+    loads with ZERO (0.0 for float caches, 0 for words) past the end."""
+    if K_UNMASKED:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=k_mask, other=ZERO)
+    if V_UNMASKED:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=v_mask, other=ZERO)
     return k, v
 
 
@@ -210,15 +221,9 @@ def _load_fp8_words(k_words_ptr, v_words_ptr, bt_row, n0, end, kvh,
     v_row = blk * stride_vc_b + (off * stride_vc_s + kvh * stride_vc_h)  # (T, R)
     k_ptrs = k_words_ptr + k_row[None, :, :, None] + offs_w[None, None, None, :]  # (1, T, R, BW)
     v_ptrs = v_words_ptr + v_row[None, :, :, None] + offs_w[None, None, None, :]  # (1, T, R, BW)
-    if CLAMP_TOKENS and HEAD_WORDS == BLOCK_W:  # K: every row a real one, every word real
-        k = tl.load(k_ptrs)
-    else:
-        k = tl.load(k_ptrs, mask=k_mask, other=0)
-    if CLAMP_TOKENS and HEAD_WORDS == BLOCK_W and not ALIGNED:  # V: every row a real token's
-        v = tl.load(v_ptrs)
-    else:
-        v = tl.load(v_ptrs, mask=v_mask, other=0)
-    return k, v
+    # K: every row a real one, every word real; V: every row a real token's unless ALIGNED
+    return _load_k_v(k_ptrs, k_mask, v_ptrs, v_mask, CLAMP_TOKENS and HEAD_WORDS == BLOCK_W,
+                     CLAMP_TOKENS and HEAD_WORDS == BLOCK_W and not ALIGNED, 0)
 
 
 @triton.jit

@@ -282,25 +282,36 @@ def test_decode_variant_matches_reference(variant: str, prefetch: bool, clamp: b
     """Every variant at Qwen3-0.6B's heads and at Llama-3-8B's with a sliding window, bf16
     queries, several tiles and splits; FP8 against the dequantized cache (variants that read
     FP8 caches only must refuse a bf16 one)."""
-    batch, ctx = 12, 3000
     if variant in FP8_ONLY_VARIANTS and cache_dtype == torch.bfloat16:
         q, kc, vc, bt, sl, _ = paged_inputs([100], [1], 16, 8, 128, torch.bfloat16)
         with pytest.raises(ValueError, match=variant):
             paged_decode_attention(q, kc, vc, bt, sl, 1.0, variant=variant)
         return
+    _check_decode_heads(cache_dtype, dict(variant=variant, prefetch=prefetch, clamp_tokens=clamp,
+                                          aligned=aligned, asm_cvt=asm, block_n=32,
+                                          split_len=512))
+
+
+def _check_decode_heads(cache_dtype: torch.dtype, kw: dict, empty_row: int | None = None) -> None:
+    """paged_decode_attention(**kw) against the reference at Qwen3-0.6B's heads and at
+    Llama-3-8B's with a sliding window, 12 sequences up to 3,000 tokens (row empty_row of
+    length 0, whose output must be zeros); FP8 caches against their dequantized values."""
+    batch, ctx = 12, 3000
     for (hq, hkv), window in zip(FP8_HEADS, (None, 700)):
         q, kc, vc, bt, sl, _ = paged_inputs(decode_lens(batch, ctx), [1] * batch, hq, hkv, 128,
                                             torch.bfloat16)
-        kw: dict = dict(variant=variant, prefetch=prefetch, clamp_tokens=clamp, aligned=aligned,
-                        asm_cvt=asm)
-        kd, vd = kc, vc
+        if empty_row is not None:
+            sl[empty_row] = 0
+        kd, vd, scales = kc, vc, {}
         if cache_dtype != torch.bfloat16:
             kc, vc, kd, vd = _fp8(kc, vc, cache_dtype)
-            kw.update(k_scale=K_SCALE, v_scale=V_SCALE)
+            scales = dict(k_scale=K_SCALE, v_scale=V_SCALE)
         scale = 128 ** -0.5
         qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
-        out = paged_decode_attention(q, kc, vc, bt, sl, scale, window=window, block_n=32,
-                                     split_len=512, **kw)  # (B, Hq, D)
+        out = paged_decode_attention(q, kc, vc, bt, sl, scale, window=window, **kw,
+                                     **scales)  # (B, Hq, D)
+        if empty_row is not None:
+            assert bool((out[empty_row] == 0).all())
         err = attn_error(out, q, kd, vd, bt, sl, qsl, scale, window)
         assert err <= ATTN_TOL[torch.bfloat16], (hq, window, err)
 
@@ -365,21 +376,7 @@ def test_decode_kv_heads_per_program_matches_reference(per_program: int, warps: 
     """Several adjacent kv heads a program ("fma") at Qwen3-0.6B's heads and at Llama-3-8B's
     with a sliding window, the launcher's split length, a padding sequence; FP8 against the
     dequantized cache."""
-    batch, ctx = 12, 3000
-    for (hq, hkv), window in zip(FP8_HEADS, (None, 700)):
-        q, kc, vc, bt, sl, _ = paged_inputs(decode_lens(batch, ctx), [1] * batch, hq, hkv, 128,
-                                            torch.bfloat16)
-        sl[3] = 0
-        kw: dict = dict(variant="fma", kv_heads_per_program=per_program, num_warps=warps,
-                        prefetch=prefetch, clamp_tokens=clamp, aligned=aligned,
-                        heads_first=heads_first, block_n=16)
-        kd, vd = kc, vc
-        if cache_dtype != torch.bfloat16:
-            kc, vc, kd, vd = _fp8(kc, vc, cache_dtype)
-            kw.update(k_scale=K_SCALE, v_scale=V_SCALE)
-        scale = 128 ** -0.5
-        qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
-        out = paged_decode_attention(q, kc, vc, bt, sl, scale, window=window, **kw)
-        assert bool((out[3] == 0).all())
-        err = attn_error(out, q, kd, vd, bt, sl, qsl, scale, window)
-        assert err <= ATTN_TOL[torch.bfloat16], (hq, window, err)
+    _check_decode_heads(cache_dtype, dict(variant="fma", kv_heads_per_program=per_program,
+                                          num_warps=warps, prefetch=prefetch, clamp_tokens=clamp,
+                                          aligned=aligned, heads_first=heads_first, block_n=16),
+                        empty_row=3)
