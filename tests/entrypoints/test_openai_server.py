@@ -53,7 +53,9 @@ def test_continuous_usage_stats_put_usage_in_every_chunk(client):
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
                                             temperature=0, stream=True, stream_options=opts))
     counts = [c.usage.completion_tokens for c in chunks]
-    assert counts == sorted(counts) and counts[-1] == 4 and len(chunks) >= 5
+    # NOTE: tokens that reach the stream together go out in one chunk, so the chunk count varies
+    # with timing; the running count never goes back and ends at the total.
+    assert counts == sorted(counts) and counts[-1] == 4 and counts[0] >= 1 and len(chunks) >= 2
     assert all(c.usage.prompt_tokens == chunks[0].usage.prompt_tokens > 0 for c in chunks)
     chat = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3,
                                                stream=True, stream_options=opts))
