@@ -26,6 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cuda_timing import graph_replay_ms  # noqa: E402
+
 HBM_GBPS = 4200.0  # H200: ~4.8 TB/s peak, ~4.2 TB/s reachable
 L2_FLUSH_BYTES = 256 << 20
 SHAPES = {  # (K, N) per projection: q/k/v fused, o, gate/up fused, down
@@ -42,22 +44,7 @@ def _nbytes(*ts: torch.Tensor | None) -> int:
 
 def _time_us(make_calls: list[Callable[[], object]], iters: int) -> float:
     """Mean µs per call over `iters` replays of one graph that makes every call once."""
-    for call in make_calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in make_calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters / len(make_calls)
+    return graph_replay_ms(make_calls, iters) * 1e3 / len(make_calls)
 
 
 def _copies(weight_bytes: int) -> int:

@@ -9,6 +9,7 @@ Prints microseconds per layer for each case and the saving; writes every row to 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cuda_timing import graph_replay_ms  # noqa: E402
 from peregrine.kernels.rmsnorm import rms_norm  # noqa: E402
 from peregrine.kernels.rope_store import norm_rope_store  # noqa: E402
 from peregrine.kernels.rotary import apply_rope  # noqa: E402
@@ -57,21 +59,8 @@ def _fused(qkv, kc, vc, slots, pos, cache, w, hq, hkv, qk_norm, scale):
 
 def time_per_layer(fn, args, layers: int, replays: int) -> float:
     """Microseconds per layer of `layers` calls captured in one CUDA graph."""
-    fn(*args)  # compile outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(layers):
-            fn(*args)
-    for _ in range(3):
-        g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays / layers
+    call = functools.partial(fn, *args)
+    return graph_replay_ms([call] * layers, replays, warmup=3) * 1e3 / layers
 
 
 def main() -> None:

@@ -19,6 +19,9 @@ import torch
 
 HBM_GBPS = 4200.0
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.cuda_timing import graph_replay_ms  # noqa: E402
 CONFIG = ROOT / "benchmarks" / "configs" / "llama-3-8b.json"
 SHAPES = {"qkv": (4096, 4096 + 2 * 1024), "o": (4096, 4096), "gate_up": (4096, 2 * 14336),
           "down": (14336, 4096)}
@@ -26,20 +29,7 @@ SHAPES = {"qkv": (4096, 4096 + 2 * 1024), "o": (4096, 4096), "gate_up": (4096, 2
 
 def _time_ms(fn, iters: int = 200) -> float:
     """Mean ms of `iters` replays of a CUDA graph of fn (no launch overhead)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return graph_replay_ms([fn], iters)
 
 
 def _dense_ms(x: torch.Tensor, n: int) -> float:
