@@ -48,8 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from peregrine.kernels import reference as ref  # noqa: E402
 from peregrine.kernels.decode_attention import (FP8_ONLY_VARIANTS, VARIANTS,  # noqa: E402
-                                                decode_split_len, paged_decode_attention,
+                                                decode_num_splits, paged_decode_attention,
                                                 pick_config)
+from peregrine.kernels.decode_attention import _MIN_SPLIT_LEN as MIN_SPLIT_LEN  # noqa: E402
 from peregrine.kernels.decode_configs import DecodeConfig  # noqa: E402
 
 import triton  # noqa: E402
@@ -146,8 +147,11 @@ PHASE1 = (
 )
 # The starts --quick times besides the default and previous choices.
 QUICK = [s for s in PHASE1 if s.get("prefetch") or s.get("kv_heads_per_program", 1) > 1]
-# The launcher's choice for an FP8 cache and up to 2 q heads per kv head before "fma_fp8",
-# timed beside it ("previous").
+# The launcher's choices before 16 programs per SM and the heads-first grid, timed beside the
+# current ones ("previous"): a bf16 cache, and an FP8 cache with up to 2 q heads per kv head.
+PREVIOUS_BF16 = dict(variant="dot", block_n=64, num_warps=4, num_stages=2, prefetch=False,
+                     programs_per_sm=4, clamp_tokens=True, aligned=True, asm_cvt=False,
+                     heads_first=False)
 PREVIOUS_FP8_SMALL_GROUP = dict(variant="fma", block_n=16, num_warps=2, num_stages=3,
                                 prefetch=False, programs_per_sm=4, clamp_tokens=False,
                                 aligned=False, asm_cvt=False, heads_first=False)
@@ -216,21 +220,14 @@ def make_problem(shape: str, cache: str, with_reference: bool) -> Problem:
 
 def launch(p: Problem, cfg: Cfg, out: torch.Tensor) -> None:
     ks, vs = (1.0, 1.0) if p.cache == "bf16" else (K_SCALE, V_SCALE)
-    split_len = split_len_of(p, cfg)
     paged_decode_attention(p.q, p.k_cache, p.v_cache, p.block_table, p.seq_lens,
-                           HEAD_DIM ** -0.5, out=out, split_len=split_len, block_n=cfg.block_n,
+                           HEAD_DIM ** -0.5, out=out, num_splits=num_splits(p, cfg),
+                           block_n=cfg.block_n,
                            k_scale=ks, v_scale=vs, num_warps=cfg.num_warps,
                            num_stages=cfg.num_stages, variant=cfg.variant, prefetch=cfg.prefetch,
                            clamp_tokens=cfg.clamp_tokens, aligned=cfg.aligned,
                            asm_cvt=cfg.asm_cvt, heads_first=cfg.heads_first,
                            kv_heads_per_program=cfg.kv_heads_per_program)
-
-
-def split_len_of(p: Problem, cfg: Cfg) -> int:
-    """The launcher's split length for cfg: programs per SM over (sequence, kv-head row)."""
-    return decode_split_len(p.q.shape[0], p.k_cache.shape[2] // cfg.kv_heads_per_program,
-                            p.block_table.shape[1], BLOCK_SIZE, DEV, cfg.block_n,
-                            cfg.programs_per_sm)
 
 
 def default_cfg(p: Problem) -> Cfg:
@@ -340,21 +337,30 @@ def bench_ms(fn) -> float:
 
 
 def num_splits(p: Problem, cfg: Cfg) -> int:
-    split_len = split_len_of(p, cfg)
-    return -(-p.block_table.shape[1] * BLOCK_SIZE // split_len)
+    """The launcher's split count for cfg: programs per SM over (sequence, kv-head row)."""
+    return decode_num_splits(p.q.shape[0], p.k_cache.shape[2] // cfg.kv_heads_per_program,
+                             p.block_table.shape[1], BLOCK_SIZE, DEV, cfg.programs_per_sm)
+
+
+def seq_split_len(n: int, splits: int, cfg: Cfg) -> int:
+    """Tokens per split of a sequence of n tokens (the kernel's own rule)."""
+    per = -(-(-(-n // splits)) // cfg.block_n) * cfg.block_n
+    return max(per, -(-MIN_SPLIT_LEN // cfg.block_n) * cfg.block_n)
 
 
 def num_programs(p: Problem, cfg: Cfg) -> int:
     """Split programs that read keys (the others exit at once): what fills the GPU's waves."""
-    split_len = split_len_of(p, cfg)
-    return (sum(-(-n // split_len) for n in p.lens)
+    splits = num_splits(p, cfg)
+    return (sum(-(-n // seq_split_len(n, splits, cfg)) for n in p.lens if n)
             * (p.k_cache.shape[2] // cfg.kv_heads_per_program))
 
 
 def previous_cfg(p: Problem) -> Cfg | None:
-    """The launcher's former choice where this change replaced it (FP8, group <= 2)."""
+    """The launcher's former choice where the last change replaced it (bf16; FP8, group <= 2)."""
     group = p.q.shape[1] // p.k_cache.shape[2]
-    return Cfg(**PREVIOUS_FP8_SMALL_GROUP) if p.cache != "bf16" and group <= 2 else None
+    if p.cache == "bf16":
+        return Cfg(**PREVIOUS_BF16)
+    return Cfg(**PREVIOUS_FP8_SMALL_GROUP) if group <= 2 else None
 
 
 def former_cfg(p: Problem) -> Cfg:

@@ -21,6 +21,15 @@ _MIN_SPLIT_LEN = 256  # tokens; shorter splits cost more in the merge than they 
 _MAX_SPLITS = 64
 
 
+@triton.jit
+def _seq_split_len(seq_len, num_splits, min_split_len, BLOCK_N: tl.constexpr):
+    """Tokens per split of one sequence: its own context over the grid's split count, a whole
+    number of tiles, at least min_split_len (a multiple of BLOCK_N; min_split_len >= the
+    context over the split count gives every sequence that fixed length)."""
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    return tl.maximum(per_split, min_split_len)
+
+
 # Variants of the split kernel (VARIANT constexpr), chosen per launch by pick_config:
 #   "dot":    K loaded as (D, N), scores and P.V on tensor cores (tl.dot; the q heads of one kv
 #             head are padded to 16 rows).
@@ -346,11 +355,11 @@ def _split_fma_heads(q_ptr, k_cache_ptr, v_cache_ptr, bt_row, mid_o_ptr, mid_lse
 
 # NOTE: ints that change with the batch are not specialised on (==1, %16): each new value would
 # compile a variant on the request path. The merge's BLOCK_S variants are compiled by precompile().
-@triton.jit(do_not_specialize=["split_len", "window", "stride_bt", "stride_mo_b", "stride_mo_h",
-                               "stride_ml_b", "stride_ml_h"])
+@triton.jit(do_not_specialize=["min_split_len", "window", "stride_bt", "stride_mo_b",
+                               "stride_mo_h", "stride_ml_b", "stride_ml_h"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
-    scale_log2, split_len, window,
+    scale_log2, min_split_len, window,
     stride_qb, stride_qh,
     stride_kc_b, stride_kc_s, stride_kc_h,
     stride_vc_b, stride_vc_s, stride_vc_h,
@@ -373,6 +382,7 @@ def _decode_split_kernel(
         kvh = tl.program_id(1) * HEADS
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
+    split_len = _seq_split_len(seq_len, tl.num_programs(2), min_split_len, BLOCK_N)
     start = split * split_len
     if start >= seq_len:  # NOTE: splits past the context exit; the merge derives how many ran
         return
@@ -562,20 +572,21 @@ def _decode_split_kernel(
         tl.store(mid_lse_ptr + b64 * stride_ml_b + heads * stride_ml_h + split, lse, mask=g_mask)
 
 
-@triton.jit(do_not_specialize=["split_len", "stride_mo_b", "stride_mo_h", "stride_ml_b",
-                               "stride_ml_h"])
+@triton.jit(do_not_specialize=["grid_splits", "min_split_len", "stride_mo_b", "stride_mo_h",
+                               "stride_ml_b", "stride_ml_h"])
 def _decode_merge_kernel(
-    mid_o_ptr, mid_lse_ptr, seq_lens_ptr, o_ptr, split_len, v_scale,
+    mid_o_ptr, mid_lse_ptr, seq_lens_ptr, o_ptr, grid_splits, min_split_len, v_scale,
     stride_mo_b, stride_mo_h, stride_mo_s,
     stride_ml_b, stride_ml_h,
     stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     b64 = b.to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + b)
-    num_splits = (seq_len + split_len - 1) // split_len  # splits that ran (0 for an empty seq)
+    split_len = _seq_split_len(seq_len, grid_splits, min_split_len, BLOCK_N)
+    num_splits = tl.cdiv(seq_len, split_len)  # splits that ran (0 for an empty seq)
     offs_s = tl.arange(0, BLOCK_S)  # (BS,)
     offs_d = tl.arange(0, BLOCK_D)  # (BD,)
     s_mask = offs_s < num_splits
@@ -594,20 +605,20 @@ def _decode_merge_kernel(
              out.to(o_ptr.dtype.element_ty), mask=d_mask)
 
 
-def decode_split_len(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
-                     device: torch.device, block_n: int,
-                     programs_per_sm: int = PROGRAMS_PER_SM) -> int:
-    """Tokens per split, from shapes only: enough programs to fill the GPU, at most _MAX_SPLITS."""
-    max_ctx = max_blocks * block_size
-    max_splits = max_decode_splits(max_ctx)
-    want = math.ceil(programs_per_sm * num_sms(device) / max(1, batch * num_kv_heads))
-    splits = max(1, min(want, max_splits))
-    return math.ceil(math.ceil(max_ctx / splits) / block_n) * block_n
+def decode_num_splits(batch: int, num_kv_rows: int, max_blocks: int, block_size: int,
+                      device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Splits per (sequence, kv-head row), from shapes only: enough programs to fill the GPU, at
+    most max_decode_splits of the block table's width. Each sequence divides its own context
+    into that many splits (of at least _MIN_SPLIT_LEN tokens), so sequences much shorter than
+    the table still use them all."""
+    want = math.ceil(programs_per_sm * num_sms(device) / max(1, batch * num_kv_rows))
+    return max(1, min(want, max_decode_splits(max_blocks * block_size)))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, *, split_len: int | None = None,
+                           num_splits: int | None = None, min_split_len: int | None = None,
                            block_n: int | None = None, window: int | None = None,
                            k_scale: float = 1.0, v_scale: float = 1.0, num_warps: int | None = None,
                            num_stages: int | None = None, variant: str | None = None,
@@ -621,6 +632,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     seq_lens[b] <= block_table.shape[1] * block_size tokens (only the last `window` tokens with a
     sliding window); returns out (B, Hq, D). A sequence with seq_len 0 (CUDA-graph padding)
     gets zeros. The caches hold k / k_scale and v / v_scale (any float type, FP8 included).
+    By default each sequence splits its own context into num_splits pieces (decode_num_splits
+    from the shapes) of at least min_split_len tokens (default _MIN_SPLIT_LEN); split_len
+    instead gives every sequence splits of exactly that many tokens.
     variant, block_n, num_warps, num_stages, prefetch, clamp_tokens, aligned, asm_cvt,
     heads_first, kv_heads_per_program override pick_config's choice (DecodeConfig says what each
     does)."""
@@ -646,12 +660,26 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     per_program = cfg.kv_heads_per_program if kv_heads_per_program is None \
         else kv_heads_per_program
     check_kv_heads_per_program(per_program, num_kv_heads, variant)
-    if split_len is None:  # NOTE: programs per SM counts programs, so fewer kv rows, more splits
-        split_len = decode_split_len(batch, num_kv_heads // per_program, block_table.shape[1],
-                                     block_size, q.device, block_n, cfg.programs_per_sm)
-    if split_len % block_n:
-        raise ValueError(f"split_len {split_len} must be a multiple of block_n {block_n}")
-    num_splits = max(1, math.ceil(block_table.shape[1] * block_size / split_len))
+    table_tokens = block_table.shape[1] * block_size
+    if split_len is not None:  # fixed splits: min_split_len covers every sequence's share
+        if num_splits is not None or min_split_len is not None:
+            raise ValueError("paged_decode_attention: split_len fixes the splits; do not also "
+                             "pass num_splits or min_split_len")
+        if split_len <= 0 or split_len % block_n:
+            raise ValueError(f"split_len {split_len} must be a positive multiple of block_n "
+                             f"{block_n}")
+        num_splits, min_split_len = max(1, math.ceil(table_tokens / split_len)), split_len
+    else:
+        if num_splits is None:  # NOTE: programs per SM counts programs: fewer kv rows, more splits
+            num_splits = decode_num_splits(batch, num_kv_heads // per_program,
+                                           block_table.shape[1], block_size, q.device,
+                                           cfg.programs_per_sm)
+        if num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        min_split_len = _MIN_SPLIT_LEN if min_split_len is None else min_split_len
+        if min_split_len <= 0:
+            raise ValueError(f"min_split_len must be >= 1, got {min_split_len}")
+        min_split_len = -(-min_split_len // block_n) * block_n  # whole tiles
     mid_o = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32,
                         device=q.device)  # (B, Hq, S, D)
     mid_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32,
@@ -680,7 +708,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     grid = (kv_rows, batch, num_splits) if heads_first else (batch, kv_rows, num_splits)
     _decode_split_kernel[grid](
         q, k_arg, v_arg, block_table, seq_lens, mid_o, mid_lse,
-        scale * k_scale * math.log2(math.e), split_len, window or 0,
+        scale * k_scale * math.log2(math.e), min_split_len, window or 0,
         q.stride(0), q.stride(1),
         k_arg.stride(0), k_arg.stride(1), k_arg.stride(2),
         v_arg.stride(0), v_arg.stride(1), v_arg.stride(2),
@@ -703,11 +731,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_stages=num_stages or cfg.num_stages,
     )
     _decode_merge_kernel[(batch, num_q_heads)](
-        mid_o, mid_lse, seq_lens, out, split_len, v_scale,
+        mid_o, mid_lse, seq_lens, out, num_splits, min_split_len, v_scale,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits), BLOCK_N=block_n,
         num_warps=4,
     )
     return out
@@ -729,7 +757,7 @@ def check_kv_heads_per_program(per_program: int, num_kv_heads: int, variant: str
 
 
 def max_decode_splits(max_context: int) -> int:
-    """The most splits decode_split_len gives a block table of max_context tokens (or fewer)."""
+    """The most splits decode_num_splits gives a block table of max_context tokens (or fewer)."""
     return max(1, min(_MAX_SPLITS, math.ceil(max_context / _MIN_SPLIT_LEN)))
 
 
@@ -741,7 +769,7 @@ def precompile(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: i
     request path. dtype: q's; cache_dtype: the KV cache's (default: dtype); max_context: the
     widest block table in tokens (default: any), which bounds the split counts a decode can use
     (a 512-token model needs 2 of the 7 variants)."""
-    # NOTE: decode_split_len never gives a table of max_context tokens more than
+    # NOTE: decode_num_splits never gives a table of max_context tokens more than
     # max_decode_splits(max_context) splits, so the merge's BLOCK_S stays below its next power
     # of two; a caller passing split_len itself may go further and compile on first use.
     limit = _MAX_SPLITS if max_context is None else next_pow2(max_decode_splits(max_context))

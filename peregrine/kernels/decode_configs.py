@@ -46,17 +46,24 @@ _CONFIGS = {
     "cpu": DecodeConfig("dot", 16, 4, 2, False, PROGRAMS_PER_SM, False, False, False),
     # NOTE: fp32 inputs run 3-pass tf32 dots on a GPU; a narrower tile keeps them from spilling.
     "cuda-fp32": DecodeConfig("dot", 32, 8, 2, False, PROGRAMS_PER_SM, False, False, False),
-    # bf16 cache: W1 961 us (was 963, both at the HBM wall), Llama-3-8B 499 us (was 538)
-    "cuda-16bit-cache": DecodeConfig("dot", 64, 4, 2, False, PROGRAMS_PER_SM, True, True,
-                                     False),
+    # bf16 cache: 16 programs per SM, the kv heads of a sequence side by side. Over W1's whole
+    # decode phase (benchmarks/decode_splits_bench.py: every 100th step, 8 layers in one CUDA
+    # graph) 3.55 s of attention against 3.78 s with 4 programs per SM and the sequence-major
+    # grid (W1 at 1,000 x ~1,000: 961 us, at the wall). 128-token tiles gave 3.50 s but need
+    # 128 KB of shared memory, more than many GPUs have.
+    "cuda-16bit-cache": DecodeConfig("dot", 64, 4, 2, False, 16, True, True, False,
+                                     heads_first=True),
     # FP8 cache, up to 2 q heads per kv head: W1 (1,000 x ~1,000) 795 us (878 with the
     # tensor-core dot). At W1's real batches (H200): 180 x ~960 tokens 158.8 us, 75 x ~1,200
     # 101.5 us. Fewer instructions did not make it faster: the dot with a prefetched tile
     # converted on load (3.6 SASS instructions per K/V element against 7.2, 8 KB in flight per
     # program) took 177.2 / 104.8 / 901.3 us; the best at 180 x ~960 was this variant again
     # (157.7 us with the heads-first grid), not "fma_fp8" (5.8 instructions per element).
-    "cuda-fp8-cache-small-group": DecodeConfig("fma", 16, 2, 3, False, PROGRAMS_PER_SM, False,
-                                               False, False),
+    # Over W1's decode phase (decode_splits_bench.py) 16 programs per SM and the heads-first
+    # grid give 3.42 s of attention against 3.81 s; 2 or 4 kv heads a program were slower
+    # (5.08 / 21.8 s).
+    "cuda-fp8-cache-small-group": DecodeConfig("fma", 16, 2, 3, False, 16, False, False, False,
+                                               heads_first=True),
     # FP8 cache, larger groups: Llama-3-8B 367 us (was 486)
     "cuda-fp8-cache": DecodeConfig("dot", 64, 2, 2, False, PROGRAMS_PER_SM, True, True, False),
 }

@@ -10,7 +10,7 @@ import torch
 
 from peregrine import LLM, SamplingParams, demo
 from peregrine.kernels._utils import next_pow2
-from peregrine.kernels.decode_attention import decode_split_len, max_decode_splits
+from peregrine.kernels.decode_attention import decode_num_splits, max_decode_splits
 from peregrine.worker.kv_memory import gpu_blocks_cap
 
 pytestmark = pytest.mark.gpu
@@ -55,5 +55,5 @@ def test_every_decode_batch_uses_a_precompiled_merge_variant(max_model_len: int)
     for kv_heads in (1, 2, 8):
         for batch in (1, 2, 7, 64, 256):
             for blocks in range(1, max_model_len // 16 + 1, max(1, max_model_len // 16 // 64)):
-                split = decode_split_len(batch, kv_heads, blocks, 16, dev, 64)
-                assert next_pow2(math.ceil(blocks * 16 / split)) <= compiled
+                splits = decode_num_splits(batch, kv_heads, blocks, 16, dev)
+                assert next_pow2(splits) <= compiled

@@ -7,7 +7,7 @@ import torch
 
 from kernel_cases import (FP8_DTYPES, FP8_IDS, K_SCALE, TOLERANCES, V_SCALE, exact_reference,
                           fp8_case, fp8_error_bounds, make_paged_case)
-from peregrine.kernels.decode_attention import (FP8_ONLY_VARIANTS, VARIANTS, decode_split_len,
+from peregrine.kernels.decode_attention import (FP8_ONLY_VARIANTS, VARIANTS, decode_num_splits,
                                                 paged_decode_attention, pick_config)
 
 SCALE = 0.125
@@ -68,12 +68,44 @@ def test_decode_writes_into_a_strided_out_view() -> None:
     assert torch.all(full[0] == 7.0) and torch.all(full[3:] == 7.0)
 
 
-def test_split_len_depends_only_on_shapes() -> None:
+def test_num_splits_depends_only_on_shapes() -> None:
     cpu = torch.device("cpu")
-    a = decode_split_len(8, 2, 512, 16, cpu, 64)
-    assert a % 64 == 0 and a * 64 >= 512 * 16  # at most 64 splits cover the table
-    assert decode_split_len(8, 2, 512, 16, cpu, 64) == a
-    assert decode_split_len(1, 1, 512, 16, cpu, 64) <= a  # fewer programs -> more splits
+    a = decode_num_splits(8, 2, 512, 16, cpu)
+    assert 1 <= a <= 32  # a table of 8,192 tokens: splits of at least 256 tokens
+    assert decode_num_splits(8, 2, 512, 16, cpu) == a
+    assert decode_num_splits(1, 1, 512, 16, cpu) >= a  # fewer programs -> more splits
+    assert decode_num_splits(10_000, 8, 512, 16, cpu) == 1
+    assert decode_num_splits(1, 1, 4, 16, cpu) == 1  # a 64-token table is never split
+
+
+@pytest.mark.parametrize("num_splits,min_split_len", [(1, 16), (2, 16), (3, 16), (7, 16),
+                                                      (4, 48), (64, 16), (2, 1000)])
+def test_per_sequence_splits_match_reference(num_splits: int, min_split_len: int) -> None:
+    """Each sequence divides its own context into num_splits pieces of whole tiles (at least
+    min_split_len): short and long sequences, one shorter than a tile, an empty padding row,
+    a table much wider than any sequence."""
+    case = make_paged_case([1, 13, 40, 97, 150], [1] * 5, 4, 2, extra_width=6)
+    seq_lens = case.seq_lens.clone()
+    seq_lens[2] = 0
+    out = paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_table, seq_lens,
+                                 SCALE, num_splits=num_splits, min_split_len=min_split_len,
+                                 block_n=16)
+    ref = exact_reference(case, SCALE)
+    keep = torch.tensor([0, 1, 3, 4])
+    torch.testing.assert_close(out[keep], ref[keep], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+
+
+def test_split_arguments_are_checked() -> None:
+    case = make_paged_case([20], [1], 4, 2)
+    with pytest.raises(ValueError, match="split_len fixes"):
+        _run(case, split_len=16, num_splits=2)
+    with pytest.raises(ValueError, match="multiple of block_n"):
+        _run(case, split_len=24, block_n=16)
+    with pytest.raises(ValueError, match="num_splits"):
+        _run(case, num_splits=0)
+    with pytest.raises(ValueError, match="min_split_len"):
+        _run(case, min_split_len=0)
 
 
 def test_decode_rejects_bad_gqa_ratio() -> None:
@@ -108,7 +140,7 @@ def test_precompile_covers_every_merge_variant(monkeypatch) -> None:
 def test_precompile_skips_the_merge_variants_a_shorter_context_cannot_reach(
         monkeypatch, max_context: int, want: list[int]) -> None:
     """With max_context, precompile() compiles the split counts up to the next power of two of
-    the most splits decode_split_len gives such a table, at any batch size and block width."""
+    the most splits decode_num_splits gives such a table, at any batch size and block width."""
     import peregrine.kernels.decode_attention as da
     seen: list[int] = []
     monkeypatch.setattr(da, "paged_decode_attention",
@@ -117,9 +149,8 @@ def test_precompile_skips_the_merge_variants_a_shorter_context_cannot_reach(
     da.precompile(4, 2, 16, 16, torch.float32, torch.device("cpu"), max_context=max_context)
     assert seen == want
     cpu = torch.device("cpu")
-    reached = {da.next_pow2(math.ceil(blocks * 16 / da.decode_split_len(batch, kv_heads, blocks,
-                                                                        16, cpu, block_n)))
-               for batch in (1, 3, 64) for kv_heads in (1, 8) for block_n in (16, 64)
+    reached = {da.next_pow2(da.decode_num_splits(batch, kv_heads, blocks, 16, cpu))
+               for batch in (1, 3, 64) for kv_heads in (1, 8)
                for blocks in range(1, max_context // 16 + 1)}
     assert reached <= set(want)
 

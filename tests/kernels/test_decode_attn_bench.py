@@ -117,7 +117,7 @@ def test_quick_times_the_default_the_previous_choice_and_the_prefetched_and_mult
     bf16 = {bench.Cfg(*(r[f] for f in bench.Cfg._fields)) for r in rows if r["cache"] == "bf16"}
     starts = {c._replace(asm_cvt=False) for c in starts if c.variant not in
               bench.FP8_ONLY_VARIANTS}
-    assert _no_pps(bf16) == _no_pps(starts | {bf16_default})
+    assert _no_pps(bf16) == _no_pps(starts | {bf16_default, bench.Cfg(**bench.PREVIOUS_BF16)})
     assert all(r["ok"] for r in rows)
 
 
