@@ -47,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from peregrine.kernels import reference as ref  # noqa: E402
+from peregrine.kernels._utils import max_shared_memory  # noqa: E402
 from peregrine.kernels.decode_attention import (FP8_ONLY_VARIANTS, VARIANTS,  # noqa: E402
                                                 decode_num_splits, paged_decode_attention,
                                                 pick_config)
@@ -232,7 +233,7 @@ def launch(p: Problem, cfg: Cfg, out: torch.Tensor) -> None:
 
 def default_cfg(p: Problem) -> Cfg:
     group = p.q.shape[1] // p.k_cache.shape[2]
-    return Cfg(*pick_config(p.q.dtype, p.k_cache.dtype, group, True))
+    return Cfg(*pick_config(p.q.dtype, p.k_cache.dtype, group, True, max_shared_memory(DEV)))
 
 
 PROBE_HEADS = (1, 2, 4, 8)  # kv heads per program: contiguous bytes per token row read

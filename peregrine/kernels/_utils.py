@@ -80,6 +80,21 @@ def has_fp8_convert(device: torch.device) -> bool:
     return _capability(index) >= (8, 9)
 
 
+@functools.lru_cache(maxsize=None)
+def _max_shared_memory(index: int) -> int:
+    import triton
+    return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+def max_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on a CUDA device (opt-in maximum); 0 on CPU
+    or without a GPU."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 0
+    return _max_shared_memory(device.index if device.index is not None
+                              else torch.cuda.current_device())
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of device; a small fixed number on CPU (the interpreter)."""
     if device.type != "cuda":

@@ -14,7 +14,8 @@ import triton.language as tl
 
 from peregrine.kernels._utils import (FP8_DTYPES, check_block_size, check_q_and_caches,
                                       check_window_and_out, dot_precision, has_fp8_convert,
-                                      is_gpu, kv_dot_dtype, next_pow2, num_sms)
+                                      is_gpu, kv_dot_dtype, max_shared_memory, next_pow2,
+                                      num_sms)
 from peregrine.kernels.decode_configs import PROGRAMS_PER_SM, pick_config
 
 _MIN_SPLIT_LEN = 256  # tokens; shorter splits cost more in the merge than they win in parallelism
@@ -652,7 +653,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if batch == 0:
         return out
     group = num_q_heads // num_kv_heads
-    cfg = pick_config(q.dtype, k_cache.dtype, group, is_gpu(q))
+    cfg = pick_config(q.dtype, k_cache.dtype, group, is_gpu(q), max_shared_memory(q.device))
     block_n = block_n or cfg.block_n
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
@@ -777,7 +778,8 @@ def precompile(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: i
     cache = torch.zeros(1, block_size, num_kv_heads, head_dim, dtype=cache_dtype or dtype,
                         device=device)
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
-    block_n = pick_config(dtype, cache.dtype, num_q_heads // num_kv_heads, is_gpu(q)).block_n
+    block_n = pick_config(dtype, cache.dtype, num_q_heads // num_kv_heads, is_gpu(q),
+                          max_shared_memory(q.device)).block_n
     splits = 1
     while splits <= limit:  # splits of block_n tokens over a table of splits * block_n
         table = torch.zeros(1, -(-splits * block_n // block_size), dtype=torch.int32,

@@ -9,7 +9,10 @@ import torch
 
 from peregrine.kernels._utils import FP8_DTYPES
 
-PROGRAMS_PER_SM = 4  # programs per SM that decode_split_len aims at by default
+PROGRAMS_PER_SM = 4  # programs per SM that decode_num_splits aims at by default
+# Shared memory per program (bytes) from which the bf16 cache gets 128-token tiles: two stages
+# of K and V tiles take 128 KiB (Hopper allows 227 KiB, Ampere 163 KiB, Ada 99 KiB).
+LARGE_SHARED_MEMORY = 200 * 1024
 
 
 class DecodeConfig(NamedTuple):
@@ -49,10 +52,13 @@ _CONFIGS = {
     # bf16 cache: 16 programs per SM, the kv heads of a sequence side by side. Over W1's whole
     # decode phase (benchmarks/decode_splits_bench.py: every 100th step, 8 layers in one CUDA
     # graph) 3.55 s of attention against 3.78 s with 4 programs per SM and the sequence-major
-    # grid (W1 at 1,000 x ~1,000: 961 us, at the wall). 128-token tiles gave 3.50 s but need
-    # 128 KB of shared memory, more than many GPUs have.
+    # grid (W1 at 1,000 x ~1,000: 961 us, at the wall).
     "cuda-16bit-cache": DecodeConfig("dot", 64, 4, 2, False, 16, True, True, False,
                                      heads_first=True),
+    # the same with 128-token tiles where a program may use LARGE_SHARED_MEMORY (Hopper):
+    # 3.50 s over W1's decode phase
+    "cuda-16bit-cache-large-tiles": DecodeConfig("dot", 128, 4, 2, False, 16, True, True, False,
+                                                 heads_first=True),
     # FP8 cache, up to 2 q heads per kv head: W1 (1,000 x ~1,000) 795 us (878 with the
     # tensor-core dot). At W1's real batches (H200): 180 x ~960 tokens 158.8 us, 75 x ~1,200
     # 101.5 us. Fewer instructions did not make it faster: the dot with a prefetched tile
@@ -70,9 +76,10 @@ _CONFIGS = {
 
 
 def pick_config(q_dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
-                on_gpu: bool) -> DecodeConfig:
-    """The split kernel's launch choice from dtypes and the GQA group only (never batch values),
-    so one model always runs, and precompile() compiles, the same variant."""
+                on_gpu: bool, shared_memory: int = 0) -> DecodeConfig:
+    """The split kernel's launch choice from the device (on_gpu, and the shared memory one
+    program may use there, 0 if unknown), the dtypes and the GQA group only (never batch
+    values), so one model always runs, and precompile() compiles, the same variant."""
     if not on_gpu:
         return _CONFIGS["cpu"]
     if q_dtype == torch.float32:
@@ -81,4 +88,6 @@ def pick_config(q_dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
         # NOTE: the CUDA-core variants do group multiply-adds per K and V element; past 2 heads
         # per kv head the padded tensor-core dot is cheaper.
         return _CONFIGS["cuda-fp8-cache-small-group" if group <= 2 else "cuda-fp8-cache"]
+    if shared_memory >= LARGE_SHARED_MEMORY:
+        return _CONFIGS["cuda-16bit-cache-large-tiles"]
     return _CONFIGS["cuda-16bit-cache"]

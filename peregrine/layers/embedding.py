@@ -45,8 +45,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Computes float32 logits over the whole vocabulary (gathered across ranks)."""
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        """(N, V) float32 logits of hidden (N, hidden); into out (N, V) float32 when given."""
         logits = F.linear(hidden, self.weight)  # (N, rows)
         if tp_size() > 1:
             logits = tp_all_gather(logits, dim=-1)
-        return logits[:, : self.vocab_size].float()  # (N, V)
+        if out is None:
+            return logits[:, : self.vocab_size].float()  # (N, V)
+        return out.copy_(logits[:, : self.vocab_size])  # one conversion, into out

@@ -280,8 +280,9 @@ class DecoderForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)  # (N, V) float32
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden, out)  # (N, V) float32
 
     def skip_checkpoint_tensor(self, name: str) -> bool:
         """Tensors the checkpoint may hold that the model does not load."""

@@ -122,8 +122,11 @@ class CausalLM(Protocol):
         (`stage`), a stage but the first starts from `intermediate` (2, T, hidden) = (hidden,
         residual) of the stage before, and a stage but the last returns its own."""
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits (N, V) over the whole vocabulary from hidden (N, hidden)."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        """float32 logits (N, V) over the whole vocabulary from hidden (N, hidden), written
+        into out (N, V) float32 when given (a decode graph's shared buffer: no second float32
+        copy)."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill the parameters from checkpoint tensors named as in Hugging Face checkpoints."""

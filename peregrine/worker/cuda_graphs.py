@@ -34,11 +34,10 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 def decode_graph_bytes(max_batch_size: int, vocab_size: int, dtype: torch.dtype) -> int:
     """GPU memory the decode graphs keep for logits, from shapes (activations not counted)."""
     n, v = max_batch_size, vocab_size
-    # NOTE: the shared float32 buffer (the largest graph's output), the next graph's float32
-    # logits before they are copied into it, and (below float32) the LM head's matmul output;
-    # the temporaries of every graph alias each other in the one memory pool.
-    matmul = 0 if dtype == torch.float32 else n * v * dtype.itemsize
-    return n * v * 4 * 2 + matmul
+    # NOTE: the shared float32 buffer (the largest graph's output, which the other graphs'
+    # LM heads write into) and the LM head's matmul output in the model's dtype; the
+    # temporaries of every graph alias each other in the one memory pool.
+    return n * v * 4 + n * v * dtype.itemsize
 
 
 class CudaGraphRunner:
@@ -115,10 +114,9 @@ class CudaGraphRunner:
         buf, t = self.buffers, bs * self.query_len
         hidden = self.model(buf.d_input_ids[:t], buf.d_positions[:t], self.kv_caches,
                             self._meta(bs))  # (t, hidden)
-        logits = self.model.compute_logits(hidden)  # (t, V) float32
         if self.logits is None:
-            return logits
-        return self.logits[:t].copy_(logits)  # (t, V)
+            return self.model.compute_logits(hidden)  # (t, V) float32
+        return self.model.compute_logits(hidden, out=self.logits[:t])  # (t, V)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

@@ -345,3 +345,12 @@ def test_pick_config_depends_only_on_dtypes_and_group() -> None:
             cfg = pick_config(torch.bfloat16, cache, group, on_gpu=True)
             assert cfg.variant in VARIANTS and cfg.block_n >= 16
             assert cfg == pick_config(torch.bfloat16, cache, group, on_gpu=True)
+    # 128-token bf16 tiles only where a program may use enough shared memory
+    small = pick_config(torch.bfloat16, torch.bfloat16, 2, on_gpu=True, shared_memory=99 * 1024)
+    large = pick_config(torch.bfloat16, torch.bfloat16, 2, on_gpu=True,
+                        shared_memory=227 * 1024)
+    assert (small.block_n, large.block_n) == (64, 128)
+    assert large._replace(block_n=64) == small
+    assert pick_config(torch.bfloat16, torch.float8_e4m3fn, 2, on_gpu=True,
+                       shared_memory=227 * 1024) == pick_config(torch.bfloat16,
+                                                                torch.float8_e4m3fn, 2, True)
