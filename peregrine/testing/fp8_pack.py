@@ -209,7 +209,7 @@ def round_linear_inputs(model: torch.nn.Module, dtype: torch.dtype,
                         group: int | None = None, rows: int | None = None) -> list[Any]:
     """Forward pre-hooks on every linear layer of a float model that round its input the way a
     W8A8 layer does (dynamic, per token or per group of inputs), only its first `rows` rows when
-    given; returns the hook handles."""
+    given; returns the hook handles. The model must run eagerly (no CUDA graph replays it)."""
     from peregrine.kernels.fp8_quant import per_token_group_quant_ref
     from peregrine.layers.linear import LinearBase
 
@@ -262,8 +262,10 @@ def score_generation(path: Path, ref_path: Path, act_dtype: torch.dtype, group: 
     for key, ref_dtype, rounded in runs:
         if ref_dtype not in refs:
             refs.clear()  # one reference engine at a time
+            # NOTE: eager: a CUDA graph replays the kernels it captured at start-up, so the
+            # rounding hooks registered afterwards would never run on the GPU.
             refs[ref_dtype] = LLM(str(ref_path), enable_prefix_caching=False,
-                                  **{**common, "dtype": ref_dtype})
+                                  enforce_eager=True, **{**common, "dtype": ref_dtype})
         ref = refs[ref_dtype]
         scores[key] = []
         for p, o in zip(prompts, outs):

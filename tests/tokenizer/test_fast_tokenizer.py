@@ -61,10 +61,12 @@ DOC {{ d.title }}: {{ d.text }}
 {% endif %}
 {% if custom_flag is defined %}[flag={{ custom_flag }} {{ dict(a=1) | tojson }}]{% endif %}"""
 
+# NOTE: no None-valued message fields: transformers releases differ on them (5.17 drops
+# "tool_calls": None before rendering, 5.24 passes it to the template).
 CONVERSATIONS = [
     [{"role": "user", "content": "hi"}],
     [{"role": "system", "content": "be brief"}, {"role": "user", "content": "naïve 東京 🦅"},
-     {"role": "assistant", "content": "ok", "tool_calls": None},
+     {"role": "assistant", "content": "ok"},
      {"role": "user", "content": [{"type": "text", "text": "part one"},
                                   {"type": "text", "text": " and two"}]}],
     [{"role": "user", "content": "think"},
@@ -246,7 +248,12 @@ def test_folders_transformers_would_change_load_through_transformers(tmp_path, c
         assert reason in why
     tok = load_tokenizer(str(folder))
     assert not isinstance(tok, FastTokenizer)
-    assert tok.decode(tok.encode("def f(x):"), skip_special_tokens=True) == "def f(x):"
+    # what transformers itself makes of the folder (a class of its own may split text its way)
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(str(folder))
+    assert type(tok) is type(hf)
+    assert tok.encode("def f(x):") == hf.encode("def f(x):")
+    assert tok.decode(tok.encode("def f(x):")) == hf.decode(hf.encode("def f(x):"))
 
 
 def test_a_folder_without_a_tokenizer_is_a_clear_error(tmp_path) -> None:
