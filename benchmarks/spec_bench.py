@@ -23,7 +23,12 @@ steps of one token may round near-ties apart, in float32 they may not.
 Predicted speedup = tokens per step x t_plain / (t_plain + t_propose): what speculation gives if
 a verify step of k + 1 tokens costs what a plain step of one costs (true while decoding is bound
 by reading the weights) and proposing costs t_propose; the gap to the measured speedup is the
-verify step's extra cost.
+verify step's extra cost. Speculative steps run synchronously (a verify step's tokens decide the
+next step), while plain decoding overlaps each step's host work with the GPU, so each case also
+times plain batch-1 decoding with asynchronous scheduling off (t_plain_sync) and reports
+predicted_speedup_sync = tokens per step x t_plain / (t_plain_sync + t_propose): the same model
+with a verify step costing a synchronous plain step, which is what a host-bound model (the demo
+model at ~1,400 tok/s) pays.
 
 Usage: python benchmarks/spec_bench.py --out PATH [--cases ngram-code,ngram-random,...]
        [--output-len N] [--batches 1,4,16,64] [-k K] [--lookup-min N] [--lookup-max N]
@@ -206,6 +211,21 @@ def _plain_then_spec(key: tuple, model: str, spec: dict, prompts: list, ns: argp
     return out[0], out[1]
 
 
+def _plain_sync(key: tuple, model: str, prompts: list, ns: argparse.Namespace,
+                temperature: float, engine_args: dict[str, Any]) -> dict[str, Any]:
+    """Batch-1 latency without speculation and with asynchronous scheduling off (shared under
+    `key` like the plain run)."""
+    if ("sync", *key) not in _PLAIN:
+        b = Bench(model, None, temperature, **engine_args)
+        try:
+            res = b.latency(prompts, ns.output_len)
+        finally:
+            b.close()
+        res.pop("tokens")
+        _PLAIN["sync", *key] = res
+    return dict(_PLAIN["sync", *key])
+
+
 def _same_tokens(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in zip(a, b)) / len(a)
 
@@ -242,6 +262,11 @@ def run_case(case: str, ns: argparse.Namespace, **overrides: Any) -> dict[str, A
     t_prop = sp["propose_ms_per_step"] / 1e3
     result["measured_speedup"] = sp["tokens_per_s"] / plain["tokens_per_s"]
     result["predicted_speedup"] = sp["tokens_per_step"] * t_plain / (t_plain + t_prop)
+    sync = _plain_sync(key, model, prompts, ns, temperature,
+                       {**engine_args, "max_num_seqs": 1, "async_scheduling": False})
+    result["plain_sync_tokens_per_s"] = sync["tokens_per_s"]
+    result["predicted_speedup_sync"] = (sp["tokens_per_step"] * t_plain
+                                        / (1.0 / sync["tokens_per_s"] + t_prop))
     result["same_tokens_as_plain"] = _same_tokens(plain.pop("tokens"), sp.pop("tokens"))
     result["sweep_speedup"] = {b: sp["sweep_tokens_per_s"][b] / plain["sweep_tokens_per_s"][b]
                                for b in ns.batches}
@@ -311,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"{case}: plain {res['plain']['tokens_per_s']:.1f} tok/s, spec "
               f"{res['spec']['tokens_per_s']:.1f} tok/s (measured x{res['measured_speedup']:.2f}, "
-              f"predicted x{res['predicted_speedup']:.2f}), acceptance "
+              f"predicted x{res['predicted_speedup']:.2f}; plain synchronous "
+              f"{res['plain_sync_tokens_per_s']:.1f} tok/s, predicted from it "
+              f"x{res['predicted_speedup_sync']:.2f}), acceptance "
               f"{res['spec'].get('acceptance_rate', 0):.2f}, mean length "
               f"{res['spec'].get('mean_acceptance_length', 0):.2f}, tokens per step "
               f"{res['spec']['tokens_per_step']:.2f}, same tokens "

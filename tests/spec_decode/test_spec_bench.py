@@ -55,3 +55,8 @@ def test_spec_bench_case_runs_on_the_cpu(case: str) -> None:
     assert res["same_tokens_as_plain"] == 1.0
     assert set(res["sweep_speedup"]) == {1, 2}
     assert res["predicted_speedup"] > 0 and res["spec"]["num_drafts"] >= 0
+    assert res["plain_sync_tokens_per_s"] > 0
+    t_plain = 1 / res["plain"]["tokens_per_s"]
+    t_prop = res["spec"]["propose_ms_per_step"] / 1e3
+    assert res["predicted_speedup_sync"] == pytest.approx(
+        res["spec"]["tokens_per_step"] * t_plain / (1 / res["plain_sync_tokens_per_s"] + t_prop))
