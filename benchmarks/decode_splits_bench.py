@@ -46,6 +46,9 @@ K_SCALE, V_SCALE = 0.021, 0.017
 CACHES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 DEV = torch.device("cuda")
 ALIASES = {"pps": "programs_per_sm", "kvh": "kv_heads_per_program"}
+# the launcher's choice, the former bf16 one (one split length per table, 4 programs per SM,
+# 64-token tiles, sequence-major grid), and the split count moved either way
+DEFAULT_CONFIGS = ("default", "fixed+pps=4+block_n=64+heads_first=0", "pps=4", "pps=32")
 
 
 def w1_lens_at(step: int, seed: int = 0) -> list[int]:
@@ -122,8 +125,9 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=8, help="layers (caches) per graph")
     parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds")
     parser.add_argument("--iters", type=int, default=10, help="graph replays per round")
-    parser.add_argument("--configs", default="default,fixed,pps=8,pps=16,pps=32",
-                        help="comma-separated configs (see above)")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help="comma-separated configs (see above; default: the launcher's, the "
+                        "former bf16 one, and other split counts)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
