@@ -41,7 +41,8 @@ def verify_graph_batch(max_num_seqs: int, max_num_batched_tokens: int, k: int,
 
 def verify_graph_bytes(max_batch_size: int, k: int, vocab_size: int) -> int:
     """GPU memory the verify graphs keep for logits: the shared float32 buffer and one graph's
-    logits before the copy into it (activations not counted)."""
+    LM-head matmul output before it is converted into that buffer (counted as float32, an upper
+    bound; activations not counted)."""
     return max_batch_size * (k + 1) * vocab_size * 4 * 2
 
 
