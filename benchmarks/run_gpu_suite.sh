@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tests (kernels, sampler, engine equality), then W2 latency and W1 throughput, in one go.
 # Usage: bash benchmarks/run_gpu_suite.sh [steps...]
-#   steps: tests (all GPU tests) kernels sampler engine enginefp32 kernelbench layerbench
+#   steps: tests (all GPU tests) kernels sampler engine enginefp32 kernelbench layerbench splitsbench
 #          samplerbench w2 w2hf w1 w1prof w1hf serve ttft pacing coldstart asyncprobe poolcost
 # Logs, JUnit XML (tests) and JSON results go under $OUT (default /tmp/out).
 set -uo pipefail
@@ -20,6 +20,7 @@ for s in $steps; do
     engine)  gputest engine 480 tests/gpu/test_gpu_engine.py ;;
     kernelbench)  run kernelbench 240 python benchmarks/gpu_kernels.py ;;
     layerbench)   run layerbench 120 python benchmarks/layer_kernels_bench.py "$OUT/layer_kernels.json" ;;
+    splitsbench)  run splitsbench 240 python benchmarks/decode_splits_bench.py --out "$OUT/decode_splits.json" ;;
     samplerbench) run samplerbench 120 python benchmarks/gpu_sampler.py ;;
     w2)      run w2 150 python -m peregrine.entrypoints.cli bench latency --model "$CFG/llama-3-8b.json" --output-json "$OUT/w2.json" ;;
     w2hf)    run w2hf 300 python -m peregrine.entrypoints.cli bench latency --model "$CFG/llama-3-8b.json" --iters 1 --compare-transformers --output-json "$OUT/w2hf.json" ;;
