@@ -88,3 +88,25 @@ def test_engine_on_int8_static_checkpoint_stays_close(tmp_path: Path) -> None:
     scores = fp8_pack.score_generation(path, tmp_path / "w8a8-reference", torch.int8)
     diff = torch.tensor(scores["quantized"]) - torch.tensor(scores["reference"])
     assert diff.abs().max() < 1.5 and diff.abs().mean() < 0.5
+
+
+def test_rounded_reference_runs_eagerly(tmp_path: Path, monkeypatch) -> None:
+    """The reference's rounding hooks are registered after start-up: a CUDA graph captured then
+    would replay without them, so every reference engine must run eagerly."""
+    import peregrine.entrypoints.llm as llm_module
+    made: list[tuple[str, dict]] = []
+
+    class Recording(llm_module.LLM):
+        def __init__(self, model=None, **kw):
+            made.append((str(model), kw))
+            super().__init__(model, **kw)
+
+    monkeypatch.setattr(llm_module, "LLM", Recording)
+    path = fp8_pack.write_compressed_tensors(tiny_checkpoint("llama"), tmp_path / "w8a8",
+                                             "int8_dynamic")
+    ref = tmp_path / "w8a8-reference"
+    fp8_pack.score_generation(path, ref, torch.int8, max_tokens=2, exact_reference=True,
+                              dtype="bfloat16")
+    refs = [kw for model, kw in made if model == str(ref)]
+    assert len(refs) == 2 and all(kw.get("enforce_eager") for kw in refs)  # bf16 and float32
+    assert not any(kw.get("enforce_eager") for model, kw in made if model == str(path))
