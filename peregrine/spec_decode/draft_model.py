@@ -81,9 +81,10 @@ class DraftModelProposer(Proposer):
         # NOTE: the draft embeds positions below its RoPE table's length; drafts stop there.
         self.max_positions = int(spec.draft.hf_config.get("max_position_embeddings") or 2048)
         self.max_blocks = -(-(sc.max_model_len + self.k) // self.block_size)
-        # NOTE: a decode pass holds every proposing request, which may exceed the token budget.
-        self.buffers = StepBuffers(max(self.token_budget, self.max_num_reqs), self.max_num_reqs,
-                                   self.max_blocks, device)
+        # NOTE: a decode pass holds every proposing request, which may exceed the token budget;
+        # the warm-up pass (a decode beside a 3-token chunk) needs 2 rows and 4 tokens.
+        self.buffers = StepBuffers(max(self.token_budget, self.max_num_reqs, 4),
+                                   max(self.max_num_reqs, 2), self.max_blocks, device)
         self.model: nn.Module | None = None
         self.kv_caches: KVCaches = []
         self.graphs: CudaGraphRunner | None = None

@@ -219,8 +219,9 @@ def test_a_draft_shorter_than_max_model_len_is_refused():
         make_proposer(spec={"model": short})
 
 
-def test_warm_up_writes_no_kv(hf_draft):
-    proposer = make_proposer()
+@pytest.mark.parametrize("max_num_seqs", [1, 256])
+def test_warm_up_writes_no_kv(hf_draft, max_num_seqs):
+    proposer = make_proposer(max_num_seqs=max_num_seqs)
     proposer._warm_up()  # run on CUDA before the graphs are captured
     assert not any(k.any() or v.any() for k, v in proposer.kv_caches)
     reqs = Requests(seed=6)
