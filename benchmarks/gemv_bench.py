@@ -1,11 +1,11 @@
 """Small-batch quantized matmuls on the GPU: per Llama-3-8B / Llama-2-70B projection and M rows,
-the time and achieved GB/s of the GEMVs (kernels/wna16_gemv.py: each variant, "fma" (the
-default), "fma_prefetch" and the tensor-core "mma"; kernels/gemv.py) beside the weight-only int GEMM
+the time and achieved GB/s of the GEMVs (kernels/wna16_gemv.py: each variant, "fma",
+"fma_prefetch", the tensor-core "mma" and "inplace"; kernels/gemv.py) beside the weight-only int GEMM
 (kernels/wna16_gemm.py), bf16 F.linear, FP8 per-token quant + torch._scaled_mm and INT8
 per-token quant + torch._int_mm.
 
     python benchmarks/gemv_bench.py --out /tmp/out/gemv.json [--models 8b,70b] [--rows 1,2,4,8,16]
-        [--sweep]
+        [--sweep] [--variants fma,inplace]
 
 GB/s counts the bytes a call must move: weight (packed) + scales + zeros + activations + output.
 Each timing replays a CUDA graph that runs the call on enough copies of the weight (>= 256 MiB in
@@ -36,6 +36,9 @@ SHAPES = {  # (K, N) per projection: q/k/v fused, o, gate/up fused, down
     "70b": {"qkv": (8192, 10240), "o": (8192, 8192), "gate_up": (8192, 57344),
             "down": (28672, 8192)},
 }
+
+
+VARIANTS = ("fma", "fma_prefetch", "mma", "inplace")
 
 
 def _nbytes(*ts: torch.Tensor | None) -> int:
@@ -85,7 +88,8 @@ def _int_mm(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor
 
 
 def shape_rows(model: str, proj: str, k: int, n: int, rows: list[int], iters: int,
-               sweep: bool, dev: torch.device = torch.device("cuda")) -> list[dict]:
+               sweep: bool, dev: torch.device = torch.device("cuda"),
+               variants: tuple[str, ...] = VARIANTS) -> list[dict]:
     from peregrine.kernels.gemv import GEMV_MAX_ROWS, block_m_for, w8_gemv
     from peregrine.kernels.wna16_gemm import wna16_gemm
     from peregrine.kernels.wna16_gemv import gemv_config, mma_supported, wna16_gemv
@@ -120,7 +124,7 @@ def shape_rows(model: str, proj: str, k: int, n: int, rows: list[int], iters: in
         for m in rows:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             if m <= GEMV_MAX_ROWS:  # past the dispatch cut-offs too, to re-measure them
-                for variant in ("fma", "fma_prefetch", "mma"):
+                for variant in variants:
                     if variant == "mma" and not mma_supported(w, x.dtype, dev):
                         continue
                     cfg = gemv_config(w, dev, block_m_for(m), variant)
@@ -176,7 +180,8 @@ def _sweep(model: str, proj: str, k: int, n: int, m: int, label: str, moved: int
            calls_for: Callable, wna16: bool) -> dict:
     """The fastest GEMV config of a small grid (block_n, block_k, warps, K split)."""
     from peregrine.kernels.gemv import GemvConfig
-    grid_n, grid_k = ((32, 64, 128), (64, 128, 256)) if wna16 else ((16, 32, 64), (128, 256, 512))
+    grid_n, grid_k = (((32, 64, 128, 256), (64, 128, 256)) if wna16
+                      else ((16, 32, 64), (128, 256, 512)))
     best: tuple[float, tuple] | None = None
     for bn in grid_n:
         for bk in grid_k:
@@ -217,6 +222,8 @@ def main() -> int:
     p.add_argument("--rows", default="1,2,4,8,16")
     p.add_argument("--iters", type=int, default=20, help="graph replays per timing")
     p.add_argument("--sweep", action="store_true", help="also time a grid of GEMV configs")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="the int GEMV variants to time (kernels/wna16_gemv.py)")
     ns = p.parse_args()
     if not torch.cuda.is_available():
         print("gemv_bench needs a CUDA GPU", file=sys.stderr)
@@ -231,7 +238,8 @@ def main() -> int:
     results: list[dict] = []
     for model in models:
         for proj, (k, n) in SHAPES[model].items():
-            results += shape_rows(model, proj, k, n, rows, ns.iters, ns.sweep)
+            results += shape_rows(model, proj, k, n, rows, ns.iters, ns.sweep,
+                                  variants=tuple(ns.variants.split(",")))
     doc = dict(device=torch.cuda.get_device_name(), hbm_gbps=HBM_GBPS, gemv_max_m=GEMV_MAX_M, w8_gemv_max_m=W8_GEMV_MAX_M,
                torch=torch.__version__, seconds=time.time() - t0, rows=results,
                per_layer=per_layer(results))

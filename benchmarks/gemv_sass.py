@@ -29,6 +29,7 @@ from triton.backends.compiler import GPUTarget
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from peregrine.kernels import wna16_gemv as g  # noqa: E402
+from peregrine.kernels.wna16_gemv_inplace import _wna16_gemv_inplace_kernel  # noqa: E402
 from peregrine.kernels.wna16_gemv_mma import _wna16_gemv_mma_kernel  # noqa: E402
 
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -74,8 +75,10 @@ def _k_loop(cubin: bytes) -> tuple[list[str], int]:
     return max(loops, key=len), regs
 
 
-def count(variant: str, bits: int, zp: bool, act: str, rows: int) -> dict:
-    """One compile's K-loop statistics, with the launch config the GEMV would use."""
+def count(variant: str, bits: int, zp: bool, act: str, rows: int,
+          tile: tuple[int, int, int] | None = None) -> dict:
+    """One compile's K-loop statistics, with the launch config the GEMV would use or `tile`
+    (block_n, block_k, warps)."""
     ptr = f"*{act}"
     common = {"a_ptr": ptr, "q_ptr": "*i32"}
     if variant == "mma":
@@ -85,6 +88,17 @@ def count(variant: str, bits: int, zp: bool, act: str, rows: int) -> dict:
         ce = dict(BITS=bits, HAS_ZP=zp, GROUP=128, ASM=True, DOT=_ACT[act], BLOCK_N=bn,
                   BLOCK_K=bk, HAS_SPLIT=True, EVEN_N=True, EVEN_K=True)
         kernel = _wna16_gemv_mma_kernel
+    elif variant == "inplace":
+        sig = dict(a_ptr=ptr, a64_ptr="*i64" if act == "bf16" else ptr, q_ptr="*i32",
+                   s_ptr=ptr, z_ptr=ptr, part_ptr="*fp32", lock_ptr="*i32", c_ptr=ptr,
+                   M="i32", N="i32", K="i32", stride_am="i32", stride_cm="i32", K_ITERS="i32",
+                   SPLIT_K="i32")
+        bn, bk, warps = g._BLOCK_N, g._block_k(bits), 8 if rows > 4 else 4
+        if tile:
+            bn, bk, warps = tile
+        ce = dict(GROUP=128, BITS=bits, HAS_ZP=zp, ASM=True, X_BF16=act == "bf16",
+                  EVEN_K=True, BLOCK_M=rows, BLOCK_N=bn, BLOCK_K=bk, HAS_SPLIT=True)
+        kernel = _wna16_gemv_inplace_kernel
     else:
         sig = dict(common, qhi_ptr="*i32", s_ptr=ptr, z_ptr=ptr, part_ptr="*fp32",
                    lock_ptr="*i32", c_ptr=ptr, M="i32", N="i32", K="i32", stride_am="i32",

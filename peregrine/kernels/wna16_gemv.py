@@ -38,6 +38,7 @@ import triton.language as tl
 from peregrine.kernels._utils import dot_dtype
 from peregrine.kernels.gemv import (GEMV_MAX_M, GemvConfig, block_m_for, choose_split,
                                     finish_split_k, launch_buffers, store_partial)
+from peregrine.kernels.wna16_gemv_inplace import _wna16_gemv_inplace_kernel
 from peregrine.kernels.wna16_gemv_mma import _wna16_gemv_mma_kernel
 
 if TYPE_CHECKING:
@@ -193,7 +194,7 @@ _WORDS = 16
 _BLOCK_N = 64
 _MMA_BLOCK_N = 128
 _MMA_BLOCK_K = 128
-VARIANTS = ("fma", "fma_prefetch", "mma")
+VARIANTS = ("fma", "fma_prefetch", "mma", "inplace")
 
 
 def _block_k(bits: int) -> int:
@@ -209,6 +210,26 @@ def gemv_supported(w: WNA16Layout, block_k: int | None = None) -> bool:
     pack = 4 if w.bits == 8 else 8
     g = w.group_size
     return g % bk == 0 or g == w.in_features or (bk % g == 0 and g % pack == 0)
+
+
+def _inplace_block_k(w: WNA16Layout) -> int:
+    """The in-place variant's K block: the fma block, or the group when it is smaller (one
+    scale and zero per block); 0 when no block of whole words fits the groups."""
+    bk, pack = _block_k(w.bits), 32 // w.bits
+    while bk >= pack:
+        if w.group_size % bk == 0 or w.group_size == w.in_features:
+            return bk
+        bk //= 2
+    return 0
+
+
+def inplace_supported(w: WNA16Layout, block_k: int | None = None) -> bool:
+    """Whether the in-place variant serves this layout: 4 or 8 bits, no act-order, K blocks of
+    whole words inside one group."""
+    if w.g_idx is not None or w.bits not in (4, 8):
+        return False
+    bk = block_k or _inplace_block_k(w)
+    return bk >= 32 // w.bits and (w.group_size % bk == 0 or w.group_size == w.in_features)
 
 
 def _mma_block_k(w: WNA16Layout) -> int:
@@ -256,6 +277,10 @@ def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
                          f"16-bit activations and K blocks inside one group (sm_90+ on CUDA); "
                          f"got {w.bits} bits, {x.dtype}, group {w.group_size}, block_k "
                          f"{block_k or _mma_block_k(w)}")
+    if variant == "inplace" and not inplace_supported(w, block_k):
+        raise ValueError(f"wna16_gemv: the inplace variant takes 4 / 8-bit weights without "
+                         f"act-order and K blocks inside one group; got {w.bits} bits, group "
+                         f"{w.group_size}, block_k {block_k or _inplace_block_k(w)}")
     return variant or "fma"
 
 
@@ -265,6 +290,8 @@ def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
     inputs (or the group) per K block. K split to fill the SMs."""
     if variant == "mma":
         block_n, block_k, warps = _MMA_BLOCK_N, _mma_block_k(w), 4
+    elif variant == "inplace":
+        block_n, block_k, warps = _BLOCK_N, _inplace_block_k(w), 8 if block_m > 4 else 4
     else:
         block_n, block_k, warps = _BLOCK_N, _block_k(w.bits), 8 if block_m > 4 else 4
     tiles = triton.cdiv(w.out_features, block_n)
@@ -289,7 +316,7 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     if cfg.block_k & (cfg.block_k - 1) or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"wna16_gemv: block_k {cfg.block_k} and block_n {cfg.block_n} must be "
                          "powers of two")
-    if not gemv_supported(w, cfg.block_k):
+    if kind != "inplace" and not gemv_supported(w, cfg.block_k):
         raise ValueError(f"wna16_gemv: group size {w.group_size} (act-order: "
                          f"{w.g_idx is not None}) does not fit K blocks of {cfg.block_k}")
     if cfg.block_k % (16 if w.bits == 6 else 32 // w.bits):
@@ -301,6 +328,17 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     out, part, lock = launch_buffers(a, n, tiles, cfg.split_k)
     q = w.qweight
     zeros = w.zeros if w.zeros is not None else w.scales
+    if kind == "inplace":
+        # bf16 x is read 4 values per 8-byte load where its rows allow it.
+        x_bf16 = a.dtype == torch.bfloat16 and a.data_ptr() % 8 == 0 and k % 4 == 0
+        _wna16_gemv_inplace_kernel[(tiles, cfg.split_k)](
+            a, a.view(torch.int64) if x_bf16 else a, q, w.scales, zeros, part, lock, out, m, n,
+            k, a.stride(0), out.stride(0), cfg.k_iters, cfg.split_k, GROUP=w.group_size,
+            BITS=w.bits, HAS_ZP=w.zeros is not None, ASM=a.is_cuda, X_BF16=x_bf16,
+            EVEN_K=cfg.split_k * cfg.k_iters * cfg.block_k == k, BLOCK_M=bm,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_SPLIT=cfg.split_k > 1,
+            num_warps=cfg.num_warps)
+        return out.reshape(*lead, n)
     if kind == "mma":
         gpu = a.is_cuda
         _wna16_gemv_mma_kernel[(tiles, cfg.split_k)](

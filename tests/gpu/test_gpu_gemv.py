@@ -3,7 +3,8 @@
 above): weight-only int (4, 6, 8 bits, zero points, groups, per channel, fp16), FP8 per channel
 and 128x128 blocks, int8 per channel, each against dequantize-then-matmul of x as it is at
 M <= GEMV_MAX_M; the int layout's tensor-core variant (4 / 8 bits, bf16 / fp16, every shape, 1 to
-8 rows, ragged shapes) within one output ulp, and fma_prefetch equal to fma bit for bit; repeats
+8 rows, ragged shapes) and its in-place variant (4 / 8 bits, bf16 / fp16, every shape, ragged
+and unaligned) within one output ulp, and fma_prefetch equal to fma bit for bit; repeats
 (deterministic split-K), CUDA-graph replay, nothing compiled after load, 6-bit GEMM tiles that
 compile at every batch size."""
 from __future__ import annotations
@@ -159,7 +160,44 @@ def test_mma_variant_rounds_only_the_output(shape: str, bits: int, zp: bool,
     assert _exact_err(got, x, w) <= 1.0
 
 
-@pytest.mark.parametrize("variant", ["mma", "fma", "fma_prefetch"])
+@pytest.mark.parametrize("m", (1, 2, 3, 4, 8))
+@pytest.mark.parametrize("bits, zp, dtype, group", [
+    (4, True, torch.bfloat16, 128), (4, False, torch.bfloat16, 128),
+    (4, True, torch.float16, 128), (4, False, torch.float16, 32),
+    (8, False, torch.bfloat16, 128), (8, True, torch.bfloat16, 64),
+    (8, False, torch.float16, 128), (4, True, torch.bfloat16, 0)],  # 0: one group per channel
+    ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_inplace_variant_rounds_only_the_output(shape: str, bits: int, zp: bool,
+                                                dtype: torch.dtype, group: int, m: int) -> None:
+    """The in-place variant (inline-PTX dequantization in float32) at every Llama-3-8B shape:
+    (q - zero) * 2^(b p) and x * 2^-(b p) are exact, the sums float32, so as for the mma
+    variant only the output's rounding shows."""
+    k, n = SHAPES[shape]
+    w = _layout(k, n, bits, zp, dtype=dtype, group=group or k)
+    x = torch.randn(m, k, device=DEV, dtype=dtype)
+    got = wna16_gemv(x, w, variant="inplace")
+    assert got.dtype == dtype and got.shape == (m, n)
+    assert _exact_err(got, x, w) <= 1.0
+
+
+def test_inplace_variant_ragged_shapes_and_unaligned_activations() -> None:
+    # N not a multiple of the column tile, K not a multiple of the K block (one group per
+    # channel), a single split, and bf16 rows that do not start 8 bytes apart from an aligned
+    # base (read one value per load).
+    k, n = 4160, 6200
+    w = _layout(k, n, 4, zp=True, group=k)
+    x = torch.randn(3, k, device=DEV, dtype=torch.bfloat16)
+    assert _exact_err(wna16_gemv(x, w, variant="inplace"), x, w) <= 1.0
+    cfg = gemv_config(w, x.device, 4, "inplace")._replace(split_k=1, k_iters=-(-k // 128))
+    assert _exact_err(wna16_gemv(x, w, cfg, variant="inplace"), x, w) <= 1.0
+    buf = torch.randn(3 * k + 1, device=DEV, dtype=torch.bfloat16)
+    xu = buf[1:].view(3, k)  # 2 bytes past an aligned address
+    assert torch.equal(wna16_gemv(xu, w, variant="inplace"),
+                       wna16_gemv(xu.clone(), w, variant="inplace"))
+
+
+@pytest.mark.parametrize("variant", ["mma", "fma", "fma_prefetch", "inplace"])
 def test_every_variant_is_exact_and_repeats_bit_for_bit(variant: str) -> None:
     k, n = SHAPES["down"]  # the longest K: the most K blocks per split
     w = _layout(k, n, 4, zp=True)

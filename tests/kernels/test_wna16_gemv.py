@@ -206,3 +206,58 @@ def test_mma_variant_refuses_what_it_cannot_read() -> None:
         wna16_gemv(_x(1), _layout(4, 128, zp=True), variant="mma")
     with pytest.raises(ValueError, match="unknown variant 'fast'"):
         wna16_gemv(x16, _layout(4, 128, zp=True, dtype=torch.bfloat16), variant="fast")
+
+
+# NOTE: the in-place variant's q - zero is exact and x * 2^-(b p) too (a power of two), so in
+# float32 it differs from the reference only by the order of the float32 sums.
+@pytest.mark.parametrize("group", [32, 64, 128, K], ids=["g32", "g64", "g128", "channel"])
+@pytest.mark.parametrize("zp", [False, True], ids=["sym", "zp"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_inplace_variant_matches_dequantized_matmul(bits: int, zp: bool, group: int) -> None:
+    w = _layout(bits, group, zp, seed=11)
+    x = _x(3, seed=12)
+    got = wna16_gemv(x, w, variant="inplace")
+    assert got.shape == (3, N) and got.dtype == torch.float32
+    torch.testing.assert_close(got, _reference(x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 2, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_inplace_variant_rounds_only_the_output(m: int, dtype: torch.dtype) -> None:
+    w = _layout(4, 128, zp=True, dtype=dtype, seed=13)
+    x = _x(m, dtype, seed=14)
+    assert _ulps(wna16_gemv(x, w, variant="inplace"), x, w) < ULP
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("split", [1, 2, 4])
+def test_inplace_split_k_and_ragged_shapes(split: int, dtype: torch.dtype) -> None:
+    k, n = 384, 72  # 3 groups of 128; the last column tile is partial
+    w = _layout(4, 128, zp=True, k=k, n=n, seed=15, dtype=dtype)
+    x = _x(2, k=k, seed=16).to(dtype)
+    cfg = GemvConfig(32, 128, split, -(-3 // split), 4)  # 2 splits: a block past K
+    first = wna16_gemv(x, w, cfg, variant="inplace")
+    if dtype == torch.float32:
+        torch.testing.assert_close(first, _reference(x, w), rtol=1e-5, atol=1e-4)
+    else:
+        assert _ulps(first, x, w) < ULP
+    assert torch.equal(first, wna16_gemv(x, w, cfg, variant="inplace"))
+
+
+def test_inplace_variant_reads_unaligned_bf16_rows_one_value_at_a_time() -> None:
+    w = _layout(4, 128, zp=True, dtype=torch.bfloat16, seed=17)
+    buf = _x(2 * K + 1, torch.bfloat16).reshape(-1)[: 2 * K + 1]
+    xu = buf[1:].view(2, K)  # 2 bytes past an aligned base: no 8-byte loads
+    got = wna16_gemv(xu, w, variant="inplace")
+    assert torch.equal(got, wna16_gemv(xu.clone(), w, variant="inplace"))
+    assert _ulps(got, xu, w) < ULP
+
+
+def test_inplace_variant_refuses_what_it_cannot_read() -> None:
+    x = _x(1)
+    with pytest.raises(ValueError, match="inplace variant takes 4 / 8-bit"):
+        wna16_gemv(x, _layout(6, 128, zp=True), variant="inplace")
+    with pytest.raises(ValueError, match="inplace variant takes 4 / 8-bit"):
+        wna16_gemv(x, _layout(4, 32, zp=True, act_order=True), variant="inplace")
+    with pytest.raises(ValueError, match="inplace variant takes 4 / 8-bit"):
+        wna16_gemv(x, _layout(4, 64, zp=True), GemvConfig(64, 128, 1, 2, 4), variant="inplace")
