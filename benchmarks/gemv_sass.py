@@ -122,7 +122,10 @@ CASES = [("fma", 4, True, "bf16", 1), ("fma", 4, True, "bf16", 2), ("fma", 4, Tr
          ("fma_prefetch", 4, True, "bf16", 4), ("fma_prefetch", 4, True, "bf16", 8),
          ("fma_prefetch", 6, True, "bf16", 8), ("fma_prefetch", 8, False, "bf16", 1),
          ("mma", 4, True, "bf16", 1), ("mma", 4, False, "bf16", 1),
-         ("mma", 4, True, "fp16", 1), ("mma", 8, False, "bf16", 1), ("mma", 8, False, "fp16", 1)]
+         ("mma", 4, True, "fp16", 1), ("mma", 8, False, "bf16", 1), ("mma", 8, False, "fp16", 1),
+         ("inplace", 4, True, "bf16", 1), ("inplace", 4, True, "bf16", 2),
+         ("inplace", 4, True, "bf16", 4), ("inplace", 4, False, "fp16", 1),
+         ("inplace", 8, False, "bf16", 1)]
 
 
 def main() -> int:

@@ -1,8 +1,12 @@
 """Split-K GEMV for weight-only int weights in layers/quantization/wna16.py's layout, for decode
 batches of at most GEMV_MAX_ROWS rows: y (M, N) = x (M, K) @ dequant(W) (K, N). Variants, chosen
-by wna16_gemv's `variant` argument:
+by wna16_gemv's `variant` argument; without one, inplace where it reads the layout (4-bit
+weights; 8-bit up to 2 rows), else fma:
 
-fma (the default, every layout): per K block it loads the (BLOCK_K / pack, BLOCK_N) packed int32
+inplace (4 / 8 bits, K blocks inside one group; wna16_gemv_inplace.py): each value becomes a
+float where it sits in its word, so a 4-bit value costs an AND-OR, a subtraction and an FMA.
+
+fma (every layout): per K block it loads the (BLOCK_K / pack, BLOCK_N) packed int32
 words once (rows of N contiguous words: coalesced), and for each of the pack values a word holds
 takes a shift and a mask in registers. An integer q < 2^23 becomes the float 2^23 + q by OR-ing
 it into the mantissa of 2^23, so q - zero is one float subtraction of (2^23 + zero). Each row m
@@ -23,7 +27,9 @@ SASS per weight value in the K loop, compiled for sm_90 (benchmarks/gemv_sass.py
 zero points 6.6 / 9.0 / 12.3 at 1 / 2 / 4 rows, 8-bit 6.4 at 1 row; mma 4-bit 2.7, 8-bit fp16
 2.7, 8-bit bf16 4.9 at any row count. Yet on an H200 at Llama-3-8B shapes mma took about twice
 fma's time (M = 1 and 4): neither is issue-bound there; both wait on memory latency (too few
-bytes in flight), which is what fma_prefetch addresses. Split-K partials are combined as in
+bytes in flight), which is what fma_prefetch addresses; fma_prefetch then measured no faster
+than fma, while inplace (4.9 per 4-bit value at 1 row) took a quarter less time than fma, so the
+FMA kernels are bound by the instructions they issue. Split-K partials are combined as in
 gemv.py (deterministic). Act-order (g_idx) weights use the GEMM (wna16_gemm.py).
 """
 from __future__ import annotations
@@ -281,7 +287,14 @@ def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
         raise ValueError(f"wna16_gemv: the inplace variant takes 4 / 8-bit weights without "
                          f"act-order and K blocks inside one group; got {w.bits} bits, group "
                          f"{w.group_size}, block_k {block_k or _inplace_block_k(w)}")
-    return variant or "fma"
+    if variant is not None:
+        return variant
+    # The in-place variant measured faster on an H200 at Llama-3-8B's shapes for 4-bit weights
+    # (one layer's four GEMVs at 1 / 2 / 4 rows: 69 / 97 / 160 us against fma's 93 / 110 / 170)
+    # and for 8-bit weights up to 2 rows (98 / 108 against 99 / 123; 192 against 171 at 4).
+    if inplace_supported(w, block_k) and (w.bits == 4 or x.shape[0] <= 2):
+        return "inplace"
+    return "fma"
 
 
 def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
@@ -302,8 +315,10 @@ def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
 def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None,
                variant: str | None = None) -> torch.Tensor:
     """y (..., N) = x (..., K) @ dequant(w) (K, N) in x's dtype, for at most GEMV_MAX_ROWS rows.
-    variant: "fma" (float32 FMAs, the default), "fma_prefetch" (the same, its loads pipelined
-    two K blocks ahead) or "mma" (tensor cores; 4 / 8 bits, 16-bit x, sm_90+)."""
+    variant: "inplace" (4 / 8 bits, values converted in place), "fma" (float32 FMAs),
+    "fma_prefetch" (the same, its loads pipelined two K blocks ahead) or "mma" (tensor cores;
+    4 / 8 bits, 16-bit x, sm_90+); None: inplace for 4-bit weights and for 8-bit ones up to 2
+    rows where the layout allows, else fma."""
     k, n = w.in_features, w.out_features
     if x.shape[-1] != k:
         raise ValueError(f"wna16_gemv: x has {x.shape[-1]} inputs, the weight {k}")

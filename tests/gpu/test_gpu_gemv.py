@@ -20,6 +20,7 @@ from peregrine.kernels.gemv import GEMV_MAX_M, W8_GEMV_MAX_M, precompile_w8_gemv
 from peregrine.kernels.wna16_gemm import wna16_gemm
 from peregrine.kernels.wna16_gemv import (_wna16_gemv_fma_kernel, gemv_config, mma_supported,
                                           precompile_wna16_gemv, wna16_gemv)
+from peregrine.kernels.wna16_gemv_inplace import _wna16_gemv_inplace_kernel
 from peregrine.kernels.wna16_gemv_mma import _wna16_gemv_mma_kernel
 from peregrine.layers.quantization.fp8 import Fp8BlockMethod, apply_fp8_linear, fp8_gemm_supported
 from peregrine.layers.quantization.int8 import apply_int8_linear
@@ -117,14 +118,20 @@ def test_split_k_is_deterministic_and_graph_capturable() -> None:
         assert torch.equal(out, wna16_gemv(x, w))
 
 
-def test_nothing_compiles_after_load_time_precompile() -> None:
+def _gemv_compiles() -> int:
+    return sum(_compiled(f) for f in (_wna16_gemv_fma_kernel, _wna16_gemv_mma_kernel,
+                                      _wna16_gemv_inplace_kernel))
+
+
+@pytest.mark.parametrize("bits", [4, 8])  # 8-bit: in place up to 2 rows, fma above
+def test_nothing_compiles_after_load_time_precompile(bits: int) -> None:
     k, n = SHAPES["gate_up"]
-    w = _layout(k, n, 4, zp=True)
+    w = _layout(k, n, bits, zp=bits == 4)
     precompile_wna16_gemv(w, torch.bfloat16)
-    before = _compiled(_wna16_gemv_fma_kernel) + _compiled(_wna16_gemv_mma_kernel)
+    before = _gemv_compiles()
     for m in range(1, GEMV_MAX_M + 1):
         wna16_gemv(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), w)
-    assert _compiled(_wna16_gemv_fma_kernel) + _compiled(_wna16_gemv_mma_kernel) == before
+    assert _gemv_compiles() == before
 
 
 def _exact_err(got: torch.Tensor, x: torch.Tensor, w: WNA16Layout) -> float:
@@ -226,7 +233,7 @@ def test_mma_applies_to_4_and_8_bits_with_16_bit_activations_on_sm90() -> None:
     assert mma_supported(w4, x.dtype, x.device) == (torch.cuda.get_device_capability() >= (9, 0))
     assert not mma_supported(w6, x.dtype, x.device)
     assert not mma_supported(w4, torch.float32, x.device)
-    assert torch.equal(wna16_gemv(x, w4), wna16_gemv(x, w4, variant="fma"))  # the default
+    assert torch.equal(wna16_gemv(x, w4), wna16_gemv(x, w4, variant="inplace"))  # the default
 
 
 @pytest.mark.parametrize("m", (1, 3, 8))

@@ -172,11 +172,17 @@ def test_mma_variant_ragged_n_and_k() -> None:
     assert _ulps(wna16_gemv(x.half(), w8, cfg, variant="mma"), x.half(), w8) < ULP
 
 
-def test_fma_is_the_default_and_every_variant_agrees() -> None:
+def test_the_default_variant_and_every_variant_agrees() -> None:
     w = _layout(4, 128, zp=True, dtype=torch.bfloat16, seed=17)
     x = _x(4, torch.bfloat16, seed=18)
-    assert torch.equal(wna16_gemv(x, w), wna16_gemv(x, w, variant="fma"))
-    for variant in ("fma", "fma_prefetch", "mma"):
+    # 4-bit: in place at every row count; 8-bit: in place up to 2 rows; 6-bit and act-order: fma
+    assert torch.equal(wna16_gemv(x, w), wna16_gemv(x, w, variant="inplace"))
+    w8 = _layout(8, 128, zp=False, dtype=torch.bfloat16, seed=19)
+    assert torch.equal(wna16_gemv(x[:2], w8), wna16_gemv(x[:2], w8, variant="inplace"))
+    assert torch.equal(wna16_gemv(x, w8), wna16_gemv(x, w8, variant="fma"))
+    w6 = _layout(6, 128, zp=True, dtype=torch.bfloat16, seed=20)
+    assert torch.equal(wna16_gemv(x[:1], w6), wna16_gemv(x[:1], w6, variant="fma"))
+    for variant in ("fma", "fma_prefetch", "mma", "inplace"):
         assert _ulps(wna16_gemv(x, w, variant=variant), x, w) < ULP, variant
 
 
