@@ -1,11 +1,11 @@
 """Small-batch quantized matmuls on the GPU: per Llama-3-8B / Llama-2-70B projection and M rows,
 the time and achieved GB/s of the GEMVs (kernels/wna16_gemv.py: each variant, "fma",
-"fma_prefetch", the tensor-core "mma" and "inplace"; kernels/gemv.py) beside the weight-only int GEMM
+"fma_prefetch", the tensor-core "mma", "inplace" and "inplace_prefetch"; kernels/gemv.py) beside the weight-only int GEMM
 (kernels/wna16_gemm.py), bf16 F.linear, FP8 per-token quant + torch._scaled_mm and INT8
 per-token quant + torch._int_mm.
 
     python benchmarks/gemv_bench.py --out /tmp/out/gemv.json [--models 8b,70b] [--rows 1,2,4,8,16]
-        [--sweep] [--variants fma,inplace]
+        [--sweep] [--variants fma,inplace] [--sweep-variants inplace]
 
 GB/s counts the bytes a call must move: weight (packed) + scales + zeros + activations + output.
 Each timing replays a CUDA graph that runs the call on enough copies of the weight (>= 256 MiB in
@@ -38,7 +38,7 @@ SHAPES = {  # (K, N) per projection: q/k/v fused, o, gate/up fused, down
 }
 
 
-VARIANTS = ("fma", "fma_prefetch", "mma", "inplace")
+VARIANTS = ("fma", "fma_prefetch", "mma", "inplace", "inplace_prefetch")
 
 
 def _nbytes(*ts: torch.Tensor | None) -> int:
@@ -89,7 +89,8 @@ def _int_mm(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor
 
 def shape_rows(model: str, proj: str, k: int, n: int, rows: list[int], iters: int,
                sweep: bool, dev: torch.device = torch.device("cuda"),
-               variants: tuple[str, ...] = VARIANTS) -> list[dict]:
+               variants: tuple[str, ...] = VARIANTS,
+               sweep_variants: tuple[str, ...] = VARIANTS + ("w8",)) -> list[dict]:
     from peregrine.kernels.gemv import GEMV_MAX_ROWS, block_m_for, w8_gemv
     from peregrine.kernels.wna16_gemm import wna16_gemm
     from peregrine.kernels.wna16_gemv import gemv_config, mma_supported, wna16_gemv
@@ -131,12 +132,13 @@ def shape_rows(model: str, proj: str, k: int, n: int, rows: list[int], iters: in
                     timed(f"{label} GEMV {variant}", m,
                           [lambda v=v, var=variant: wna16_gemv(x, v, variant=var) for v in ws],
                           wbytes + io(m), config=cfg._asdict())
-                    if sweep and m in (1, GEMV_MAX_ROWS):
+                    if sweep and m in (1, GEMV_MAX_ROWS) and variant in sweep_variants:
                         out.append(_sweep(model, proj, k, n, m, f"{label} GEMV {variant}",
                                           wbytes + io(m), iters,
                                           lambda c, var=variant: [
                                               lambda v=v: wna16_gemv(x, v, c, variant=var)
-                                              for v in ws], wna16=True))
+                                              for v in ws],
+                                          wna16=True, wide=variant.startswith("inplace")))
             timed(f"{label} GEMM", m, [lambda v=v: wna16_gemm(x, v) for v in ws],
                   wbytes + io(m))
         del ws, w
@@ -150,7 +152,7 @@ def shape_rows(model: str, proj: str, k: int, n: int, rows: list[int], iters: in
             if m <= GEMV_MAX_ROWS:  # past the dispatch cut-offs too, to re-measure them
                 timed(f"{label} GEMV", m, [lambda p=p: w8_gemv(x, p[0], p[1]) for p in pairs],
                       wbytes + io(m))
-                if sweep and m in (1, GEMV_MAX_ROWS):
+                if sweep and m in (1, GEMV_MAX_ROWS) and "w8" in sweep_variants:
                     out.append(_sweep(model, proj, k, n, m, f"{label} GEMV", wbytes + io(m),
                                       iters, lambda c: [lambda p=p: w8_gemv(x, p[0], p[1],
                                                                             config=c)
@@ -177,15 +179,20 @@ def _splits(k_blocks: int) -> list[tuple[int, int]]:
 
 
 def _sweep(model: str, proj: str, k: int, n: int, m: int, label: str, moved: int, iters: int,
-           calls_for: Callable, wna16: bool) -> dict:
-    """The fastest GEMV config of a small grid (block_n, block_k, warps, K split)."""
+           calls_for: Callable, wna16: bool, wide: bool = False) -> dict:
+    """The fastest GEMV config of a small grid (block_n, block_k, warps, K split); `wide`: the
+    in-place variant's grid (up to 1,024 columns, K blocks of 32 to 128 inputs)."""
     from peregrine.kernels.gemv import GemvConfig
-    grid_n, grid_k = (((32, 64, 128, 256), (64, 128, 256)) if wna16
-                      else ((16, 32, 64), (128, 256, 512)))
+    if wide:
+        grid_n, grid_k = (64, 128, 256, 512, 1024), (32, 64, 128)
+    elif wna16:
+        grid_n, grid_k = (32, 64, 128, 256), (64, 128, 256)
+    else:
+        grid_n, grid_k = (16, 32, 64), (128, 256, 512)
     best: tuple[float, tuple] | None = None
     for bn in grid_n:
         for bk in grid_k:
-            for warps in (4, 8):
+            for warps in ((4, 8) if not wide or bn >= 256 else (4,)):
                 for split, k_iters in _splits(-(-k // bk)):
                     cfg = GemvConfig(bn, bk, split, k_iters, warps)
                     try:
@@ -224,6 +231,9 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true", help="also time a grid of GEMV configs")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="the int GEMV variants to time (kernels/wna16_gemv.py)")
+    p.add_argument("--sweep-variants", default=",".join(VARIANTS + ("w8",)),
+                   help="with --sweep: the int GEMV variants whose config grid is timed, and "
+                        "w8 for the 8-bit GEMV's")
     ns = p.parse_args()
     if not torch.cuda.is_available():
         print("gemv_bench needs a CUDA GPU", file=sys.stderr)
@@ -239,7 +249,8 @@ def main() -> int:
     for model in models:
         for proj, (k, n) in SHAPES[model].items():
             results += shape_rows(model, proj, k, n, rows, ns.iters, ns.sweep,
-                                  variants=tuple(ns.variants.split(",")))
+                                  variants=tuple(ns.variants.split(",")),
+                                  sweep_variants=tuple(ns.sweep_variants.split(",")))
     doc = dict(device=torch.cuda.get_device_name(), hbm_gbps=HBM_GBPS, gemv_max_m=GEMV_MAX_M, w8_gemv_max_m=W8_GEMV_MAX_M,
                torch=torch.__version__, seconds=time.time() - t0, rows=results,
                per_layer=per_layer(results))

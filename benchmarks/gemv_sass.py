@@ -88,7 +88,7 @@ def count(variant: str, bits: int, zp: bool, act: str, rows: int,
         ce = dict(BITS=bits, HAS_ZP=zp, GROUP=128, ASM=True, DOT=_ACT[act], BLOCK_N=bn,
                   BLOCK_K=bk, HAS_SPLIT=True, EVEN_N=True, EVEN_K=True)
         kernel = _wna16_gemv_mma_kernel
-    elif variant == "inplace":
+    elif variant in ("inplace", "inplace_prefetch"):
         sig = dict(a_ptr=ptr, a64_ptr="*i64" if act == "bf16" else ptr, q_ptr="*i32",
                    s_ptr=ptr, z_ptr=ptr, part_ptr="*fp32", lock_ptr="*i32", c_ptr=ptr,
                    M="i32", N="i32", K="i32", stride_am="i32", stride_cm="i32", K_ITERS="i32",
@@ -97,7 +97,8 @@ def count(variant: str, bits: int, zp: bool, act: str, rows: int,
         if tile:
             bn, bk, warps = tile
         ce = dict(GROUP=128, BITS=bits, HAS_ZP=zp, ASM=True, X_BF16=act == "bf16",
-                  EVEN_K=True, BLOCK_M=rows, BLOCK_N=bn, BLOCK_K=bk, HAS_SPLIT=True)
+                  EVEN_K=True, PREFETCH=variant == "inplace_prefetch", BLOCK_M=rows,
+                  BLOCK_N=bn, BLOCK_K=bk, HAS_SPLIT=True)
         kernel = _wna16_gemv_inplace_kernel
     else:
         sig = dict(common, qhi_ptr="*i32", s_ptr=ptr, z_ptr=ptr, part_ptr="*fp32",
@@ -125,7 +126,8 @@ CASES = [("fma", 4, True, "bf16", 1), ("fma", 4, True, "bf16", 2), ("fma", 4, Tr
          ("mma", 4, True, "fp16", 1), ("mma", 8, False, "bf16", 1), ("mma", 8, False, "fp16", 1),
          ("inplace", 4, True, "bf16", 1), ("inplace", 4, True, "bf16", 2),
          ("inplace", 4, True, "bf16", 4), ("inplace", 4, False, "fp16", 1),
-         ("inplace", 8, False, "bf16", 1)]
+         ("inplace", 8, False, "bf16", 1), ("inplace_prefetch", 4, True, "bf16", 1),
+         ("inplace_prefetch", 4, True, "bf16", 4)]
 
 
 def main() -> int:

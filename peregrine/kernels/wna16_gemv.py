@@ -200,7 +200,7 @@ _WORDS = 16
 _BLOCK_N = 64
 _MMA_BLOCK_N = 128
 _MMA_BLOCK_K = 128
-VARIANTS = ("fma", "fma_prefetch", "mma", "inplace")
+VARIANTS = ("fma", "fma_prefetch", "mma", "inplace", "inplace_prefetch")
 
 
 def _block_k(bits: int) -> int:
@@ -283,7 +283,7 @@ def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
                          f"16-bit activations and K blocks inside one group (sm_90+ on CUDA); "
                          f"got {w.bits} bits, {x.dtype}, group {w.group_size}, block_k "
                          f"{block_k or _mma_block_k(w)}")
-    if variant == "inplace" and not inplace_supported(w, block_k):
+    if variant in ("inplace", "inplace_prefetch") and not inplace_supported(w, block_k):
         raise ValueError(f"wna16_gemv: the inplace variant takes 4 / 8-bit weights without "
                          f"act-order and K blocks inside one group; got {w.bits} bits, group "
                          f"{w.group_size}, block_k {block_k or _inplace_block_k(w)}")
@@ -303,7 +303,7 @@ def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
     inputs (or the group) per K block. K split to fill the SMs."""
     if variant == "mma":
         block_n, block_k, warps = _MMA_BLOCK_N, _mma_block_k(w), 4
-    elif variant == "inplace":
+    elif variant in ("inplace", "inplace_prefetch"):
         block_n, block_k, warps = _BLOCK_N, _inplace_block_k(w), 8 if block_m > 4 else 4
     else:
         block_n, block_k, warps = _BLOCK_N, _block_k(w.bits), 8 if block_m > 4 else 4
@@ -331,7 +331,8 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     if cfg.block_k & (cfg.block_k - 1) or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"wna16_gemv: block_k {cfg.block_k} and block_n {cfg.block_n} must be "
                          "powers of two")
-    if kind != "inplace" and not gemv_supported(w, cfg.block_k):
+    inplace = kind in ("inplace", "inplace_prefetch")
+    if not inplace and not gemv_supported(w, cfg.block_k):
         raise ValueError(f"wna16_gemv: group size {w.group_size} (act-order: "
                          f"{w.g_idx is not None}) does not fit K blocks of {cfg.block_k}")
     if cfg.block_k % (16 if w.bits == 6 else 32 // w.bits):
@@ -343,14 +344,15 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     out, part, lock = launch_buffers(a, n, tiles, cfg.split_k)
     q = w.qweight
     zeros = w.zeros if w.zeros is not None else w.scales
-    if kind == "inplace":
+    if inplace:
         # bf16 x is read 4 values per 8-byte load where its rows allow it.
         x_bf16 = a.dtype == torch.bfloat16 and a.data_ptr() % 8 == 0 and k % 4 == 0
         _wna16_gemv_inplace_kernel[(tiles, cfg.split_k)](
             a, a.view(torch.int64) if x_bf16 else a, q, w.scales, zeros, part, lock, out, m, n,
             k, a.stride(0), out.stride(0), cfg.k_iters, cfg.split_k, GROUP=w.group_size,
             BITS=w.bits, HAS_ZP=w.zeros is not None, ASM=a.is_cuda, X_BF16=x_bf16,
-            EVEN_K=cfg.split_k * cfg.k_iters * cfg.block_k == k, BLOCK_M=bm,
+            EVEN_K=cfg.split_k * cfg.k_iters * cfg.block_k == k,
+            PREFETCH=kind == "inplace_prefetch", BLOCK_M=bm,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_SPLIT=cfg.split_k > 1,
             num_warps=cfg.num_warps)
         return out.reshape(*lead, n)

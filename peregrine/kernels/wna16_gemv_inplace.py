@@ -10,7 +10,8 @@ for the two halves' positions). Subtracting the column's constant 2^23 + zero * 
 AND-OR, a subtraction and an FMA (the shift is shared by a word's 8 values), against a shift,
 a mask, an OR, a subtraction and an FMA in the plain fma variant. Per K block each row's
 (words, columns) sums are multiplied by the block's scales; split-K partials are combined as in
-gemv.py (deterministic).
+gemv.py (deterministic). With PREFETCH (the inplace_prefetch variant) each iteration issues
+the next K block's loads before its own arithmetic.
 """
 from __future__ import annotations
 
@@ -56,6 +57,28 @@ sub.f32 $2, t, $5;
 lop3.b32 t, h, 0x0000FF00, 0x4B000000, 0xEA;
 sub.f32 $3, t, $6;
 }""")
+
+
+@triton.jit
+def _load_block(q_ptr, s_ptr, z_ptr, k0, K, N, offs_w, offs_n, n_mask, k_end, GROUP: tl.constexpr,
+                BITS: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """The K block at k0's words (W, BN) int32, float32 scales and zero points (BN,) (the
+    whole block is in one group: the launcher makes it so); nothing is read from k_end (this
+    program's end) or K on (zero words, the last group's scales)."""
+    PACK: tl.constexpr = 32 // BITS
+    word = k0 // PACK + offs_w  # (W,)
+    w_mask = (word < K // PACK) & (word < k_end // PACK)
+    words = tl.load(q_ptr + word.to(tl.int64)[:, None] * N + offs_n[None, :],
+                    mask=w_mask[:, None] & n_mask[None, :], other=0)
+    grp = tl.minimum(k0, K - 1) // GROUP
+    s_mask = n_mask & ((offs_n * 0 + k0) < k_end)
+    s = tl.load(s_ptr + grp * N + offs_n, mask=s_mask, other=0.0).to(tl.float32)
+    if HAS_ZP:
+        z = tl.load(z_ptr + grp * N + offs_n, mask=s_mask, other=0.0).to(tl.float32)
+    else:
+        z = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.float32)
+    return words, s, z
 
 
 @triton.jit
@@ -153,7 +176,7 @@ def _wna16_gemv_inplace_kernel(
     a_ptr, a64_ptr, q_ptr, s_ptr, z_ptr, part_ptr, lock_ptr, c_ptr,
     M, N, K, stride_am, stride_cm, K_ITERS, SPLIT_K,
     GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZP: tl.constexpr, ASM: tl.constexpr,
-    X_BF16: tl.constexpr, EVEN_K: tl.constexpr,
+    X_BF16: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
 ):
     PACK: tl.constexpr = 32 // BITS  # values per word
@@ -171,19 +194,26 @@ def _wna16_gemv_inplace_kernel(
     acc5 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
     acc6 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
     acc7 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+    # NOTE: with PREFETCH each iteration issues the next K block's loads before its own math,
+    # so they are in flight while it computes (registers, not shared memory).
+    k_end = (split + 1) * K_ITERS * BLOCK_K  # this program's K range ends here
+    if PREFETCH:
+        nxt_words, nxt_s, nxt_z = _load_block(q_ptr, s_ptr, z_ptr, split * K_ITERS * BLOCK_K, K,
+                                              N, offs_w, offs_n, n_mask, k_end, GROUP, BITS,
+                                              HAS_ZP, BLOCK_N, BLOCK_K)
     for it in range(0, K_ITERS):
         k0 = (split * K_ITERS + it) * BLOCK_K
         word = k0 // PACK + offs_w  # (W,)
         w_mask = word < K // PACK
-        words = tl.load(q_ptr + word.to(tl.int64)[:, None] * N + offs_n[None, :],
-                        mask=w_mask[:, None] & n_mask[None, :], other=0)  # (W, BN) int32
-        # The whole block is in one group (the launcher makes it so).
-        grp = tl.minimum(k0, K - 1) // GROUP
-        s = tl.load(s_ptr + grp * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        if HAS_ZP:
-            z = tl.load(z_ptr + grp * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if PREFETCH:
+            words, s, z = nxt_words, nxt_s, nxt_z
+            nxt_words, nxt_s, nxt_z = _load_block(q_ptr, s_ptr, z_ptr, k0 + BLOCK_K, K, N,
+                                                  offs_w, offs_n, n_mask, k_end, GROUP, BITS,
+                                                  HAS_ZP, BLOCK_N, BLOCK_K)
         else:
-            z = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.float32)
+            words, s, z = _load_block(q_ptr, s_ptr, z_ptr, k0, K, N, offs_w, offs_n, n_mask,
+                                      K, GROUP, BITS, HAS_ZP, BLOCK_N, BLOCK_K)
+        s = s[None, :]
         # NOTE: 2^23 + zero * 2^(BITS p) is exact (an integer below 2^24), so subtracting it
         # from 2^23 + q * 2^(BITS p) leaves (q - zero) * 2^(BITS p) exactly.
         c0 = (z + _TWO_23)[None, :]  # (1, BN)

@@ -204,7 +204,18 @@ def test_inplace_variant_ragged_shapes_and_unaligned_activations() -> None:
                        wna16_gemv(xu.clone(), w, variant="inplace"))
 
 
-@pytest.mark.parametrize("variant", ["mma", "fma", "fma_prefetch", "inplace"])
+@pytest.mark.parametrize("m", (1, 3, 8))
+@pytest.mark.parametrize("bits, zp", [(4, True), (8, False)])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_inplace_prefetch_is_inplace_bit_for_bit(shape: str, bits: int, zp: bool, m: int) -> None:
+    k, n = SHAPES[shape]
+    w = _layout(k, n, bits, zp)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    assert torch.equal(wna16_gemv(x, w, variant="inplace_prefetch"),
+                       wna16_gemv(x, w, variant="inplace"))
+
+
+@pytest.mark.parametrize("variant", ["mma", "fma", "fma_prefetch", "inplace", "inplace_prefetch"])
 def test_every_variant_is_exact_and_repeats_bit_for_bit(variant: str) -> None:
     k, n = SHAPES["down"]  # the longest K: the most K blocks per split
     w = _layout(k, n, 4, zp=True)

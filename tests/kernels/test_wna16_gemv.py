@@ -259,6 +259,19 @@ def test_inplace_variant_reads_unaligned_bf16_rows_one_value_at_a_time() -> None
     assert _ulps(got, xu, w) < ULP
 
 
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("bits, zp", [(4, True), (8, False)])
+def test_inplace_prefetch_equals_inplace_bit_for_bit(bits: int, zp: bool, split: int) -> None:
+    """The same sums in the same order, only the loads issued an iteration earlier."""
+    k = 384
+    w = _layout(bits, 128, zp, dtype=torch.bfloat16, k=k, seed=21)
+    x = _x(3, torch.bfloat16, k=k, seed=22)
+    cfg = GemvConfig(64, 128, split, -(-3 // split), 4)
+    got = wna16_gemv(x, w, cfg, variant="inplace_prefetch")
+    assert torch.equal(got, wna16_gemv(x, w, cfg, variant="inplace"))
+    assert _ulps(got, x, w) < ULP
+
+
 def test_inplace_variant_refuses_what_it_cannot_read() -> None:
     x = _x(1)
     with pytest.raises(ValueError, match="inplace variant takes 4 / 8-bit"):
