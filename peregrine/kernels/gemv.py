@@ -60,10 +60,11 @@ def counters(device: torch.device, tiles: int) -> torch.Tensor:
     return buf
 
 
-def choose_split(tiles: int, k_blocks: int, device: torch.device) -> tuple[int, int]:
-    """(split_k, k_iters): the fewest power-of-two K splits that launch _WAVES programs per SM,
-    then trimmed so that no split is left without a K block."""
-    target = _WAVES * (num_sms(device) if device.type == "cuda" else 8)
+def choose_split(tiles: int, k_blocks: int, device: torch.device,
+                 waves: float = _WAVES) -> tuple[int, int]:
+    """(split_k, k_iters): the fewest power-of-two K splits that launch `waves` programs per
+    SM, then trimmed so that no split is left without a K block."""
+    target = waves * (num_sms(device) if device.type == "cuda" else 8)
     split = 1
     while tiles * split < target and split * 2 <= min(_MAX_SPLIT, k_blocks):
         split *= 2

@@ -115,6 +115,9 @@ def test_row_buckets_and_split_choice() -> None:
     split, iters = choose_split(tiles=1, k_blocks=5, device=dev)
     assert split * iters >= 5 and (split - 1) * iters < 5  # every split has a K block
     assert choose_split(tiles=10_000, k_blocks=64, device=dev) == (1, 64)
+    # fewer programs per SM, fewer splits: 8 "SMs" on the CPU, 4 or 3.5 programs each
+    assert choose_split(tiles=7, k_blocks=64, device=dev) == (8, 8)
+    assert choose_split(tiles=7, k_blocks=64, device=dev, waves=3.5) == (4, 16)
 
 
 def _ulps(got: torch.Tensor, x: torch.Tensor, w: WNA16Layout) -> float:
