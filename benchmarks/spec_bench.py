@@ -111,7 +111,8 @@ class Bench:
             spec = {**spec, "disable_by_batch_size": None}  # the sweep measures every size
         self.engine = LLMEngine.from_engine_args(EngineArgs(
             model=model, speculative_config=spec, seed=0, **engine_args))
-        self.runner = self.engine.core_client.core.executor.worker.model_runner
+        self.core = self.engine.core_client.core
+        self.runner = self.core.executor.worker.model_runner
         self.spec = spec is not None
         self.temperature = temperature
 
@@ -147,6 +148,7 @@ class Bench:
         from peregrine.bench.offline import spec_decode_report
         self._generate(prompts[:1], 16)  # warm-up
         tm = self.runner.timing
+        phases0 = {**{f"core_{k}": v for k, v in self.core.timing.items()}, **tm}
         before, steps0, propose0 = self.engine.get_stats(), tm["steps"], tm.get("propose", 0.0)
         verify0, vgraph0 = tm.get("verify_steps", 0), tm.get("verify_graph_steps", 0)
         decode_s, outs = 0.0, []
@@ -161,6 +163,9 @@ class Bench:
                "propose_ms_per_step": (tm.get("propose", 0.0) - propose0) / max(steps, 1) * 1e3,
                "verify_steps": tm.get("verify_steps", 0) - verify0,
                "verify_graph_steps": tm.get("verify_graph_steps", 0) - vgraph0,
+               "host_ms_per_step": _phases_ms(phases0, {**{f"core_{k}": v for k, v in
+                                                          self.core.timing.items()}, **tm},
+                                              steps),
                "tokens": outs}
         if self.spec:
             res.update(spec_decode_report(before, self.engine.get_stats()))
@@ -173,6 +178,15 @@ class Bench:
             _, _, dec = self._generate(batch, output_len)
             out[b] = b * (output_len - 1) / dec
         return out
+
+
+def _phases_ms(before: dict[str, float], after: dict[str, float], steps: int) -> dict[str, float]:
+    """Milliseconds per step of each timed phase (the engine core's as core_*, the model
+    runner's: prepare, forward_launch, sample_launch, wait for the device, propose)."""
+    skip = {"steps", "decode_only_steps", "verify_steps", "verify_graph_steps",
+            "piecewise_graph_steps"}
+    return {k: (v - before.get(k, 0.0)) / max(steps, 1) * 1e3 for k, v in after.items()
+            if k not in skip and v != before.get(k, 0.0)}
 
 
 _PLAIN: dict[tuple, dict[str, Any]] = {}  # plain runs shared by cases on the same model
@@ -265,6 +279,7 @@ def run_case(case: str, ns: argparse.Namespace, **overrides: Any) -> dict[str, A
     sync = _plain_sync(key, model, prompts, ns, temperature,
                        {**engine_args, "max_num_seqs": 1, "async_scheduling": False})
     result["plain_sync_tokens_per_s"] = sync["tokens_per_s"]
+    result["plain_sync_host_ms_per_step"] = sync.get("host_ms_per_step", {})
     result["predicted_speedup_sync"] = (sp["tokens_per_step"] * t_plain
                                         / (1.0 / sync["tokens_per_s"] + t_prop))
     result["same_tokens_as_plain"] = _same_tokens(plain.pop("tokens"), sp.pop("tokens"))
@@ -345,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{res['same_tokens_as_plain']:.2f}"
               + (f" (fp32 {res['same_tokens_as_plain_fp32']:.2f})" if "fp32" in res else "")
               + ", sweep " + ", ".join(f"{b}: x{s:.2f}" for b, s in res["sweep_speedup"].items()))
+        for label, phases in (("plain", res["plain"]["host_ms_per_step"]),
+                              ("plain sync", res["plain_sync_host_ms_per_step"]),
+                              ("spec", res["spec"]["host_ms_per_step"])):
+            print(f"  {label} host ms/step: " + ", ".join(f"{k} {v:.3f}" for k, v in
+                                                          sorted(phases.items())))
     return 0
 
 

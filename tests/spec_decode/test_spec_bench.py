@@ -60,3 +60,13 @@ def test_spec_bench_case_runs_on_the_cpu(case: str) -> None:
     t_prop = res["spec"]["propose_ms_per_step"] / 1e3
     assert res["predicted_speedup_sync"] == pytest.approx(
         res["spec"]["tokens_per_step"] * t_plain / (1 / res["plain_sync_tokens_per_s"] + t_prop))
+    # host phases per step: the core's and the model runner's, the proposer's only with drafts
+    for phases in (res["plain"]["host_ms_per_step"], res["spec"]["host_ms_per_step"],
+                   res["plain_sync_host_ms_per_step"]):
+        assert {"core_schedule", "core_launch", "prepare", "forward_launch",
+                "sample_launch"} <= set(phases)
+        assert all(v >= 0 for v in phases.values())
+    assert "propose" in res["spec"]["host_ms_per_step"]
+    assert "propose" not in res["plain"]["host_ms_per_step"]
+    assert res["spec"]["host_ms_per_step"]["propose"] == pytest.approx(
+        res["spec"]["propose_ms_per_step"])
