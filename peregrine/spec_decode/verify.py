@@ -17,17 +17,16 @@ speculation (greedy is the special case).
 from __future__ import annotations
 
 import numpy as np
-import torch
-
-from peregrine.transfer import upload
 
 
-def accepted_counts(sampled: torch.Tensor, draft_tokens: np.ndarray, counts: np.ndarray,
-                    device: torch.device) -> torch.Tensor:
+def accepted_counts(sampled: np.ndarray, draft_tokens: np.ndarray,
+                    counts: np.ndarray) -> np.ndarray:
     """(S,) int64: how many leading drafts of each sampled row its sampled tokens confirm.
 
     sampled: (S',) the tokens drawn at every logits row; draft_tokens: (S',) the draft each row's
     token must equal (-1 at a row's last position); counts: (S,) logits rows per sampled row.
+    Computed on the host from the step's tokens (there anyway), not with a chain of small
+    device operations.
     """
     num_rows = int(counts.sum())
     if sampled.shape != (num_rows,) or draft_tokens.shape != (num_rows,):
@@ -39,6 +38,5 @@ def accepted_counts(sampled: torch.Tensor, draft_tokens: np.ndarray, counts: np.
     col = np.arange(width, dtype=np.int64)  # (W,)
     # (S, W) flat row of each (sampled row, position); past a row's end: num_rows (a mismatch).
     idx = np.where(col < counts[:, None], first[:, None] + col, num_rows)
-    drafts, idx = upload([draft_tokens.astype(np.int64), idx], device)
-    match = torch.cat([sampled == drafts, sampled.new_zeros(1, dtype=torch.bool)])  # (S' + 1,)
-    return match[idx].to(torch.int64).cumprod(dim=1).sum(dim=1)  # (S,)
+    match = np.append(sampled == draft_tokens, False)  # (S' + 1,)
+    return np.cumprod(match[idx], axis=1, dtype=np.int64).sum(axis=1)  # (S,)

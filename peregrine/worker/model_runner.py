@@ -51,6 +51,7 @@ class StepHandle:
     propose: bool = False
     no_propose: list[str] | None = None
     stage_timer: tuple | None = None  # pipeline stages: (start, end) of the step's work here
+    draft_tokens: np.ndarray | None = None  # a verify step's (S',) drafts, -1 at each row's end
 
 
 class ModelRunner:
@@ -233,8 +234,8 @@ class ModelRunner:
         """(S + P, V) logits of the sampled rows, then of the prompt-logprobs positions."""
         idx = plan.logits_idx  # (S + P,)
         if all_logits is not None:  # a decode graph's row per sequence, a verify graph's per token
-            if np.array_equal(idx, np.arange(all_logits.shape[0])):
-                return all_logits  # (B, V)
+            if idx.size <= all_logits.shape[0] and np.array_equal(idx, np.arange(idx.size)):
+                return all_logits[:idx.size]  # (B, V) or the leading rows: a view
             return all_logits.index_select(0, to_device(idx, self.device))
         return self.model.compute_logits(hidden.index_select(0, to_device(idx, self.device)))
 
@@ -259,12 +260,8 @@ class ModelRunner:
             so = self.sampler(logits[:s], meta)
             # NOTE: penalties count this step's tokens on the device: exact with a step in flight.
             batch.sampling.record_sampled(meta, so.sampled_token_ids)
-            sampled = so.sampled_token_ids  # (S',)
-            if verify:
-                # (S' + S,): the tokens, then each sampled row's accepted draft count.
-                sampled = torch.cat([sampled, accepted_counts(
-                    sampled, plan.draft_tokens, plan.sample_counts, self.device)])
-            host["sampled"] = self._to_host(sampled)
+            # NOTE: a verify step's accepted draft counts come from these tokens on the host.
+            host["sampled"] = self._to_host(so.sampled_token_ids)  # (S',)
             if so.logprobs is not None:
                 host["lp_ids"] = self._to_host(so.logprob_token_ids)
                 host["lp_vals"] = self._to_host(so.logprobs)
@@ -292,7 +289,8 @@ class ModelRunner:
                           generations, positions, batch.sampling.num_logprobs[rows].tolist(),
                           prompt_lp, host, event, plan.sample_counts if verify else None,
                           sched.propose_drafts and self.proposer is not None,
-                          sched.no_propose_req_ids)
+                          sched.no_propose_req_ids,
+                          draft_tokens=plan.draft_tokens if verify else None)
 
     def _add_grammar_masks(self, meta, plan: StepPlan, sched: SchedulerOutput) -> None:
         """Point the step's grammar bitmask rows at the sampler rows of their requests."""
@@ -371,8 +369,8 @@ class ModelRunner:
         """A verify step's results: each sampled row emits its accepted drafts plus the next
         sampled token; returns each row's first logits row and emitted count."""
         counts = handle.sample_counts  # (S,)
-        num_rows = int(counts.sum())
-        tokens, accepted = flat[:num_rows], flat[num_rows:]  # (S',), (S,)
+        tokens = flat  # (S',)
+        accepted = accepted_counts(tokens, handle.draft_tokens, counts)  # (S,)
         firsts = np.zeros(counts.size, np.int64)  # (S,)
         np.cumsum(counts[:-1], out=firsts[1:])
         self.batch.fill_sampled(handle.sample_req_ids, handle.sample_generations,

@@ -39,12 +39,15 @@ def _rows(num_seeds: int, **params) -> list[Request]:
 
 
 def test_accepted_counts_counts_leading_matches() -> None:
-    sampled = torch.tensor([5, 6, 7, 1, 9, 4, 4])
+    sampled = np.array([5, 6, 7, 1, 9, 4, 4])
     drafts = np.array([5, 6, -1, 2, -1, 4, -1])
     counts = np.array([3, 2, 2])
-    assert accepted_counts(sampled, drafts, counts, torch.device("cpu")).tolist() == [2, 0, 1]
+    assert accepted_counts(sampled, drafts, counts).tolist() == [2, 0, 1]
+    # a mismatch stops the count even when later drafts match again
+    assert accepted_counts(np.array([5, 0, 7, 3]), np.array([5, 1, 7, -1]),
+                           np.array([4])).tolist() == [1]
     with pytest.raises(ValueError, match="logits rows expected"):
-        accepted_counts(sampled[:3], drafts, counts, torch.device("cpu"))
+        accepted_counts(sampled[:3], drafts, counts)
 
 
 @pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)])
@@ -59,10 +62,10 @@ def test_one_hot_draft_keeps_the_target_distribution(params) -> None:
     out = sampler(logits, meta, return_probs=True)
     p0, p1 = out.probs[0].double().numpy(), out.probs[1].double().numpy()
     sampled = out.sampled_token_ids  # (2n,)
-    acc = accepted_counts(sampled, np.tile([draft, -1], n), np.full(n, 2), torch.device("cpu"))
+    acc = accepted_counts(sampled.numpy(), np.tile([draft, -1], n), np.full(n, 2))
     first = sampled[0::2].numpy()
     second = sampled[1::2].numpy()
-    accepted = acc.numpy() == 1
+    accepted = acc == 1
     assert np.array_equal(accepted, first == draft)
     # the emitted first token is distributed as p0 (accepted draft or the replacement)
     assert _fits(np.bincount(first, minlength=5), p0)

@@ -33,3 +33,19 @@ def test_a_batch_past_the_step_buffers_is_refused() -> None:
         VerifyGraphs(w.model, r.buffers, r.kv_caches, 8, 4, 64, capture=False)
     with pytest.raises(ValueError, match="k >= 1"):
         VerifyGraphs(w.model, r.buffers, r.kv_caches, 4, 0, 64, capture=False)
+
+
+def test_graph_logits_of_leading_rows_are_a_view_and_others_are_gathered() -> None:
+    from types import SimpleNamespace
+
+    import numpy as np
+    w = make_worker(max_num_seqs=8, max_num_batched_tokens=64)
+    r = w.model_runner
+    all_logits = torch.randn(10, 7)  # a padded verify graph's rows
+    lead = r._logits(SimpleNamespace(logits_idx=np.arange(4)), None, all_logits)
+    assert lead.data_ptr() == all_logits.data_ptr() and torch.equal(lead, all_logits[:4])
+    assert torch.equal(r._logits(SimpleNamespace(logits_idx=np.arange(10)), None, all_logits),
+                       all_logits)
+    idx = np.array([0, 5, 6])
+    assert torch.equal(r._logits(SimpleNamespace(logits_idx=idx), None, all_logits),
+                       all_logits[torch.from_numpy(idx)])
