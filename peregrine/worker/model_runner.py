@@ -31,6 +31,11 @@ from peregrine.worker.swap import KVSwapSpace
 from peregrine.worker.verify_graphs import VerifyGraphs
 
 
+def _is_run(idx: np.ndarray) -> bool:
+    """Whether idx (N >= 1,) is consecutive integers (a slice)."""
+    return int(idx[-1]) - int(idx[0]) == idx.size - 1 and bool((np.diff(idx) == 1).all())
+
+
 @dataclass
 class StepHandle:
     """A launched step: what it scheduled and where its results will land."""
@@ -208,8 +213,13 @@ class ModelRunner:
             if sampled is None:
                 raise RuntimeError(f"step {step_id} is collected but its tokens are not on the host")
             sel = plan.pending_step == step_id
-            dst, src = to_device(np.stack([plan.pending_dst[sel], plan.pending_src[sel]]),
-                                 self.device)
+            dst, src = plan.pending_dst[sel], plan.pending_src[sel]  # (N,), (N,)
+            n = dst.size
+            if _is_run(dst) and _is_run(src):  # the usual decode batch: one slice copy
+                d0, s0 = int(dst[0]), int(src[0])
+                buf.d_input_ids[d0:d0 + n].copy_(sampled[s0:s0 + n])
+                continue
+            dst, src = to_device(np.stack([dst, src]), self.device)
             buf.d_input_ids.index_copy_(0, dst, sampled.index_select(0, src))
         if graph:
             return None, self.graphs.replay(b)

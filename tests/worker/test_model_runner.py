@@ -135,3 +135,12 @@ def test_the_kv_cache_dtype_is_allocated_and_generates() -> None:
     assert worker.model_runner.kv_caches[0][0].dtype == torch.bfloat16
     out = run_steps(worker, [Step({"a": 11}, new=[new_req("a", PROMPT_A, [0, 1, 2])])], False)
     assert len(out[0].sampled_token_ids[0]) == 1
+
+
+def test_pending_tokens_copy_as_a_slice_only_when_both_index_lists_are_runs() -> None:
+    import numpy as np
+
+    from peregrine.worker.model_runner import _is_run
+    assert _is_run(np.array([3])) and _is_run(np.array([4, 5, 6]))
+    assert not _is_run(np.array([0, 2])) and not _is_run(np.array([0, 2, 1, 3]))
+    assert not _is_run(np.array([2, 1, 0]))
