@@ -1,7 +1,7 @@
 """Split-K GEMV for weight-only int weights in layers/quantization/wna16.py's layout, for decode
 batches of at most GEMV_MAX_ROWS rows: y (M, N) = x (M, K) @ dequant(W) (K, N). Variants, chosen
-by wna16_gemv's `variant` argument; without one, inplace where it reads the layout (4-bit
-weights; 8-bit up to 2 rows), else fma:
+by wna16_gemv's `variant` argument; without one, inplace or inplace_prefetch where they read
+the layout (4-bit weights; 8-bit up to 2 rows; see _variant for which), else fma:
 
 inplace (4 / 8 bits, K blocks inside one group; wna16_gemv_inplace.py): each value becomes a
 float where it sits in its word, so a 4-bit value costs an AND-OR, a subtraction and an FMA.
@@ -291,11 +291,16 @@ def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
     if variant is not None:
         return variant
     # The in-place variant measured faster on an H200 at Llama-3-8B's shapes for 4-bit weights
-    # (one layer's four GEMVs at 1 / 2 / 4 rows: 69 / 97 / 160 us against fma's 93 / 110 / 170)
-    # and for 8-bit weights up to 2 rows (98 / 108 against 99 / 123; 192 against 171 at 4).
-    if inplace_supported(w, block_k) and (w.bits == 4 or x.shape[0] <= 2):
-        return "inplace"
-    return "fma"
+    # (one layer's four GEMVs at 1 / 2 / 4 rows: 71 / 97 / 161 us against fma's 93 / 110 / 170)
+    # and for 8-bit weights up to 2 rows (93 / 109 against 99 / 122; 192 against 170 at 4).
+    # Its prefetching form took 146 us at 4 rows of 4-bit weights and 84 us at 1 row of 8-bit
+    # ones, but 74 us at 1 row of 4-bit weights and 131 us at 2 rows of 8-bit ones.
+    rows = x.shape[0]
+    if not inplace_supported(w, block_k) or (w.bits == 8 and rows > 2):
+        return "fma"
+    if (w.bits == 4 and rows > 2) or (w.bits == 8 and rows == 1):
+        return "inplace_prefetch"
+    return "inplace"
 
 
 def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
@@ -322,8 +327,9 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     """y (..., N) = x (..., K) @ dequant(w) (K, N) in x's dtype, for at most GEMV_MAX_ROWS rows.
     variant: "inplace" (4 / 8 bits, values converted in place), "fma" (float32 FMAs),
     "fma_prefetch" (the same, its loads pipelined two K blocks ahead) or "mma" (tensor cores;
-    4 / 8 bits, 16-bit x, sm_90+); None: inplace for 4-bit weights and for 8-bit ones up to 2
-    rows where the layout allows, else fma."""
+    4 / 8 bits, 16-bit x, sm_90+); None: one of the in-place forms for 4-bit weights and for
+    8-bit ones up to 2 rows where the layout allows (the prefetching one at 3-4 rows of 4-bit
+    and 1 row of 8-bit weights), else fma."""
     k, n = w.in_features, w.out_features
     if x.shape[-1] != k:
         raise ValueError(f"wna16_gemv: x has {x.shape[-1]} inputs, the weight {k}")

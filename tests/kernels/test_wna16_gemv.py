@@ -12,6 +12,7 @@ import torch
 from peregrine.kernels.gemv import GEMV_MAX_ROWS, block_m_for, choose_split
 from peregrine.kernels.wna16_gemv import (GemvConfig, gemv_config, gemv_supported,
                                           mma_supported, wna16_gemv)
+from peregrine.kernels import wna16_gemv as wna16_gemv_module
 from peregrine.layers.quantization.wna16 import WNA16Layout
 
 K, N = 256, 64
@@ -178,13 +179,21 @@ def test_mma_variant_ragged_n_and_k() -> None:
 def test_the_default_variant_and_every_variant_agrees() -> None:
     w = _layout(4, 128, zp=True, dtype=torch.bfloat16, seed=17)
     x = _x(4, torch.bfloat16, seed=18)
-    # 4-bit: in place at every row count; 8-bit: in place up to 2 rows; 6-bit and act-order: fma
+    # 4-bit: in place (prefetching at 3-4 rows); 8-bit: in place up to 2 rows (prefetching at
+    # 1), fma above; 6-bit and act-order: fma
+    chosen = []
+    real = wna16_gemv_module._variant
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(wna16_gemv_module, "_variant",
+                   lambda *a: chosen.append(real(*a)) or chosen[-1])
+        w8 = _layout(8, 128, zp=False, dtype=torch.bfloat16, seed=19)
+        w6 = _layout(6, 128, zp=True, dtype=torch.bfloat16, seed=20)
+        for xx, ww in ((x[:1], w), (x[:2], w), (x[:3], w), (x, w), (x[:1], w8), (x[:2], w8),
+                       (x[:3], w8), (x[:1], w6)):
+            wna16_gemv(xx, ww)
+    assert chosen == ["inplace", "inplace", "inplace_prefetch", "inplace_prefetch",
+                      "inplace_prefetch", "inplace", "fma", "fma"]
     assert torch.equal(wna16_gemv(x, w), wna16_gemv(x, w, variant="inplace"))
-    w8 = _layout(8, 128, zp=False, dtype=torch.bfloat16, seed=19)
-    assert torch.equal(wna16_gemv(x[:2], w8), wna16_gemv(x[:2], w8, variant="inplace"))
-    assert torch.equal(wna16_gemv(x, w8), wna16_gemv(x, w8, variant="fma"))
-    w6 = _layout(6, 128, zp=True, dtype=torch.bfloat16, seed=20)
-    assert torch.equal(wna16_gemv(x[:1], w6), wna16_gemv(x[:1], w6, variant="fma"))
     for variant in ("fma", "fma_prefetch", "mma", "inplace"):
         assert _ulps(wna16_gemv(x, w, variant=variant), x, w) < ULP, variant
 
