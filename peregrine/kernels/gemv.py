@@ -96,6 +96,35 @@ def store_partial(part_ptr, c_ptr, val, m, M, N, split, offs_n, n_mask, stride_c
 
 
 @triton.jit
+def store_row_sums(part_ptr, lock_ptr, c_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+                   M, N, pid_n, split, offs_n, n_mask, stride_cm, SPLIT_K,
+                   HAS_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A program's epilogue for (rows, columns)-shaped per-row accumulators: each row's column
+    sums (over axis 0) stored as the output or this split's partial, then the split-K finish."""
+    store_partial(part_ptr, c_ptr, tl.sum(acc0, axis=0), 0, M, N, split, offs_n, n_mask,
+                  stride_cm, HAS_SPLIT)
+    if BLOCK_M > 1:
+        store_partial(part_ptr, c_ptr, tl.sum(acc1, axis=0), 1, M, N, split, offs_n, n_mask,
+                      stride_cm, HAS_SPLIT)
+    if BLOCK_M > 2:
+        store_partial(part_ptr, c_ptr, tl.sum(acc2, axis=0), 2, M, N, split, offs_n, n_mask,
+                      stride_cm, HAS_SPLIT)
+        store_partial(part_ptr, c_ptr, tl.sum(acc3, axis=0), 3, M, N, split, offs_n, n_mask,
+                      stride_cm, HAS_SPLIT)
+    if BLOCK_M > 4:
+        store_partial(part_ptr, c_ptr, tl.sum(acc4, axis=0), 4, M, N, split, offs_n, n_mask,
+                      stride_cm, HAS_SPLIT)
+        store_partial(part_ptr, c_ptr, tl.sum(acc5, axis=0), 5, M, N, split, offs_n, n_mask,
+                      stride_cm, HAS_SPLIT)
+        store_partial(part_ptr, c_ptr, tl.sum(acc6, axis=0), 6, M, N, split, offs_n, n_mask,
+                      stride_cm, HAS_SPLIT)
+        store_partial(part_ptr, c_ptr, tl.sum(acc7, axis=0), 7, M, N, split, offs_n, n_mask,
+                      stride_cm, HAS_SPLIT)
+    finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, stride_cm,
+                   SPLIT_K, HAS_SPLIT, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
 def finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, stride_cm,
                    SPLIT_K, HAS_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr):

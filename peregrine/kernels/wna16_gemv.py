@@ -43,7 +43,7 @@ import triton.language as tl
 
 from peregrine.kernels._utils import dot_dtype
 from peregrine.kernels.gemv import (GEMV_MAX_M, GemvConfig, block_m_for, choose_split,
-                                    finish_split_k, launch_buffers, store_partial)
+                                    launch_buffers, store_row_sums)
 from peregrine.kernels.wna16_gemv_inplace import _wna16_gemv_inplace_kernel
 from peregrine.kernels.wna16_gemv_mma import _wna16_gemv_mma_kernel
 
@@ -169,27 +169,9 @@ def _wna16_gemv_fma_kernel(
             acc5 += t5 * s
             acc6 += t6 * s
             acc7 += t7 * s
-    store_partial(part_ptr, c_ptr, tl.sum(acc0, axis=0), 0, M, N, split, offs_n, n_mask,
-                  stride_cm, HAS_SPLIT)
-    if BLOCK_M > 1:
-        store_partial(part_ptr, c_ptr, tl.sum(acc1, axis=0), 1, M, N, split, offs_n, n_mask,
-                      stride_cm, HAS_SPLIT)
-    if BLOCK_M > 2:
-        store_partial(part_ptr, c_ptr, tl.sum(acc2, axis=0), 2, M, N, split, offs_n, n_mask,
-                      stride_cm, HAS_SPLIT)
-        store_partial(part_ptr, c_ptr, tl.sum(acc3, axis=0), 3, M, N, split, offs_n, n_mask,
-                      stride_cm, HAS_SPLIT)
-    if BLOCK_M > 4:
-        store_partial(part_ptr, c_ptr, tl.sum(acc4, axis=0), 4, M, N, split, offs_n, n_mask,
-                      stride_cm, HAS_SPLIT)
-        store_partial(part_ptr, c_ptr, tl.sum(acc5, axis=0), 5, M, N, split, offs_n, n_mask,
-                      stride_cm, HAS_SPLIT)
-        store_partial(part_ptr, c_ptr, tl.sum(acc6, axis=0), 6, M, N, split, offs_n, n_mask,
-                      stride_cm, HAS_SPLIT)
-        store_partial(part_ptr, c_ptr, tl.sum(acc7, axis=0), 7, M, N, split, offs_n, n_mask,
-                      stride_cm, HAS_SPLIT)
-    finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, stride_cm,
-                   SPLIT_K, HAS_SPLIT, BLOCK_M, BLOCK_N)
+    store_row_sums(part_ptr, lock_ptr, c_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M,
+                   N, pid_n, split, offs_n, n_mask, stride_cm, SPLIT_K, HAS_SPLIT, BLOCK_M,
+                   BLOCK_N)
 
 
 # fma: 16 rows of 64 words per K block. Compiled for sm_90 (4-bit, zero points): 4 warps at 1 /

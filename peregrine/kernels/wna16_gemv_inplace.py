@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from peregrine.kernels.gemv import finish_split_k, store_partial
+from peregrine.kernels.gemv import store_row_sums
 
 _TWO_23 = tl.constexpr(8388608.0)  # 2^23: its float32 ulp is 1
 # One word's 8 4-bit values in place: $8 the word, $9..$12 the columns' 2^23 + zero * 16^p;
@@ -266,24 +266,6 @@ def _wna16_gemv_inplace_kernel(
                              d4, d5, d6, d7, BITS, X_BF16, EVEN_K) * s
             acc7 += _row_sum(t, a_ptr, a64_ptr, 7, M, stride_am, word, w_mask, d0, d1, d2, d3,
                              d4, d5, d6, d7, BITS, X_BF16, EVEN_K) * s
-    store_partial(part_ptr, c_ptr, tl.sum(acc0, axis=0), 0, M, N, split, offs_n, n_mask,
-                  stride_cm, HAS_SPLIT)
-    if BLOCK_M > 1:
-        store_partial(part_ptr, c_ptr, tl.sum(acc1, axis=0), 1, M, N, split, offs_n, n_mask,
-                      stride_cm, HAS_SPLIT)
-    if BLOCK_M > 2:
-        store_partial(part_ptr, c_ptr, tl.sum(acc2, axis=0), 2, M, N, split, offs_n, n_mask,
-                      stride_cm, HAS_SPLIT)
-        store_partial(part_ptr, c_ptr, tl.sum(acc3, axis=0), 3, M, N, split, offs_n, n_mask,
-                      stride_cm, HAS_SPLIT)
-    if BLOCK_M > 4:
-        store_partial(part_ptr, c_ptr, tl.sum(acc4, axis=0), 4, M, N, split, offs_n, n_mask,
-                      stride_cm, HAS_SPLIT)
-        store_partial(part_ptr, c_ptr, tl.sum(acc5, axis=0), 5, M, N, split, offs_n, n_mask,
-                      stride_cm, HAS_SPLIT)
-        store_partial(part_ptr, c_ptr, tl.sum(acc6, axis=0), 6, M, N, split, offs_n, n_mask,
-                      stride_cm, HAS_SPLIT)
-        store_partial(part_ptr, c_ptr, tl.sum(acc7, axis=0), 7, M, N, split, offs_n, n_mask,
-                      stride_cm, HAS_SPLIT)
-    finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, stride_cm,
-                   SPLIT_K, HAS_SPLIT, BLOCK_M, BLOCK_N)
+    store_row_sums(part_ptr, lock_ptr, c_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M,
+                   N, pid_n, split, offs_n, n_mask, stride_cm, SPLIT_K, HAS_SPLIT, BLOCK_M,
+                   BLOCK_N)

@@ -143,13 +143,18 @@ def _exact_err(got: torch.Tensor, x: torch.Tensor, w: WNA16Layout) -> float:
     return ((got.float() - want).abs() / unit).max().item()
 
 
+# (bits, zero points, activation dtype, group) for the 16-bit-exact variants; group 0: one per
+# output channel.
+EXACT_CASES = [(4, True, torch.bfloat16, 128), (4, False, torch.bfloat16, 128),
+               (4, True, torch.float16, 128), (4, False, torch.float16, 32),
+               (8, False, torch.bfloat16, 128), (8, True, torch.bfloat16, 64),
+               (8, False, torch.float16, 128), (8, True, torch.float16, 0),
+               (4, True, torch.bfloat16, 0)]
+
+
 @pytest.mark.parametrize("m", (1, 2, 3, 4, 8))
-@pytest.mark.parametrize("bits, zp, dtype, group", [
-    (4, True, torch.bfloat16, 128), (4, False, torch.bfloat16, 128),
-    (4, True, torch.float16, 128), (4, False, torch.float16, 32),
-    (8, False, torch.bfloat16, 128), (8, True, torch.bfloat16, 64),
-    (8, False, torch.float16, 128), (8, True, torch.float16, 0)],  # 0: one group per channel
-    ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("bits, zp, dtype, group", EXACT_CASES,
+                         ids=lambda v: str(v).replace("torch.", ""))
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_mma_variant_rounds_only_the_output(shape: str, bits: int, zp: bool,
                                             dtype: torch.dtype, group: int, m: int) -> None:
@@ -168,12 +173,8 @@ def test_mma_variant_rounds_only_the_output(shape: str, bits: int, zp: bool,
 
 
 @pytest.mark.parametrize("m", (1, 2, 3, 4, 8))
-@pytest.mark.parametrize("bits, zp, dtype, group", [
-    (4, True, torch.bfloat16, 128), (4, False, torch.bfloat16, 128),
-    (4, True, torch.float16, 128), (4, False, torch.float16, 32),
-    (8, False, torch.bfloat16, 128), (8, True, torch.bfloat16, 64),
-    (8, False, torch.float16, 128), (4, True, torch.bfloat16, 0)],  # 0: one group per channel
-    ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("bits, zp, dtype, group", EXACT_CASES,
+                         ids=lambda v: str(v).replace("torch.", ""))
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_inplace_variant_rounds_only_the_output(shape: str, bits: int, zp: bool,
                                                 dtype: torch.dtype, group: int, m: int) -> None:
