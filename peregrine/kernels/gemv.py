@@ -96,6 +96,14 @@ def store_partial(part_ptr, c_ptr, val, m, M, N, split, offs_n, n_mask, stride_c
 
 
 @triton.jit
+def row_accumulators(ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Eight zeroed float32 (ROWS, COLS) accumulators, one per row of x a GEMV can take (those
+    past its BLOCK_M are never touched and cost nothing)."""
+    z = tl.zeros((ROWS, COLS), dtype=tl.float32)
+    return z, z, z, z, z, z, z, z
+
+
+@triton.jit
 def store_row_sums(part_ptr, lock_ptr, c_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
                    M, N, pid_n, split, offs_n, n_mask, stride_cm, SPLIT_K,
                    HAS_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from peregrine.kernels._utils import dot_dtype
 from peregrine.kernels.gemv import (GEMV_MAX_M, GemvConfig, block_m_for, choose_split,
-                                    launch_buffers, store_row_sums)
+                                    launch_buffers, row_accumulators, store_row_sums)
 from peregrine.kernels.wna16_gemv_inplace import _wna16_gemv_inplace_kernel
 from peregrine.kernels.wna16_gemv_mma import _wna16_gemv_mma_kernel
 
@@ -114,14 +114,7 @@ def _wna16_gemv_fma_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     n_mask = offs_n < N
     offs_w = tl.arange(0, WORDS)  # (W,)
-    acc0 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    acc1 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    acc3 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    acc4 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    acc5 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    acc6 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    acc7 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = row_accumulators(WORDS, BLOCK_N)
     # NOTE: with PREFETCH the compiler's software pipeliner copies each K block's words into
     # shared memory (cp.async) two iterations ahead; without it the loads are issued in the loop.
     for it in tl.range(0, K_ITERS, num_stages=3 if PREFETCH else 1):
@@ -132,14 +125,7 @@ def _wna16_gemv_fma_kernel(
                                      n_mask, GROUP, BITS, HAS_ZP, PER_WORD, BLOCK_N, BLOCK_K)
         if BITS == 6:
             hi_base = ((word % 2) * 16)[:, None]  # (W, 1) the half of hi's word holding row w
-        t0 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-        t1 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-        t2 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-        t3 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-        t4 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-        t5 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-        t6 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-        t7 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+        t0, t1, t2, t3, t4, t5, t6, t7 = row_accumulators(WORDS, BLOCK_N)
         for j in tl.static_range(PACK):
             q = (words >> (j * WIDTH)) & ((1 << WIDTH) - 1)  # (W, BN) int32
             if BITS == 6:

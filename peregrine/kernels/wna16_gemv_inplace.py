@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from peregrine.kernels.gemv import store_row_sums
+from peregrine.kernels.gemv import row_accumulators, store_row_sums
 
 _TWO_23 = tl.constexpr(8388608.0)  # 2^23: its float32 ulp is 1
 # One word's 8 4-bit values in place: $8 the word, $9..$12 the columns' 2^23 + zero * 16^p;
@@ -186,14 +186,7 @@ def _wna16_gemv_inplace_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     n_mask = offs_n < N
     offs_w = tl.arange(0, WORDS)  # (W,)
-    acc0 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    acc1 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    acc3 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    acc4 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    acc5 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    acc6 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    acc7 = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = row_accumulators(WORDS, BLOCK_N)
     # NOTE: with PREFETCH each iteration issues the next K block's loads before its own math,
     # so they are in flight while it computes (registers, not shared memory).
     k_end = (split + 1) * K_ITERS * BLOCK_K  # this program's K range ends here
