@@ -189,20 +189,15 @@ def test_inplace_variant_rounds_only_the_output(shape: str, bits: int, zp: bool,
     assert _exact_err(got, x, w) <= 1.0
 
 
-def test_inplace_variant_ragged_shapes_and_unaligned_activations() -> None:
-    # N not a multiple of the column tile, K not a multiple of the K block (one group per
-    # channel), a single split, and bf16 rows that do not start 8 bytes apart from an aligned
-    # base (read one value per load).
+def test_inplace_variant_reads_unaligned_bf16_rows() -> None:
+    # bf16 rows that do not start 8 bytes apart from an aligned base: one value per load.
     k, n = 4160, 6200
     w = _layout(k, n, 4, zp=True, group=k)
-    x = torch.randn(3, k, device=DEV, dtype=torch.bfloat16)
-    assert _exact_err(wna16_gemv(x, w, variant="inplace"), x, w) <= 1.0
-    cfg = gemv_config(w, x.device, 4, "inplace")._replace(split_k=1, k_iters=-(-k // 128))
-    assert _exact_err(wna16_gemv(x, w, cfg, variant="inplace"), x, w) <= 1.0
     buf = torch.randn(3 * k + 1, device=DEV, dtype=torch.bfloat16)
     xu = buf[1:].view(3, k)  # 2 bytes past an aligned address
-    assert torch.equal(wna16_gemv(xu, w, variant="inplace"),
-                       wna16_gemv(xu.clone(), w, variant="inplace"))
+    got = wna16_gemv(xu, w, variant="inplace")
+    assert torch.equal(got, wna16_gemv(xu.clone(), w, variant="inplace"))
+    assert _exact_err(got, xu, w) <= 1.0
 
 
 @pytest.mark.parametrize("m", (1, 3, 8))
@@ -227,15 +222,16 @@ def test_every_variant_is_exact_and_repeats_bit_for_bit(variant: str) -> None:
         assert torch.equal(wna16_gemv(x, w, variant=variant), first)
 
 
-def test_mma_variant_ragged_shapes_and_explicit_configs() -> None:
-    # N not a multiple of the 128-column tile, K not a multiple of the K block (one group per
+@pytest.mark.parametrize("variant", ["mma", "inplace"])
+def test_ragged_shapes_and_explicit_configs(variant: str) -> None:
+    # N not a multiple of the column tile, K not a multiple of the K block (one group per
     # channel), and a single split (the output written directly).
     k, n = 4160, 6200
     w = _layout(k, n, 4, zp=True, group=k)
     x = torch.randn(3, k, device=DEV, dtype=torch.bfloat16)
-    assert _exact_err(wna16_gemv(x, w, variant="mma"), x, w) <= 1.0
-    cfg = gemv_config(w, x.device, 4, "mma")._replace(split_k=1, k_iters=-(-k // 128))
-    assert _exact_err(wna16_gemv(x, w, cfg, variant="mma"), x, w) <= 1.0
+    assert _exact_err(wna16_gemv(x, w, variant=variant), x, w) <= 1.0
+    cfg = gemv_config(w, x.device, 4, variant)._replace(split_k=1, k_iters=-(-k // 128))
+    assert _exact_err(wna16_gemv(x, w, cfg, variant=variant), x, w) <= 1.0
 
 
 def test_mma_applies_to_4_and_8_bits_with_16_bit_activations_on_sm90() -> None:
