@@ -3,7 +3,9 @@ shapes) equals dequantize-then-matmul for 4, 6 and 8 bits, with and without zero
 32 / 64 / 128 inputs and one group per channel, 1 to 8 rows, 16-bit activations; its split-K sums
 are the same bits every run; act-order weights are left to the GEMM. The tensor-core variant (4 /
 8 bits, 16-bit activations; here its plain-Triton dequantization) is within an output ulp of the
-reference and refuses what it cannot read."""
+reference and refuses what it cannot read; so are the in-place variant and its prefetching form
+(4 / 8 bits, every group size, split-K past K, unaligned bf16 rows), which the dispatch picks by
+default where they read the layout."""
 from __future__ import annotations
 
 import pytest
