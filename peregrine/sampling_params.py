@@ -53,6 +53,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # False: the output carries token ids only (no text, no logprob token strings), which saves
+    # the per-token detokenization; stop strings need the text, so they need True.
+    detokenize: bool = True
     # With skip_special_tokens False: False renders two adjacent added tokens of the output with
     # nothing between them, even where the tokenizer's decoder would put a space (vLLM's rule).
     spaces_between_special_tokens: bool = True
@@ -137,6 +140,10 @@ class SamplingParams:
                       f"{longest}")
         if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if not isinstance(self.detokenize, bool):
+            raise bad("detokenize", f"must be a boolean, got {self.detokenize!r}")
+        if self.stop and not self.detokenize:
+            raise bad("stop", "strings are matched on the output text: they need detokenize=True")
         if not isinstance(self.spaces_between_special_tokens, bool):
             raise bad("spaces_between_special_tokens",
                       f"must be a boolean, got {self.spaces_between_special_tokens!r}")

@@ -157,7 +157,8 @@ def test_every_boolean_flag_takes_the_no_form() -> None:
                 assert isinstance(a, argparse.BooleanOptionalAction), (name, a.option_strings)
     bench = _all_parsers()["peregrine bench throughput"]
     ns = bench.parse_args(["--model", "m.json", "--no-enable-prefix-caching", "--enforce-eager"])
-    assert (ns.enable_prefix_caching, ns.enforce_eager) == (False, True)
+    assert (ns.enable_prefix_caching, ns.enforce_eager, ns.detokenize) == (False, True, True)
+    assert bench.parse_args(["--model", "m.json", "--no-detokenize"]).detokenize is False
 
 
 @pytest.mark.parametrize("command", ["peregrine generate", "peregrine serve",
@@ -280,3 +281,15 @@ def test_the_generate_command_line_imports_no_bench_module() -> None:
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True).stdout
     assert out.split() == ["['x']", "[]"]
+
+
+@pytest.mark.parametrize("detok", [True, False])
+def test_bench_throughput_with_and_without_detokenizing(detok: bool) -> None:
+    from peregrine.bench.offline import build_parser, run_throughput
+    from peregrine.testing.checkpoints import tiny_checkpoint
+    ns = build_parser("throughput").parse_args(
+        ["--model", str(tiny_checkpoint("llama")), "--device", "cpu", "--dtype", "float32",
+         "--load-format", "auto", "--num-prompts", "3", "--min-input", "8", "--max-input", "12",
+         "--min-output", "4", "--max-output", "6", "--detokenize" if detok else "--no-detokenize"])
+    res = run_throughput(ns)
+    assert res["detokenize"] is detok and 12 <= res["output_tokens"] <= 18

@@ -105,3 +105,12 @@ def test_params_without_bad_words_hold_no_token_sequences():
 def test_a_bad_word_with_no_or_too_many_tokens_is_rejected(ids):
     with pytest.raises(ValueError, match="bad_words"):
         SamplingParams(bad_words=["w"]).with_bad_word_tokens(lambda s: ids)
+
+
+def test_detokenize_is_a_boolean_and_stop_strings_need_it() -> None:
+    assert SamplingParams().detokenize is True
+    assert SamplingParams(detokenize=False, stop_token_ids=[3]).detokenize is False
+    with pytest.raises(ValueError, match="detokenize must be a boolean"):
+        SamplingParams(detokenize=1)
+    with pytest.raises(ValueError, match="stop strings are matched on the output text"):
+        SamplingParams(detokenize=False, stop=["\n"])

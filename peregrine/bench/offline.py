@@ -45,10 +45,13 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
     prompts, out_lens = w1_requests(ns.num_prompts, ns.seed, ns.min_input, ns.max_input,
                                     ns.min_output, ns.max_output,
                                     _max_token_id(llm.engine.config.model.vocab_size))
-    params = [SamplingParams(temperature=ns.temperature, max_tokens=n, ignore_eos=True, seed=i)
+    params = [SamplingParams(temperature=ns.temperature, max_tokens=n, ignore_eos=True, seed=i,
+                             detokenize=ns.detokenize)
               for i, n in enumerate(out_lens)]
     # Warm-up: a few short requests so compilation and autotuning stay out of the timing.
-    llm.generate(prompts[:4], [SamplingParams(max_tokens=8, ignore_eos=True)] * 4, use_tqdm=False)
+    warm = prompts[:4]
+    llm.generate(warm, [SamplingParams(max_tokens=min(8, ns.max_output), ignore_eos=True)]
+                 * len(warm), use_tqdm=False)
     _sync()
     t0 = time.perf_counter()
     timings = host_timings(llm.engine)
@@ -67,6 +70,7 @@ def run_throughput(ns: argparse.Namespace) -> dict[str, Any]:
               "prompt_tokens": in_tokens, "output_tokens": out_tokens, "elapsed_s": elapsed,
               "output_tokens_per_s": out_tokens / elapsed,
               "total_tokens_per_s": (in_tokens + out_tokens) / elapsed,
+              "detokenize": ns.detokenize,
               "engine_args": {k: v for k, v in args.items() if k != "model"},
               "host_profile_s": profile}
     if llm.engine.config.speculative is not None:
@@ -284,6 +288,9 @@ def add_cli_args(p: argparse.ArgumentParser, kind: str) -> None:
                        help="longest output in tokens (default: %(default)s)")
         p.add_argument("--temperature", type=float, default=0.6,
                        help="sampling temperature (default: %(default)s)")
+        p.add_argument("--detokenize", action=argparse.BooleanOptionalAction, default=True,
+                       help="turn the outputs into text as a user's would be; --no-detokenize "
+                       "times token ids only (default: %(default)s)")
         p.add_argument("--hf-requests", type=int, default=32,
                        help="requests run by transformers with --compare-transformers "
                        "(default: %(default)s)")

@@ -145,6 +145,9 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = self._validate_prompt(ids, params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (the engine runs with "
+                             "skip_tokenizer_init=True): use stop_token_ids")
         if params.bad_words:
             if self.tokenizer is None:
                 raise ValueError("bad_words need a tokenizer (the engine runs with "
@@ -175,7 +178,7 @@ class LLMEngine:
             req = Request(sid, ids, params, arrival_time=arrival, eos_token_ids=mc.eos_token_ids,
                           max_tokens=max_tokens, seed=seed)
             detok = (IncrementalDetokenizer(self.tokenizer, ids, params)
-                     if self.tokenizer is not None else None)
+                     if self.tokenizer is not None and params.detokenize else None)
             group.seqs.append(SequenceState(req, detok))
         self.core_client.add_requests(core_reqs)
         self._groups[request_id] = group
@@ -297,8 +300,9 @@ class LLMEngine:
             entry = self._seqs.get(sid)
             if entry is not None and entry[0].seqs[0] is entry[1]:
                 group = entry[0]
+                tokenizer = self.tokenizer if group.params.detokenize else None
                 for ids, lps, rank in zip(plp.token_ids, plp.logprobs, plp.ranks):
-                    group.prompt_logprobs.append(to_position_logprobs(ids, lps, rank, self.tokenizer))
+                    group.prompt_logprobs.append(to_position_logprobs(ids, lps, rank, tokenizer))
                 touched[group.request_id] = group
         seqs, finished = self._seqs, out.finished
         for sid, new in zip(out.req_ids, out.new_token_ids):
@@ -347,8 +351,9 @@ class LLMEngine:
         req.append_output_tokens(new)
         lp = out.logprobs.get(req.request_id)
         if lp is not None and seq.logprobs is not None:
+            tokenizer = self.tokenizer if req.sampling_params.detokenize else None
             for ids, lps, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
-                seq.logprobs.append(to_position_logprobs(ids, lps, rank, self.tokenizer))
+                seq.logprobs.append(to_position_logprobs(ids, lps, rank, tokenizer))
                 seq.cumulative_logprob += lps[0]
         if seq.detok is None:
             return False

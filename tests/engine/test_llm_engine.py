@@ -177,6 +177,30 @@ def test_skip_tokenizer_init_takes_token_ids() -> None:
     assert len(out.outputs[0].token_ids) == 3 and out.outputs[0].text == ""
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate(["text needs a tokenizer"], use_tqdm=False)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate([_ids(7)], SamplingParams(stop=["x"]), use_tqdm=False)
+
+
+def test_detokenize_false_returns_the_same_tokens_without_text(llm: LLM) -> None:
+    prompts = [_ids(9), _ids(14, 3)]
+    kw = dict(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True, logprobs=2,
+              prompt_logprobs=1)
+    full = llm.generate(prompts, SamplingParams(**kw), use_tqdm=False)
+    bare = llm.generate(prompts, SamplingParams(detokenize=False, **kw), use_tqdm=False)
+    for f, b in zip(full, bare):
+        assert b.outputs[0].token_ids == f.outputs[0].token_ids
+        assert f.outputs[0].text and b.outputs[0].text == ""
+        # the same logprobs, without their token strings
+        got = [{t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in pos.items()}
+               for pos in b.outputs[0].logprobs]
+        want = [{t: (lp.logprob, lp.rank, None) for t, lp in pos.items()}
+                for pos in f.outputs[0].logprobs]
+        assert got == want
+        assert all(lp.decoded_token is not None for pos in f.outputs[0].logprobs
+                   for lp in pos.values())
+        assert [None if p is None else {t: lp.decoded_token for t, lp in p.items()}
+                for p in b.prompt_logprobs] == [None if p is None else dict.fromkeys(p)
+                                                for p in f.prompt_logprobs]
 
 
 @pytest.mark.slow
