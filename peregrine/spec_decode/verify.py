@@ -32,11 +32,11 @@ def accepted_counts(sampled: np.ndarray, draft_tokens: np.ndarray,
     if sampled.shape != (num_rows,) or draft_tokens.shape != (num_rows,):
         raise ValueError(f"{num_rows} logits rows expected, got sampled {tuple(sampled.shape)} "
                          f"and drafts {draft_tokens.shape}")
-    width = int(counts.max())
-    first = np.zeros(counts.size, np.int64)  # (S,)
-    np.cumsum(counts[:-1], out=first[1:])
-    col = np.arange(width, dtype=np.int64)  # (W,)
-    # (S, W) flat row of each (sampled row, position); past a row's end: num_rows (a mismatch).
-    idx = np.where(col < counts[:, None], first[:, None] + col, num_rows)
-    match = np.append(sampled == draft_tokens, False)  # (S' + 1,)
-    return np.cumprod(match[idx], axis=1, dtype=np.int64).sum(axis=1)  # (S,)
+    first = np.cumsum(counts) - counts  # (S,) each sampled row's first logits row
+    if counts.size and not (draft_tokens[first + counts - 1] < 0).all():
+        raise ValueError("each sampled row's last position must have draft -1 (nothing to "
+                         "confirm there)")
+    # NOTE: that -1 never equals a token, so every row has a mismatch: its first one, counted
+    # from the row's start, is the number of drafts confirmed.
+    mismatches = np.flatnonzero(sampled != draft_tokens)  # (M,) ascending
+    return mismatches[np.searchsorted(mismatches, first)] - first  # (S,)

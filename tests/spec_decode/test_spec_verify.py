@@ -48,6 +48,27 @@ def test_accepted_counts_counts_leading_matches() -> None:
                            np.array([4])).tolist() == [1]
     with pytest.raises(ValueError, match="logits rows expected"):
         accepted_counts(sampled[:3], drafts, counts)
+    with pytest.raises(ValueError, match="must have draft -1"):
+        accepted_counts(sampled, np.array([5, 6, 7, 2, -1, 4, -1]), counts)
+    assert accepted_counts(np.zeros(0, np.int64), np.zeros(0, np.int64),
+                           np.zeros(0, np.int64)).tolist() == []
+
+
+def test_accepted_counts_of_random_rows_match_a_scan() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        counts = rng.integers(1, 10, rng.integers(1, 30))
+        drafts = rng.integers(0, 3, counts.sum())
+        drafts[np.cumsum(counts) - 1] = -1
+        sampled = rng.integers(0, 3, counts.sum())
+        want, f = [], 0
+        for c in counts.tolist():
+            m = 0
+            while sampled[f + m] == drafts[f + m]:
+                m += 1
+            want.append(m)
+            f += c
+        assert accepted_counts(sampled, drafts, counts).tolist() == want
 
 
 @pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)])
