@@ -38,7 +38,7 @@ class EngineArgs:
     enforce_eager: bool = False
     # Mixed and prefill steps of up to this many tokens replay piecewise CUDA graphs (everything
     # but attention); 0 runs them eagerly. Decode-only steps always use full graphs.
-    max_prefill_graph_tokens: int = 2048
+    max_prefill_graph_tokens: int = 8192
     async_scheduling: bool | None = None  # None: on with CUDA (overlaps host and device work)
     # The scheduler and the model in a process of their own (None: on for the server on CUDA).
     engine_core_process: bool | None = None

@@ -100,6 +100,28 @@ def test_fp32_sliding_window_greedy_tokens_equal_torch(variant: str, window_mode
     assert _greedy_tokens(path, "float32", "triton", **FP32_VARIANTS[variant]) == want
 
 
+def test_fp32_wide_step_replays_a_coarse_piecewise_graph_with_torch_tokens(fp32_model) -> None:
+    """A first step of ~2,350 prompt tokens is padded to one of the coarse sizes past 2,048."""
+    path, _ = fp32_model
+    prompts = [[t + k for t in p] for k in range(5) for p in _prompts()]  # 30 prompts, 2,350 tokens
+    assert 2048 < sum(map(len, prompts)) <= 8192
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = [list(o.outputs[0].token_ids) for o in _generate(
+        path, prompts, params, dtype="float32", attention_backend="torch", enforce_eager=True)]
+    llm = LLM(path, max_model_len=512, num_gpu_blocks_override=512, dtype="float32",
+              attention_backend="triton")
+    try:
+        runner = llm.engine.core_client.core.executor.worker.model_runner
+        assert runner.prefill_graphs is not None and runner.prefill_graphs.sizes[-1] >= 2560
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert runner.timing["piecewise_graph_steps"] >= 1
+    finally:
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert got == want
+
+
 # bf16 tolerance, from rounding-error analysis rather than fitted to a run:
 # - a bf16 rounding has relative error |d| <= u = 2^-8 (8 significant bits, round to nearest),
 #   roughly uniform, so of standard deviation u / sqrt(3);
