@@ -247,7 +247,18 @@ class ModelRunner:
             if idx.size <= all_logits.shape[0] and np.array_equal(idx, np.arange(idx.size)):
                 return all_logits[:idx.size]  # (B, V) or the leading rows: a view
             return all_logits.index_select(0, to_device(idx, self.device))
-        return self.model.compute_logits(hidden.index_select(0, to_device(idx, self.device)))
+        shared = self.graphs.logits if self.graphs is not None else None
+        n = idx.size
+        if shared is None or n > shared.shape[0]:
+            return self.model.compute_logits(hidden.index_select(0, to_device(idx, self.device)))
+        # NOTE: rows padded to a decode graph's batch size (repeating the last row), written into
+        # the decode graphs' shared buffer: the LM head then runs only at shapes the graph
+        # capture has run (a new GEMM shape's first launch may load its kernel, which waits for
+        # the device to go idle), and no logits block is allocated per step.
+        pad = self.graphs.padded(n)
+        idx = np.concatenate([idx, np.full(pad - n, idx[-1], idx.dtype)]) if pad > n else idx
+        rows = hidden.index_select(0, to_device(idx, self.device))  # (pad, hidden)
+        return self.model.compute_logits(rows, out=shared[:pad])[:n]  # (S + P, V)
 
     def _launch_sampling(self, plan: StepPlan, hidden: torch.Tensor | None,
                          all_logits: torch.Tensor | None, sched: SchedulerOutput) -> StepHandle:

@@ -78,3 +78,28 @@ def test_decode_steps_through_the_shared_buffer_give_transformers_greedy_tokens(
             got[rid] += toks
     for rid, n in {"a": 6, "b": 5, "c": 4}.items():
         assert got[rid] == hf_greedy(ARCH, tuple(PROMPTS[rid]), n)[0], rid
+
+
+@pytest.mark.parametrize("max_batch_size,padded", [(4, 4), (2, None)], ids=["padded", "too-many-rows"])
+@torch.inference_mode()
+def test_a_prefill_step_computes_its_logits_in_the_shared_buffer_at_a_graph_size(
+        max_batch_size: int, padded: int | None) -> None:
+    """Three prompts' rows are padded to the decode graphs' size 4 (the last row repeated) and
+    written into their shared buffer; with a largest size of 2 they are computed apart. Either
+    way the sampled tokens are transformers' first greedy tokens."""
+    worker = make_worker(ARCH)
+    graphs = _runner(worker, max_batch_size)
+    worker.model_runner.graphs = graphs
+    graphs.logits.fill_(float("nan"))
+    out = run_steps(worker, _decode_steps()[:1], async_scheduling=False)[0]
+    got = dict(zip(out.req_ids, out.sampled_token_ids))
+    for rid, prompt in PROMPTS.items():
+        assert got[rid] == hf_greedy(ARCH, tuple(prompt), 1)[0], rid
+    if padded is None:
+        assert graphs.logits.isnan().all()
+    else:
+        rows = graphs.logits[:padded]
+        assert not rows.isnan().any()
+        torch.testing.assert_close(rows[3], rows[2])  # the repeated last row
+        assert (rows[:3].argmax(-1).tolist() ==
+                [hf_greedy(ARCH, tuple(p), 1)[0][0] for p in PROMPTS.values()])
