@@ -128,3 +128,30 @@ def test_a_failing_tokenizer_stops_the_core_process_spawned_before_it(monkeypatc
         _engine(engine_core_process=True)
     assert len(seen) == 1 and len(seen[0]) == 1  # the core was already starting
     assert {p.pid for p in multiprocessing.active_children()} <= before
+
+
+def test_an_in_process_core_freezes_its_startup_heap_until_the_engine_is_dropped(
+        monkeypatch) -> None:
+    """Full garbage collections skip what start-up built while the engine lives; once it is
+    dropped (or shut down) the heap is unfrozen, so the engine's own cycles can be collected.
+    (On CUDA; a CPU engine does it when asked, as here.)"""
+    import gc
+    import weakref
+
+    from peregrine.engine import core_client
+    gc.unfreeze()
+    _engine()
+    assert gc.get_freeze_count() == 0  # CPU engines leave the heap alone
+    monkeypatch.setattr(core_client, "freezes_heap", lambda config: True)
+    engine = _engine()
+    assert gc.get_freeze_count() > 0
+    assert _run(engine, [_ids(6)], SamplingParams(max_tokens=3, ignore_eos=True))["0"][0]
+    model = weakref.ref(engine.core_client.core.executor.worker.model)
+    del engine
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert model() is None
+    engine = _engine()
+    assert gc.get_freeze_count() > 0
+    engine.shutdown()
+    assert gc.get_freeze_count() == 0
