@@ -75,14 +75,18 @@ def test_self_draft_keeps_greedy_tokens_and_is_accepted():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("draft", ["small", "self-rtn"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_chunked_prefill_and_preemption_keep_greedy_tokens(prefix_caching):
+def test_chunked_prefill_and_preemption_keep_greedy_tokens(prefix_caching, draft):
     # NOTE: 20 blocks of 4 tokens cannot hold five requests of up to 55 tokens plus lookahead:
     # requests are preempted and recomputed; 16-token steps chunk the longer prompts.
-    stats = assert_same_tokens(small_draft(), enable_prefix_caching=prefix_caching,
+    spec = small_draft() if draft == "small" else self_draft("rtn")
+    stats = assert_same_tokens(spec, enable_prefix_caching=prefix_caching,
                                num_gpu_blocks_override=20, max_num_batched_tokens=16,
                                preemption_mode="recompute")
     assert stats.num_preemptions > 0
+    if draft != "small":
+        assert stats.spec_num_accepted_tokens > 0
 
 
 @pytest.mark.slow
