@@ -249,7 +249,7 @@ class ModelRunner:
             return all_logits.index_select(0, to_device(idx, self.device))
         shared = self.graphs.logits if self.graphs is not None else None
         n = idx.size
-        if shared is None or n > shared.shape[0]:
+        if shared is None or n == 0 or n > shared.shape[0]:  # n == 0: a chunk that samples none
             return self.model.compute_logits(hidden.index_select(0, to_device(idx, self.device)))
         # NOTE: rows padded to a decode graph's batch size (repeating the last row), written into
         # the decode graphs' shared buffer: the LM head then runs only at shapes the graph

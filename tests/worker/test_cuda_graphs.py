@@ -103,3 +103,21 @@ def test_a_prefill_step_computes_its_logits_in_the_shared_buffer_at_a_graph_size
         torch.testing.assert_close(rows[3], rows[2])  # the repeated last row
         assert (rows[:3].argmax(-1).tolist() ==
                 [hf_greedy(ARCH, tuple(p), 1)[0][0] for p in PROMPTS.values()])
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@torch.inference_mode()
+def test_a_prompt_in_chunks_with_graphs_samples_only_after_its_last_chunk(
+        async_scheduling: bool) -> None:
+    """The first chunks sample no row (no logits rows at all); the last one samples
+    transformers' first greedy token, its row computed in the shared buffer."""
+    worker = make_worker(ARCH)
+    worker.model_runner.graphs = _runner(worker, 4)
+    prompt = PROMPTS["a"]  # 11 tokens: chunks of 4, 4 and 3
+    blocks = list(range(5))
+    steps = [Step({"a": 4}, new=[new_req("a", prompt, blocks)]),
+             Step({"a": 4}, computed={"a": 4}), Step({"a": 3}, computed={"a": 8})]
+    outs = run_steps(worker, steps, async_scheduling)
+    sampled = [dict(zip(o.req_ids, o.sampled_token_ids)).get("a", []) for o in outs]
+    assert sampled[:2] == [[], []]
+    assert sampled[2] == hf_greedy(ARCH, tuple(prompt), 1)[0]
