@@ -9,7 +9,9 @@ events per launched step: one queued before its forward, one after its sampling.
                time the device waited for the host to queue work
 
 Steps are grouped by how many sequences they run (and whether they only decode); each group
-prints its count, mean host ms per phase, mean device ms and the summed device idle. The device
+prints its count, mean host ms per phase, mean device ms and the summed device idle. Mixed steps
+also count the CUDA caching allocator's device allocations, frees and retries during their launch.
+Without CUDA the events are host clocks (a smoke test of the script). The device
 idle summed over the run is what host work costs the run's wall time.
 
     python benchmarks/step_trace.py --model benchmarks/configs/qwen3-0.6b.json --out trace.json
@@ -52,11 +54,11 @@ def _bucket(n: int) -> str:
     raise AssertionError(n)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> dict:
     import torch
     p = build_parser("throughput")
     p.add_argument("--out", default=None, help="write every step's record as JSON here")
-    ns = p.parse_args()
+    ns = p.parse_args(argv)
     from peregrine.entrypoints.llm import LLM
     llm = LLM(**_engine_args(ns, max_model_len=ns.max_input + ns.max_output))
     prompts, out_lens = w1_requests(ns.num_prompts, ns.seed, ns.min_input, ns.max_input,
@@ -64,7 +66,9 @@ def main() -> int:
                                     _max_token_id(llm.engine.config.model.vocab_size))
     params = [SamplingParams(temperature=ns.temperature, max_tokens=n, ignore_eos=True, seed=i,
                              detokenize=ns.detokenize) for i, n in enumerate(out_lens)]
-    llm.generate(prompts[:4], [SamplingParams(max_tokens=8, ignore_eos=True)] * 4, use_tqdm=False)
+    warm = prompts[:4]  # compilation and autotuning outside the trace, as the benchmark does
+    llm.generate(warm, [SamplingParams(max_tokens=min(8, ns.max_output), ignore_eos=True)]
+                 * len(warm), use_tqdm=False)
     _sync()
     engine = llm.engine
     timings = host_timings(engine)
@@ -155,11 +159,12 @@ def main() -> int:
         print(f"{name:>14}: {len(recs):5d} steps, wall {row['wall_ms']:.3f} ms, device "
               f"{row['device_ms']:.3f} ms, idle sum {row['idle_ms_sum']:.0f} ms | " +
               " ".join(f"{k}={row[k]:.3f}" for k in keys if row[k] >= 0.005))
+    result = {"elapsed_s": elapsed, "output_tokens": out_tokens, "summary": summary,
+              "steps": steps}
     if ns.out:
-        Path(ns.out).write_text(json.dumps({"elapsed_s": elapsed, "output_tokens": out_tokens,
-                                            "summary": summary, "steps": steps}))
-    return 0
+        Path(ns.out).write_text(json.dumps(result))
+    return result
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
