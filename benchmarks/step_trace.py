@@ -1,10 +1,10 @@
-"""Where each step of W1 spends its time: host phases, device time and device idle, per step.
+"""Where each step of W1 spends its time: host phases, GPU time and GPU idle, per step.
 
 Runs `peregrine bench throughput`'s workload (same flags, same requests) in process and records,
 for every engine step, the host seconds of each phase (front end, core, runner) and two CUDA
 events per launched step: one queued before its forward, one after its sampling. From those:
 
-    device_ms  the step's device time (start event to end event)
+    device_ms  the step's GPU time (start event to end event)
     idle_ms    the device's idle time before the step (previous end event to this start event):
                time the device waited for the host to queue work
 
