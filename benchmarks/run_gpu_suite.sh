@@ -2,7 +2,7 @@
 # The GPU tests (kernels, sampler, engine equality), then W2 latency and W1 throughput, in one go.
 # Usage: bash benchmarks/run_gpu_suite.sh [steps...]
 #   steps: tests (all GPU tests) kernels sampler engine enginefp32 kernelbench layerbench splitsbench
-#          samplerbench w2 w2hf w1 w1prof w1trace w1hf serve ttft pacing coldstart asyncprobe poolcost
+#          samplerbench w2 w2hf w1 w1prof w1trace w1hf serve ttft pacing pacetrace coldstart asyncprobe poolcost
 # Logs, JUnit XML (tests) and JSON results go under $OUT (default /tmp/out).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -41,6 +41,8 @@ for s in $steps; do
              run w3rate8_paced 200 python benchmarks/serve_workloads.py w3 --num-prompts 400 --rates 8 --tag _paced --out-dir "$OUT/serve"
              run w3rate8_unpaced 200 env PEREGRINE_CORE_PACING=0 python benchmarks/serve_workloads.py w3 --num-prompts 400 --rates 8 --tag _unpaced --out-dir "$OUT/serve"
              run w3inf_paced 300 python benchmarks/serve_workloads.py w3 --num-prompts 1000 --rates inf --server-args "--max-num-seqs 1024" --tag _seqs1024_paced --out-dir "$OUT/serve" ;;
+    pacetrace) # TTFT inside the core at 8 req/s, per pacer margin (no HTTP); PACERS, TRACE_PROMPTS
+             run pacetrace 400 python benchmarks/pacing_trace.py --pacers "${PACERS:-off,1.0,0.5}" --num-prompts "${TRACE_PROMPTS:-200}" --out "$OUT/pacing_trace.json" ;;
     enginefp32) gputest engine 300 tests/gpu/test_gpu_engine.py -k fp32 ;;
     w1trace) run w1trace 200 python benchmarks/step_trace.py --model "$CFG/qwen3-0.6b.json" --out "$OUT/w1_trace.json" ;;
     w1hf)    run w1hf 400 python -m peregrine.entrypoints.cli bench throughput --model "$CFG/qwen3-0.6b.json" --compare-transformers --hf-requests 32 --output-json "$OUT/w1hf.json" ;;

@@ -285,28 +285,7 @@ def run_engine_core(config: EngineConfig, inbox, outbox, log_level: int = loggin
     parent = os.getppid()
     pacer = LaunchPacer() if envs.core_pacing() else None
     try:
-        while sender.error is None:
-            if not core.has_work() and not inbox.poll(1.0):
-                if os.getppid() != parent:
-                    return  # orphaned: the front end died without a shutdown
-                continue
-            refused = EngineCoreOutputs()
-            while inbox.poll():
-                for kind, payload in inbox.recv():
-                    if kind == "shutdown":
-                        return
-                    _handle(core, kind, payload, refused)
-            stepped = core.has_work()
-            out = core.step() if stepped else EngineCoreOutputs()
-            out.finished.update(refused.finished)
-            if out:
-                sender.put(("outputs", out))
-            if stepped:
-                # NOTE: a dead worker fails its step's requests (sent above), then ends the core:
-                # the front end's health check then fails too.
-                core.check_health()
-            if pacer is not None and stepped:
-                _listen(core, pacer, inbox)
+        serve_core(core, inbox, sender, pacer, lambda: os.getppid() != parent)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return
     except BaseException as e:  # noqa: BLE001
@@ -315,6 +294,35 @@ def run_engine_core(config: EngineConfig, inbox, outbox, log_level: int = loggin
     finally:
         sender.close()
         core.shutdown()
+
+
+def serve_core(core: EngineCore, inbox, sender, pacer: LaunchPacer | None,
+               orphaned=lambda: False) -> None:
+    """The core process's loop: step while there is work, reading requests between steps (and,
+    with a pacer, while the device works); returns on `shutdown` or when orphaned() says the
+    front end is gone. inbox: poll(timeout) and recv() as a pipe's; sender: put() and error."""
+    while sender.error is None:
+        if not core.has_work() and not inbox.poll(1.0):
+            if orphaned():
+                return  # the front end died without a shutdown
+            continue
+        refused = EngineCoreOutputs()
+        while inbox.poll():
+            for kind, payload in inbox.recv():
+                if kind == "shutdown":
+                    return
+                _handle(core, kind, payload, refused)
+        stepped = core.has_work()
+        out = core.step() if stepped else EngineCoreOutputs()
+        out.finished.update(refused.finished)
+        if out:
+            sender.put(("outputs", out))
+        if stepped:
+            # NOTE: a dead worker fails its step's requests (sent above), then ends the core:
+            # the front end's health check then fails too.
+            core.check_health()
+        if pacer is not None and stepped:
+            _listen(core, pacer, inbox)
 
 
 def _listen(core: EngineCore, pacer: LaunchPacer, inbox) -> None:
