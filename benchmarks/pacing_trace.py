@@ -118,8 +118,10 @@ class Sink:
         self.finished.update(out.finished)
 
 
-def _requests(ns: argparse.Namespace, vocab: int, tag: str) -> list[tuple[float, EngineCoreRequest]]:
-    rng = random.Random(ns.seed)
+def _requests(ns: argparse.Namespace, vocab: int, tag: str,
+              stream: int) -> list[tuple[float, EngineCoreRequest]]:
+    # NOTE: every stream draws its own prompts: a repeat would hit the prefix cache.
+    rng = random.Random(f"{ns.seed}-{stream}")
     t, out = 0.0, []
     for i in range(ns.num_prompts):
         t += rng.expovariate(ns.rate)
@@ -133,6 +135,8 @@ def _requests(ns: argparse.Namespace, vocab: int, tag: str) -> list[tuple[float,
 
 
 def _pacer(setting: str) -> LaunchPacer | None:
+    if setting == "warm":
+        return LaunchPacer()
     if setting == "off":
         return None
     return LaunchPacer(min_margin_s=float(setting) / 1e3)
@@ -145,7 +149,11 @@ def _stats(xs: list[float]) -> dict[str, float]:
             "p90": pick(0.9), "p99": pick(0.99)}
 
 
-def run_one(core: EngineCore, runner, ns: argparse.Namespace, setting: str, torch) -> dict:
+PHASES = ("prepare", "forward_launch", "sample_launch")
+
+
+def run_one(core: EngineCore, runner, ns: argparse.Namespace, setting: str, torch,
+            stream: int) -> dict:
     """Serve one arrival stream under one pacer setting; the per-request and per-step record."""
     cuda = torch is not None and torch.cuda.is_available()
     make_event = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else _HostEvent
@@ -155,17 +163,22 @@ def run_one(core: EngineCore, runner, ns: argparse.Namespace, setting: str, torc
     def execute(sched):
         start = make_event()
         start.record()
+        before = [runner.timing.get(k, 0.0) for k in PHASES]
         t = time.monotonic()
         handle = original(sched)
         end = make_event()
         end.record()
-        launches.append({"t_launch": t, "t_launched": time.monotonic(), "start": start,
-                         "end": end, "req_ids": list(sched.num_scheduled_tokens),
-                         "tokens": sched.total_num_scheduled_tokens})
+        rec = {"t_launch": t, "t_launched": time.monotonic(), "start": start, "end": end,
+               "req_ids": list(sched.num_scheduled_tokens),
+               "tokens": sched.total_num_scheduled_tokens}
+        for k, b in zip(PHASES, before):
+            rec[k] = (runner.timing.get(k, 0.0) - b) * 1e3
+        launches.append(rec)
         return handle
 
     sink = Sink()
-    inbox = ArrivalInbox(_requests(ns, min(ns.vocab, core.config.model.vocab_size), setting), sink)
+    inbox = ArrivalInbox(_requests(ns, min(ns.vocab, core.config.model.vocab_size), setting,
+                                   stream), sink)
     if cuda:
         torch.cuda.synchronize()
     origin = make_event()
@@ -179,13 +192,20 @@ def run_one(core: EngineCore, runner, ns: argparse.Namespace, setting: str, torc
         serve_core(core, inbox, sink, _pacer(setting))
     finally:
         runner.execute_model = original
+    # NOTE: the device's event clock drifts from the host's by up to tens of ppm (~1 ms over a
+    # run): events are placed on the host clock by two anchors, one before and one after.
+    final = make_event()
+    final.record()
     if cuda:
         torch.cuda.synchronize()
+    h1 = time.monotonic()
+    span = origin.elapsed_time(final) / 1e3
+    scale = (h1 - h0) / span if span > 0 else 1.0
     prev_end = None
     for rec in launches:
         start, end = rec.pop("start"), rec.pop("end")
-        rec["dev_start"] = h0 + origin.elapsed_time(start) / 1e3
-        rec["dev_end"] = h0 + origin.elapsed_time(end) / 1e3
+        rec["dev_start"] = h0 + origin.elapsed_time(start) / 1e3 * scale
+        rec["dev_end"] = h0 + origin.elapsed_time(end) / 1e3 * scale
         rec["idle_ms"] = max(0.0, (rec["dev_start"] - prev_end) * 1e3) if prev_end else 0.0
         prev_end = rec["dev_end"]
     first_step: dict[str, dict] = {}
@@ -216,7 +236,11 @@ def run_one(core: EngineCore, runner, ns: argparse.Namespace, setting: str, torc
               "mixed_launch_ms": statistics.fmean(
                   [(r["t_launched"] - r["t_launch"]) * 1e3 for r in mixed]) if mixed else 0.0,
               "decode_launch_ms": statistics.fmean(
-                  [(r["t_launched"] - r["t_launch"]) * 1e3 for r in decode]) if decode else 0.0}
+                  [(r["t_launched"] - r["t_launch"]) * 1e3 for r in decode]) if decode else 0.0,
+              "clock_scale": scale}
+    for kind, recs in (("decode", decode), ("mixed", mixed)):
+        for k in PHASES:
+            result[f"{kind}_{k}_ms"] = statistics.fmean(r[k] for r in recs) if recs else 0.0
     if ns.keep_steps:
         result["launches"] = [{k: v for k, v in r.items() if k != "req_ids"} | {"seqs": len(r["req_ids"])}
                               for r in launches]
@@ -235,6 +259,9 @@ def _print(res: dict) -> None:
           f"{res['mixed_device_ms']:.3f}; idle before a step, mean ms: decode "
           f"{res['decode_idle_ms_mean']:.3f} mixed {res['mixed_idle_ms_mean']:.3f}; host launch "
           f"ms: decode {res['decode_launch_ms']:.3f} mixed {res['mixed_launch_ms']:.3f}")
+    print("    runner host ms (decode / mixed): " + ", ".join(
+        f"{k} {res[f'decode_{k}_ms']:.3f} / {res[f'mixed_{k}_ms']:.3f}" for k in PHASES) +
+        f"; device clock / host clock {1 / res['clock_scale']:.7f}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -277,10 +304,10 @@ def main(argv: list[str] | None = None) -> dict:
     runner = core.executor.worker.model_runner
     freeze_startup_heap()
     warm = argparse.Namespace(**{**vars(ns), "num_prompts": 16, "rate": 200.0})
-    run_one(core, runner, warm, "1.0", torch)  # compile, autotune, fill the pacer's code paths
+    run_one(core, runner, warm, "warm", torch, 0)  # compile, autotune, the pacer's code paths
     results = []
-    for setting in ns.pacers.split(","):
-        res = run_one(core, runner, ns, setting.strip(), torch)
+    for i, setting in enumerate(ns.pacers.split(",")):
+        res = run_one(core, runner, ns, setting.strip(), torch, i + 1)
         _print(res)
         results.append(res)
     core.shutdown()
