@@ -22,9 +22,12 @@ class LaunchPacer:
     """Budget for listening between steps; see the module docstring."""
 
     def __init__(self, window: int = 8, min_margin_s: float = 0.001,
-                 margin_fraction: float = 0.25, min_budget_s: float = 0.0005) -> None:
+                 margin_fraction: float = 0.25, min_budget_s: float = 0.0005,
+                 spin: bool = False) -> None:
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
+        # spin: listen by polling without sleeping, so the host thread stays on a running core
+        self.spin = spin
         self._idle: deque[float] = deque(maxlen=window)
         self._min_margin_s = min_margin_s
         self._margin_fraction = margin_fraction
