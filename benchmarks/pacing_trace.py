@@ -159,11 +159,25 @@ def run_one(core: EngineCore, runner, ns: argparse.Namespace, setting: str, torc
             stream: int) -> dict:
     """Serve one arrival stream under one pacer setting; the per-request and per-step record."""
     cuda = torch is not None and torch.cuda.is_available()
+    profile = None
+    if ns.cprofile and setting != "warm":
+        import cProfile
+        profile = cProfile.Profile()
     make_event = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else _HostEvent
     launches: list[dict] = []
     original = runner.execute_model
 
     def execute(sched):
+        mixed = sched.total_num_scheduled_tokens != len(sched.num_scheduled_tokens)
+        if profile is not None and mixed:
+            profile.enable()
+            try:
+                return launch(sched)
+            finally:
+                profile.disable()
+        return launch(sched)
+
+    def launch(sched):
         start = make_event()
         start.record()
         before = [runner.timing.get(k, 0.0) for k in PHASES]
@@ -244,6 +258,12 @@ def run_one(core: EngineCore, runner, ns: argparse.Namespace, setting: str, torc
     for kind, recs in (("decode", decode), ("mixed", mixed)):
         for k in PHASES:
             result[f"{kind}_{k}_ms"] = statistics.fmean(r[k] for r in recs) if recs else 0.0
+    if profile is not None:
+        import io
+        import pstats
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+        result["cprofile_mixed"] = text.getvalue()
     if ns.keep_steps:
         result["launches"] = [{k: v for k, v in r.items() if k != "req_ids"} | {"seqs": len(r["req_ids"])}
                               for r in launches]
@@ -286,6 +306,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="comma-separated token counts to capture piecewise graphs at instead of "
                         "the default list")
     p.add_argument("--keep-steps", action="store_true", help="keep every launch in the output")
+    p.add_argument("--cprofile", action="store_true",
+                   help="profile the host work of the mixed steps' launches (cProfile)")
     p.add_argument("--out", default=None)
     ns = p.parse_args(argv)
     try:
@@ -312,6 +334,8 @@ def main(argv: list[str] | None = None) -> dict:
     for i, setting in enumerate(ns.pacers.split(",")):
         res = run_one(core, runner, ns, setting.strip(), torch, i + 1)
         _print(res)
+        if "cprofile_mixed" in res:
+            print(res["cprofile_mixed"])
         results.append(res)
     core.shutdown()
     if ns.out:
