@@ -25,6 +25,9 @@ class AttentionMetadata:
     # Host copies (the torch backend and the prefill kernel's launch grid read these).
     query_start_loc_cpu: torch.Tensor | None = None  # (B + 1,) int32
     seq_lens_cpu: torch.Tensor | None = None  # (B,) int32
+    # The caller zeroed the output's padding rows (past num_actual_tokens) for the whole step:
+    # layers after the first need not (piecewise graphs share one output buffer across layers).
+    out_padding_zeroed: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -51,6 +51,6 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             # NOTE: decode-only batches (the CUDA-graph case) read no host metadata at all.
             covered = num_decodes
-        if covered < num_tokens:
+        if covered < num_tokens and not meta.out_padding_zeroed:
             out[covered:].zero_()  # padding rows: defined values, nothing stored for them
         return out

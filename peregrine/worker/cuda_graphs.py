@@ -259,12 +259,17 @@ class PiecewiseGraphs:
             raise ValueError(f"slot_mapping must be the step buffer's first {n} (padded) rows")
         graphs = self.graphs.get(n)
         kv = self.kv_caches
+        # NOTE: attention writes only the step's rows of the shared output buffer: its padding
+        # rows, zeroed once here, stay zero through every layer (one launch, not one per layer).
+        self.o[meta.num_actual_tokens:n].zero_()
+        meta.out_padding_zeroed = True
         for i, layer in enumerate(self.layers):
             if graphs is None:
                 self._piece(i, n)
             else:
                 graphs[i].replay()
             layer.self_attn.attn(self.q[:n], None, None, kv[i], meta, out=self.o[:n])
+        meta.out_padding_zeroed = False  # other callers of this step's metadata own their output
         if graphs is None:
             self._piece(len(self.layers), n)
         else:

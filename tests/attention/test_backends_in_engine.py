@@ -23,10 +23,28 @@ def test_triton_backend_generates_the_same_greedy_tokens_as_torch(pieces: bool) 
                   max_num_batched_tokens=16, dtype="float32")
         if pieces and backend == "triton":
             runner = llm.engine.core_client.core.executor.worker.model_runner
-            runner.prefill_graphs = PiecewiseGraphs(runner.model, runner.buffers, runner.kv_caches,
-                                                    prefill_graph_sizes(16), capture=False)
+            pw = PiecewiseGraphs(runner.model, runner.buffers, runner.kv_caches,
+                                 prefill_graph_sizes(16), capture=False)
+            run, padded_steps = pw.run, []
+
+            def poisoned_run(num_tokens, meta):
+                # The shared attention output holds NaN from "earlier steps": its padding rows
+                # must come out zero (zeroed once per step, then left alone by every layer).
+                pw.o.fill_(float("nan"))
+                hidden = run(num_tokens, meta)
+                n = pw.padded(num_tokens)
+                assert not meta.out_padding_zeroed
+                assert torch.equal(pw.o[num_tokens:n], torch.zeros_like(pw.o[num_tokens:n]))
+                assert not torch.isnan(pw.o[:num_tokens]).any()
+                padded_steps.append(n > num_tokens)
+                return hidden
+
+            pw.run = poisoned_run
+            runner.prefill_graphs = pw
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert tokens["triton"] == tokens["torch"]
+    if pieces:
+        assert any(padded_steps), "no padded piecewise step ran"
 
 
 @pytest.mark.parametrize("name", ["torch", "triton"])
