@@ -16,11 +16,10 @@ and every step records its host phases and the device idle before it. One engine
 pacer settings in turn (`--pacers`), so they are compared on the same process and machine:
 
     python benchmarks/pacing_trace.py --model benchmarks/configs/llama-3-8b.json \
-        --pacers off,1.0:0.25:sleep,0.3:0 --num-prompts 200 --out trace.json
+        --pacers off,default,1.0:0.25 --num-prompts 200 --out trace.json
 
-A pacer setting is `off` or `MARGIN:FRACTION[:sleep]`: the idle time left unspent per step is
-max(MARGIN ms, FRACTION of the idle time); the pacer listens by polling unless `sleep` says it
-waits in the kernel.
+A pacer setting is `off`, `default`, or `MARGIN:FRACTION`: the idle time left unspent per step
+is max(MARGIN ms, FRACTION of the idle time).
 """
 from __future__ import annotations
 
@@ -140,9 +139,10 @@ def _pacer(setting: str) -> LaunchPacer | None:
         return LaunchPacer()
     if setting == "off":
         return None
-    margin, fraction, *how = setting.split(":")
-    return LaunchPacer(min_margin_s=float(margin) / 1e3, margin_fraction=float(fraction),
-                       spin=how != ["sleep"])
+    if setting == "default":
+        return LaunchPacer()
+    margin, fraction = setting.split(":")
+    return LaunchPacer(min_margin_s=float(margin) / 1e3, margin_fraction=float(fraction))
 
 
 def _stats(xs: list[float]) -> dict[str, float]:
@@ -291,7 +291,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=str(REPO / "benchmarks/configs/llama-3-8b.json"),
                    help="a checkpoint folder or a config .json (dummy weights)")
-    p.add_argument("--pacers", default="1.0:0.25", help="comma-separated: off or MARGIN:FRACTION[:sleep]")
+    p.add_argument("--pacers", default="default",
+                   help="comma-separated: off, default or MARGIN:FRACTION")
     p.add_argument("--rate", type=float, default=8.0)
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--min-input", type=int, default=180)

@@ -42,7 +42,7 @@ for s in $steps; do
              run w3rate8_unpaced 200 env PEREGRINE_CORE_PACING=0 python benchmarks/serve_workloads.py w3 --num-prompts 400 --rates 8 --tag _unpaced --out-dir "$OUT/serve"
              run w3inf_paced 300 python benchmarks/serve_workloads.py w3 --num-prompts 1000 --rates inf --server-args "--max-num-seqs 1024" --tag _seqs1024_paced --out-dir "$OUT/serve" ;;
     pacetrace) # TTFT inside the core at 8 req/s, per pacer margin (no HTTP); PACERS, TRACE_PROMPTS
-             run pacetrace 400 python benchmarks/pacing_trace.py --pacers "${PACERS:-off,1.0:0.25:sleep,0.3:0}" --num-prompts "${TRACE_PROMPTS:-200}" --out "$OUT/pacing_trace.json" ;;
+             run pacetrace 400 python benchmarks/pacing_trace.py --pacers "${PACERS:-off,default,1.0:0.25}" --num-prompts "${TRACE_PROMPTS:-200}" --out "$OUT/pacing_trace.json" ;;
     enginefp32) gputest engine 300 tests/gpu/test_gpu_engine.py -k fp32 ;;
     w1trace) run w1trace 200 python benchmarks/step_trace.py --model "$CFG/qwen3-0.6b.json" --out "$OUT/w1_trace.json" ;;
     w1hf)    run w1hf 400 python -m peregrine.entrypoints.cli bench throughput --model "$CFG/qwen3-0.6b.json" --compare-transformers --hf-requests 32 --output-json "$OUT/w1hf.json" ;;

@@ -1,7 +1,7 @@
 """Attention metadata for one flat step batch, passed explicitly to every Attention layer."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,9 @@ class AttentionMetadata:
     # The caller zeroed the output's padding rows (past num_actual_tokens) for the whole step:
     # layers after the first need not (piecewise graphs share one output buffer across layers).
     out_padding_zeroed: bool = False
+    # Kernel launches prepared by this step's first layer for the others to reuse (a backend's
+    # to fill; see kernels/extend_attention.py).
+    launches: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

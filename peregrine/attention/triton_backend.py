@@ -46,7 +46,7 @@ class TritonAttentionBackend(AttentionBackend):
             extend_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens,
                              meta.query_start_loc, scale, meta.max_query_len, out=out,
                              seq_start=num_decodes, window=window, k_scale=k_scale,
-                             v_scale=v_scale)
+                             v_scale=v_scale, launches=meta.launches)
             covered = meta.num_actual_tokens
         else:
             # NOTE: decode-only batches (the CUDA-graph case) read no host metadata at all.

@@ -332,12 +332,7 @@ def _listen(core: EngineCore, pacer: LaunchPacer, inbox) -> None:
     budget = pacer.budget() if core.pipeline.busy else 0.0
     if budget > 0.0:
         t0 = time.perf_counter()
-        if pacer.spin:
-            deadline = t0 + budget
-            while not inbox.poll() and time.perf_counter() < deadline:
-                pass
-        else:
-            inbox.poll(budget)
+        inbox.poll(budget)
         pacer.listened(time.perf_counter() - t0)
 
 

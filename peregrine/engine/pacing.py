@@ -12,6 +12,10 @@ arrives or the budget runs out. The device is never left without work: the budge
 idle time per step (time blocked on the device plus time spent listening), the lowest over the
 last few steps, less a margin. If the budget ever overshoots, the idle time measured shrinks to
 what was slept, and the budget falls by at least the margin each step until it fits again.
+
+Every millisecond of margin is a millisecond a request arriving in it waits for a later step, so
+the margin is small: 0.4 ms (a tenth of the idle time when that is larger), against the ~0.3 ms
+by which the host's launch of a decode step varied on an H200 host (benchmarks/pacing_trace.py).
 """
 from __future__ import annotations
 
@@ -21,13 +25,10 @@ from collections import deque
 class LaunchPacer:
     """Budget for listening between steps; see the module docstring."""
 
-    def __init__(self, window: int = 8, min_margin_s: float = 0.001,
-                 margin_fraction: float = 0.25, min_budget_s: float = 0.0005,
-                 spin: bool = False) -> None:
+    def __init__(self, window: int = 8, min_margin_s: float = 0.0004,
+                 margin_fraction: float = 0.1, min_budget_s: float = 0.0005) -> None:
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
-        # spin: listen by polling without sleeping, so the host thread stays on a running core
-        self.spin = spin
         self._idle: deque[float] = deque(maxlen=window)
         self._min_margin_s = min_margin_s
         self._margin_fraction = margin_fraction

@@ -15,6 +15,8 @@ import triton.language as tl
 from peregrine.kernels._utils import (check_block_size, check_q_and_caches, check_window_and_out,
                                       dot_precision, is_gpu, kv_dot_dtype, next_pow2)
 
+_LOG2E = math.log2(math.e)
+
 
 @triton.jit
 def _attend_tile(q, m_i, l_i, acc, n0, q_pos, kv_end, k_base, v_base, bt_row,
@@ -147,11 +149,29 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      num_seqs: int | None = None, block_m: int | None = None,
                      block_n: int | None = None, num_warps: int | None = None,
                      window: int | None = None, k_scale: float = 1.0,
-                     v_scale: float = 1.0) -> torch.Tensor:
+                     v_scale: float = 1.0, launches: dict | None = None) -> torch.Tensor:
     """Causal attention of the packed chunks of sequences [seq_start, seq_start + num_seqs), q
     (T, Hq, D), over their paged contexts (with a sliding window, a query at position p sees
     keys p - window + 1 .. p); writes only those sequences' rows of out (T, Hq, D). The caches
-    hold k / k_scale and v / v_scale (any float type, FP8 included)."""
+    hold k / k_scale and v / v_scale (any float type, FP8 included).
+
+    launches: a dict that lives as long as one step's metadata (so q, out, the block table, the
+    sequence lengths and offsets are the same tensors on every call that finds it). The first
+    call of a step keeps its compiled launch there; the next layers' calls, which differ only in
+    their caches and scales, reuse it without the checks and Triton's argument binding: the
+    host time of a layer's launch in a mixed step."""
+    if launches is not None and out is not None:
+        key = (q.data_ptr(), q.shape, out.data_ptr(), k_cache.shape, k_cache.dtype,
+               k_cache.stride(), v_cache.stride(), k_cache.data_ptr() % 16 == 0,
+               v_cache.data_ptr() % 16 == 0, seq_start, num_seqs, max_query_len, scale, window,
+               block_m, block_n, num_warps)
+        hit = launches.get(key)
+        if hit is not None:
+            launch, args = hit
+            args[1], args[2] = k_cache, v_cache
+            args[7], args[8] = scale * k_scale * _LOG2E, v_scale
+            launch(*args)
+            return out
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = check_q_and_caches(q, k_cache, v_cache)
     total_seqs = seq_lens.shape[0]
@@ -163,23 +183,25 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"query_start_loc {tuple(query_start_loc.shape)} / block_table "
                          f"{tuple(block_table.shape)} do not match {total_seqs} sequences")
     check_block_size(block_size)
+    given_out = out
     out = check_window_and_out("extend_attention", q, out, k_cache, v_cache, window)  # (T, Hq, D)
     if num_seqs == 0 or max_query_len <= 0 or num_tokens == 0:
         return out
-    dflt_m, dflt_n, dflt_warps = _default_blocks(head_dim, q.dtype, is_gpu(q))
-    block_m, block_n, num_warps = block_m or dflt_m, block_n or dflt_n, num_warps or dflt_warps
-    grid = (triton.cdiv(max_query_len, block_m), num_q_heads, num_seqs)
+    on_gpu = is_gpu(q)
+    dflt_m, dflt_n, dflt_warps = _default_blocks(head_dim, q.dtype, on_gpu)
+    bm, bn, warps = block_m or dflt_m, block_n or dflt_n, num_warps or dflt_warps
+    grid = (triton.cdiv(max_query_len, bm), num_q_heads, num_seqs)
     dot_type, clamp_q = kv_dot_dtype(q, k_cache)
-    _extend_kernel[grid](
-        q, k_cache, v_cache, block_table, seq_lens, query_start_loc, out,
-        scale * k_scale * math.log2(math.e), v_scale, seq_start, window or 0,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0),
-        GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_SIZE=block_size, DOT_DTYPE=dot_type, DOT_PREC=dot_precision(q), CLAMP_Q=clamp_q,
-        HAS_WINDOW=window is not None, num_warps=num_warps, num_stages=2,
-    )
+    # NOTE: every parameter in the kernel's order (the cached launch below takes them so).
+    args = [q, k_cache, v_cache, block_table, seq_lens, query_start_loc, out,
+            scale * k_scale * _LOG2E, v_scale, seq_start, window or 0,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_table.stride(0),
+            num_q_heads // num_kv_heads, head_dim, max(16, next_pow2(head_dim)), bm, bn,
+            block_size, dot_type, dot_precision(q), window is not None, clamp_q]
+    compiled = _extend_kernel[grid](*args, num_warps=warps, num_stages=2)
+    if launches is not None and given_out is not None and on_gpu and compiled is not None:
+        launches[key] = (compiled[grid], args)
     return out

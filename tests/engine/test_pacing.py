@@ -16,7 +16,7 @@ def _fill(pacer: LaunchPacer, idle: list[float]) -> None:
 
 
 def test_no_budget_until_the_window_is_full() -> None:
-    pacer = LaunchPacer(window=4)
+    pacer = LaunchPacer(window=4, min_margin_s=0.001, margin_fraction=0.25)
     _fill(pacer, [0.010] * 3)
     assert pacer.budget() == 0.0
     pacer.observe(0.010)
@@ -34,7 +34,7 @@ def test_budget_is_the_lowest_idle_time_less_a_margin() -> None:
 
 
 def test_time_listened_counts_as_idle_time() -> None:
-    pacer = LaunchPacer(window=2)
+    pacer = LaunchPacer(window=2, min_margin_s=0.001, margin_fraction=0.25)
     _fill(pacer, [0.020, 0.020])
     for _ in range(10):  # listening the whole budget leaves the device wait short
         budget = pacer.budget()
@@ -56,6 +56,14 @@ def test_an_overshooting_budget_shrinks_until_the_device_never_waits() -> None:
         pacer.observe(max(0.0, true_idle - budget))
     assert all(b2 <= b1 for b1, b2 in zip(budgets, budgets[1:]))
     assert budgets[-1] < true_idle
+
+
+def test_default_margin_leaves_a_fixed_slice_of_a_short_step_unspent() -> None:
+    pacer = LaunchPacer(window=2)
+    _fill(pacer, [0.0036, 0.0036])  # a ~5 ms decode step leaving the host 3.6 ms
+    assert pacer.budget() == pytest.approx(0.0036 - 0.0004)
+    _fill(pacer, [0.020, 0.020])  # long steps keep a tenth in reserve
+    assert pacer.budget() == pytest.approx(0.018)
 
 
 def test_a_restarted_pipeline_forgets_the_history() -> None:

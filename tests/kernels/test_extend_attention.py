@@ -89,3 +89,53 @@ def test_extend_fp8_cache_equals_reference_on_dequantized_cache(cache_dtype: tor
     max_err, mean_err = fp8_error_bounds(cache_dtype, case.v_cache)
     err = (out.float() - exact_reference(case, SCALE)).abs()
     assert err.max().item() <= max_err and err.mean().item() <= mean_err, (err.max(), err.mean())
+
+
+def test_a_steps_later_layers_reuse_the_first_layers_launch(monkeypatch) -> None:
+    """With a step's `launches` dict, the first layer's call binds and compiles through Triton;
+    a later layer (other caches and scales, everything else equal) reuses that launch with its
+    own caches and scales in place; any other difference binds afresh. Faked kernel: the
+    compiled launch exists only on a GPU."""
+    import math
+
+    import peregrine.kernels.extend_attention as ext
+    jit_calls, launched = [], []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return lambda *args: launched.append((grid, list(args)))
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                jit_calls.append((grid, list(args)))
+                return Compiled()
+            return run
+
+    monkeypatch.setattr(ext, "_extend_kernel", FakeKernel())
+    monkeypatch.setattr(ext, "is_gpu", lambda x: True)
+    case = make_paged_case([37, 20], [20, 20], 4, 2)
+    other = make_paged_case([37, 20], [20, 20], 4, 2)  # a second layer's caches
+    out = torch.empty_like(case.q)
+    launches: dict = {}
+
+    def call(c, k_scale=1.0, v_scale=1.0, **kw):
+        return ext.extend_attention(case.q, c.k_cache, c.v_cache, case.block_table, case.seq_lens,
+                                    case.query_start_loc, SCALE, case.max_query_len, out=out,
+                                    k_scale=k_scale, v_scale=v_scale, launches=launches, **kw)
+
+    assert call(case) is out
+    assert len(jit_calls) == 1 and not launched and len(launches) == 1
+    grid, first = jit_calls[0]
+    assert call(other, k_scale=0.5, v_scale=2.0) is out
+    assert len(jit_calls) == 1 and len(launched) == 1
+    reused_grid, args = launched[0]
+    assert reused_grid == grid and len(args) == len(first)
+    assert args[1] is other.k_cache and args[2] is other.v_cache
+    assert args[7] == pytest.approx(SCALE * 0.5 * math.log2(math.e)) and args[8] == 2.0
+    assert all(a is b for i, (a, b) in enumerate(zip(args, first)) if i not in (1, 2, 7, 8))
+    call(other, window=8)  # a sliding-window layer: another kernel variant
+    assert len(jit_calls) == 2 and len(launched) == 1
+    ext.extend_attention(case.q, other.k_cache, other.v_cache, case.block_table, case.seq_lens,
+                         case.query_start_loc, SCALE, case.max_query_len, out=out)
+    assert len(jit_calls) == 3  # without the dict: no reuse
