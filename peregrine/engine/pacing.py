@@ -13,9 +13,11 @@ idle time per step (time blocked on the device plus time spent listening), the l
 last few steps, less a margin. If the budget ever overshoots, the idle time measured shrinks to
 what was slept, and the budget falls by at least the margin each step until it fits again.
 
-Every millisecond of margin is a millisecond a request arriving in it waits for a later step, so
-the margin is small: 0.4 ms (a tenth of the idle time when that is larger), against the ~0.3 ms
-by which the host's launch of a decode step varied on an H200 host (benchmarks/pacing_trace.py).
+Every millisecond of margin is a millisecond in which an arriving request misses the next step,
+so the margin is small: 0.4 ms (a tenth of the idle time when that is larger). Served on an H200
+at 8 requests/s, the former max(1 ms, 25%) left ~2 ms of every ~4.8 ms decode step deaf, while
+with 0.4 ms the device still waited under 0.01 ms per step on average for the host
+(benchmarks/pacing_trace.py).
 """
 from __future__ import annotations
 
