@@ -16,6 +16,7 @@ from peregrine.kernels._utils import (check_block_size, check_q_and_caches, chec
                                       dot_precision, is_gpu, kv_dot_dtype, next_pow2)
 
 _LOG2E = math.log2(math.e)
+_reuse_launches = True  # False once a compiled launch refused its arguments (see extend_attention)
 
 
 @triton.jit
@@ -160,7 +161,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     call of a step keeps its compiled launch there; the next layers' calls, which differ only in
     their caches and scales, reuse it without the checks and Triton's argument binding: the
     host time of a layer's launch in a mixed step."""
-    if launches is not None and out is not None:
+    global _reuse_launches
+    if launches is not None and out is not None and _reuse_launches:
         key = (q.data_ptr(), q.shape, out.data_ptr(), k_cache.shape, k_cache.dtype,
                k_cache.stride(), v_cache.stride(), k_cache.data_ptr() % 16 == 0,
                v_cache.data_ptr() % 16 == 0, seq_start, num_seqs, max_query_len, scale, window,
@@ -170,8 +172,14 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             launch, args = hit
             args[1], args[2] = k_cache, v_cache
             args[7], args[8] = scale * k_scale * _LOG2E, v_scale
-            launch(*args)
-            return out
+            try:
+                launch(*args)
+                return out
+            except TypeError:
+                # NOTE: a Triton whose compiled launcher takes other arguments refuses them
+                # before launching anything: launch through the JIT from now on.
+                _reuse_launches = False
+                launches.clear()
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = check_q_and_caches(q, k_cache, v_cache)
     total_seqs = seq_lens.shape[0]
@@ -202,6 +210,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             num_q_heads // num_kv_heads, head_dim, max(16, next_pow2(head_dim)), bm, bn,
             block_size, dot_type, dot_precision(q), window is not None, clamp_q]
     compiled = _extend_kernel[grid](*args, num_warps=warps, num_stages=2)
-    if launches is not None and given_out is not None and on_gpu and compiled is not None:
+    if (launches is not None and given_out is not None and on_gpu and compiled is not None
+            and _reuse_launches):
         launches[key] = (compiled[grid], args)
     return out

@@ -114,6 +114,7 @@ def test_a_steps_later_layers_reuse_the_first_layers_launch(monkeypatch) -> None
 
     monkeypatch.setattr(ext, "_extend_kernel", FakeKernel())
     monkeypatch.setattr(ext, "is_gpu", lambda x: True)
+    monkeypatch.setattr(ext, "_reuse_launches", True)
     case = make_paged_case([37, 20], [20, 20], 4, 2)
     other = make_paged_case([37, 20], [20, 20], 4, 2)  # a second layer's caches
     out = torch.empty_like(case.q)
@@ -139,3 +140,33 @@ def test_a_steps_later_layers_reuse_the_first_layers_launch(monkeypatch) -> None
     ext.extend_attention(case.q, other.k_cache, other.v_cache, case.block_table, case.seq_lens,
                          case.query_start_loc, SCALE, case.max_query_len, out=out)
     assert len(jit_calls) == 3  # without the dict: no reuse
+
+
+def test_a_launch_that_refuses_its_arguments_falls_back_to_the_jit(monkeypatch) -> None:
+    import peregrine.kernels.extend_attention as ext
+    jit_calls = []
+
+    class Refusing:
+        def __getitem__(self, grid):
+            def launch(*args):
+                raise TypeError("function takes exactly 20 arguments (32 given)")
+            return launch
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                jit_calls.append(args)
+                return Refusing()
+            return run
+
+    monkeypatch.setattr(ext, "_extend_kernel", FakeKernel())
+    monkeypatch.setattr(ext, "is_gpu", lambda x: True)
+    monkeypatch.setattr(ext, "_reuse_launches", True)
+    case = make_paged_case([37, 20], [20, 20], 4, 2)
+    out = torch.empty_like(case.q)
+    launches: dict = {}
+    for _ in range(3):
+        ext.extend_attention(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens,
+                             case.query_start_loc, SCALE, case.max_query_len, out=out,
+                             launches=launches)
+    assert len(jit_calls) == 3 and not launches and not ext._reuse_launches
