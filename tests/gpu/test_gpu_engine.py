@@ -122,6 +122,38 @@ def test_fp32_wide_step_replays_a_coarse_piecewise_graph_with_torch_tokens(fp32_
     assert got == want
 
 
+def test_fp32_mixed_steps_with_many_decodes_give_torch_tokens(fp32_model, monkeypatch) -> None:
+    """Prompts chunked 64 tokens a step while more than 8 others decode: those mixed steps run
+    the decode kernel beside the extend kernel between the piecewise graphs (up to 8 decodes
+    ride in the extend kernel instead)."""
+    import peregrine.attention.triton_backend as tb
+    path, _ = fp32_model
+    g = torch.Generator().manual_seed(1)
+    short = [torch.randint(5, 500, (n,), generator=g).tolist() for n in range(4, 16)]  # 12
+    long = [torch.randint(5, 500, (n,), generator=g).tolist() for n in (150, 230, 310)]
+    prompts = short + long  # the short ones decode while the long ones are still prefilling
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = [list(o.outputs[0].token_ids) for o in _generate(
+        path, prompts, params, dtype="float32", attention_backend="torch", enforce_eager=True)]
+    llm = LLM(path, max_model_len=512, num_gpu_blocks_override=512, dtype="float32",
+              attention_backend="triton", max_num_batched_tokens=64)
+    decode_calls = []
+    original = tb.paged_decode_attention
+    monkeypatch.setattr(tb, "paged_decode_attention",
+                        lambda *a, **k: decode_calls.append(a[0].shape[0]) or original(*a, **k))
+    try:
+        runner = llm.engine.core_client.core.executor.worker.model_runner
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert runner.timing["piecewise_graph_steps"] >= 1
+    finally:
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    # NOTE: decode-only steps replay graphs (no Python call); these calls are the mixed steps'.
+    assert decode_calls and max(decode_calls) > tb.TritonAttentionBackend.fold_decodes_max
+    assert got == want
+
+
 # bf16 tolerance, from rounding-error analysis rather than fitted to a run:
 # - a bf16 rounding has relative error |d| <= u = 2^-8 (8 significant bits, round to nearest),
 #   roughly uniform, so of standard deviation u / sqrt(3);
