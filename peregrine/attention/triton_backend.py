@@ -41,7 +41,7 @@ class TritonAttentionBackend(AttentionBackend):
             paged_decode_attention(q[:num_decodes], k_cache, v_cache,
                                    meta.block_table[:num_decodes], meta.seq_lens[:num_decodes],
                                    scale, out=out[:num_decodes], window=window,
-                                   k_scale=k_scale, v_scale=v_scale)
+                                   k_scale=k_scale, v_scale=v_scale, launches=meta.launches)
         if has_chunks:
             extend_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens,
                              meta.query_start_loc, scale, meta.max_query_len, out=out,

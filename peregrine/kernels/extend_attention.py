@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from peregrine.kernels._utils import (check_block_size, check_q_and_caches, check_window_and_out,
-                                      dot_precision, is_gpu, kv_dot_dtype, next_pow2)
+                                      dot_precision, is_gpu, kv_dot_dtype, may_reuse_launches,
+                                      next_pow2)
 
 _LOG2E = math.log2(math.e)
 _reuse_launches = True  # False once a compiled launch refused its arguments (see extend_attention)
@@ -163,7 +164,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     host time of a layer's launch in a mixed step."""
     global _reuse_launches
     if launches is not None and out is not None and _reuse_launches:
-        key = (q.data_ptr(), q.shape, out.data_ptr(), k_cache.shape, k_cache.dtype,
+        key = (q.data_ptr(), q.shape, q.dtype, out.data_ptr(), k_cache.shape, k_cache.dtype,
                k_cache.stride(), v_cache.stride(), k_cache.data_ptr() % 16 == 0,
                v_cache.data_ptr() % 16 == 0, seq_start, num_seqs, max_query_len, scale, window,
                block_m, block_n, num_warps)
@@ -210,7 +211,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             num_q_heads // num_kv_heads, head_dim, max(16, next_pow2(head_dim)), bm, bn,
             block_size, dot_type, dot_precision(q), window is not None, clamp_q]
     compiled = _extend_kernel[grid](*args, num_warps=warps, num_stages=2)
-    if (launches is not None and given_out is not None and on_gpu and compiled is not None
-            and _reuse_launches):
+    if (launches is not None and given_out is not None and compiled is not None
+            and _reuse_launches and may_reuse_launches(q)):
         launches[key] = (compiled[grid], args)
     return out

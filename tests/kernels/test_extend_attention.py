@@ -114,6 +114,7 @@ def test_a_steps_later_layers_reuse_the_first_layers_launch(monkeypatch) -> None
 
     monkeypatch.setattr(ext, "_extend_kernel", FakeKernel())
     monkeypatch.setattr(ext, "is_gpu", lambda x: True)
+    monkeypatch.setattr(ext, "may_reuse_launches", lambda x: True)
     monkeypatch.setattr(ext, "_reuse_launches", True)
     case = make_paged_case([37, 20], [20, 20], 4, 2)
     other = make_paged_case([37, 20], [20, 20], 4, 2)  # a second layer's caches
@@ -161,6 +162,7 @@ def test_a_launch_that_refuses_its_arguments_falls_back_to_the_jit(monkeypatch) 
 
     monkeypatch.setattr(ext, "_extend_kernel", FakeKernel())
     monkeypatch.setattr(ext, "is_gpu", lambda x: True)
+    monkeypatch.setattr(ext, "may_reuse_launches", lambda x: True)
     monkeypatch.setattr(ext, "_reuse_launches", True)
     case = make_paged_case([37, 20], [20, 20], 4, 2)
     out = torch.empty_like(case.q)
