@@ -38,17 +38,24 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(5, 500, (n,), generator=g).tolist() for n in (7, 33, 100, 250, 16, 64)]
 
 
-def _generate(path: str, prompts: list[list[int]], params: SamplingParams,
-              **engine_args) -> list[RequestOutput]:
-    """One engine's outputs; the engine is dropped (and its GPU memory freed) before returning."""
+def _generate(path: str, prompts: list[list[int]], params: SamplingParams, before=None,
+              check=None, **engine_args) -> list[RequestOutput]:
+    """One engine's outputs; the engine is dropped (and its GPU memory freed) before returning.
+    before(runner) runs once the engine is built, check(runner) after generating."""
     # NOTE: a fixed KV pool instead of profiling: engines built one after another on the same
     # GPU then never depend on how much memory the previous one has given back.
     engine_args.setdefault("num_gpu_blocks_override", 512)
     llm = LLM(path, max_model_len=512, **engine_args)
+    runner = llm.engine.core_client.core.executor.worker.model_runner
     try:
-        return llm.generate(prompts, params, use_tqdm=False)
+        if before is not None:
+            before(runner)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        if check is not None:
+            check(runner)
+        return outs
     finally:
-        del llm
+        del llm, runner
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -108,17 +115,13 @@ def test_fp32_wide_step_replays_a_coarse_piecewise_graph_with_torch_tokens(fp32_
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     want = [list(o.outputs[0].token_ids) for o in _generate(
         path, prompts, params, dtype="float32", attention_backend="torch", enforce_eager=True)]
-    llm = LLM(path, max_model_len=512, num_gpu_blocks_override=512, dtype="float32",
-              attention_backend="triton")
-    try:
-        runner = llm.engine.core_client.core.executor.worker.model_runner
+
+    def check(runner) -> None:
         assert runner.prefill_graphs is not None and runner.prefill_graphs.sizes[-1] >= 2560
-        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
         assert runner.timing["piecewise_graph_steps"] >= 1
-    finally:
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+
+    got = [list(o.outputs[0].token_ids) for o in _generate(
+        path, prompts, params, check=check, dtype="float32", attention_backend="triton")]
     assert got == want
 
 
@@ -135,20 +138,19 @@ def test_fp32_mixed_steps_with_many_decodes_give_torch_tokens(fp32_model, monkey
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     want = [list(o.outputs[0].token_ids) for o in _generate(
         path, prompts, params, dtype="float32", attention_backend="torch", enforce_eager=True)]
-    llm = LLM(path, max_model_len=512, num_gpu_blocks_override=512, dtype="float32",
-              attention_backend="triton", max_num_batched_tokens=64)
     decode_calls = []
     original = tb.paged_decode_attention
-    monkeypatch.setattr(tb, "paged_decode_attention",
-                        lambda *a, **k: decode_calls.append(a[0].shape[0]) or original(*a, **k))
-    try:
-        runner = llm.engine.core_client.core.executor.worker.model_runner
-        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    def count_decode_calls(runner) -> None:  # installed after the graphs' capture
+        monkeypatch.setattr(tb, "paged_decode_attention",
+                            lambda *a, **k: decode_calls.append(a[0].shape[0]) or original(*a, **k))
+
+    def check(runner) -> None:
         assert runner.timing["piecewise_graph_steps"] >= 1
-    finally:
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+
+    got = [list(o.outputs[0].token_ids) for o in _generate(
+        path, prompts, params, before=count_decode_calls, check=check, dtype="float32",
+        attention_backend="triton", max_num_batched_tokens=64)]
     # NOTE: decode-only steps replay graphs (no Python call); these calls are the mixed steps'.
     assert decode_calls and max(decode_calls) > tb.TritonAttentionBackend.fold_decodes_max
     assert got == want

@@ -91,19 +91,15 @@ def test_extend_fp8_cache_equals_reference_on_dequantized_cache(cache_dtype: tor
     assert err.max().item() <= max_err and err.mean().item() <= mean_err, (err.max(), err.mean())
 
 
-def test_a_steps_later_layers_reuse_the_first_layers_launch(monkeypatch) -> None:
-    """With a step's `launches` dict, the first layer's call binds and compiles through Triton;
-    a later layer (other caches and scales, everything else equal) reuses that launch with its
-    own caches and scales in place; any other difference binds afresh. Faked kernel: the
-    compiled launch exists only on a GPU."""
-    import math
-
+def _fake_gpu_kernel(monkeypatch, jit_calls: list, launch) -> None:
+    """Stand in for the compiled kernel's GPU: the JIT launch is recorded and returns a compiled
+    kernel whose direct launch calls launch(grid, args) (the compiled launch exists only on a
+    GPU)."""
     import peregrine.kernels.extend_attention as ext
-    jit_calls, launched = [], []
 
     class Compiled:
         def __getitem__(self, grid):
-            return lambda *args: launched.append((grid, list(args)))
+            return lambda *args: launch(grid, list(args))
 
     class FakeKernel:
         def __getitem__(self, grid):
@@ -116,6 +112,18 @@ def test_a_steps_later_layers_reuse_the_first_layers_launch(monkeypatch) -> None
     monkeypatch.setattr(ext, "is_gpu", lambda x: True)
     monkeypatch.setattr(ext, "may_reuse_launches", lambda x: True)
     monkeypatch.setattr(ext, "_reuse_launches", True)
+
+
+def test_a_steps_later_layers_reuse_the_first_layers_launch(monkeypatch) -> None:
+    """With a step's `launches` dict, the first layer's call binds and compiles through Triton;
+    a later layer (other caches and scales, everything else equal) reuses that launch with its
+    own caches and scales in place; any other difference binds afresh. Faked kernel: the
+    compiled launch exists only on a GPU."""
+    import math
+
+    import peregrine.kernels.extend_attention as ext
+    jit_calls, launched = [], []
+    _fake_gpu_kernel(monkeypatch, jit_calls, lambda grid, args: launched.append((grid, args)))
     case = make_paged_case([37, 20], [20, 20], 4, 2)
     other = make_paged_case([37, 20], [20, 20], 4, 2)  # a second layer's caches
     out = torch.empty_like(case.q)
@@ -147,23 +155,10 @@ def test_a_launch_that_refuses_its_arguments_falls_back_to_the_jit(monkeypatch) 
     import peregrine.kernels.extend_attention as ext
     jit_calls = []
 
-    class Refusing:
-        def __getitem__(self, grid):
-            def launch(*args):
-                raise TypeError("function takes exactly 20 arguments (32 given)")
-            return launch
+    def refuse(grid, args):
+        raise TypeError("function takes exactly 20 arguments (32 given)")
 
-    class FakeKernel:
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                jit_calls.append(args)
-                return Refusing()
-            return run
-
-    monkeypatch.setattr(ext, "_extend_kernel", FakeKernel())
-    monkeypatch.setattr(ext, "is_gpu", lambda x: True)
-    monkeypatch.setattr(ext, "may_reuse_launches", lambda x: True)
-    monkeypatch.setattr(ext, "_reuse_launches", True)
+    _fake_gpu_kernel(monkeypatch, jit_calls, refuse)
     case = make_paged_case([37, 20], [20, 20], 4, 2)
     out = torch.empty_like(case.q)
     launches: dict = {}
