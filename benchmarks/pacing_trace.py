@@ -135,11 +135,9 @@ def _requests(ns: argparse.Namespace, vocab: int, tag: str,
 
 
 def _pacer(setting: str) -> LaunchPacer | None:
-    if setting == "warm":
-        return LaunchPacer()
     if setting == "off":
         return None
-    if setting == "default":
+    if setting in ("default", "warm"):  # "warm": the warm-up stream
         return LaunchPacer()
     margin, fraction = setting.split(":")
     return LaunchPacer(min_margin_s=float(margin) / 1e3, margin_fraction=float(fraction))
@@ -158,7 +156,7 @@ PHASES = ("prepare", "forward_launch", "sample_launch")
 def run_one(core: EngineCore, runner, ns: argparse.Namespace, setting: str, torch,
             stream: int) -> dict:
     """Serve one arrival stream under one pacer setting; the per-request and per-step record."""
-    cuda = torch is not None and torch.cuda.is_available()
+    cuda = torch.cuda.is_available()
     profile = None
     if ns.cprofile and setting != "warm":
         import cProfile
@@ -311,10 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="profile the host work of the mixed steps' launches (cProfile)")
     p.add_argument("--out", default=None)
     ns = p.parse_args(argv)
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        torch = None
+    import torch
     if ns.prefill_graph_sizes:
         import peregrine.worker.worker as worker_mod
         sizes = sorted(int(x) for x in ns.prefill_graph_sizes.split(","))
