@@ -9,7 +9,7 @@ request the core-side TTFT splits into
     wait    arrival at the core's inbox -> scheduled
     lag     scheduled -> its step starts on the device (the step in flight ahead of it, and any
             device idle while the host prepares it)
-    device  its step's device time (start event -> end event)
+    device  its step's GPU time (start event -> end event)
     out     device end -> its first token leaves the core
 
 and every step records its host phases and the device idle before it. One engine serves several
