@@ -1,18 +1,13 @@
 """benchmarks/async_probe.py runs both modes on the CPU (small numbers) and reports every run."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "async_probe.py"
-_spec = importlib.util.spec_from_file_location("async_probe", _PATH)
-async_probe = importlib.util.module_from_spec(_spec)
-sys.modules["async_probe"] = async_probe
-_spec.loader.exec_module(async_probe)
+from benchmark_scripts import load
+
+async_probe = load("async_probe")
 
 
 @pytest.mark.slow

@@ -2,20 +2,14 @@
 accounts for every request's time to first token."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from benchmark_scripts import load
 from peregrine.testing.checkpoints import tiny_checkpoint
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "pacing_trace.py"
-_spec = importlib.util.spec_from_file_location("pacing_trace", _PATH)
-pacing_trace = importlib.util.module_from_spec(_spec)
-sys.modules["pacing_trace"] = pacing_trace
-_spec.loader.exec_module(pacing_trace)
+pacing_trace = load("pacing_trace")
 
 
 @pytest.mark.slow

@@ -1,20 +1,14 @@
 """benchmarks/step_trace.py runs W1's workload on the CPU (small numbers) and accounts for every step."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from benchmark_scripts import load
 from peregrine.testing.checkpoints import tiny_checkpoint
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "step_trace.py"
-_spec = importlib.util.spec_from_file_location("step_trace", _PATH)
-step_trace = importlib.util.module_from_spec(_spec)
-sys.modules["step_trace"] = step_trace
-_spec.loader.exec_module(step_trace)
+step_trace = load("step_trace")
 
 
 @pytest.mark.slow

@@ -2,20 +2,15 @@
 a short run through `peregrine serve` with the demo model on the CPU measures both modes."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "pool_cost.py"
-_spec = importlib.util.spec_from_file_location("pool_cost", _PATH)
-pool_cost = importlib.util.module_from_spec(_spec)
-sys.modules["pool_cost"] = pool_cost  # NOTE: dataclasses look their module up while the class is built
-_spec.loader.exec_module(pool_cost)
+from benchmark_scripts import load
+
+pool_cost = load("pool_cost")
 
 
 def test_inline_executor_runs_the_call_in_the_calling_thread():

@@ -3,21 +3,15 @@ and (slow) a short soak of `peregrine serve` with the demo model on the CPU pass
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from benchmark_scripts import load
 from fake_engine import FakeEngine
 from server_utils import RunningServer
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
-_spec = importlib.util.spec_from_file_location("soak", _PATH)
-soak = importlib.util.module_from_spec(_spec)
-sys.modules["soak"] = soak  # NOTE: dataclasses look their module up while the class is built
-_spec.loader.exec_module(soak)
+soak = load("soak")
 
 
 def _round(k: int, **kw) -> soak.RoundResult:

@@ -2,22 +2,17 @@
 with tokens/s and each stage's idle fraction in its JSON."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+from benchmark_scripts import load
 from peregrine.testing.checkpoints import tiny_checkpoint
-
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "pp_bench.py"
 
 
 @pytest.mark.slow
 def test_the_benchmark_reports_throughput_and_stage_idle_fractions(tmp_path) -> None:
-    spec = importlib.util.spec_from_file_location("pp_bench", _PATH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load("pp_bench")
     out = tmp_path / "pp.json"
     bench.main(["--model", str(tiny_checkpoint("llama")), "--device", "cpu", "--dtype",
                 "float32", "--setups", "tp1,pp2", "--input-len", "12", "--output-len", "6",

@@ -4,19 +4,14 @@ the best config is a correct one, and the JSON holds every row."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_attn_bench.py"
-_spec = importlib.util.spec_from_file_location("decode_attn_bench", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["decode_attn_bench"] = bench
-_spec.loader.exec_module(bench)
+from benchmark_scripts import load
+
+bench = load("decode_attn_bench")
 
 
 def fake_ms(cfg) -> float:
