@@ -38,7 +38,7 @@ SHAPES = {  # (K, N) per projection: q/k/v fused, o, gate/up fused, down
 }
 
 
-VARIANTS = ("fma", "fma_prefetch", "mma", "inplace", "inplace_prefetch")
+VARIANTS = ("fma", "fma_prefetch", "mma", "inplace", "inplace_prefetch", "half2", "half2_prefetch")
 
 
 def _nbytes(*ts: torch.Tensor | None) -> int:
@@ -126,6 +126,8 @@ def shape_rows(model: str, proj: str, k: int, n: int, rows: list[int], iters: in
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             if m <= GEMV_MAX_ROWS:  # past the dispatch cut-offs too, to re-measure them
                 for variant in variants:
+                    if variant.startswith("half2") and (m > 1 or w.bits != 4):
+                        continue  # one row of 4-bit weights
                     if variant == "mma" and not mma_supported(w, x.dtype, dev):
                         continue
                     cfg = gemv_config(w, dev, block_m_for(m), variant)
@@ -138,7 +140,8 @@ def shape_rows(model: str, proj: str, k: int, n: int, rows: list[int], iters: in
                                           lambda c, var=variant: [
                                               lambda v=v: wna16_gemv(x, v, c, variant=var)
                                               for v in ws],
-                                          wna16=True, wide=variant.startswith("inplace")))
+                                          wna16=True,
+                                          wide=variant.startswith(("inplace", "half2"))))
             timed(f"{label} GEMM", m, [lambda v=v: wna16_gemm(x, v) for v in ws],
                   wbytes + io(m))
         del ws, w

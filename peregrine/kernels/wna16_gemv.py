@@ -44,6 +44,7 @@ import triton.language as tl
 from peregrine.kernels._utils import dot_dtype
 from peregrine.kernels.gemv import (GEMV_MAX_M, GemvConfig, block_m_for, choose_split,
                                     launch_buffers, row_accumulators, store_row_sums)
+from peregrine.kernels.wna16_gemv_half2 import _wna16_gemv_half2_kernel
 from peregrine.kernels.wna16_gemv_inplace import _wna16_gemv_inplace_kernel
 from peregrine.kernels.wna16_gemv_mma import _wna16_gemv_mma_kernel
 
@@ -168,7 +169,8 @@ _WORDS = 16
 _BLOCK_N = 64
 _MMA_BLOCK_N = 128
 _MMA_BLOCK_K = 128
-VARIANTS = ("fma", "fma_prefetch", "mma", "inplace", "inplace_prefetch")
+VARIANTS = ("fma", "fma_prefetch", "mma", "inplace", "inplace_prefetch", "half2",
+            "half2_prefetch")
 _INPLACE_WAVES = 3.5
 
 
@@ -252,6 +254,11 @@ def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
                          f"16-bit activations and K blocks inside one group (sm_90+ on CUDA); "
                          f"got {w.bits} bits, {x.dtype}, group {w.group_size}, block_k "
                          f"{block_k or _mma_block_k(w)}")
+    if variant in ("half2", "half2_prefetch") and not (
+            w.bits == 4 and x.shape[0] == 1 and inplace_supported(w, block_k)):
+        raise ValueError(f"wna16_gemv: the half2 variant takes one row of x and 4-bit weights "
+                         f"without act-order, K blocks inside one group; got {x.shape[0]} rows, "
+                         f"{w.bits} bits, group {w.group_size}")
     if variant in ("inplace", "inplace_prefetch") and not inplace_supported(w, block_k):
         raise ValueError(f"wna16_gemv: the inplace variant takes 4 / 8-bit weights without "
                          f"act-order and K blocks inside one group; got {w.bits} bits, group "
@@ -277,7 +284,7 @@ def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
     inputs (or the group) per K block. K split to fill the SMs."""
     if variant == "mma":
         block_n, block_k, warps = _MMA_BLOCK_N, _mma_block_k(w), 4
-    elif variant in ("inplace", "inplace_prefetch"):
+    elif variant.startswith(("inplace", "half2")):
         block_n, block_k, warps = _BLOCK_N, _inplace_block_k(w), 8 if block_m > 4 else 4
     else:
         block_n, block_k, warps = _BLOCK_N, _block_k(w.bits), 8 if block_m > 4 else 4
@@ -285,7 +292,7 @@ def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
     # NOTE: the in-place variant aims at 3.5 programs per SM: at Llama-3-8B's o and down
     # projections (64 column tiles) 8 splits (512 programs) took 8.2 / 18.6 us on an H200 where
     # 16 (1,024, what 4 per SM asks for) took 9.4 / 19.6.
-    kw = {"waves": _INPLACE_WAVES} if variant.startswith("inplace") else {}
+    kw = {"waves": _INPLACE_WAVES} if variant.startswith(("inplace", "half2")) else {}
     split, k_iters = choose_split(tiles, triton.cdiv(w.in_features, block_k), device, **kw)
     return GemvConfig(block_n, block_k, split, k_iters, warps)
 
@@ -310,7 +317,7 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     if cfg.block_k & (cfg.block_k - 1) or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"wna16_gemv: block_k {cfg.block_k} and block_n {cfg.block_n} must be "
                          "powers of two")
-    inplace = kind in ("inplace", "inplace_prefetch")
+    inplace = kind in ("inplace", "inplace_prefetch", "half2", "half2_prefetch")
     if not inplace and not gemv_supported(w, cfg.block_k):
         raise ValueError(f"wna16_gemv: group size {w.group_size} (act-order: "
                          f"{w.g_idx is not None}) does not fit K blocks of {cfg.block_k}")
@@ -323,9 +330,18 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     out, part, lock = launch_buffers(a, n, tiles, cfg.split_k)
     q = w.qweight
     zeros = w.zeros if w.zeros is not None else w.scales
+    # bf16 x is read 4 values per 8-byte load where its rows allow it.
+    x_bf16 = a.dtype == torch.bfloat16 and a.data_ptr() % 8 == 0 and k % 4 == 0
+    if kind.startswith("half2"):
+        _wna16_gemv_half2_kernel[(tiles, cfg.split_k)](
+            a, a.view(torch.int64) if x_bf16 else a, q, w.scales, zeros, part, lock, out, m, n,
+            k, out.stride(0), cfg.k_iters, cfg.split_k, GROUP=w.group_size,
+            HAS_ZP=w.zeros is not None, ASM=a.is_cuda, X_BF16=x_bf16,
+            EVEN_K=cfg.split_k * cfg.k_iters * cfg.block_k == k,
+            PREFETCH=kind == "half2_prefetch", BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            HAS_SPLIT=cfg.split_k > 1, num_warps=cfg.num_warps)
+        return out.reshape(*lead, n)
     if inplace:
-        # bf16 x is read 4 values per 8-byte load where its rows allow it.
-        x_bf16 = a.dtype == torch.bfloat16 and a.data_ptr() % 8 == 0 and k % 4 == 0
         _wna16_gemv_inplace_kernel[(tiles, cfg.split_k)](
             a, a.view(torch.int64) if x_bf16 else a, q, w.scales, zeros, part, lock, out, m, n,
             k, a.stride(0), out.stride(0), cfg.k_iters, cfg.split_k, GROUP=w.group_size,

@@ -189,6 +189,31 @@ def test_inplace_variant_rounds_only_the_output(shape: str, bits: int, zp: bool,
     assert _exact_err(got, x, w) <= 1.0
 
 
+@pytest.mark.parametrize("bits, zp, dtype, group", [c for c in EXACT_CASES if c[0] == 4],
+                         ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_half2_variant_within_fp16_sums(shape: str, bits: int, zp: bool, dtype: torch.dtype,
+                                        group: int) -> None:
+    """The packed-half variant (one row, 4 bits) at every Llama-3-8B shape. NOTE: q - zero is
+    exact in fp16 and so is a 16-bit x * 2^-8 above fp16's normal floor; each word's four
+    products and their sum round to fp16 (a relative 2^-11 of the word's sum), which adds up
+    over K to about 2^-11 of the result for random signs: a sixteenth of a bf16 output ulp and
+    half an fp16 one, beside the output's own half-ulp rounding."""
+    k, n = SHAPES[shape]
+    w = _layout(k, n, bits, zp, dtype=dtype, group=group or k)
+    x = torch.randn(1, k, device=DEV, dtype=dtype)
+    got = wna16_gemv(x, w, variant="half2")
+    assert got.dtype == dtype and got.shape == (1, n)
+    assert _exact_err(got, x, w) <= 2.0
+    assert torch.equal(wna16_gemv(x, w, variant="half2_prefetch"), got)
+    # large inputs (the scaling keeps the fp16 products finite) and an unaligned row
+    big = x * 4096
+    assert _exact_err(wna16_gemv(big, w, variant="half2"), big, w) <= 2.0
+    buf = torch.randn(k + 1, device=DEV, dtype=dtype)
+    xu = buf[1:].view(1, k)
+    assert _exact_err(wna16_gemv(xu, w, variant="half2"), xu, w) <= 2.0
+
+
 def test_inplace_variant_reads_unaligned_bf16_rows() -> None:
     # bf16 rows that do not start 8 bytes apart from an aligned base: one value per load.
     k, n = 4160, 6200

@@ -294,3 +294,47 @@ def test_inplace_variant_refuses_what_it_cannot_read() -> None:
         wna16_gemv(x, _layout(4, 32, zp=True, act_order=True), variant="inplace")
     with pytest.raises(ValueError, match="inplace variant takes 4 / 8-bit"):
         wna16_gemv(x, _layout(4, 64, zp=True), GemvConfig(64, 128, 1, 2, 4), variant="inplace")
+
+
+# NOTE: under the interpreter the half2 variant sums in float32 (its packed fp16 arithmetic is
+# inline PTX, checked at real shapes on the GPU), so it meets the float32 reference as in-place
+# does; x * 2^-8 and the scale * 2^8 that undoes it are exact.
+@pytest.mark.parametrize("group", [32, 64, 128, K], ids=["g32", "g64", "g128", "channel"])
+@pytest.mark.parametrize("zp", [False, True], ids=["sym", "zp"])
+def test_half2_variant_matches_dequantized_matmul(zp: bool, group: int) -> None:
+    w = _layout(4, group, zp, seed=31)
+    x = _x(1, seed=32)
+    got = wna16_gemv(x, w, variant="half2")
+    assert got.shape == (1, N) and got.dtype == torch.float32
+    torch.testing.assert_close(got, _reference(x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("split", [1, 2])
+def test_half2_split_k_ragged_and_prefetch(split: int, dtype: torch.dtype) -> None:
+    k, n = 384, 72  # 3 groups of 128; the last column tile is partial
+    w = _layout(4, 128, zp=True, k=k, n=n, seed=33, dtype=dtype)
+    x = _x(1, k=k, seed=34).to(dtype)
+    cfg = GemvConfig(32, 128, split, -(-3 // split), 4)  # 2 splits: a block past K
+    got = wna16_gemv(x, w, cfg, variant="half2")
+    assert _ulps(got, x, w) < ULP
+    assert torch.equal(got, wna16_gemv(x, w, cfg, variant="half2"))
+    assert torch.equal(got, wna16_gemv(x, w, cfg, variant="half2_prefetch"))
+
+
+def test_half2_variant_reads_unaligned_bf16_rows_one_value_at_a_time() -> None:
+    w = _layout(4, 128, zp=False, dtype=torch.bfloat16, seed=35)
+    buf = _x(1, torch.bfloat16, k=K + 1).reshape(-1)
+    xu = buf[1:].view(1, K)  # 2 bytes past an aligned base: no 8-byte loads
+    got = wna16_gemv(xu, w, variant="half2")
+    assert torch.equal(got, wna16_gemv(xu.clone(), w, variant="half2"))
+    assert _ulps(got, xu, w) < ULP
+
+
+def test_half2_variant_refuses_what_it_cannot_read() -> None:
+    with pytest.raises(ValueError, match="half2 variant takes one row"):
+        wna16_gemv(_x(2), _layout(4, 128, zp=True), variant="half2")
+    with pytest.raises(ValueError, match="half2 variant takes one row"):
+        wna16_gemv(_x(1), _layout(8, 128, zp=True), variant="half2")
+    with pytest.raises(ValueError, match="half2 variant takes one row"):
+        wna16_gemv(_x(1), _layout(4, 32, zp=True, act_order=True), variant="half2_prefetch")

@@ -1,0 +1,174 @@
+"""The weight-only int GEMV's packed-half variant (wna16_gemv.py launches it): 4-bit weights, one
+row of x, whole K blocks inside one group.
+
+The in-place variant spends an AND-OR, a subtraction and a float32 FMA on every 4-bit value, and
+at an H200's issue rate that caps it near 3.6 TB/s of weights before anything else it issues.
+Here two values share each instruction: a word w's 8 values become four fp16 pairs by one AND-OR
+each into the mantissas of 1024 (fp16 0x6400: its ulp is 1), lanes (v0, v4) and (16 v1, 16 v5)
+from w, (v2, v6) and (16 v3, 16 v7) from w >> 8; one packed subtraction of (1024 + zero) or
+fused multiply-add by (1/16, -(64 + zero)) leaves (q - zero) exactly in both lanes, and one
+packed FMA multiplies it by the pair of inputs it meets. The word's four pair products are summed
+in fp16 lanes, then the two lanes in float32: 16 instructions per 8 values instead of about 25.
+
+x enters as fp16 pairs (x0, x4), (x1, x5), (x2, x6), (x3, x7), built once per word row and
+scaled by 2^-8 (undone with the group's scale in float32): q - zero is at most 15 in size, so
+four products then stay far from fp16's 65504 for any input below ~2^18 in size, while inputs
+down to 2^-6 keep fp16's 11 significant bits. The result differs from the float32 variants by
+fp16 rounding of x and of the four-product sums (a relative 2^-11 each), well inside what the
+bf16 output keeps. The interpreter (ASM off) computes the same sums in float32.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from peregrine.kernels.gemv import store_partial, finish_split_k
+from peregrine.kernels.wna16_gemv_inplace import _load_block
+
+_X_SCALE = tl.constexpr(0.00390625)  # 2^-8 on x; the float32 sums get 2^8 back
+_UNDO = tl.constexpr(256.0)
+# One word's 8 4-bit values against x's four fp16 pairs: $1 the word, $2..$5 the pairs,
+# $6 (1024 + zero) and $7 -(64 + zero) as fp16 pairs. $0 = sum_j (q_j - zero) x_j (x scaled).
+ASM_DOT_U4 = tl.constexpr("""{
+.reg .b32 h, t, a, s;
+.reg .b16 l, u;
+.reg .f32 fl, fu;
+mov.b32 s, 0x2C002C00;
+shr.u32 h, $1, 8;
+lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 t, t, $6;
+mul.f16x2 a, t, $2;
+lop3.b32 t, $1, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 t, t, s, $7;
+fma.rn.f16x2 a, t, $3, a;
+lop3.b32 t, h, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 t, t, $6;
+fma.rn.f16x2 a, t, $4, a;
+lop3.b32 t, h, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 t, t, s, $7;
+fma.rn.f16x2 a, t, $5, a;
+mov.b32 {l, u}, a;
+cvt.f32.f16 fl, l;
+cvt.f32.f16 fu, u;
+add.f32 $0, fl, fu;
+}""")
+# Two float32 values as one fp16 pair: $1 in the high lane, $2 in the low one.
+ASM_PAIR = tl.constexpr("cvt.rn.f16x2.f32 $0, $1, $2;")
+
+
+@triton.jit
+def _x_word_inputs(a_ptr, a64_ptr, word, w_mask, X_BF16: tl.constexpr, EVEN_K: tl.constexpr):
+    """Row 0's inputs of the word rows (W,): x[8 w + j] * 2^-8, j = 0..7, float32."""
+    if X_BF16:  # two 8-byte loads per word row: inputs 0..3 and 4..7
+        base = a64_ptr + word * 2
+        if EVEN_K:
+            xa = tl.load(base)
+            xb = tl.load(base + 1)
+        else:
+            xa = tl.load(base, mask=w_mask, other=0)
+            xb = tl.load(base + 1, mask=w_mask, other=0)
+        a0 = xa.to(tl.int32)
+        a1 = (xa >> 32).to(tl.int32)
+        b0 = xb.to(tl.int32)
+        b1 = (xb >> 32).to(tl.int32)
+        x0 = (a0 << 16).to(tl.float32, bitcast=True)
+        x1 = (a0 & -65536).to(tl.float32, bitcast=True)
+        x2 = (a1 << 16).to(tl.float32, bitcast=True)
+        x3 = (a1 & -65536).to(tl.float32, bitcast=True)
+        x4 = (b0 << 16).to(tl.float32, bitcast=True)
+        x5 = (b0 & -65536).to(tl.float32, bitcast=True)
+        x6 = (b1 << 16).to(tl.float32, bitcast=True)
+        x7 = (b1 & -65536).to(tl.float32, bitcast=True)
+    else:
+        kk = word * 8
+        if EVEN_K:
+            x0 = tl.load(a_ptr + kk).to(tl.float32)
+            x1 = tl.load(a_ptr + kk + 1).to(tl.float32)
+            x2 = tl.load(a_ptr + kk + 2).to(tl.float32)
+            x3 = tl.load(a_ptr + kk + 3).to(tl.float32)
+            x4 = tl.load(a_ptr + kk + 4).to(tl.float32)
+            x5 = tl.load(a_ptr + kk + 5).to(tl.float32)
+            x6 = tl.load(a_ptr + kk + 6).to(tl.float32)
+            x7 = tl.load(a_ptr + kk + 7).to(tl.float32)
+        else:
+            x0 = tl.load(a_ptr + kk, mask=w_mask, other=0.0).to(tl.float32)
+            x1 = tl.load(a_ptr + kk + 1, mask=w_mask, other=0.0).to(tl.float32)
+            x2 = tl.load(a_ptr + kk + 2, mask=w_mask, other=0.0).to(tl.float32)
+            x3 = tl.load(a_ptr + kk + 3, mask=w_mask, other=0.0).to(tl.float32)
+            x4 = tl.load(a_ptr + kk + 4, mask=w_mask, other=0.0).to(tl.float32)
+            x5 = tl.load(a_ptr + kk + 5, mask=w_mask, other=0.0).to(tl.float32)
+            x6 = tl.load(a_ptr + kk + 6, mask=w_mask, other=0.0).to(tl.float32)
+            x7 = tl.load(a_ptr + kk + 7, mask=w_mask, other=0.0).to(tl.float32)
+    return (x0 * _X_SCALE, x1 * _X_SCALE, x2 * _X_SCALE, x3 * _X_SCALE, x4 * _X_SCALE,
+            x5 * _X_SCALE, x6 * _X_SCALE, x7 * _X_SCALE)
+
+
+@triton.jit
+def _pair(hi, lo):
+    """fp16 pair bits (lo in the low lane) of two float32 (W,) vectors."""
+    return tl.inline_asm_elementwise(ASM_PAIR, "=r,r,r", [hi, lo], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit(do_not_specialize=["stride_cm", "K_ITERS", "SPLIT_K"])
+def _wna16_gemv_half2_kernel(
+    a_ptr, a64_ptr, q_ptr, s_ptr, z_ptr, part_ptr, lock_ptr, c_ptr,
+    M, N, K, stride_cm, K_ITERS, SPLIT_K,
+    GROUP: tl.constexpr, HAS_ZP: tl.constexpr, ASM: tl.constexpr, X_BF16: tl.constexpr,
+    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
+):
+    WORDS: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, WORDS)  # (W,)
+    acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+    k_end = (split + 1) * K_ITERS * BLOCK_K  # this program's K range ends here
+    if PREFETCH:
+        nxt_words, nxt_s, nxt_z = _load_block(q_ptr, s_ptr, z_ptr, split * K_ITERS * BLOCK_K, K,
+                                              N, offs_w, offs_n, n_mask, k_end, GROUP, 4, HAS_ZP,
+                                              BLOCK_N, BLOCK_K)
+    for it in range(0, K_ITERS):
+        k0 = (split * K_ITERS + it) * BLOCK_K
+        word = k0 // 8 + offs_w  # (W,)
+        w_mask = word < K // 8
+        if PREFETCH:
+            words, s, z = nxt_words, nxt_s, nxt_z
+            nxt_words, nxt_s, nxt_z = _load_block(q_ptr, s_ptr, z_ptr, k0 + BLOCK_K, K, N,
+                                                  offs_w, offs_n, n_mask, k_end, GROUP, 4,
+                                                  HAS_ZP, BLOCK_N, BLOCK_K)
+        else:
+            words, s, z = _load_block(q_ptr, s_ptr, z_ptr, k0, K, N, offs_w, offs_n, n_mask,
+                                      K, GROUP, 4, HAS_ZP, BLOCK_N, BLOCK_K)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_word_inputs(a_ptr, a64_ptr, word, w_mask, X_BF16,
+                                                        EVEN_K)
+        if ASM:
+            zi = z.to(tl.uint32)  # (BN,) integer zero points, 0..15
+            lo_bits = 0x6400 + zi  # fp16 1024 + zero
+            hi_bits = 0xD400 + 16 * zi  # fp16 -(64 + zero)
+            c_lo = ((lo_bits << 16) | lo_bits).to(tl.int32, bitcast=True)[None, :]
+            c_hi = ((hi_bits << 16) | hi_bits).to(tl.int32, bitcast=True)[None, :]
+            p0 = _pair(x4, x0)[:, None]  # (W, 1)
+            p1 = _pair(x5, x1)[:, None]
+            p2 = _pair(x6, x2)[:, None]
+            p3 = _pair(x7, x3)[:, None]
+            t = tl.inline_asm_elementwise(ASM_DOT_U4, "=r,r,r,r,r,r,r,r",
+                                          [words, p0, p1, p2, p3, c_lo, c_hi],
+                                          dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            zc = z[None, :]
+            t = ((words & 0xF).to(tl.float32) - zc) * x0[:, None]
+            t += (((words >> 4) & 0xF).to(tl.float32) - zc) * x1[:, None]
+            t += (((words >> 8) & 0xF).to(tl.float32) - zc) * x2[:, None]
+            t += (((words >> 12) & 0xF).to(tl.float32) - zc) * x3[:, None]
+            t += (((words >> 16) & 0xF).to(tl.float32) - zc) * x4[:, None]
+            t += (((words >> 20) & 0xF).to(tl.float32) - zc) * x5[:, None]
+            t += (((words >> 24) & 0xF).to(tl.float32) - zc) * x6[:, None]
+            t += (((words >> 28) & 0xF).to(tl.float32) - zc) * x7[:, None]
+        acc += t * (s * _UNDO)[None, :]
+    store_partial(part_ptr, c_ptr, tl.sum(acc, axis=0), 0, M, N, split, offs_n, n_mask,
+                  stride_cm, HAS_SPLIT)
+    finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, stride_cm, SPLIT_K,
+                   HAS_SPLIT, 1, BLOCK_N)
