@@ -28,9 +28,9 @@ class TritonAttentionBackend(AttentionBackend):
                window: int | None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         num_tokens = q.shape[0]
         num_decodes = meta.num_decodes
-        # NOTE: the extend kernel's launch is reused only into a caller's fixed output buffer
-        # (piecewise graphs): with a fresh output per layer nothing would match, and the dict
-        # would keep every layer's q and output alive until the step ends.
+        # NOTE: launches are reused only into a caller's fixed output buffer (piecewise graphs):
+        # with a fresh output per layer nothing would match, and the dict would keep every
+        # layer's q and output alive until the step ends.
         launches = meta.launches if out is not None else None
         if out is None:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
@@ -45,7 +45,8 @@ class TritonAttentionBackend(AttentionBackend):
             paged_decode_attention(q[:num_decodes], k_cache, v_cache,
                                    meta.block_table[:num_decodes], meta.seq_lens[:num_decodes],
                                    scale, out=out[:num_decodes], window=window,
-                                   k_scale=k_scale, v_scale=v_scale)
+                                   k_scale=k_scale, v_scale=v_scale,
+                                   launches=launches if has_chunks else None)
         if has_chunks:
             extend_attention(q, k_cache, v_cache, meta.block_table, meta.seq_lens,
                              meta.query_start_loc, scale, meta.max_query_len, out=out,

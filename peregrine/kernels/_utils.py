@@ -136,3 +136,18 @@ def may_reuse_launches(x: torch.Tensor) -> bool:
     layers: on a GPU, outside CUDA-graph capture (a captured launch is replayed without Python,
     so reusing it saves nothing, and capture keeps the path every graph was checked with)."""
     return x.device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+
+
+def reusable_launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict,
+                    options: dict) -> tuple[object, list] | None:
+    """Launch a Triton kernel through its JIT (args and kwargs: its parameters; options: launch
+    options such as num_warps), and return what launches the same compiled kernel again without
+    the JIT's argument binding: (launcher, every parameter's value in the kernel's order), the
+    list to be edited in place for the next launch. None where there is no compiled kernel to
+    reuse (the interpreter)."""
+    import inspect
+    compiled = kernel[grid](*args, **kwargs, **options)
+    if compiled is None or not hasattr(compiled, "__getitem__"):
+        return None
+    bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
+    return compiled[grid], list(bound.arguments.values())

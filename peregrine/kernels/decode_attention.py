@@ -15,8 +15,10 @@ import triton.language as tl
 from peregrine.kernels._utils import (FP8_DTYPES, check_block_size, check_q_and_caches,
                                       check_window_and_out, dot_precision, has_fp8_convert,
                                       is_gpu, kv_dot_dtype, max_shared_memory, next_pow2,
-                                      num_sms)
+                                      may_reuse_launches, num_sms, reusable_launch)
 from peregrine.kernels.decode_configs import PROGRAMS_PER_SM, pick_config
+
+_reuse_launches = True  # False once a compiled launch refused its arguments
 
 _MIN_SPLIT_LEN = 256  # tokens; shorter splits cost more in the merge than they win in parallelism
 _MAX_SPLITS = 64
@@ -628,7 +630,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            aligned: bool | None = None,
                            asm_cvt: bool | None = None,
                            heads_first: bool | None = None,
-                           kv_heads_per_program: int | None = None) -> torch.Tensor:
+                           kv_heads_per_program: int | None = None,
+                           launches: dict | None = None) -> torch.Tensor:
     """Attention of one query token per sequence, q (B, Hq, D), over its whole paged context of
     seq_lens[b] <= block_table.shape[1] * block_size tokens (only the last `window` tokens with a
     sliding window); returns out (B, Hq, D). A sequence with seq_len 0 (CUDA-graph padding)
@@ -638,7 +641,38 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     instead gives every sequence splits of exactly that many tokens.
     variant, block_n, num_warps, num_stages, prefetch, clamp_tokens, aligned, asm_cvt,
     heads_first, kv_heads_per_program override pick_config's choice (DecodeConfig says what each
-    does)."""
+    does).
+
+    launches: a dict that lives as long as one step's metadata (as in extend_attention): the
+    first call of a step keeps its two compiled launches (and its scratch buffers) there, and
+    the next layers' calls, which differ only in their caches and scales, launch them again."""
+    global _reuse_launches
+    key = None
+    if launches is not None and out is not None and _reuse_launches:
+        key = ("decode", q.data_ptr(), q.shape, q.dtype, out.data_ptr(), block_table.data_ptr(),
+               block_table.shape, seq_lens.data_ptr(), k_cache.shape, k_cache.dtype,
+               k_cache.stride(), v_cache.stride(), k_cache.data_ptr() % 16 == 0,
+               v_cache.data_ptr() % 16 == 0, scale, window, split_len, num_splits, min_split_len,
+               block_n, num_warps, num_stages, variant, prefetch, clamp_tokens, aligned, asm_cvt,
+               heads_first, kv_heads_per_program)
+        hit = launches.get(key)
+        if hit is not None:
+            (split, split_args), (merge, merge_args), as_words = hit
+            k_arg, v_arg = ((k_cache.view(torch.int32), v_cache.view(torch.int32)) if as_words
+                            else (k_cache, v_cache))
+            split_args[1], split_args[2] = k_arg, v_arg
+            split_args[7] = scale * k_scale * math.log2(math.e)
+            merge_args[6] = v_scale
+            try:
+                split(*split_args)
+                merge(*merge_args)
+                return out
+            except TypeError:
+                # NOTE: a Triton whose compiled launcher takes other arguments refuses them
+                # before launching anything: launch through the JIT from now on.
+                _reuse_launches = False
+                launches.clear()
+                key = None
     batch, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = check_q_and_caches(q, k_cache, v_cache)
     if block_table.shape[0] != batch or seq_lens.shape != (batch,):
@@ -707,7 +741,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     heads_first = cfg.heads_first if heads_first is None else heads_first
     kv_rows = num_kv_heads // per_program
     grid = (kv_rows, batch, num_splits) if heads_first else (batch, kv_rows, num_splits)
-    _decode_split_kernel[grid](
+    split_args = (
         q, k_arg, v_arg, block_table, seq_lens, mid_o, mid_lse,
         scale * k_scale * math.log2(math.e), min_split_len, window or 0,
         q.stride(0), q.stride(1),
@@ -716,6 +750,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
+    )
+    split_kwargs = dict(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size,
         DOT_DTYPE=dot_type, DOT_PREC=dot_precision(q), HAS_WINDOW=window is not None,
@@ -728,17 +764,27 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         and has_fp8_convert(q.device),
         KV_E5M2=k_cache.dtype == torch.float8_e5m2,
         HEADS_FIRST=heads_first, ROWS=rows, HEADS=per_program,
-        num_warps=num_warps,
-        num_stages=num_stages or cfg.num_stages,
     )
-    _decode_merge_kernel[(batch, num_q_heads)](
+    split_options = dict(num_warps=num_warps, num_stages=num_stages or cfg.num_stages)
+    merge_args = (
         mid_o, mid_lse, seq_lens, out, num_splits, min_split_len, v_scale,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits), BLOCK_N=block_n,
-        num_warps=4,
     )
+    merge_kwargs = dict(
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits), BLOCK_N=block_n,
+    )
+    reuse = key is not None and may_reuse_launches(q)
+    if not reuse:
+        _decode_split_kernel[grid](*split_args, **split_kwargs, **split_options)
+        _decode_merge_kernel[(batch, num_q_heads)](*merge_args, **merge_kwargs, num_warps=4)
+        return out
+    split = reusable_launch(_decode_split_kernel, grid, split_args, split_kwargs, split_options)
+    merge = reusable_launch(_decode_merge_kernel, (batch, num_q_heads), merge_args, merge_kwargs,
+                            {"num_warps": 4})
+    if split is not None and merge is not None:
+        launches[key] = (split, merge, variant == "fma_fp8")
     return out
 
 

@@ -84,23 +84,34 @@ def test_store_first_then_attend_equals_the_one_call(name: str, monkeypatch) -> 
 
 
 def test_only_a_fixed_output_buffer_keeps_launches_for_later_layers(monkeypatch) -> None:
-    """The Triton backend hands the step's launch dict to the extend kernel only with a caller's
-    output buffer (piecewise graphs); a fresh output per layer would never match a kept launch,
-    and the dict would keep every layer's tensors alive until the step ends."""
+    """The Triton backend hands the step's launch dict to its kernels only with a caller's output
+    buffer (piecewise graphs); a fresh output per layer would never match a kept launch, and the
+    dict would keep every layer's tensors alive until the step ends. Decodes beside a chunk
+    share it; a decode-only batch never does."""
     import peregrine.attention.triton_backend as tb
     from step_cases import make_step
     seen = []
-    real = tb.extend_attention
 
-    def spy(*args, launches=None, **kwargs):
-        seen.append(launches)
-        return real(*args, **kwargs)
+    def spy(name, real):
+        def run(*args, launches=None, **kwargs):
+            seen.append((name, launches))
+            return real(*args, **kwargs)
+        return run
 
-    monkeypatch.setattr(tb, "extend_attention", spy)
+    monkeypatch.setattr(tb, "extend_attention", spy("extend", tb.extend_attention))
+    monkeypatch.setattr(tb, "paged_decode_attention", spy("decode", tb.paged_decode_attention))
+    monkeypatch.setattr(tb.TritonAttentionBackend, "fold_decodes_max", 0)  # the decode kernel runs
     backend = get_attention_backend("triton")
     step = make_step(prefix_lens=[0, 30, 21, 0], q_lens=[1, 1, 13, 9], num_pad_tokens=3)
     backend.forward(step.q, step.k, step.v, step.k_cache, step.v_cache, step.meta, 0.125)
-    assert seen == [None]
+    assert seen == [("decode", None), ("extend", None)]
+    seen.clear()
     backend.forward(step.q, step.k, step.v, step.k_cache, step.v_cache, step.meta, 0.125,
                     out=torch.empty_like(step.q))
-    assert len(seen) == 2 and seen[1] is step.meta.launches
+    assert [name for name, _ in seen] == ["decode", "extend"]
+    assert all(launches is step.meta.launches for _, launches in seen)
+    seen.clear()
+    decodes = make_step(prefix_lens=[30, 21], q_lens=[1, 1])
+    backend.forward(decodes.q, decodes.k, decodes.v, decodes.k_cache, decodes.v_cache,
+                    decodes.meta, 0.125, out=torch.empty_like(decodes.q))
+    assert seen == [("decode", None)]

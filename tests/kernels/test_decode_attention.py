@@ -1,8 +1,9 @@
 from __future__ import annotations
 
-import pytest
+import inspect
 import math
 
+import pytest
 import torch
 
 from kernel_cases import (FP8_DTYPES, FP8_IDS, K_SCALE, TOLERANCES, V_SCALE, exact_reference,
@@ -354,3 +355,108 @@ def test_pick_config_depends_only_on_dtypes_and_group() -> None:
     assert pick_config(torch.bfloat16, torch.float8_e4m3fn, 2, on_gpu=True,
                        shared_memory=227 * 1024) == pick_config(torch.bfloat16,
                                                                 torch.float8_e4m3fn, 2, True)
+
+
+def _launch_recorder(real, jit_calls: list, launched: list):
+    """A stand-in for a Triton kernel: records JIT launches and returns a compiled kernel that
+    records direct launches (the compiled launch exists only on a GPU)."""
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return lambda *args: launched.append((real.fn.__name__, grid, list(args)))
+
+    class Fake:
+        def __init__(self) -> None:
+            self.fn = real.fn  # an instance attribute, as Triton's (a class one would bind)
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                jit_calls.append(real.fn.__name__)
+                return Compiled()
+            return run
+
+    return Fake()
+
+
+def test_a_steps_later_layers_reuse_both_decode_launches(monkeypatch) -> None:
+    """With a step's `launches` dict, the first layer's call binds both kernels through Triton;
+    a later layer (other caches and scales) launches the same compiled kernels with its caches
+    and scales in place, and the first call's scratch buffers."""
+    import peregrine.kernels.decode_attention as da
+    jit_calls, launched = [], []
+    monkeypatch.setattr(da, "_decode_split_kernel",
+                        _launch_recorder(da._decode_split_kernel, jit_calls, launched))
+    monkeypatch.setattr(da, "_decode_merge_kernel",
+                        _launch_recorder(da._decode_merge_kernel, jit_calls, launched))
+    monkeypatch.setattr(da, "is_gpu", lambda x: True)
+    monkeypatch.setattr(da, "may_reuse_launches", lambda x: True)
+    monkeypatch.setattr(da, "_reuse_launches", True)
+    case = make_paged_case([40, 75, 9], [1, 1, 1], 4, 2)
+    other = make_paged_case([40, 75, 9], [1, 1, 1], 4, 2, seed=1)
+    out = torch.empty_like(case.q)
+    launches: dict = {}
+
+    def call(c, **kw):
+        return da.paged_decode_attention(case.q, c.k_cache, c.v_cache, case.block_table,
+                                         case.seq_lens, SCALE, out=out, launches=launches, **kw)
+
+    call(case)
+    assert jit_calls == ["_decode_split_kernel", "_decode_merge_kernel"] and not launched
+    call(other, k_scale=0.5, v_scale=2.0)
+    assert len(jit_calls) == 2 and [n for n, _, _ in launched] == ["_decode_split_kernel",
+                                                                 "_decode_merge_kernel"]
+    (_, _, split), (_, _, merge) = launched
+    names = list(inspect.signature(da._decode_split_kernel.fn).parameters)
+    assert len(split) == len(names)
+    assert split[names.index("k_cache_ptr")] is other.k_cache
+    assert split[names.index("v_cache_ptr")] is other.v_cache
+    assert split[names.index("scale_log2")] == pytest.approx(SCALE * 0.5 * math.log2(math.e))
+    merge_names = list(inspect.signature(da._decode_merge_kernel.fn).parameters)
+    assert merge[merge_names.index("v_scale")] == 2.0 and merge[merge_names.index("o_ptr")] is out
+    call(other, window=8)  # a sliding-window layer binds afresh
+    assert len(jit_calls) == 4
+
+
+def test_reused_argument_positions_name_the_caches_and_scales() -> None:
+    """The positions the reused launches overwrite are the kernels' cache and scale parameters."""
+    import peregrine.kernels.decode_attention as da
+    import peregrine.kernels.extend_attention as ea
+    split = list(inspect.signature(da._decode_split_kernel.fn).parameters)
+    merge = list(inspect.signature(da._decode_merge_kernel.fn).parameters)
+    extend = list(inspect.signature(ea._extend_kernel.fn).parameters)
+    assert [split[i] for i in (1, 2, 7)] == ["k_cache_ptr", "v_cache_ptr", "scale_log2"]
+    assert merge[6] == "v_scale"
+    assert [extend[i] for i in (1, 2, 7, 8)] == ["k_cache_ptr", "v_cache_ptr", "scale_log2",
+                                                 "v_scale"]
+
+
+def test_a_decode_launch_that_refuses_its_arguments_falls_back_to_the_jit(monkeypatch) -> None:
+    import peregrine.kernels.decode_attention as da
+    jit_calls = []
+
+    def refusing(real):
+        class Compiled:
+            def __getitem__(self, grid):
+                def launch(*args):
+                    raise TypeError("the launcher takes other arguments")
+                return launch
+
+        class Fake:
+            def __init__(self) -> None:
+                self.fn = real.fn
+
+            def __getitem__(self, grid):
+                return lambda *a, **k: jit_calls.append(real.fn.__name__) or Compiled()
+        return Fake()
+
+    monkeypatch.setattr(da, "_decode_split_kernel", refusing(da._decode_split_kernel))
+    monkeypatch.setattr(da, "_decode_merge_kernel", refusing(da._decode_merge_kernel))
+    monkeypatch.setattr(da, "is_gpu", lambda x: True)
+    monkeypatch.setattr(da, "may_reuse_launches", lambda x: True)
+    monkeypatch.setattr(da, "_reuse_launches", True)
+    case = make_paged_case([40, 75, 9], [1, 1, 1], 4, 2)
+    out, launches = torch.empty_like(case.q), {}
+    for _ in range(3):
+        da.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_table,
+                                  case.seq_lens, SCALE, out=out, launches=launches)
+    assert len(jit_calls) == 6 and not launches and not da._reuse_launches
