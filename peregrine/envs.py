@@ -21,6 +21,13 @@ def fused_kernels() -> bool:
     return _flag("PEREGRINE_FUSED_KERNELS", True)
 
 
+def dependent_launch() -> bool:
+    """PEREGRINE_DEPENDENT_LAUNCH: on Hopper and later, the decode path's Triton kernels launch
+    while the kernel before them finishes and wait for its results on the GPU (default on; 0:
+    each kernel starts after the previous one ends). Read once per process."""
+    return _flag("PEREGRINE_DEPENDENT_LAUNCH", True)
+
+
 def debug_checks() -> bool:
     """PEREGRINE_DEBUG_CHECKS: per-layer shape checks on the hot path (default off; 1: on)."""
     return _flag("PEREGRINE_DEBUG_CHECKS", False)

@@ -4,7 +4,11 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from peregrine import envs
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -151,3 +155,46 @@ def reusable_launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict,
         return None
     bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
     return compiled[grid], list(bound.arguments.values())
+
+
+@functools.lru_cache(maxsize=None)
+def _dependent_launch(index: int) -> bool:
+    return envs.dependent_launch() and _capability(index) >= (9, 0)
+
+
+_NO_PDL = {"PDL": False}
+_PDL = {"PDL": True, "launch_pdl": True}
+
+
+def pdl_args(x: torch.Tensor) -> dict:
+    """Launch arguments for a kernel with a PDL constexpr that starts with `pdl_prologue` (or
+    calls gdc_wait itself before its first dependent access): on a Hopper or later GPU it is
+    launched as a programmatic dependent of the kernel before it (it may start while that one
+    finishes; both stay ordered on the GPU, inside CUDA graphs too); elsewhere a plain launch."""
+    if x.device.type != "cuda":
+        return _NO_PDL
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return _PDL if _dependent_launch(index) else _NO_PDL
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """Let the next kernel launch now (it still waits for this one's results: pdl_wait)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Wait until the kernel before this one has finished and its writes are visible. Nothing
+    this kernel reads or writes that another kernel touches may come before it: only constant
+    weights may be loaded earlier."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    """pdl_release, then pdl_wait: the start of a kernel with nothing to load before the wait."""
+    pdl_release(PDL)
+    pdl_wait(PDL)

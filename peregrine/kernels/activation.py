@@ -5,10 +5,13 @@ import torch
 import triton
 import triton.language as tl
 
+from peregrine.kernels._utils import pdl_args, pdl_prologue
+
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
     mask = offs < inter
@@ -30,5 +33,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = 1024
     if x2.shape[0] > 0 and inter > 0:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-            x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
+            x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4,
+            **pdl_args(x2))
     return out.view(*x.shape[:-1], inter)

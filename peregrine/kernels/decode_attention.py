@@ -15,7 +15,8 @@ import triton.language as tl
 from peregrine.kernels._utils import (FP8_DTYPES, check_block_size, check_q_and_caches,
                                       check_window_and_out, dot_precision, has_fp8_convert,
                                       is_gpu, kv_dot_dtype, max_shared_memory, next_pow2,
-                                      may_reuse_launches, num_sms, reusable_launch)
+                                      may_reuse_launches, num_sms, pdl_args, pdl_prologue,
+                                      reusable_launch)
 from peregrine.kernels.decode_configs import PROGRAMS_PER_SM, pick_config
 
 _reuse_launches = True  # False once a compiled launch refused its arguments
@@ -375,8 +376,9 @@ def _decode_split_kernel(
     CLAMP_Q: tl.constexpr, VARIANT: tl.constexpr, PREFETCH: tl.constexpr, KV_FP8: tl.constexpr,
     CLAMP_TOKENS: tl.constexpr, ALIGNED: tl.constexpr, ASM_CVT: tl.constexpr,
     KV_E5M2: tl.constexpr, HEADS_FIRST: tl.constexpr, ROWS: tl.constexpr,
-    HEADS: tl.constexpr,
+    HEADS: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     if HEADS_FIRST:  # grid (Hkv / HEADS, B, S): the kv heads of one sequence run side by side
         kvh = tl.program_id(0) * HEADS
         b = tl.program_id(1)
@@ -583,7 +585,9 @@ def _decode_merge_kernel(
     stride_ml_b, stride_ml_h,
     stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     b64 = b.to(tl.int64)
@@ -765,7 +769,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         KV_E5M2=k_cache.dtype == torch.float8_e5m2,
         HEADS_FIRST=heads_first, ROWS=rows, HEADS=per_program,
     )
-    split_options = dict(num_warps=num_warps, num_stages=num_stages or cfg.num_stages)
+    pdl = pdl_args(q)
+    launch_pdl = {"launch_pdl": True} if pdl["PDL"] else {}
+    split_kwargs["PDL"] = pdl["PDL"]
+    split_options = dict(num_warps=num_warps, num_stages=num_stages or cfg.num_stages,
+                         **launch_pdl)
     merge_args = (
         mid_o, mid_lse, seq_lens, out, num_splits, min_split_len, v_scale,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
@@ -774,15 +782,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     )
     merge_kwargs = dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits), BLOCK_N=block_n,
+        PDL=pdl["PDL"],
     )
+    merge_options = dict(num_warps=4, **launch_pdl)
     reuse = key is not None and may_reuse_launches(q)
     if not reuse:
         _decode_split_kernel[grid](*split_args, **split_kwargs, **split_options)
-        _decode_merge_kernel[(batch, num_q_heads)](*merge_args, **merge_kwargs, num_warps=4)
+        _decode_merge_kernel[(batch, num_q_heads)](*merge_args, **merge_kwargs, **merge_options)
         return out
     split = reusable_launch(_decode_split_kernel, grid, split_args, split_kwargs, split_options)
     merge = reusable_launch(_decode_merge_kernel, (batch, num_q_heads), merge_args, merge_kwargs,
-                            {"num_warps": 4})
+                            merge_options)
     if split is not None and merge is not None:
         launches[key] = (split, merge, variant == "fma_fp8")
     return out

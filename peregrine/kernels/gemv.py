@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import next_pow2, num_sms
+from peregrine.kernels._utils import next_pow2, num_sms, pdl_args, pdl_prologue
 
 # The cut-offs, measured on an H200 at Llama-3-8B's shapes (benchmarks/gemv_bench.py): a linear
 # with at most this many rows uses a GEMV on CUDA, more use the GEMMs. The int layout's GEMV beats
@@ -171,7 +171,9 @@ def _w8_gemv_kernel(
     M, N, K, stride_am, stride_wn, stride_cm, K_ITERS, SPLIT_K, scale_cols,
     BLOCK_SCALE: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
@@ -317,7 +319,7 @@ def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         a, weight, scale, part, lock, out, m, n, k, a.stride(0), weight.stride(0), out.stride(0),
         cfg.k_iters, cfg.split_k, scale_cols, BLOCK_SCALE=block is not None, BN_SCALE=bn_scale,
         BK_SCALE=bk_scale, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        HAS_SPLIT=cfg.split_k > 1, num_warps=cfg.num_warps)
+        HAS_SPLIT=cfg.split_k > 1, num_warps=cfg.num_warps, **pdl_args(a))
     return out
 
 

@@ -5,15 +5,16 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import next_pow2
+from peregrine.kernels._utils import next_pow2, pdl_args, pdl_prologue
 
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, eps,
     stride_x, stride_res, stride_out, stride_new_res,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)  # (BLOCK,)
     mask = offs < HIDDEN
@@ -58,7 +59,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x2, res2, weight, out, new_res, eps,
             x2.stride(0), res2.stride(0), out.stride(0), new_res.stride(0),
             HIDDEN=hidden, BLOCK=next_pow2(hidden), HAS_RESIDUAL=residual is not None,
-            num_warps=min(16, max(1, next_pow2(hidden) // 256)),
+            num_warps=min(16, max(1, next_pow2(hidden) // 256)), **pdl_args(x2),
         )
     out = out.view(x.shape)
     if residual is None:

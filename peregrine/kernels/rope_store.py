@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import check_block_size, is_gpu, next_pow2
+from peregrine.kernels._utils import check_block_size, is_gpu, next_pow2, pdl_args, pdl_prologue
 from peregrine.kernels.reference import FP8_DTYPES
 from peregrine.kernels.store_kv import _fp8_constants, _quantize
 
@@ -40,8 +40,9 @@ def _norm_rope_store_kernel(
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
     FP8_MAX: tl.constexpr, SOFT_FP8: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
-    MAGIC: tl.constexpr, MIN_NORMAL: tl.constexpr,
+    MAGIC: tl.constexpr, MIN_NORMAL: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     # Grid (T, Q_GROUPS + KV groups): a program takes BLOCK_H q heads, or BLOCK_H k and v heads.
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -171,6 +172,6 @@ def norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_GROUPS=q_groups,
         HALF=half, BLOCK_H=block_h, BLOCK_R=next_pow2(half), BLOCK_SIZE=k_cache.shape[1],
         HAS_NORM=has_norm, SOFT_FP8=soft, num_warps=2 if block_h * head_dim <= 512 else 4,
-        **consts,
+        **consts, **pdl_args(q),
     )
     return q_out

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import dot_dtype
+from peregrine.kernels._utils import dot_dtype, pdl_args, pdl_prologue
 from peregrine.kernels.gemv import (GEMV_MAX_M, GemvConfig, block_m_for, choose_split,
                                     launch_buffers, row_accumulators, store_row_sums)
 from peregrine.kernels.wna16_gemv_half2 import _wna16_gemv_half2_kernel
@@ -105,8 +105,9 @@ def _wna16_gemv_fma_kernel(
     M, N, K, stride_am, stride_cm, K_ITERS, SPLIT_K,
     GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZP: tl.constexpr, PER_WORD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     PACK: tl.constexpr = 4 if BITS == 8 else 8  # values per word of the main plane
     WIDTH: tl.constexpr = 8 if BITS == 8 else 4  # bits per value in the main plane
     WORDS: tl.constexpr = BLOCK_K // PACK
@@ -339,7 +340,7 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
             HAS_ZP=w.zeros is not None, ASM=a.is_cuda, X_BF16=x_bf16,
             EVEN_K=cfg.split_k * cfg.k_iters * cfg.block_k == k,
             PREFETCH=kind == "half2_prefetch", BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            HAS_SPLIT=cfg.split_k > 1, num_warps=cfg.num_warps)
+            HAS_SPLIT=cfg.split_k > 1, num_warps=cfg.num_warps, **pdl_args(a))
         return out.reshape(*lead, n)
     if inplace:
         _wna16_gemv_inplace_kernel[(tiles, cfg.split_k)](
@@ -349,7 +350,7 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
             EVEN_K=cfg.split_k * cfg.k_iters * cfg.block_k == k,
             PREFETCH=kind == "inplace_prefetch", BLOCK_M=bm,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_SPLIT=cfg.split_k > 1,
-            num_warps=cfg.num_warps)
+            num_warps=cfg.num_warps, **pdl_args(a))
         return out.reshape(*lead, n)
     if kind == "mma":
         gpu = a.is_cuda
@@ -366,7 +367,7 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
         m, n, k, a.stride(0), out.stride(0), cfg.k_iters, cfg.split_k,
         GROUP=w.group_size, BITS=w.bits, HAS_ZP=w.zeros is not None, PER_WORD=per_word,
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_SPLIT=cfg.split_k > 1,
-        PREFETCH=kind == "fma_prefetch", num_warps=cfg.num_warps)
+        PREFETCH=kind == "fma_prefetch", num_warps=cfg.num_warps, **pdl_args(a))
     return out.reshape(*lead, n)
 
 

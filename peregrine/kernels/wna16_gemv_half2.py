@@ -22,7 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from peregrine.kernels.gemv import store_partial, finish_split_k
+from peregrine.kernels._utils import pdl_release, pdl_wait
+from peregrine.kernels.gemv import finish_split_k, store_partial
 from peregrine.kernels.wna16_gemv_inplace import _load_block
 
 _X_SCALE = tl.constexpr(0.00390625)  # 2^-8 on x; the float32 sums get 2^8 back
@@ -116,8 +117,9 @@ def _wna16_gemv_half2_kernel(
     M, N, K, stride_cm, K_ITERS, SPLIT_K,
     GROUP: tl.constexpr, HAS_ZP: tl.constexpr, ASM: tl.constexpr, X_BF16: tl.constexpr,
     EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_release(PDL)
     WORDS: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -130,6 +132,7 @@ def _wna16_gemv_half2_kernel(
         nxt_words, nxt_s, nxt_z = _load_block(q_ptr, s_ptr, z_ptr, split * K_ITERS * BLOCK_K, K,
                                               N, offs_w, offs_n, n_mask, k_end, GROUP, 4, HAS_ZP,
                                               BLOCK_N, BLOCK_K)
+    pdl_wait(PDL)  # the first block's weights (constant) are read before it, x after
     for it in range(0, K_ITERS):
         k0 = (split * K_ITERS + it) * BLOCK_K
         word = k0 // 8 + offs_w  # (W,)

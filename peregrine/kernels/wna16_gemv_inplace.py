@@ -18,6 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from peregrine.kernels._utils import pdl_release, pdl_wait
 from peregrine.kernels.gemv import row_accumulators, store_row_sums
 
 _TWO_23 = tl.constexpr(8388608.0)  # 2^23: its float32 ulp is 1
@@ -178,7 +179,9 @@ def _wna16_gemv_inplace_kernel(
     GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZP: tl.constexpr, ASM: tl.constexpr,
     X_BF16: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_release(PDL)
     PACK: tl.constexpr = 32 // BITS  # values per word
     WORDS: tl.constexpr = BLOCK_K // PACK
     pid_n = tl.program_id(0)
@@ -194,6 +197,9 @@ def _wna16_gemv_inplace_kernel(
         nxt_words, nxt_s, nxt_z = _load_block(q_ptr, s_ptr, z_ptr, split * K_ITERS * BLOCK_K, K,
                                               N, offs_w, offs_n, n_mask, k_end, GROUP, BITS,
                                               HAS_ZP, BLOCK_N, BLOCK_K)
+    # NOTE: the first K block's words, scales and zeros (constant) load while the kernel
+    # before this one finishes; x and everything else only after the wait.
+    pdl_wait(PDL)
     for it in range(0, K_ITERS):
         k0 = (split * K_ITERS + it) * BLOCK_K
         word = k0 // PACK + offs_w  # (W,)
