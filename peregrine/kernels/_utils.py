@@ -157,13 +157,21 @@ def reusable_launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict,
     return compiled[grid], list(bound.arguments.values())
 
 
+_PDL_MODES = {"early": 1, "late": 2, "exit": 3}
+
+
 @functools.lru_cache(maxsize=None)
-def _dependent_launch(index: int) -> bool:
-    return envs.dependent_launch() and _capability(index) >= (9, 0)
+def _dependent_launch(index: int) -> dict:
+    mode = envs.dependent_launch()
+    if mode == "0" or _capability(index) < (9, 0):
+        return _NO_PDL
+    if mode not in _PDL_MODES:
+        raise ValueError(f"PEREGRINE_DEPENDENT_LAUNCH: {mode!r} is not 0, "
+                         f"{', '.join(_PDL_MODES)}")
+    return {"PDL": _PDL_MODES[mode], "launch_pdl": True}
 
 
-_NO_PDL = {"PDL": False}
-_PDL = {"PDL": True, "launch_pdl": True}
+_NO_PDL = {"PDL": 0}
 
 
 def pdl_args(x: torch.Tensor) -> dict:
@@ -174,13 +182,20 @@ def pdl_args(x: torch.Tensor) -> dict:
     if x.device.type != "cuda":
         return _NO_PDL
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return _PDL if _dependent_launch(index) else _NO_PDL
+    return _dependent_launch(index)
 
 
 @triton.jit
 def pdl_release(PDL: tl.constexpr):
     """Let the next kernel launch now (it still waits for this one's results: pdl_wait)."""
-    if PDL:
+    if PDL == 1:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_release_late(PDL: tl.constexpr):
+    """pdl_release where a kernel's main work is done (only its epilogue is left)."""
+    if PDL == 2:
         gdc_launch_dependents()
 
 
@@ -189,7 +204,7 @@ def pdl_wait(PDL: tl.constexpr):
     """Wait until the kernel before this one has finished and its writes are visible. Nothing
     this kernel reads or writes that another kernel touches may come before it: only constant
     weights may be loaded earlier."""
-    if PDL:
+    if PDL > 0:
         gdc_wait()
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import pdl_release, pdl_wait
+from peregrine.kernels._utils import pdl_release, pdl_release_late, pdl_wait
 from peregrine.kernels.gemv import finish_split_k, store_partial
 from peregrine.kernels.wna16_gemv_inplace import _load_block
 
@@ -171,6 +171,7 @@ def _wna16_gemv_half2_kernel(
             t += (((words >> 24) & 0xF).to(tl.float32) - zc) * x6[:, None]
             t += (((words >> 28) & 0xF).to(tl.float32) - zc) * x7[:, None]
         acc += t * (s * _UNDO)[None, :]
+    pdl_release_late(PDL)
     store_partial(part_ptr, c_ptr, tl.sum(acc, axis=0), 0, M, N, split, offs_n, n_mask,
                   stride_cm, HAS_SPLIT)
     finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, stride_cm, SPLIT_K,
