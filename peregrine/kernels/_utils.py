@@ -157,7 +157,7 @@ def reusable_launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict,
     return compiled[grid], list(bound.arguments.values())
 
 
-_PDL_MODES = {"early": 1, "late": 2, "exit": 3}
+_PDL_MODES = {"early": 1, "late": 2, "exit": 3, "mixed": 4}
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,7 +187,15 @@ def pdl_args(x: torch.Tensor) -> dict:
 
 @triton.jit
 def pdl_release(PDL: tl.constexpr):
-    """Let the next kernel launch now (it still waits for this one's results: pdl_wait)."""
+    """Let the next kernel launch now (it still waits for this one's results: pdl_wait): the
+    start of a short kernel."""
+    if PDL == 1 or PDL == 4:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_release_long(PDL: tl.constexpr):
+    """pdl_release at the start of a long kernel (a GEMV, attention)."""
     if PDL == 1:
         gdc_launch_dependents()
 
@@ -195,7 +203,7 @@ def pdl_release(PDL: tl.constexpr):
 @triton.jit
 def pdl_release_late(PDL: tl.constexpr):
     """pdl_release where a kernel's main work is done (only its epilogue is left)."""
-    if PDL == 2:
+    if PDL == 2 or PDL == 4:
         gdc_launch_dependents()
 
 

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import (next_pow2, num_sms, pdl_args, pdl_prologue,
-                                      pdl_release_late)
+from peregrine.kernels._utils import (next_pow2, num_sms, pdl_args, pdl_release_late,
+                                      pdl_release_long, pdl_wait)
 
 # The cut-offs, measured on an H200 at Llama-3-8B's shapes (benchmarks/gemv_bench.py): a linear
 # with at most this many rows uses a GEMV on CUDA, more use the GEMMs. The int layout's GEMV beats
@@ -174,7 +174,8 @@ def _w8_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_prologue(PDL)
+    pdl_release_long(PDL)
+    pdl_wait(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)

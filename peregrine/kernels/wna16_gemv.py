@@ -41,7 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import dot_dtype, pdl_args, pdl_prologue, pdl_release_late
+from peregrine.kernels._utils import (dot_dtype, pdl_args, pdl_release_late, pdl_release_long,
+                                      pdl_wait)
 from peregrine.kernels.gemv import (GEMV_MAX_M, GemvConfig, block_m_for, choose_split,
                                     launch_buffers, row_accumulators, store_row_sums)
 from peregrine.kernels.wna16_gemv_half2 import _wna16_gemv_half2_kernel
@@ -107,7 +108,8 @@ def _wna16_gemv_fma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_prologue(PDL)
+    pdl_release_long(PDL)
+    pdl_wait(PDL)
     PACK: tl.constexpr = 4 if BITS == 8 else 8  # values per word of the main plane
     WIDTH: tl.constexpr = 8 if BITS == 8 else 4  # bits per value in the main plane
     WORDS: tl.constexpr = BLOCK_K // PACK

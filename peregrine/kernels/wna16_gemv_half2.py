@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import pdl_release, pdl_release_late, pdl_wait
+from peregrine.kernels._utils import pdl_release_late, pdl_release_long, pdl_wait
 from peregrine.kernels.gemv import finish_split_k, store_partial
 from peregrine.kernels.wna16_gemv_inplace import _load_block
 
@@ -119,7 +119,7 @@ def _wna16_gemv_half2_kernel(
     EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_release(PDL)
+    pdl_release_long(PDL)
     WORDS: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     split = tl.program_id(1)

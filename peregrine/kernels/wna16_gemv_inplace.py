@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import pdl_release, pdl_release_late, pdl_wait
+from peregrine.kernels._utils import pdl_release_late, pdl_release_long, pdl_wait
 from peregrine.kernels.gemv import row_accumulators, store_row_sums
 
 _TWO_23 = tl.constexpr(8388608.0)  # 2^23: its float32 ulp is 1
@@ -181,7 +181,7 @@ def _wna16_gemv_inplace_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_release(PDL)
+    pdl_release_long(PDL)
     PACK: tl.constexpr = 32 // BITS  # values per word
     WORDS: tl.constexpr = BLOCK_K // PACK
     pid_n = tl.program_id(0)
