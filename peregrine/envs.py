@@ -21,14 +21,11 @@ def fused_kernels() -> bool:
     return _flag("PEREGRINE_FUSED_KERNELS", True)
 
 
-def dependent_launch() -> str:
-    """PEREGRINE_DEPENDENT_LAUNCH: on Hopper and later, the decode path's Triton kernels launch
-    while the kernel before them finishes and wait for its results on the GPU. "early": each
-    lets the next one launch as it starts; "late": the GEMVs let it launch once their main loop
-    is done, the others as they exit; "exit": every kernel as it exits; 0 (default): off, each
-    kernel starts after the previous one ends. Read once per process."""
-    value = (os.environ.get("PEREGRINE_DEPENDENT_LAUNCH") or "0").strip().lower()
-    return "0" if value in ("0", "off", "false", "no") else value
+def dependent_launch() -> bool:
+    """PEREGRINE_DEPENDENT_LAUNCH: on Hopper and later, the decode path's Triton kernels are
+    launched while the kernel before them finishes and wait for its results on the GPU (default
+    on; 0: each kernel is launched after the previous one ends). Read once per process."""
+    return _flag("PEREGRINE_DEPENDENT_LAUNCH", True)
 
 
 def debug_checks() -> bool:

@@ -157,28 +157,22 @@ def reusable_launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict,
     return compiled[grid], list(bound.arguments.values())
 
 
-_PDL_MODES = {"early": 1, "late": 2, "exit": 3, "mixed": 4}
-
-
 @functools.lru_cache(maxsize=None)
 def _dependent_launch(index: int) -> dict:
-    mode = envs.dependent_launch()
-    if mode == "0" or _capability(index) < (9, 0):
-        return _NO_PDL
-    if mode not in _PDL_MODES:
-        raise ValueError(f"PEREGRINE_DEPENDENT_LAUNCH: {mode!r} is not 0, "
-                         f"{', '.join(_PDL_MODES)}")
-    return {"PDL": _PDL_MODES[mode], "launch_pdl": True}
+    if envs.dependent_launch() and _capability(index) >= (9, 0):
+        return _PDL
+    return _NO_PDL
 
 
-_NO_PDL = {"PDL": 0}
+_NO_PDL = {"PDL": False}
+_PDL = {"PDL": True, "launch_pdl": True}
 
 
 def pdl_args(x: torch.Tensor) -> dict:
-    """Launch arguments for a kernel with a PDL constexpr that starts with `pdl_prologue` (or
-    calls gdc_wait itself before its first dependent access): on a Hopper or later GPU it is
-    launched as a programmatic dependent of the kernel before it (it may start while that one
-    finishes; both stay ordered on the GPU, inside CUDA graphs too); elsewhere a plain launch."""
+    """Launch arguments for a kernel with a PDL constexpr that calls pdl_wait before it touches
+    anything another kernel writes or reads: on a Hopper or later GPU it is launched as a
+    programmatic dependent of the kernel before it (it may be scheduled while that one finishes,
+    and waits for it on the GPU, inside CUDA graphs too); elsewhere a plain launch."""
     if x.device.type != "cuda":
         return _NO_PDL
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
@@ -186,38 +180,20 @@ def pdl_args(x: torch.Tensor) -> dict:
 
 
 @triton.jit
-def pdl_release(PDL: tl.constexpr):
-    """Let the next kernel launch now (it still waits for this one's results: pdl_wait): the
-    start of a short kernel."""
-    if PDL == 1 or PDL == 4:
-        gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_release_long(PDL: tl.constexpr):
-    """pdl_release at the start of a long kernel (a GEMV, attention)."""
-    if PDL == 1:
-        gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_release_late(PDL: tl.constexpr):
-    """pdl_release where a kernel's main work is done (only its epilogue is left)."""
-    if PDL == 2 or PDL == 4:
-        gdc_launch_dependents()
-
-
-@triton.jit
 def pdl_wait(PDL: tl.constexpr):
     """Wait until the kernel before this one has finished and its writes are visible. Nothing
     this kernel reads or writes that another kernel touches may come before it: only constant
     weights may be loaded earlier."""
-    if PDL > 0:
+    if PDL:
         gdc_wait()
 
 
 @triton.jit
-def pdl_prologue(PDL: tl.constexpr):
-    """pdl_release, then pdl_wait: the start of a kernel with nothing to load before the wait."""
-    pdl_release(PDL)
-    pdl_wait(PDL)
+def pdl_release(PDL: tl.constexpr):
+    """Let the next kernel be scheduled now (it still waits for this one in pdl_wait): called
+    by a long kernel once its main loop is done, so the next one's launch overlaps its
+    epilogue. A kernel that never calls it releases the next one as its programs exit.
+    NOTE: releasing at a kernel's start measured slower on an H200 (the waiting programs hold
+    SM slots through the whole kernel)."""
+    if PDL:
+        gdc_launch_dependents()

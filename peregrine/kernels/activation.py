@@ -5,13 +5,13 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import pdl_args, pdl_prologue
+from peregrine.kernels._utils import pdl_args, pdl_wait
 
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter,
                          BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
     mask = offs < inter

@@ -15,8 +15,8 @@ import triton.language as tl
 from peregrine.kernels._utils import (FP8_DTYPES, check_block_size, check_q_and_caches,
                                       check_window_and_out, dot_precision, has_fp8_convert,
                                       is_gpu, kv_dot_dtype, max_shared_memory, next_pow2,
-                                      may_reuse_launches, num_sms, pdl_args, pdl_prologue,
-                                      pdl_release_long, pdl_wait, reusable_launch)
+                                      may_reuse_launches, num_sms, pdl_args, pdl_wait,
+                                      reusable_launch)
 from peregrine.kernels.decode_configs import PROGRAMS_PER_SM, pick_config
 
 _reuse_launches = True  # False once a compiled launch refused its arguments
@@ -378,7 +378,6 @@ def _decode_split_kernel(
     KV_E5M2: tl.constexpr, HEADS_FIRST: tl.constexpr, ROWS: tl.constexpr,
     HEADS: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_release_long(PDL)
     pdl_wait(PDL)
     if HEADS_FIRST:  # grid (Hkv / HEADS, B, S): the kv heads of one sequence run side by side
         kvh = tl.program_id(0) * HEADS
@@ -588,7 +587,7 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_prologue(PDL)
+    pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     b64 = b.to(tl.int64)

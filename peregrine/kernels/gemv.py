@@ -19,8 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import (next_pow2, num_sms, pdl_args, pdl_release_late,
-                                      pdl_release_long, pdl_wait)
+from peregrine.kernels._utils import next_pow2, num_sms, pdl_args, pdl_release, pdl_wait
 
 # The cut-offs, measured on an H200 at Llama-3-8B's shapes (benchmarks/gemv_bench.py): a linear
 # with at most this many rows uses a GEMV on CUDA, more use the GEMMs. The int layout's GEMV beats
@@ -174,7 +173,6 @@ def _w8_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_release_long(PDL)
     pdl_wait(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -214,7 +212,7 @@ def _w8_gemv_kernel(
     s = tl.full((BLOCK_N,), 1.0, tl.float32)
     if not BLOCK_SCALE:  # one scale per output channel, applied once to the sums
         s = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
-    pdl_release_late(PDL)
+    pdl_release(PDL)
     store_partial(part_ptr, c_ptr, acc0 * s, 0, M, N, split, offs_n, n_mask, stride_cm, HAS_SPLIT)
     if BLOCK_M > 1:
         store_partial(part_ptr, c_ptr, acc1 * s, 1, M, N, split, offs_n, n_mask, stride_cm,

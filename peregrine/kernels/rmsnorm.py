@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import next_pow2, pdl_args, pdl_prologue
+from peregrine.kernels._utils import next_pow2, pdl_args, pdl_wait
 
 
 @triton.jit
@@ -14,7 +14,7 @@ def _rms_norm_kernel(
     stride_x, stride_res, stride_out, stride_new_res,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_prologue(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)  # (BLOCK,)
     mask = offs < HIDDEN

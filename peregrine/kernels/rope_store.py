@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import check_block_size, is_gpu, next_pow2, pdl_args, pdl_prologue
+from peregrine.kernels._utils import check_block_size, is_gpu, next_pow2, pdl_args, pdl_wait
 from peregrine.kernels.reference import FP8_DTYPES
 from peregrine.kernels.store_kv import _fp8_constants, _quantize
 
@@ -42,7 +42,7 @@ def _norm_rope_store_kernel(
     FP8_MAX: tl.constexpr, SOFT_FP8: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
     MAGIC: tl.constexpr, MIN_NORMAL: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_prologue(PDL)
+    pdl_wait(PDL)
     # Grid (T, Q_GROUPS + KV groups): a program takes BLOCK_H q heads, or BLOCK_H k and v heads.
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)

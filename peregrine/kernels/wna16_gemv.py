@@ -41,8 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import (dot_dtype, pdl_args, pdl_release_late, pdl_release_long,
-                                      pdl_wait)
+from peregrine.kernels._utils import dot_dtype, pdl_args, pdl_release, pdl_wait
 from peregrine.kernels.gemv import (GEMV_MAX_M, GemvConfig, block_m_for, choose_split,
                                     launch_buffers, row_accumulators, store_row_sums)
 from peregrine.kernels.wna16_gemv_half2 import _wna16_gemv_half2_kernel
@@ -108,7 +107,6 @@ def _wna16_gemv_fma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
     PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_release_long(PDL)
     pdl_wait(PDL)
     PACK: tl.constexpr = 4 if BITS == 8 else 8  # values per word of the main plane
     WIDTH: tl.constexpr = 8 if BITS == 8 else 4  # bits per value in the main plane
@@ -159,7 +157,7 @@ def _wna16_gemv_fma_kernel(
             acc5 += t5 * s
             acc6 += t6 * s
             acc7 += t7 * s
-    pdl_release_late(PDL)
+    pdl_release(PDL)
     store_row_sums(part_ptr, lock_ptr, c_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M,
                    N, pid_n, split, offs_n, n_mask, stride_cm, SPLIT_K, HAS_SPLIT, BLOCK_M,
                    BLOCK_N)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import pdl_release_late, pdl_release_long, pdl_wait
+from peregrine.kernels._utils import pdl_release, pdl_wait
 from peregrine.kernels.gemv import finish_split_k, store_partial
 from peregrine.kernels.wna16_gemv_inplace import _load_block
 
@@ -119,7 +119,6 @@ def _wna16_gemv_half2_kernel(
     EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_release_long(PDL)
     WORDS: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -171,7 +170,7 @@ def _wna16_gemv_half2_kernel(
             t += (((words >> 24) & 0xF).to(tl.float32) - zc) * x6[:, None]
             t += (((words >> 28) & 0xF).to(tl.float32) - zc) * x7[:, None]
         acc += t * (s * _UNDO)[None, :]
-    pdl_release_late(PDL)
+    pdl_release(PDL)
     store_partial(part_ptr, c_ptr, tl.sum(acc, axis=0), 0, M, N, split, offs_n, n_mask,
                   stride_cm, HAS_SPLIT)
     finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, stride_cm, SPLIT_K,

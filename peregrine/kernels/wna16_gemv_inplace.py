@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import pdl_release_late, pdl_release_long, pdl_wait
+from peregrine.kernels._utils import pdl_release, pdl_wait
 from peregrine.kernels.gemv import row_accumulators, store_row_sums
 
 _TWO_23 = tl.constexpr(8388608.0)  # 2^23: its float32 ulp is 1
@@ -181,7 +181,6 @@ def _wna16_gemv_inplace_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pdl_release_long(PDL)
     PACK: tl.constexpr = 32 // BITS  # values per word
     WORDS: tl.constexpr = BLOCK_K // PACK
     pid_n = tl.program_id(0)
@@ -265,7 +264,7 @@ def _wna16_gemv_inplace_kernel(
                              d4, d5, d6, d7, BITS, X_BF16, EVEN_K) * s
             acc7 += _row_sum(t, a_ptr, a64_ptr, 7, M, stride_am, word, w_mask, d0, d1, d2, d3,
                              d4, d5, d6, d7, BITS, X_BF16, EVEN_K) * s
-    pdl_release_late(PDL)
+    pdl_release(PDL)
     store_row_sums(part_ptr, lock_ptr, c_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, M,
                    N, pid_n, split, offs_n, n_mask, stride_cm, SPLIT_K, HAS_SPLIT, BLOCK_M,
                    BLOCK_N)

@@ -344,3 +344,47 @@ def test_w8_gemv_is_deterministic_and_precompiled() -> None:
     for m in range(1, W8_GEMV_MAX_M + 1):
         w8_gemv(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), wq, ws)
     assert _compiled(_w8_gemv_kernel) == before
+
+
+def test_dependent_launches_in_a_graph_give_plain_launches_bits(monkeypatch) -> None:
+    """Kernels launched as programmatic dependents (sm_90+: each may be scheduled while the one
+    before it finishes and waits for it on the GPU) give the bits of plain launches in a CUDA
+    graph chain where every kernel reads what the one before it wrote."""
+    from peregrine.kernels import _utils
+    from peregrine.kernels.activation import silu_and_mul
+    from peregrine.kernels.rmsnorm import rms_norm
+    k, n = SHAPES["gate_up"]
+    w_up, w_down = _layout(k, n, 4, zp=True), _layout(n // 2, k, 4, zp=True)
+    norm_w = torch.rand(k, device=DEV, dtype=torch.bfloat16) + 0.5
+    x = torch.empty(1, k, device=DEV, dtype=torch.bfloat16)
+
+    def chain() -> torch.Tensor:
+        h = rms_norm(x, norm_w, 1e-5)
+        for _ in range(4):
+            a = silu_and_mul(wna16_gemv(h, w_up))
+            h = rms_norm(wna16_gemv(a, w_down), norm_w, 1e-5)
+        return h
+
+    def replays(flag: str) -> list[torch.Tensor]:
+        monkeypatch.setenv("PEREGRINE_DEPENDENT_LAUNCH", flag)
+        _utils._dependent_launch.cache_clear()
+        assert _utils.pdl_args(x)["PDL"] == (flag == "1")
+        x.normal_()
+        chain()  # compiled outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        outs, gen = [], torch.Generator(device=DEV).manual_seed(5)
+        for _ in range(10):
+            x.copy_(torch.randn(x.shape, generator=gen, device=DEV))
+            graph.replay()
+            outs.append(out.clone())
+        return outs
+
+    try:
+        on, off = replays("1"), replays("0")
+    finally:
+        _utils._dependent_launch.cache_clear()
+    assert all(torch.isfinite(o).all() for o in on)
+    for a, b in zip(on, off):
+        assert torch.equal(a, b)
