@@ -154,7 +154,8 @@ def reusable_launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict,
     if compiled is None or not hasattr(compiled, "__getitem__"):
         return None
     bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
-    return compiled[grid], list(bound.arguments.values())
+    # NOTE: a compiled kernel's launcher takes a 3-dim grid (the JIT pads shorter ones itself).
+    return compiled[tuple(grid) + (1,) * (3 - len(grid))], list(bound.arguments.values())
 
 
 @functools.lru_cache(maxsize=None)

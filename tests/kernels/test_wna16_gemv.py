@@ -181,7 +181,7 @@ def test_mma_variant_ragged_n_and_k() -> None:
 def test_the_default_variant_and_every_variant_agrees() -> None:
     w = _layout(4, 128, zp=True, dtype=torch.bfloat16, seed=17)
     x = _x(4, torch.bfloat16, seed=18)
-    # 4-bit: in place (prefetching at 3-4 rows); 8-bit: in place up to 2 rows (prefetching at
+    # 4-bit: packed halves at 1 row of 16-bit x, in place (prefetching at 3-4 rows); 8-bit: in place up to 2 rows (prefetching at
     # 1), fma above; 6-bit and act-order: fma
     chosen = []
     real = wna16_gemv_module._variant
@@ -193,7 +193,7 @@ def test_the_default_variant_and_every_variant_agrees() -> None:
         for xx, ww in ((x[:1], w), (x[:2], w), (x[:3], w), (x, w), (x[:1], w8), (x[:2], w8),
                        (x[:3], w8), (x[:1], w6)):
             wna16_gemv(xx, ww)
-    assert chosen == ["inplace", "inplace", "inplace_prefetch", "inplace_prefetch",
+    assert chosen == ["half2_prefetch", "inplace", "inplace_prefetch", "inplace_prefetch",
                       "inplace_prefetch", "inplace", "fma", "fma"]
     assert torch.equal(wna16_gemv(x, w), wna16_gemv(x, w, variant="inplace"))
     for variant in ("fma", "fma_prefetch", "mma", "inplace"):
