@@ -1,7 +1,12 @@
 """Split-K GEMV for weight-only int weights in layers/quantization/wna16.py's layout, for decode
 batches of at most GEMV_MAX_ROWS rows: y (M, N) = x (M, K) @ dequant(W) (K, N). Variants, chosen
-by wna16_gemv's `variant` argument; without one, inplace or inplace_prefetch where they read
-the layout (4-bit weights; 8-bit up to 2 rows; see _variant for which), else fma:
+by wna16_gemv's `variant` argument; without one, half2_prefetch at one row of 4-bit weights and
+16-bit x, inplace or inplace_prefetch where they read the layout (4-bit weights; 8-bit up to 2
+rows; see _variant for which), else fma:
+
+half2 (4 bits, one row, K blocks inside one group; wna16_gemv_half2.py): two values per
+instruction in fp16 pairs (dequantization and the products), the word's sum in float32;
+half2_prefetch loads each K block one iteration ahead.
 
 inplace (4 / 8 bits, K blocks inside one group; wna16_gemv_inplace.py): each value becomes a
 float where it sits in its word, so a 4-bit value costs an AND-OR, a subtraction and an FMA.
@@ -307,11 +312,12 @@ def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
 def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None,
                variant: str | None = None) -> torch.Tensor:
     """y (..., N) = x (..., K) @ dequant(w) (K, N) in x's dtype, for at most GEMV_MAX_ROWS rows.
-    variant: "inplace" (4 / 8 bits, values converted in place), "fma" (float32 FMAs),
-    "fma_prefetch" (the same, its loads pipelined two K blocks ahead) or "mma" (tensor cores;
-    4 / 8 bits, 16-bit x, sm_90+); None: one of the in-place forms for 4-bit weights and for
-    8-bit ones up to 2 rows where the layout allows (the prefetching one at 3-4 rows of 4-bit
-    and 1 row of 8-bit weights), else fma."""
+    variant: "inplace" (4 / 8 bits, values converted in place), "half2" / "half2_prefetch"
+    (4 bits, one row, fp16 pairs), "fma" (float32 FMAs), "fma_prefetch" (the same, its loads
+    pipelined two K blocks ahead) or "mma" (tensor cores; 4 / 8 bits, 16-bit x, sm_90+); None:
+    half2_prefetch at one row of 4-bit weights and 16-bit x, else one of the in-place forms for
+    4-bit weights and for 8-bit ones up to 2 rows where the layout allows (the prefetching one
+    at 3-4 rows of 4-bit and 1 row of 8-bit weights), else fma."""
     k, n = w.in_features, w.out_features
     if x.shape[-1] != k:
         raise ValueError(f"wna16_gemv: x has {x.shape[-1]} inputs, the weight {k}")

@@ -16,6 +16,10 @@ four products then stay far from fp16's 65504 for any input below ~2^18 in size,
 down to 2^-6 keep fp16's 11 significant bits. The result differs from the float32 variants by
 fp16 rounding of x and of the four-product sums (a relative 2^-11 each), well inside what the
 bf16 output keeps. The interpreter (ASM off) computes the same sums in float32.
+
+On an H200 at Llama-3-8B's shapes the halved instructions alone bought nothing (the kernel
+waits on memory latency, not on issue slots); with PREFETCH (each K block's loads issued an
+iteration ahead, in registers) it takes about 8% less time than the in-place variant.
 """
 from __future__ import annotations
 
