@@ -28,6 +28,13 @@ def dependent_launch() -> bool:
     return _flag("PEREGRINE_DEPENDENT_LAUNCH", True)
 
 
+def graph_paths_on_cpu() -> bool:
+    """PEREGRINE_GRAPH_PATHS_ON_CPU: for tests on a CPU machine, a worker without CUDA builds the
+    CUDA-graph runners anyway and runs their steps eagerly over the same fixed buffers, so the
+    engine's graph paths run there (default off)."""
+    return _flag("PEREGRINE_GRAPH_PATHS_ON_CPU", False)
+
+
 def debug_checks() -> bool:
     """PEREGRINE_DEBUG_CHECKS: per-layer shape checks on the hot path (default off; 1: on)."""
     return _flag("PEREGRINE_DEBUG_CHECKS", False)

@@ -5,6 +5,10 @@
   attention calls; attention runs eagerly in between with the step's host metadata, so any mix of
   decodes, chunks and cached prefixes fits. This removes the eager per-kernel launch cost, which
   for small chunks (a prefix-cache hit) is larger than the GPU time itself.
+- Pipeline stages capture both kinds over their own layers: a stage after the first starts from
+  the previous stage's (hidden, residual) in a fixed buffer, a stage before the last ends by
+  writing its own into another (step_buffers.StageBuffers) instead of the norm and LM head; the
+  messages between stages carry the padded step.
 """
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ import torch
 from torch import nn
 
 from peregrine.attention.metadata import AttentionMetadata
-from peregrine.worker.step_buffers import StepBuffers
+from peregrine.models.protocol import PipelineStage
+from peregrine.worker.step_buffers import StageBuffers, StepBuffers
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -48,15 +53,23 @@ class CudaGraphRunner:
 
     With capture=False the same steps run eagerly on the same buffers (the CPU path tests use).
     Each sequence has query_len token rows (1 here; verify_graphs.py's subclass has k + 1).
+    A pipeline stage before the last (stage_buffers) has no logits: its graphs end in the
+    stage's fixed output buffer.
     """
 
     query_len = 1
+    # the whole model unless built for a pipeline stage (subclasses without stages keep these)
+    stage_buffers: StageBuffers | None = None
+    stage = PipelineStage()
 
     def __init__(self, model: nn.Module, buffers: StepBuffers, kv_caches: KVCaches,
-                 max_batch_size: int, max_model_len: int, capture: bool = True) -> None:
+                 max_batch_size: int, max_model_len: int, capture: bool = True,
+                 stage_buffers: StageBuffers | None = None) -> None:
         """max_batch_size: the largest decode batch (at most max_num_seqs and the token budget)."""
         self.model = model
         self.buffers = buffers
+        self.stage_buffers = stage_buffers
+        self.stage = stage_buffers.stage if stage_buffers is not None else PipelineStage()
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_batch_size)
@@ -67,7 +80,9 @@ class CudaGraphRunner:
         if not capture:
             with torch.inference_mode():
                 self._reset_buffers()
-                self.logits = self._run(self.sizes[-1])
+                out = self._run(self.sizes[-1])
+                if self.stage.is_last:
+                    self.logits = out
             return
         dev = buffers.d_input_ids.device
         t0 = time.perf_counter()
@@ -110,10 +125,13 @@ class CudaGraphRunner:
     def _run(self, bs: int) -> torch.Tensor:
         """Logits (bs query_len, V) of the first bs sequences' rows of the step buffers: rows of
         the shared buffer once it exists, else a fresh tensor (the largest size's, which becomes
-        it)."""
-        buf, t = self.buffers, bs * self.query_len
-        hidden = self.model(buf.d_input_ids[:t], buf.d_positions[:t], self.kv_caches,
-                            self._meta(bs))  # (t, hidden)
+        it). A stage before the last: its (2, t, hidden) output buffer, written."""
+        buf, t, sb = self.buffers, bs * self.query_len, self.stage_buffers
+        args = (buf.d_input_ids[:t], buf.d_positions[:t], self.kv_caches, self._meta(bs))
+        # (t, hidden); (2, t, hidden) on a stage before the last
+        hidden = self.model(*args) if self.stage.is_first else self.model(*args, sb.input(t))
+        if not self.stage.is_last:
+            return sb.output(t).copy_(hidden)
         if self.logits is None:
             return self.model.compute_logits(hidden)  # (t, V) float32
         return self.model.compute_logits(hidden, out=self.logits[:t])  # (t, V)
@@ -127,7 +145,7 @@ class CudaGraphRunner:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
                 out = self._run(bs)  # (bs query_len, V)
-            if self.logits is None:
+            if self.logits is None and self.stage.is_last:
                 # NOTE: the largest graph's own output is the shared buffer; holding it keeps
                 # its block out of the pool, so no later graph's temporaries can alias it.
                 self.logits = out
@@ -137,15 +155,19 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
 
     def replay(self, num_seqs: int) -> torch.Tensor:
-        """Logits (B, V) of a decode-only step whose inputs are already in the device buffers.
+        """Logits (B, V) of a decode-only step whose inputs are already in the device buffers
+        (a stage after the first: its input buffer too).
 
         A view of the shared buffer: the next replay (of any size) overwrites it, so it must be
-        consumed by work queued on the same stream before that replay is launched."""
+        consumed by work queued on the same stream before that replay is launched. A stage
+        before the last: its output buffer's (2, padded(B), hidden), under the same rule."""
         bs = self.padded(num_seqs)
         if self.graphs:
             self.graphs[bs].replay()
         else:
             self._run(bs)
+        if not self.stage.is_last:
+            return self.stage_buffers.output(bs * self.query_len)
         return self.logits[:num_seqs]
 
 
@@ -178,23 +200,36 @@ class PiecewiseGraphs:
 
     pool: a memory pool to capture into (the decode graphs'): every piece's temporaries are dead
     once it ends, and no two graphs ever run at once on the one stream, so they may alias.
+
+    A pipeline stage (stage_buffers): piece 0 of a stage after the first starts from the
+    previous stage's (hidden, residual) in its input buffer; the last piece of a stage before
+    the last writes its own into its output buffer instead of the final norm.
     """
 
     def __init__(self, model: nn.Module, buffers: StepBuffers, kv_caches: KVCaches,
                  sizes: list[int], capture: bool = True,
-                 pool: tuple[int, int] | None = None) -> None:
+                 pool: tuple[int, int] | None = None,
+                 stage_buffers: StageBuffers | None = None) -> None:
         if not sizes:
             raise ValueError("PiecewiseGraphs needs at least one size")
         self.model = model
         self.buffers = buffers
         self.kv_caches = kv_caches
+        self.stage_buffers = stage_buffers
+        self.stage = stage_buffers.stage if stage_buffers is not None else PipelineStage()
         self.layers = list(self.model.layers)
         self.sizes = sorted(sizes)
         n = self.sizes[-1]
+        if stage_buffers is not None and stage_buffers.max_tokens < n:
+            raise ValueError(f"the stage buffers hold {stage_buffers.max_tokens} tokens, the "
+                             f"piecewise graphs up to {n}")
         attn = self.layers[0].self_attn
-        emb = self.model.embed_tokens.weight
-        dev, dt = emb.device, emb.dtype
-        hidden = emb.shape[1]
+        if self.stage.is_first:
+            emb = self.model.embed_tokens.weight
+            dev, dt, hidden = emb.device, emb.dtype, emb.shape[1]
+        else:
+            sb = stage_buffers
+            dev, dt, hidden = sb.device, sb.dtype, sb.hidden
         self.q = torch.zeros(n, attn.num_heads, attn.head_dim, dtype=dt, device=dev)
         self.o = torch.zeros(n, attn.num_heads, attn.head_dim, dtype=dt, device=dev)
         self.residual = torch.zeros(n, hidden, dtype=dt, device=dev)
@@ -217,11 +252,18 @@ class PiecewiseGraphs:
     def _piece(self, i: int, n: int) -> None:
         """Piece i over the first n (padded) tokens of the step buffers."""
         buf = self.buffers
-        if i == 0:
+        if i == 0 and self.stage.is_first:
             x, residual = self.model.embed_tokens(buf.d_input_ids[:n]), None  # (n, hidden)
+        elif i == 0:
+            x, residual = self.stage_buffers.input(n)  # (n, hidden) each
         else:
             x, residual = self.layers[i - 1].post_attention(self.o[:n].view(n, -1),
                                                             self.residual[:n])
+        if i == len(self.layers) and not self.stage.is_last:
+            out = self.stage_buffers.output(n)  # (2, n, hidden)
+            out[0].copy_(x)
+            out[1].copy_(residual)
+            return
         if i == len(self.layers):
             self.hidden[:n].copy_(self.model.norm(x, residual)[0])
             return
@@ -252,7 +294,9 @@ class PiecewiseGraphs:
 
     def run(self, num_tokens: int, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states (num_tokens, hidden) of a step whose inputs are in the step buffers,
-        padded to padded(num_tokens) (padding slots are -1 in meta.slot_mapping)."""
+        padded to padded(num_tokens) (padding slots are -1 in meta.slot_mapping). A stage before
+        the last: its output buffer's (2, padded(num_tokens), hidden), the whole padded step
+        (a stage after the first reads its input buffer the same way)."""
         n = self.padded(num_tokens)
         if meta.slot_mapping.shape[0] != n or \
                 meta.slot_mapping.data_ptr() != self.buffers.d_slot_mapping.data_ptr():
@@ -274,4 +318,6 @@ class PiecewiseGraphs:
             self._piece(len(self.layers), n)
         else:
             graphs[-1].replay()
+        if not self.stage.is_last:
+            return self.stage_buffers.output(n)
         return self.hidden[:num_tokens]

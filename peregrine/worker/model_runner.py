@@ -24,7 +24,7 @@ from peregrine.spec_decode.verify import accepted_counts
 from peregrine.transfer import to_device
 from peregrine.worker.cuda_graphs import CudaGraphRunner, KVCaches, PiecewiseGraphs
 from peregrine.worker.input_batch import InputBatch
-from peregrine.worker.step_buffers import StepBuffers
+from peregrine.worker.step_buffers import StageBuffers, StepBuffers
 from peregrine.worker.stage_io import StageIO
 from peregrine.worker.step_plan import StepPlan, plan_step
 from peregrine.worker.swap import KVSwapSpace
@@ -87,6 +87,8 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.prefill_graphs: PiecewiseGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None
+        # pipeline stages under CUDA graphs: the graphs' fixed input / output buffers
+        self.stage_buffers: StageBuffers | None = None
         self._num_launched = 0
         self._in_flight: dict[int, torch.Tensor] = {}  # uncollected step id -> sampled (S,) tokens
         self.proposer: Proposer | None = None  # speculative decoding (set by the worker)
@@ -222,7 +224,9 @@ class ModelRunner:
             dst, src = to_device(np.stack([dst, src]), self.device)
             buf.d_input_ids.index_copy_(0, dst, sampled.index_select(0, src))
         if graph:
-            return None, self.graphs.replay(b)
+            self._stage_input(pad)
+            out = self.graphs.replay(b)  # (B, V); (2, pad, hidden) on a stage before the last
+            return (out, None) if self._sends_hidden() else (None, out)
         if verify:
             self.timing["verify_graph_steps"] += 1
             return None, vg.replay(pad)
@@ -231,6 +235,7 @@ class ModelRunner:
         meta.max_seq_len = plan.max_seq_len
         if pieces:
             self.timing["piecewise_graph_steps"] += 1
+            self._stage_input(pad_t)
             return self.prefill_graphs.run(t, meta), None
         if self.stage_io is not None:
             # (2, T, hidden) from the previous stage; None on the first
@@ -238,6 +243,20 @@ class ModelRunner:
             if intermediate is not None:
                 return self.model(input_ids, positions, self.kv_caches, meta, intermediate), None
         return self.model(input_ids, positions, self.kv_caches, meta), None
+
+    def _stage_input(self, padded: int) -> None:
+        """Pipeline stages under CUDA graphs: the previous stage's padded step into the graphs'
+        fixed input buffer (the step's work starts here), after the last send from the fixed
+        output buffer the graphs are about to rewrite."""
+        if self.stage_io is None:
+            return
+        self.stage_io.wait_sent()
+        sb = self.stage_buffers
+        self.stage_io.begin_step(padded, None if self.stage.is_first else sb.input(padded),
+                                 graph=True)
+
+    def _sends_hidden(self) -> bool:
+        return self.stage_io is not None and not self.stage.is_last
 
     def _logits(self, plan: StepPlan, hidden: torch.Tensor | None,
                 all_logits: torch.Tensor | None) -> torch.Tensor:

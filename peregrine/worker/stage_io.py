@@ -1,8 +1,10 @@
 """One worker's pipeline-stage traffic: the previous stage's (hidden, residual) in, this stage's
 out, and a timer of how long the stage works per step against how long it waits.
 
-The receiving side knows the tensor's shape from the step itself (its token count), so no size is
-exchanged. Sends are asynchronous; a send is waited on before the next one starts.
+The receiving side knows the tensor's shape from the step itself (its token count, or its padded
+count under CUDA graphs, which every stage pads alike), so no size is exchanged. Sends are
+asynchronous; a send is waited on before the next one starts, and before a graph rewrites the
+fixed buffer it was sent from (wait_sent).
 """
 from __future__ import annotations
 
@@ -28,15 +30,23 @@ class StageIO:
         self._sending: tuple[torch.Tensor, object] | None = None  # (tensor, its send's work)
         self._start: Marker | None = None
         self._span_start: Marker | None = None
-        self._stats = {"steps": 0, "busy_s": 0.0, "span_s": 0.0, "recv_wait_s": 0.0}
+        self._stats = {"steps": 0, "graph_steps": 0, "busy_s": 0.0, "span_s": 0.0,
+                       "recv_wait_s": 0.0}
 
-    def begin_step(self, num_tokens: int) -> torch.Tensor | None:
+    def begin_step(self, num_tokens: int, out: torch.Tensor | None = None,
+                   graph: bool = False) -> torch.Tensor | None:
         """The previous stage's (2, T, hidden) output for this step of T tokens (None on the
-        first stage); the step's work starts here."""
+        first stage), received into `out` when given (a graph's fixed input buffer); the step's
+        work starts here. graph: the step runs through the CUDA graphs (counted)."""
+        self._stats["graph_steps"] += graph
         x = None
         if not self.stage.is_first:
-            x = torch.empty((2, num_tokens, self.hidden_size), dtype=self.dtype,
-                            device=self.device)  # (2, T, hidden)
+            x = out if out is not None else torch.empty(
+                (2, num_tokens, self.hidden_size), dtype=self.dtype,
+                device=self.device)  # (2, T, hidden)
+            if x.shape != (2, num_tokens, self.hidden_size):
+                raise ValueError(f"a stage input of {num_tokens} tokens cannot go into "
+                                 f"{tuple(x.shape)}")
             t0 = time.perf_counter()
             pp_recv(x)
             self._stats["recv_wait_s"] += time.perf_counter() - t0
@@ -45,9 +55,15 @@ class StageIO:
 
     def send(self, x: torch.Tensor) -> None:
         """Start sending this stage's (2, T, hidden) output to the next stage."""
+        self.wait_sent()
+        self._sending = (x, pp_send(x))
+
+    def wait_sent(self) -> None:
+        """Order what comes next after the last send (on the device's stream, or on the host
+        for CPU tensors): call before rewriting the buffer it was sent from."""
         if self._sending is not None:
             self._sending[1].wait()
-        self._sending = (x, pp_send(x))
+            self._sending = None
 
     def end_step(self) -> tuple[Marker, Marker]:
         """The step's work here is queued: its (start, end) markers, for `account` once done."""
@@ -70,13 +86,14 @@ class StageIO:
         s["span_s"] = span
 
     def stats(self, reset: bool = False) -> dict[str, float]:
-        """Steps, busy seconds, seconds from the first step's start to the last one's end, the
-        idle fraction of that span, and host seconds blocked receiving."""
+        """Steps (and those through CUDA graphs), busy seconds, seconds from the first step's
+        start to the last one's end, the idle fraction of that span, and host seconds blocked
+        receiving."""
         s = dict(self._stats)
         s["idle_fraction"] = 1.0 - s["busy_s"] / s["span_s"] if s["span_s"] > 0 else 0.0
         if reset:
             self._span_start = None
-            self._stats = {k: 0 if k == "steps" else 0.0 for k in self._stats}
+            self._stats = {k: 0 if k.endswith("steps") else 0.0 for k in self._stats}
         return s
 
     def _mark(self) -> Marker:

@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from peregrine.attention.metadata import AttentionMetadata
+from peregrine.models.protocol import PipelineStage
 from peregrine.transfer import copy_into
 
 
@@ -57,3 +58,44 @@ class StepBuffers:
             block_table=self.d_block_table[:pb], slot_mapping=self.d_slot_mapping[:pt],
             query_start_loc_cpu=torch.from_numpy(qsl), seq_lens_cpu=torch.from_numpy(seq_lens))
         return self.d_input_ids[:pt], self.d_positions[:pt], meta
+
+
+class StageBuffers:
+    """A pipeline stage's fixed-address (hidden, residual) exchange with its neighbours, which
+    its CUDA graphs read and write: `input(n)` holds the previous stage's, `output(n)` this
+    stage's for the next. Each is the start of one flat buffer viewed as a contiguous
+    (2, n, hidden), so a step padded to n tokens is one message of exactly that shape (every
+    stage pads a step alike: the graph sizes come from the shared configuration)."""
+
+    def __init__(self, stage: PipelineStage, max_tokens: int, hidden: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.stage = stage
+        self.max_tokens = max_tokens
+        self.hidden = hidden
+        self.dtype = dtype
+        self.device = device
+        n = 2 * max_tokens * hidden
+        self._in = None if stage.is_first else torch.zeros(n, dtype=dtype, device=device)
+        self._out = None if stage.is_last else torch.zeros(n, dtype=dtype, device=device)
+
+    @staticmethod
+    def nbytes(stage: PipelineStage, max_tokens: int, hidden: int, dtype: torch.dtype) -> int:
+        """Device memory the buffers of such a stage take."""
+        return (2 - stage.is_first - stage.is_last) * 2 * max_tokens * hidden * dtype.itemsize
+
+    def input(self, n: int) -> torch.Tensor:
+        """(2, n, hidden): the previous stage's hidden states and residual for n tokens."""
+        if self._in is None:
+            raise RuntimeError("the first pipeline stage has no input from a previous stage")
+        return self._view(self._in, n)
+
+    def output(self, n: int) -> torch.Tensor:
+        """(2, n, hidden): this stage's hidden states and residual for n tokens."""
+        if self._out is None:
+            raise RuntimeError("the last pipeline stage has no output for a next stage")
+        return self._view(self._out, n)
+
+    def _view(self, flat: torch.Tensor, n: int) -> torch.Tensor:
+        if not 0 < n <= self.max_tokens:
+            raise ValueError(f"a stage buffer holds 1 to {self.max_tokens} tokens, got {n}")
+        return flat[:2 * n * self.hidden].view(2, n, self.hidden)

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from peregrine import envs
 from peregrine.attention import get_attention_backend
 from peregrine.attention.kv_dtype import kv_cache_torch_dtype
 from peregrine.config import EngineConfig
@@ -20,6 +21,7 @@ from peregrine.worker.kv_memory import allocate_kv_caches, determine_num_blocks,
 from peregrine.worker.loader import load_model
 from peregrine.worker.model_runner import ModelRunner, StepHandle
 from peregrine.worker.profile import profile_run
+from peregrine.worker.step_buffers import StageBuffers
 from peregrine.worker.verify_graphs import VerifyGraphs, verify_graph_batch, verify_graph_bytes
 
 logger = logging.getLogger("peregrine")
@@ -93,12 +95,18 @@ class Worker:
         return max(sc.max_num_seqs, seqs * (spec.num_speculative_tokens + 1))
 
     def _captures_graphs(self) -> bool:
-        """Whether initialize_cache will capture CUDA graphs."""
+        """Whether initialize_cache will capture CUDA graphs (on a CPU with
+        PEREGRINE_GRAPH_PATHS_ON_CPU: build the same runners, run eagerly)."""
         cfg = self.config
-        # NOTE: pipeline stages run eagerly: a graph would have to capture the receive of the
-        # previous stage's hidden states (and a middle stage has no token ids to start from).
-        return (self.device.type == "cuda" and cfg.attention_backend == "triton"
-                and not cfg.enforce_eager and cfg.pipeline_parallel_size == 1)
+        if cfg.enforce_eager or cfg.attention_backend != "triton":
+            return False
+        return self.device.type == "cuda" or envs.graph_paths_on_cpu()
+
+    def _stage_tokens(self) -> int:
+        """Tokens the pipeline stage buffers hold: the largest decode graph's or piecewise
+        graph's step."""
+        sizes = prefill_graph_sizes(self.config.max_prefill_graph_tokens)
+        return max([self._decode_graph_batch()] + sizes)
 
     def _decode_graph_batch(self) -> int:
         # NOTE: a decode batch of B sequences is B tokens, so B is capped by the token budget too.
@@ -110,8 +118,14 @@ class Worker:
         sizing)."""
         if not self._captures_graphs():
             return 0
-        vocab = self.config.model.vocab_size
-        total = decode_graph_bytes(self._decode_graph_batch(), vocab, self.config.model.dtype)
+        cfg = self.config
+        vocab, dtype = cfg.model.vocab_size, cfg.model.dtype
+        total = 0
+        if self.stage.is_last:  # the stages before it compute no logits
+            total += decode_graph_bytes(self._decode_graph_batch(), vocab, dtype)
+        if cfg.pipeline_parallel_size > 1:
+            total += StageBuffers.nbytes(self.stage, self._stage_tokens(),
+                                         cfg.model.hidden_size, dtype)
         b = self._verify_graph_batch()
         if b:
             total += verify_graph_bytes(b, self.config.speculative.num_speculative_tokens, vocab)
@@ -140,6 +154,8 @@ class Worker:
             r.initialize_kv_cache(kv)
         self.num_blocks = num_blocks
         if self.device.type != "cuda":
+            if self._captures_graphs():
+                self._capture_graphs()
             self._startup_done()
             return
         if cfg.attention_backend == "triton":
@@ -150,12 +166,13 @@ class Worker:
                            cfg.cache.block_size, cfg.model.dtype, self.device, cache_dtype,
                            max_context=r.max_blocks_per_req * cfg.cache.block_size)
         if self._captures_graphs():
-            logger.info("capturing CUDA graphs (--enforce-eager skips them)")
+            if cfg.pipeline_parallel_size > 1:
+                logger.info("capturing CUDA graphs of pipeline stage %d of %d (layers %d-%d; "
+                            "--enforce-eager skips them)", pp_rank(), cfg.pipeline_parallel_size,
+                            self.stage.start_layer, self.model.end_layer - 1)
+            else:
+                logger.info("capturing CUDA graphs (--enforce-eager skips them)")
             self._capture_graphs()
-        elif cfg.pipeline_parallel_size > 1 and not cfg.enforce_eager:
-            logger.info("pipeline stage %d of %d (layers %d-%d) runs its steps eagerly: no CUDA "
-                        "graphs under pipeline parallelism", pp_rank(), cfg.pipeline_parallel_size,
-                        self.stage.start_layer, self.model.end_layer - 1)
         # Compile the sampling kernel now, not inside the first (timed) steps.
         with STARTUP.phase("sampler_warmup", self.device):
             r.sampler.warm_up(r.vocab_size, self.device)
@@ -167,23 +184,33 @@ class Worker:
             STARTUP.finish(f"worker rank {self.rank}, pid {os.getpid()}")
 
     def _capture_graphs(self) -> None:
-        r, sc = self.model_runner, self.config.scheduler
-        free_before = torch.cuda.mem_get_info(self.device)[0]
+        r, cfg, sc = self.model_runner, self.config, self.config.scheduler
+        cuda = self.device.type == "cuda"  # else: the same runners, run eagerly (tests)
+        free_before = torch.cuda.mem_get_info(self.device)[0] if cuda else 0
+        sb = None
+        if cfg.pipeline_parallel_size > 1:
+            sb = r.stage_buffers = StageBuffers(self.stage, self._stage_tokens(),
+                                                cfg.model.hidden_size, cfg.model.dtype,
+                                                self.device)
         with STARTUP.phase("decode_graphs", self.device):
             r.graphs = CudaGraphRunner(self.model, r.buffers, r.kv_caches,
-                                       self._decode_graph_batch(), sc.max_model_len)
-        sizes = prefill_graph_sizes(self.config.max_prefill_graph_tokens)
+                                       self._decode_graph_batch(), sc.max_model_len,
+                                       capture=cuda, stage_buffers=sb)
+        sizes = prefill_graph_sizes(cfg.max_prefill_graph_tokens)
         if sizes:
             with STARTUP.phase("piecewise_graphs", self.device):
                 r.prefill_graphs = PiecewiseGraphs(self.model, r.buffers, r.kv_caches, sizes,
-                                                   pool=r.graphs.pool)
+                                                   capture=cuda, pool=r.graphs.pool,
+                                                   stage_buffers=sb)
         b = self._verify_graph_batch()
         if b:
             with STARTUP.phase("verify_graphs", self.device):
                 r.verify_graphs = VerifyGraphs(
                     self.model, r.buffers, r.kv_caches, b,
                     self.config.speculative.num_speculative_tokens, sc.max_model_len,
-                    pool=r.graphs.pool)
+                    capture=cuda, pool=r.graphs.pool)
+        if not cuda:
+            return
         # NOTE: the KV sizing reserved only the graphs' logits; the rest comes out of the
         # (1 - gpu_memory_utilization) slack. Say how much.
         logger.info("CUDA graphs use %.2f GiB of GPU memory (decode graphs %.2f GiB; %.2f GiB was "

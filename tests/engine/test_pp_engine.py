@@ -108,3 +108,29 @@ def test_two_stages_of_two_ranks_give_the_single_process_tokens_and_fail_by_name
     assert not any(map(_alive, pids))
     assert _segments() <= before
     llm.engine.shutdown()
+
+
+@pytest.mark.slow
+def test_two_stages_through_their_graph_runners_give_the_single_process_tokens(
+        monkeypatch) -> None:
+    # Each stage builds its decode and piecewise graph runners over its own layers (run eagerly
+    # here: CUDA graphs need a GPU) and the padded steps pass through the stages' fixed buffers;
+    # the single process runs its graph runners too (the same padding, the same kernels).
+    monkeypatch.setenv("PEREGRINE_GRAPH_PATHS_ON_CPU", "1")
+    path = tiny_checkpoint("llama", num_hidden_layers=3)
+    engine = dict(ENGINE, attention_backend="triton")
+    single = LLM(path, **engine)
+    try:
+        want = _tokens(single)
+        runner = single.engine.core_client.core.executor.worker.model_runner
+        assert runner.graphs is not None and runner.prefill_graphs is not None
+    finally:
+        single.engine.shutdown()
+    llm = LLM(path, pipeline_parallel_size=2, **engine)
+    try:
+        _check_run(llm, want)
+        stats = llm.engine.core_client.core.executor.stage_stats()
+        # decode steps through the decode graphs' runner and chunks through the piecewise one
+        assert all(0 < s["graph_steps"] <= s["steps"] for s in stats)
+    finally:
+        llm.engine.shutdown()
