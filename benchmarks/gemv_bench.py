@@ -38,7 +38,8 @@ SHAPES = {  # (K, N) per projection: q/k/v fused, o, gate/up fused, down
 }
 
 
-VARIANTS = ("fma", "fma_prefetch", "mma", "inplace", "inplace_prefetch", "half2", "half2_prefetch")
+VARIANTS = ("fma", "fma_prefetch", "mma", "inplace", "inplace_prefetch", "half2", "half2_prefetch",
+            "half2_prefetch2")
 
 
 def _nbytes(*ts: torch.Tensor | None) -> int:

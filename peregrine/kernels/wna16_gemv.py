@@ -6,7 +6,7 @@ rows; see _variant for which), else fma:
 
 half2 (4 bits, one row, K blocks inside one group; wna16_gemv_half2.py): two values per
 instruction in fp16 pairs (dequantization and the products), the word's sum in float32;
-half2_prefetch loads each K block one iteration ahead.
+half2_prefetch loads each K block one iteration ahead, half2_prefetch2 two.
 
 inplace (4 / 8 bits, K blocks inside one group; wna16_gemv_inplace.py): each value becomes a
 float where it sits in its word, so a 4-bit value costs an AND-OR, a subtraction and an FMA.
@@ -177,7 +177,8 @@ _BLOCK_N = 64
 _MMA_BLOCK_N = 128
 _MMA_BLOCK_K = 128
 VARIANTS = ("fma", "fma_prefetch", "mma", "inplace", "inplace_prefetch", "half2",
-            "half2_prefetch")
+            "half2_prefetch", "half2_prefetch2")
+_HALF2_AHEAD = {"half2": 0, "half2_prefetch": 1, "half2_prefetch2": 2}  # K blocks loaded ahead
 _INPLACE_WAVES = 3.5
 
 
@@ -261,7 +262,7 @@ def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
                          f"16-bit activations and K blocks inside one group (sm_90+ on CUDA); "
                          f"got {w.bits} bits, {x.dtype}, group {w.group_size}, block_k "
                          f"{block_k or _mma_block_k(w)}")
-    if variant in ("half2", "half2_prefetch") and not (
+    if variant in _HALF2_AHEAD and not (
             w.bits == 4 and x.shape[0] == 1 and inplace_supported(w, block_k)):
         raise ValueError(f"wna16_gemv: the half2 variant takes one row of x and 4-bit weights "
                          f"without act-order, K blocks inside one group; got {x.shape[0]} rows, "
@@ -312,8 +313,8 @@ def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
 def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None,
                variant: str | None = None) -> torch.Tensor:
     """y (..., N) = x (..., K) @ dequant(w) (K, N) in x's dtype, for at most GEMV_MAX_ROWS rows.
-    variant: "inplace" (4 / 8 bits, values converted in place), "half2" / "half2_prefetch"
-    (4 bits, one row, fp16 pairs), "fma" (float32 FMAs), "fma_prefetch" (the same, its loads
+    variant: "inplace" (4 / 8 bits, values converted in place), "half2" / "half2_prefetch" /
+    "half2_prefetch2" (4 bits, one row, fp16 pairs; K blocks loaded 0 / 1 / 2 ahead), "fma" (float32 FMAs), "fma_prefetch" (the same, its loads
     pipelined two K blocks ahead) or "mma" (tensor cores; 4 / 8 bits, 16-bit x, sm_90+); None:
     half2_prefetch at one row of 4-bit weights and 16-bit x, else one of the in-place forms for
     4-bit weights and for 8-bit ones up to 2 rows where the layout allows (the prefetching one
@@ -330,7 +331,7 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     if cfg.block_k & (cfg.block_k - 1) or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"wna16_gemv: block_k {cfg.block_k} and block_n {cfg.block_n} must be "
                          "powers of two")
-    inplace = kind in ("inplace", "inplace_prefetch", "half2", "half2_prefetch")
+    inplace = kind in ("inplace", "inplace_prefetch") or kind in _HALF2_AHEAD
     if not inplace and not gemv_supported(w, cfg.block_k):
         raise ValueError(f"wna16_gemv: group size {w.group_size} (act-order: "
                          f"{w.g_idx is not None}) does not fit K blocks of {cfg.block_k}")
@@ -351,7 +352,7 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
             k, out.stride(0), cfg.k_iters, cfg.split_k, GROUP=w.group_size,
             HAS_ZP=w.zeros is not None, ASM=a.is_cuda, X_BF16=x_bf16,
             EVEN_K=cfg.split_k * cfg.k_iters * cfg.block_k == k,
-            PREFETCH=kind == "half2_prefetch", BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            PREFETCH=_HALF2_AHEAD[kind], BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             HAS_SPLIT=cfg.split_k > 1, num_warps=cfg.num_warps, **pdl_args(a))
         return out.reshape(*lead, n)
     if inplace:

@@ -131,16 +131,28 @@ def _wna16_gemv_half2_kernel(
     offs_w = tl.arange(0, WORDS)  # (W,)
     acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
     k_end = (split + 1) * K_ITERS * BLOCK_K  # this program's K range ends here
-    if PREFETCH:
-        nxt_words, nxt_s, nxt_z = _load_block(q_ptr, s_ptr, z_ptr, split * K_ITERS * BLOCK_K, K,
-                                              N, offs_w, offs_n, n_mask, k_end, GROUP, 4, HAS_ZP,
+    # NOTE: PREFETCH blocks ahead (0, 1 or 2) are loaded into registers before each block's
+    # arithmetic, so that many blocks' loads are in flight while it runs.
+    k_start = split * K_ITERS * BLOCK_K
+    if PREFETCH >= 1:
+        nxt_words, nxt_s, nxt_z = _load_block(q_ptr, s_ptr, z_ptr, k_start, K, N, offs_w, offs_n,
+                                              n_mask, k_end, GROUP, 4, HAS_ZP, BLOCK_N, BLOCK_K)
+    if PREFETCH >= 2:
+        far_words, far_s, far_z = _load_block(q_ptr, s_ptr, z_ptr, k_start + BLOCK_K, K, N,
+                                              offs_w, offs_n, n_mask, k_end, GROUP, 4, HAS_ZP,
                                               BLOCK_N, BLOCK_K)
-    pdl_wait(PDL)  # the first block's weights (constant) are read before it, x after
+    pdl_wait(PDL)  # the first blocks' weights (constant) are read before it, x after
     for it in range(0, K_ITERS):
         k0 = (split * K_ITERS + it) * BLOCK_K
         word = k0 // 8 + offs_w  # (W,)
         w_mask = word < K // 8
-        if PREFETCH:
+        if PREFETCH >= 2:
+            words, s, z = nxt_words, nxt_s, nxt_z
+            nxt_words, nxt_s, nxt_z = far_words, far_s, far_z
+            far_words, far_s, far_z = _load_block(q_ptr, s_ptr, z_ptr, k0 + 2 * BLOCK_K, K, N,
+                                                  offs_w, offs_n, n_mask, k_end, GROUP, 4,
+                                                  HAS_ZP, BLOCK_N, BLOCK_K)
+        elif PREFETCH == 1:
             words, s, z = nxt_words, nxt_s, nxt_z
             nxt_words, nxt_s, nxt_z = _load_block(q_ptr, s_ptr, z_ptr, k0 + BLOCK_K, K, N,
                                                   offs_w, offs_n, n_mask, k_end, GROUP, 4,

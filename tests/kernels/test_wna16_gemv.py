@@ -320,6 +320,14 @@ def test_half2_split_k_ragged_and_prefetch(split: int, dtype: torch.dtype) -> No
     assert _ulps(got, x, w) < ULP
     assert torch.equal(got, wna16_gemv(x, w, cfg, variant="half2"))
     assert torch.equal(got, wna16_gemv(x, w, cfg, variant="half2_prefetch"))
+    assert torch.equal(got, wna16_gemv(x, w, cfg, variant="half2_prefetch2"))
+    # 2 splits of 2 blocks over 5 blocks: the loads two blocks ahead run past K and the range
+    long = _layout(4, 128, zp=True, k=640, n=n, seed=36, dtype=dtype)
+    xl = _x(1, k=640, seed=37).to(dtype)
+    cfg = GemvConfig(32, 128, 3, 2, 4)
+    got = wna16_gemv(xl, long, cfg, variant="half2_prefetch2")
+    assert _ulps(got, xl, long) < ULP
+    assert torch.equal(got, wna16_gemv(xl, long, cfg, variant="half2"))
 
 
 def test_half2_variant_reads_unaligned_bf16_rows_one_value_at_a_time() -> None:
