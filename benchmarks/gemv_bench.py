@@ -156,6 +156,9 @@ def shape_rows(model: str, proj: str, k: int, n: int, rows: list[int], iters: in
             if m <= GEMV_MAX_ROWS:  # past the dispatch cut-offs too, to re-measure them
                 timed(f"{label} GEMV", m, [lambda p=p: w8_gemv(x, p[0], p[1]) for p in pairs],
                       wbytes + io(m))
+                timed(f"{label} GEMV prefetch", m,
+                      [lambda p=p: w8_gemv(x, p[0], p[1], prefetch=True) for p in pairs],
+                      wbytes + io(m))
                 if sweep and m in (1, GEMV_MAX_ROWS) and "w8" in sweep_variants:
                     out.append(_sweep(model, proj, k, n, m, f"{label} GEMV", wbytes + io(m),
                                       iters, lambda c: [lambda p=p: w8_gemv(x, p[0], p[1],

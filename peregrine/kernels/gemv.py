@@ -156,6 +156,23 @@ def finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, strid
 
 
 @triton.jit
+def _w8_block(w_rows, s_ptr, offs_n, n_mask, k0, K, k_end, scale_cols, BLOCK_SCALE: tl.constexpr,
+              BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K block at k0's weights (BN, BK) as stored and its block scales (BN,) (ones with
+    per-channel scales); nothing is read from K or k_end (this program's end) on."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)  # (BK,)
+    k_mask = (offs_k < K) & (offs_k < k_end)
+    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    if BLOCK_SCALE:
+        # NOTE: BK_SCALE is a multiple of BLOCK_K: one scale per weight row in this block.
+        s = tl.load(s_ptr + (offs_n // BN_SCALE) * scale_cols + tl.minimum(k0, K - 1) // BK_SCALE,
+                    mask=n_mask, other=0.0)  # (BN,)
+    else:
+        s = tl.full((offs_n.shape[0],), 1.0, tl.float32)
+    return w, s
+
+
+@triton.jit
 def _row_dot(w, a_ptr, m, M, stride_am, offs_k, k_mask):
     """sum_k w[n, k] * x[m, k] over this K block: (BLOCK_N,) float32 (zeros past row M)."""
     row_ok = (offs_k * 0 + m) < M  # (BK,): a tensor mask, also under the interpreter
@@ -171,14 +188,18 @@ def _w8_gemv_kernel(
     M, N, K, stride_am, stride_wn, stride_cm, K_ITERS, SPLIT_K, scale_cols,
     BLOCK_SCALE: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    pdl_wait(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     n_mask = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BN, 1)
+    k_end = (split + 1) * K_ITERS * BLOCK_K  # this program's K range ends here
+    if PREFETCH:  # each block's weights load an iteration ahead (the first before the wait)
+        nxt_w, nxt_s = _w8_block(w_rows, s_ptr, offs_n, n_mask, split * K_ITERS * BLOCK_K, K,
+                                 k_end, scale_cols, BLOCK_SCALE, BN_SCALE, BK_SCALE, BLOCK_K)
+    pdl_wait(PDL)
     acc0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -191,12 +212,15 @@ def _w8_gemv_kernel(
         k0 = (split * K_ITERS + it) * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)  # (BK,)
         k_mask = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                    other=0.0).to(tl.float32)  # (BN, BK)
+        if PREFETCH:
+            w, s = nxt_w, nxt_s
+            nxt_w, nxt_s = _w8_block(w_rows, s_ptr, offs_n, n_mask, k0 + BLOCK_K, K, k_end,
+                                     scale_cols, BLOCK_SCALE, BN_SCALE, BK_SCALE, BLOCK_K)
+        else:
+            w, s = _w8_block(w_rows, s_ptr, offs_n, n_mask, k0, K, K, scale_cols, BLOCK_SCALE,
+                             BN_SCALE, BK_SCALE, BLOCK_K)
+        w = w.to(tl.float32)  # (BN, BK)
         if BLOCK_SCALE:
-            # NOTE: BK_SCALE is a multiple of BLOCK_K: one scale per weight row in this block.
-            s = tl.load(s_ptr + (offs_n // BN_SCALE) * scale_cols + k0 // BK_SCALE,
-                        mask=n_mask, other=0.0)  # (BN,)
             w = w * s[:, None]
         acc0 += _row_dot(w, a_ptr, 0, M, stride_am, offs_k, k_mask)
         if BLOCK_M > 1:
@@ -283,9 +307,10 @@ def w8_gemv_ready(weight: torch.Tensor, block: tuple[int, int] | None = None) ->
 
 def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             block: tuple[int, int] | None = None,
-            config: GemvConfig | None = None) -> torch.Tensor:
+            config: GemvConfig | None = None, prefetch: bool = False) -> torch.Tensor:
     """y (M, N) = x (M, K) @ (weight (N, K) * scale)^T in x's dtype, for M <= GEMV_MAX_ROWS.
-    scale: (1, N) or (N, 1) per channel, or (ceil(N / bn), ceil(K / bk)) for block=(bn, bk)."""
+    scale: (1, N) or (N, 1) per channel, or (ceil(N / bn), ceil(K / bk)) for block=(bn, bk).
+    prefetch: each K block's weights are loaded an iteration ahead (the same sums)."""
     n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"w8_gemv: x {tuple(x.shape)} does not match the weight ({n}, {k})")
@@ -320,7 +345,7 @@ def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         a, weight, scale, part, lock, out, m, n, k, a.stride(0), weight.stride(0), out.stride(0),
         cfg.k_iters, cfg.split_k, scale_cols, BLOCK_SCALE=block is not None, BN_SCALE=bn_scale,
         BK_SCALE=bk_scale, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        HAS_SPLIT=cfg.split_k > 1, num_warps=cfg.num_warps, **pdl_args(a))
+        HAS_SPLIT=cfg.split_k > 1, PREFETCH=prefetch, num_warps=cfg.num_warps, **pdl_args(a))
     return out
 
 

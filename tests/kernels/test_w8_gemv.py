@@ -74,6 +74,24 @@ def test_split_k_adds_every_split_and_repeats_bit_for_bit(split: int) -> None:
     assert torch.equal(first, w8_gemv(x, wq, ws, config=cfg))
 
 
+@pytest.mark.parametrize("block", [None, (32, 64)], ids=["channel", "blocks"])
+def test_prefetch_gives_the_same_bits(block) -> None:
+    # 3 splits of 2 blocks of 64 over K = 256 (4 blocks): the last split's loads ahead run past K
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(8)) * 0.02
+    if block is None:
+        wq, ws = fp8_pack.quantize_per_channel(w, FP8_DTYPE)
+        ws = ws.t().contiguous()
+    else:
+        wq, ws = fp8_pack.quantize_blocks(w, block)
+    x = _x(2, seed=9)
+    cfg = GemvConfig(block_n=16, block_k=64, split_k=3, k_iters=2, num_warps=4)
+    plain = w8_gemv(x, wq, ws, block, config=cfg)
+    assert torch.equal(w8_gemv(x, wq, ws, block, config=cfg, prefetch=True), plain)
+    want = x @ (wq.float() * ws.t()).t() if block is None else \
+        x @ block_dequantize(wq, ws, block).t()
+    torch.testing.assert_close(plain, want, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_inputs_are_named() -> None:
     wq, ws = _weight(FP8_DTYPE)
     with pytest.raises(ValueError, match="does not match the weight"):
