@@ -3,6 +3,7 @@
 # Usage: bash benchmarks/run_gpu_suite.sh [steps...]
 #   steps: tests (all GPU tests) kernels sampler engine enginefp32 kernelbench layerbench splitsbench
 #          samplerbench w2 w2hf w1 w1prof w1trace w1hf serve ttft pacing pacetrace coldstart asyncprobe poolcost
+#          w5 (int4 AWQ layout, batch 1) w8a8 gemvbench stagegraphs
 # Logs, JUnit XML (tests) and JSON results go under $OUT (default /tmp/out).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -44,6 +45,11 @@ for s in $steps; do
     pacetrace) # TTFT inside the core at 8 req/s, per pacer margin (no HTTP); PACERS, TRACE_PROMPTS
              run pacetrace 400 python benchmarks/pacing_trace.py --pacers "${PACERS:-off,default,1.0:0.25}" --num-prompts "${TRACE_PROMPTS:-200}" --out "$OUT/pacing_trace.json" ;;
     enginefp32) gputest engine 300 tests/gpu/test_gpu_engine.py -k fp32 ;;
+    w5)      python -c "import json,sys; c=json.load(open(sys.argv[1])); c['quantization_config']={'quant_method':'awq','bits':4,'group_size':128,'zero_point':True,'version':'gemm'}; json.dump(c,open(sys.argv[2],'w'))" "$CFG/llama-3-8b.json" "$OUT/llama-3-8b-awq.json"
+             run w5 150 python -m peregrine.entrypoints.cli bench latency --model "$OUT/llama-3-8b-awq.json" --output-json "$OUT/w5.json" ;;
+    w8a8)    run w8a8 400 python benchmarks/w8a8_bench.py --model "$CFG/llama-3-8b.json" --output-json "$OUT/w8a8.json" ;;
+    gemvbench) run gemvbench 300 python benchmarks/gemv_bench.py --models 8b --rows "${GEMV_ROWS:-1,2,4}" --variants "${GEMV_VARIANTS:-inplace,inplace_prefetch,half2,half2_prefetch,half2_prefetch2}" --out "$OUT/gemv.json" ;;
+    stagegraphs) gputest stagegraphs 180 tests/gpu/test_gpu_stage_graphs.py ;;
     w1trace) run w1trace 200 python benchmarks/step_trace.py --model "$CFG/qwen3-0.6b.json" --out "$OUT/w1_trace.json" ;;
     w1hf)    run w1hf 400 python -m peregrine.entrypoints.cli bench throughput --model "$CFG/qwen3-0.6b.json" --compare-transformers --hf-requests 32 --output-json "$OUT/w1hf.json" ;;
   esac
