@@ -28,7 +28,7 @@ import triton.language as tl
 
 from peregrine.kernels._utils import pdl_release, pdl_wait
 from peregrine.kernels.gemv import finish_split_k, store_partial
-from peregrine.kernels.wna16_gemv_inplace import _load_block
+from peregrine.kernels.wna16_gemv_inplace import _load_block, load_x_pairs
 
 _X_SCALE = tl.constexpr(0.00390625)  # 2^-8 on x; the float32 sums get 2^8 back
 _UNDO = tl.constexpr(256.0)
@@ -65,13 +65,7 @@ ASM_PAIR = tl.constexpr("cvt.rn.f16x2.f32 $0, $1, $2;")
 def _x_word_inputs(a_ptr, a64_ptr, word, w_mask, X_BF16: tl.constexpr, EVEN_K: tl.constexpr):
     """Row 0's inputs of the word rows (W,): x[8 w + j] * 2^-8, j = 0..7, float32."""
     if X_BF16:  # two 8-byte loads per word row: inputs 0..3 and 4..7
-        base = a64_ptr + word * 2
-        if EVEN_K:
-            xa = tl.load(base)
-            xb = tl.load(base + 1)
-        else:
-            xa = tl.load(base, mask=w_mask, other=0)
-            xb = tl.load(base + 1, mask=w_mask, other=0)
+        xa, xb = load_x_pairs(a64_ptr + word * 2, w_mask, EVEN_K)
         a0 = xa.to(tl.int32)
         a1 = (xa >> 32).to(tl.int32)
         b0 = xb.to(tl.int32)

@@ -118,19 +118,26 @@ def _x_at(a_ptr, row, stride_am, kk, k_mask, SCALE: tl.constexpr, EVEN_K: tl.con
 
 
 @triton.jit
+def load_x_pairs(base, w_mask, EVEN_K: tl.constexpr):
+    """bf16 x as two 8-byte loads per word row at base (W,) and base + 1: inputs 0..3 and 4..7
+    of the row's 8 (zero past K)."""
+    if EVEN_K:
+        xa = tl.load(base)
+        xb = tl.load(base + 1)
+    else:
+        xa = tl.load(base, mask=w_mask, other=0)
+        xb = tl.load(base + 1, mask=w_mask, other=0)
+    return xa, xb
+
+
+@triton.jit
 def _row_sum(t, a_ptr, a64_ptr, m, M, stride_am, word, w_mask, d0, d1, d2, d3, d4, d5, d6, d7,
              BITS: tl.constexpr, X_BF16: tl.constexpr, EVEN_K: tl.constexpr):
     """t (W, BN) + sum_j d_j * x[m, word * PACK + j] * 2^-(BITS (j % HALF))."""
     row = tl.minimum(m, M - 1)  # rows past M read row M - 1; their sums are never stored
     if BITS == 4:
         if X_BF16:  # two int64 loads per word row: inputs 0..3 and 4..7
-            base = a64_ptr + row * (stride_am // 4) + word * 2
-            if EVEN_K:
-                xa = tl.load(base)
-                xb = tl.load(base + 1)
-            else:
-                xa = tl.load(base, mask=w_mask, other=0)
-                xb = tl.load(base + 1, mask=w_mask, other=0)
+            xa, xb = load_x_pairs(a64_ptr + row * (stride_am // 4) + word * 2, w_mask, EVEN_K)
             x0, x1, x2, x3 = _x_bf16(xa, 4)
             x4, x5, x6, x7 = _x_bf16(xb, 4)
         else:
