@@ -46,9 +46,12 @@ for s in $steps; do
              run pacetrace 400 python benchmarks/pacing_trace.py --pacers "${PACERS:-off,default,1.0:0.25}" --num-prompts "${TRACE_PROMPTS:-200}" --out "$OUT/pacing_trace.json" ;;
     enginefp32) gputest engine 300 tests/gpu/test_gpu_engine.py -k fp32 ;;
     w5)      python -c "import json,sys; c=json.load(open(sys.argv[1])); c['quantization_config']={'quant_method':'awq','bits':4,'group_size':128,'zero_point':True,'version':'gemm'}; json.dump(c,open(sys.argv[2],'w'))" "$CFG/llama-3-8b.json" "$OUT/llama-3-8b-awq.json"
-             run w5 150 python -m peregrine.entrypoints.cli bench latency --model "$OUT/llama-3-8b-awq.json" --output-json "$OUT/w5.json" ;;
+             for v in ${W5_VARIANTS:-default}; do  # one-row GEMV variants to compare (PEREGRINE_WNA16_GEMV)
+               PEREGRINE_WNA16_GEMV="${v#default}" timeout 150 python -m peregrine.entrypoints.cli bench latency --model "$OUT/llama-3-8b-awq.json" --output-json "$OUT/w5_$v.json" > "$OUT/w5_$v.log" 2>&1
+               python -c "import json,sys; print('w5', sys.argv[2], round(json.load(open(sys.argv[1]))['decode_tokens_per_s'], 1))" "$OUT/w5_$v.json" "$v"
+             done ;;
     w8a8)    run w8a8 400 python benchmarks/w8a8_bench.py --model "$CFG/llama-3-8b.json" --output-json "$OUT/w8a8.json" ;;
-    gemvbench) run gemvbench 300 python benchmarks/gemv_bench.py --models 8b --rows "${GEMV_ROWS:-1,2,4}" --variants "${GEMV_VARIANTS:-inplace,inplace_prefetch,half2,half2_prefetch,half2_prefetch2}" --out "$OUT/gemv.json" ;;
+    gemvbench) run gemvbench 300 python benchmarks/gemv_bench.py --models 8b --rows "${GEMV_ROWS:-1,2,4}" --variants "${GEMV_VARIANTS:-inplace,inplace_prefetch,half2,half2_prefetch,half2_prefetch2,half2_tma}" --out "$OUT/gemv.json" ;;
     stagegraphs) gputest stagegraphs 180 tests/gpu/test_gpu_stage_graphs.py ;;
     w1trace) run w1trace 200 python benchmarks/step_trace.py --model "$CFG/qwen3-0.6b.json" --out "$OUT/w1_trace.json" ;;
     w1hf)    run w1hf 400 python -m peregrine.entrypoints.cli bench throughput --model "$CFG/qwen3-0.6b.json" --compare-transformers --hf-requests 32 --output-json "$OUT/w1hf.json" ;;

@@ -28,6 +28,13 @@ def dependent_launch() -> bool:
     return _flag("PEREGRINE_DEPENDENT_LAUNCH", True)
 
 
+def wna16_gemv_variant() -> str | None:
+    """PEREGRINE_WNA16_GEMV: the weight-only GEMV variant for one row of 4-bit weights (one of
+    kernels/wna16_gemv.VARIANTS, for benchmarks; unset: the measured default). Read once per
+    process."""
+    return os.environ.get("PEREGRINE_WNA16_GEMV") or None
+
+
 def graph_paths_on_cpu() -> bool:
     """PEREGRINE_GRAPH_PATHS_ON_CPU: for tests on a CPU machine, a worker without CUDA builds the
     CUDA-graph runners anyway and runs their steps eagerly over the same fixed buffers, so the

@@ -6,7 +6,9 @@ rows; see _variant for which), else fma:
 
 half2 (4 bits, one row, K blocks inside one group; wna16_gemv_half2.py): two values per
 instruction in fp16 pairs (dequantization and the products), the word's sum in float32;
-half2_prefetch loads each K block one iteration ahead, half2_prefetch2 two.
+half2_prefetch loads each K block one iteration ahead, half2_prefetch2 two; half2_tma reads
+the words through a tensor descriptor, so on Hopper the compiler streams them into shared
+memory by TMA, _TMA_STAGES blocks in flight (N a multiple of 4: 16-byte rows).
 
 inplace (4 / 8 bits, K blocks inside one group; wna16_gemv_inplace.py): each value becomes a
 float where it sits in its word, so a 4-bit value costs an AND-OR, a subtraction and an FMA.
@@ -46,10 +48,12 @@ import torch
 import triton
 import triton.language as tl
 
+from peregrine import envs
 from peregrine.kernels._utils import dot_dtype, pdl_args, pdl_release, pdl_wait
 from peregrine.kernels.gemv import (GEMV_MAX_M, GemvConfig, block_m_for, choose_split,
                                     launch_buffers, row_accumulators, store_row_sums)
-from peregrine.kernels.wna16_gemv_half2 import _wna16_gemv_half2_kernel
+from peregrine.kernels.wna16_gemv_half2 import (_wna16_gemv_half2_kernel,
+                                                 _wna16_gemv_half2_tma_kernel)
 from peregrine.kernels.wna16_gemv_inplace import _wna16_gemv_inplace_kernel
 from peregrine.kernels.wna16_gemv_mma import _wna16_gemv_mma_kernel
 
@@ -177,7 +181,10 @@ _BLOCK_N = 64
 _MMA_BLOCK_N = 128
 _MMA_BLOCK_K = 128
 VARIANTS = ("fma", "fma_prefetch", "mma", "inplace", "inplace_prefetch", "half2",
-            "half2_prefetch", "half2_prefetch2")
+            "half2_prefetch", "half2_prefetch2", "half2_tma")
+_TMA_STAGES = 4
+_TMA_BLOCK_N = 128
+_TMA_WAVES = 2.0
 _HALF2_AHEAD = {"half2": 0, "half2_prefetch": 1, "half2_prefetch2": 2}  # K blocks loaded ahead
 _INPLACE_WAVES = 3.5
 
@@ -217,6 +224,18 @@ def inplace_supported(w: WNA16Layout, block_k: int | None = None) -> bool:
     return bk >= 32 // w.bits and (w.group_size % bk == 0 or w.group_size == w.in_features)
 
 
+def tma_supported(w: WNA16Layout, device: torch.device) -> bool:
+    """Whether the half2_tma variant's tensor descriptor can read this layout's words: 4 bits,
+    rows of a multiple of 16 bytes from a 16-byte aligned start, and on CUDA sm_90+ (TMA)."""
+    q = w.qweight
+    if w.bits != 4 or w.out_features % 4 or q.data_ptr() % 16 or not q.is_contiguous():
+        return False
+    if device.type != "cuda":
+        return True
+    return _is_sm90_or_later(device.index if device.index is not None
+                             else torch.cuda.current_device())
+
+
 def _mma_block_k(w: WNA16Layout) -> int:
     """The mma variant's K block: 128 inputs, or the group when it is smaller (one scale and
     zero per block); 0 when no block of 16+ inputs fits the groups."""
@@ -251,6 +270,16 @@ def _is_sm90_or_later(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
+@functools.lru_cache(maxsize=1)
+def _one_row_variant() -> str | None:
+    """PEREGRINE_WNA16_GEMV's variant for one row of 4-bit weights (None: the default)."""
+    chosen = envs.wna16_gemv_variant()
+    if chosen is not None and chosen not in VARIANTS:
+        raise ValueError(f"PEREGRINE_WNA16_GEMV: unknown variant {chosen!r} (known: "
+                         f"{VARIANTS})")
+    return chosen
+
+
 def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
              config: GemvConfig | None) -> str:
     if variant is not None and variant not in VARIANTS:
@@ -262,7 +291,11 @@ def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
                          f"16-bit activations and K blocks inside one group (sm_90+ on CUDA); "
                          f"got {w.bits} bits, {x.dtype}, group {w.group_size}, block_k "
                          f"{block_k or _mma_block_k(w)}")
-    if variant in _HALF2_AHEAD and not (
+    if variant == "half2_tma" and not tma_supported(w, x.device):
+        raise ValueError(f"wna16_gemv: the half2_tma variant takes 4-bit weights of a multiple "
+                         f"of 4 outputs in 16-byte aligned rows (sm_90+ on CUDA); got "
+                         f"{w.bits} bits, {w.out_features} outputs")
+    if (variant in _HALF2_AHEAD or variant == "half2_tma") and not (
             w.bits == 4 and x.shape[0] == 1 and inplace_supported(w, block_k)):
         raise ValueError(f"wna16_gemv: the half2 variant takes one row of x and 4-bit weights "
                          f"without act-order, K blocks inside one group; got {x.shape[0]} rows, "
@@ -283,7 +316,11 @@ def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
     rows = x.shape[0]
     if (rows == 1 and w.bits == 4 and x.dtype in (torch.bfloat16, torch.float16)
             and inplace_supported(w, block_k)):
-        return "half2_prefetch"
+        chosen = _one_row_variant()
+        if (chosen == "half2_tma" and not tma_supported(w, x.device)) or (
+                chosen == "mma" and not ok):
+            chosen = None
+        return chosen or "half2_prefetch"
     if not inplace_supported(w, block_k) or (w.bits == 8 and rows > 2):
         return "fma"
     if (w.bits == 4 and rows > 2) or (w.bits == 8 and rows == 1):
@@ -297,6 +334,8 @@ def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
     inputs (or the group) per K block. K split to fill the SMs."""
     if variant == "mma":
         block_n, block_k, warps = _MMA_BLOCK_N, _mma_block_k(w), 4
+    elif variant == "half2_tma":
+        block_n, block_k, warps = _TMA_BLOCK_N, _inplace_block_k(w), 4
     elif variant.startswith(("inplace", "half2")):
         block_n, block_k, warps = _BLOCK_N, _inplace_block_k(w), 8 if block_m > 4 else 4
     else:
@@ -306,6 +345,8 @@ def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
     # projections (64 column tiles) 8 splits (512 programs) took 8.2 / 18.6 us on an H200 where
     # 16 (1,024, what 4 per SM asks for) took 9.4 / 19.6.
     kw = {"waves": _INPLACE_WAVES} if variant.startswith(("inplace", "half2")) else {}
+    if variant == "half2_tma":
+        kw = {"waves": _TMA_WAVES}
     split, k_iters = choose_split(tiles, triton.cdiv(w.in_features, block_k), device, **kw)
     return GemvConfig(block_n, block_k, split, k_iters, warps)
 
@@ -331,7 +372,7 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     if cfg.block_k & (cfg.block_k - 1) or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"wna16_gemv: block_k {cfg.block_k} and block_n {cfg.block_n} must be "
                          "powers of two")
-    inplace = kind in ("inplace", "inplace_prefetch") or kind in _HALF2_AHEAD
+    inplace = kind in ("inplace", "inplace_prefetch", "half2_tma") or kind in _HALF2_AHEAD
     if not inplace and not gemv_supported(w, cfg.block_k):
         raise ValueError(f"wna16_gemv: group size {w.group_size} (act-order: "
                          f"{w.g_idx is not None}) does not fit K blocks of {cfg.block_k}")
@@ -346,6 +387,17 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     zeros = w.zeros if w.zeros is not None else w.scales
     # bf16 x is read 4 values per 8-byte load where its rows allow it.
     x_bf16 = a.dtype == torch.bfloat16 and a.data_ptr() % 8 == 0 and k % 4 == 0
+    if kind == "half2_tma":
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        desc = TensorDescriptor.from_tensor(q, [cfg.block_k // 8, cfg.block_n])
+        _wna16_gemv_half2_tma_kernel[(tiles, cfg.split_k)](
+            a, a.view(torch.int64) if x_bf16 else a, desc, w.scales, zeros, part, lock, out, m,
+            n, k, out.stride(0), cfg.k_iters, cfg.split_k, GROUP=w.group_size,
+            HAS_ZP=w.zeros is not None, ASM=a.is_cuda, X_BF16=x_bf16,
+            EVEN_K=cfg.split_k * cfg.k_iters * cfg.block_k == k, STAGES=_TMA_STAGES,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_SPLIT=cfg.split_k > 1,
+            num_warps=cfg.num_warps, **pdl_args(a))
+        return out.reshape(*lead, n)
     if kind.startswith("half2"):
         _wna16_gemv_half2_kernel[(tiles, cfg.split_k)](
             a, a.view(torch.int64) if x_bf16 else a, q, w.scales, zeros, part, lock, out, m, n,

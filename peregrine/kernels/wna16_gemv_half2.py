@@ -109,6 +109,38 @@ def _pair(hi, lo):
                                      is_pure=True, pack=1)
 
 
+@triton.jit
+def _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM: tl.constexpr, X_BF16: tl.constexpr,
+                EVEN_K: tl.constexpr):
+    """(W, BN) float32: each word's sum_j (q_j - zero) x[8 w + j] * 2^-8 for the block's words
+    (W, BN) and zero points z (BN,)."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_word_inputs(a_ptr, a64_ptr, word, w_mask, X_BF16, EVEN_K)
+    if ASM:
+        zi = z.to(tl.uint32)  # (BN,) integer zero points, 0..15
+        lo_bits = 0x6400 + zi  # fp16 1024 + zero
+        hi_bits = 0xD400 + 16 * zi  # fp16 -(64 + zero)
+        c_lo = ((lo_bits << 16) | lo_bits).to(tl.int32, bitcast=True)[None, :]
+        c_hi = ((hi_bits << 16) | hi_bits).to(tl.int32, bitcast=True)[None, :]
+        p0 = _pair(x4, x0)[:, None]  # (W, 1)
+        p1 = _pair(x5, x1)[:, None]
+        p2 = _pair(x6, x2)[:, None]
+        p3 = _pair(x7, x3)[:, None]
+        t = tl.inline_asm_elementwise(ASM_DOT_U4, "=r,r,r,r,r,r,r,r",
+                                      [words, p0, p1, p2, p3, c_lo, c_hi],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        zc = z[None, :]
+        t = ((words & 0xF).to(tl.float32) - zc) * x0[:, None]
+        t += (((words >> 4) & 0xF).to(tl.float32) - zc) * x1[:, None]
+        t += (((words >> 8) & 0xF).to(tl.float32) - zc) * x2[:, None]
+        t += (((words >> 12) & 0xF).to(tl.float32) - zc) * x3[:, None]
+        t += (((words >> 16) & 0xF).to(tl.float32) - zc) * x4[:, None]
+        t += (((words >> 20) & 0xF).to(tl.float32) - zc) * x5[:, None]
+        t += (((words >> 24) & 0xF).to(tl.float32) - zc) * x6[:, None]
+        t += (((words >> 28) & 0xF).to(tl.float32) - zc) * x7[:, None]
+    return t
+
+
 @triton.jit(do_not_specialize=["stride_cm", "K_ITERS", "SPLIT_K"])
 def _wna16_gemv_half2_kernel(
     a_ptr, a64_ptr, q_ptr, s_ptr, z_ptr, part_ptr, lock_ptr, c_ptr,
@@ -154,31 +186,55 @@ def _wna16_gemv_half2_kernel(
         else:
             words, s, z = _load_block(q_ptr, s_ptr, z_ptr, k0, K, N, offs_w, offs_n, n_mask,
                                       K, GROUP, 4, HAS_ZP, BLOCK_N, BLOCK_K)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _x_word_inputs(a_ptr, a64_ptr, word, w_mask, X_BF16,
-                                                        EVEN_K)
-        if ASM:
-            zi = z.to(tl.uint32)  # (BN,) integer zero points, 0..15
-            lo_bits = 0x6400 + zi  # fp16 1024 + zero
-            hi_bits = 0xD400 + 16 * zi  # fp16 -(64 + zero)
-            c_lo = ((lo_bits << 16) | lo_bits).to(tl.int32, bitcast=True)[None, :]
-            c_hi = ((hi_bits << 16) | hi_bits).to(tl.int32, bitcast=True)[None, :]
-            p0 = _pair(x4, x0)[:, None]  # (W, 1)
-            p1 = _pair(x5, x1)[:, None]
-            p2 = _pair(x6, x2)[:, None]
-            p3 = _pair(x7, x3)[:, None]
-            t = tl.inline_asm_elementwise(ASM_DOT_U4, "=r,r,r,r,r,r,r,r",
-                                          [words, p0, p1, p2, p3, c_lo, c_hi],
-                                          dtype=tl.float32, is_pure=True, pack=1)
-        else:
-            zc = z[None, :]
-            t = ((words & 0xF).to(tl.float32) - zc) * x0[:, None]
-            t += (((words >> 4) & 0xF).to(tl.float32) - zc) * x1[:, None]
-            t += (((words >> 8) & 0xF).to(tl.float32) - zc) * x2[:, None]
-            t += (((words >> 12) & 0xF).to(tl.float32) - zc) * x3[:, None]
-            t += (((words >> 16) & 0xF).to(tl.float32) - zc) * x4[:, None]
-            t += (((words >> 20) & 0xF).to(tl.float32) - zc) * x5[:, None]
-            t += (((words >> 24) & 0xF).to(tl.float32) - zc) * x6[:, None]
-            t += (((words >> 28) & 0xF).to(tl.float32) - zc) * x7[:, None]
+        t = _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM, X_BF16, EVEN_K)
+        acc += t * (s * _UNDO)[None, :]
+    pdl_release(PDL)
+    store_partial(part_ptr, c_ptr, tl.sum(acc, axis=0), 0, M, N, split, offs_n, n_mask,
+                  stride_cm, HAS_SPLIT)
+    finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, stride_cm, SPLIT_K,
+                   HAS_SPLIT, 1, BLOCK_N)
+
+
+@triton.jit
+def _group_scales(s_ptr, z_ptr, k0, K, N, offs_n, n_mask, GROUP: tl.constexpr,
+                  HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The scales and zero points (BN,) float32 of the group holding the K block at k0."""
+    grp = tl.minimum(k0, K - 1) // GROUP
+    s = tl.load(s_ptr + grp * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    if HAS_ZP:
+        z = tl.load(z_ptr + grp * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    else:
+        z = tl.full((BLOCK_N,), 8, tl.float32)
+    return s, z
+
+
+@triton.jit(do_not_specialize=["stride_cm", "K_ITERS", "SPLIT_K"])
+def _wna16_gemv_half2_tma_kernel(
+    a_ptr, a64_ptr, q_desc, s_ptr, z_ptr, part_ptr, lock_ptr, c_ptr,
+    M, N, K, stride_cm, K_ITERS, SPLIT_K,
+    GROUP: tl.constexpr, HAS_ZP: tl.constexpr, ASM: tl.constexpr, X_BF16: tl.constexpr,
+    EVEN_K: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr, PDL: tl.constexpr,
+):
+    """The packed-half GEMV with the words read through a tensor descriptor: on Hopper the
+    compiler turns the loop's block loads into asynchronous bulk copies (TMA) into shared memory,
+    STAGES blocks in flight, instead of registers one block ahead. Blocks past K or N read as
+    zeros (the descriptor pads them)."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
+    n_mask = offs_n < N
+    offs_w = tl.arange(0, WORDS)  # (W,)
+    acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+    pdl_wait(PDL)
+    for it in tl.range(0, K_ITERS, num_stages=STAGES):
+        k0 = (split * K_ITERS + it) * BLOCK_K
+        word = k0 // 8 + offs_w  # (W,)
+        w_mask = word < K // 8
+        words = q_desc.load([k0 // 8, pid_n * BLOCK_N])  # (W, BN) int32
+        s, z = _group_scales(s_ptr, z_ptr, k0, K, N, offs_n, n_mask, GROUP, HAS_ZP, BLOCK_N)
+        t = _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM, X_BF16, EVEN_K)
         acc += t * (s * _UNDO)[None, :]
     pdl_release(PDL)
     store_partial(part_ptr, c_ptr, tl.sum(acc, axis=0), 0, M, N, split, offs_n, n_mask,
