@@ -389,6 +389,9 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     x_bf16 = a.dtype == torch.bfloat16 and a.data_ptr() % 8 == 0 and k % 4 == 0
     if kind == "half2_tma":
         from triton.tools.tensor_descriptor import TensorDescriptor
+        if cfg.block_n > 256:  # a TMA box is at most 256 elements along each dimension
+            raise ValueError(f"wna16_gemv: the half2_tma variant takes block_n <= 256, got "
+                             f"{cfg.block_n}")
         desc = TensorDescriptor.from_tensor(q, [cfg.block_k // 8, cfg.block_n])
         _wna16_gemv_half2_tma_kernel[(tiles, cfg.split_k)](
             a, a.view(torch.int64) if x_bf16 else a, desc, w.scales, zeros, part, lock, out, m,

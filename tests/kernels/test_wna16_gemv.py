@@ -375,6 +375,9 @@ def test_half2_tma_refuses_rows_a_descriptor_cannot_read() -> None:
         wna16_gemv(_x(1), _layout(4, 128, zp=True, n=70), variant="half2_tma")
     with pytest.raises(ValueError, match="half2 variant takes one row"):
         wna16_gemv(_x(2), _layout(4, 128, zp=True), variant="half2_tma")
+    with pytest.raises(ValueError, match="block_n <= 256"):
+        wna16_gemv(_x(1), _layout(4, 128, zp=True, n=512), GemvConfig(512, 128, 1, 2, 4),
+                   variant="half2_tma")
 
 
 def test_one_row_variant_from_the_environment(monkeypatch) -> None:
