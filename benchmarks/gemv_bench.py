@@ -142,7 +142,8 @@ def shape_rows(model: str, proj: str, k: int, n: int, rows: list[int], iters: in
                                               lambda v=v: wna16_gemv(x, v, c, variant=var)
                                               for v in ws],
                                           wna16=True,
-                                          wide=variant.startswith(("inplace", "half2"))))
+                                          wide=variant.startswith(("inplace", "half2")),
+                                          tma=variant == "half2_tma"))
             timed(f"{label} GEMM", m, [lambda v=v: wna16_gemm(x, v) for v in ws],
                   wbytes + io(m))
         del ws, w
@@ -186,11 +187,15 @@ def _splits(k_blocks: int) -> list[tuple[int, int]]:
 
 
 def _sweep(model: str, proj: str, k: int, n: int, m: int, label: str, moved: int, iters: int,
-           calls_for: Callable, wna16: bool, wide: bool = False) -> dict:
+           calls_for: Callable, wna16: bool, wide: bool = False, tma: bool = False) -> dict:
     """The fastest GEMV config of a small grid (block_n, block_k, warps, K split); `wide`: the
-    in-place variant's grid (up to 1,024 columns, K blocks of 32 to 128 inputs)."""
+    in-place variant's grid (up to 1,024 columns, K blocks of 32 to 128 inputs); `tma`: the
+    tensor-descriptor variant's (up to 256 columns, 2 to 8 blocks in flight)."""
     from peregrine.kernels.gemv import GemvConfig
-    if wide:
+    stages_grid: tuple[int, ...] = (1,)
+    if tma:
+        grid_n, grid_k, stages_grid = (64, 128, 256), (128,), (2, 3, 4, 6, 8)
+    elif wide:
         grid_n, grid_k = (64, 128, 256, 512, 1024), (32, 64, 128)
     elif wna16:
         grid_n, grid_k = (32, 64, 128, 256), (64, 128, 256)
@@ -199,15 +204,21 @@ def _sweep(model: str, proj: str, k: int, n: int, m: int, label: str, moved: int
     best: tuple[float, tuple] | None = None
     for bn in grid_n:
         for bk in grid_k:
-            for warps in ((4, 8) if not wide or bn >= 256 else (4,)):
-                for split, k_iters in _splits(-(-k // bk)):
-                    cfg = GemvConfig(bn, bk, split, k_iters, warps)
-                    try:
-                        us = _time_us(calls_for(cfg), iters)
-                    except ValueError:  # a config this layout cannot use
-                        continue
-                    if best is None or us < best[0]:
-                        best = (us, cfg)
+            for warps in ((4, 8) if not (wide or tma) or bn >= 256 else (4,)):
+                for stages in stages_grid:
+                    for split, k_iters in _splits(-(-k // bk)):
+                        cfg = GemvConfig(bn, bk, split, k_iters, warps, stages)
+                        try:
+                            us = _time_us(calls_for(cfg), iters)
+                        except ValueError:  # a config this layout cannot use
+                            continue
+                        except Exception as e:  # out of shared memory or registers: skip it
+                            torch.cuda.synchronize()
+                            print(f"sweep {label} {tuple(cfg)}: {type(e).__name__}: "
+                                  f"{str(e)[:120]}", file=sys.stderr)
+                            continue
+                        if best is None or us < best[0]:
+                            best = (us, cfg)
     assert best is not None
     gbps = moved / best[0] / 1e3
     return dict(model=model, proj=proj, K=k, N=n, M=m, method=f"{label} best of sweep",

@@ -260,13 +260,15 @@ def _w8_gemv_kernel(
 
 
 class GemvConfig(NamedTuple):
-    """A GEMV launch: column and K tile sizes, the K split, K tiles per program, warps."""
+    """A GEMV launch: column and K tile sizes, the K split, K tiles per program, warps, and
+    for a variant that streams its blocks through shared memory, the blocks in flight."""
 
     block_n: int
     block_k: int
     split_k: int
     k_iters: int
     num_warps: int
+    num_stages: int = 1
 
 
 def w8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None,

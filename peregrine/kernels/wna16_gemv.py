@@ -8,7 +8,7 @@ half2 (4 bits, one row, K blocks inside one group; wna16_gemv_half2.py): two val
 instruction in fp16 pairs (dequantization and the products), the word's sum in float32;
 half2_prefetch loads each K block one iteration ahead, half2_prefetch2 two; half2_tma reads
 the words through a tensor descriptor, so on Hopper the compiler streams them into shared
-memory by TMA, _TMA_STAGES blocks in flight (N a multiple of 4: 16-byte rows).
+memory by TMA, the config's num_stages blocks in flight (N a multiple of 4: 16-byte rows).
 
 inplace (4 / 8 bits, K blocks inside one group; wna16_gemv_inplace.py): each value becomes a
 float where it sits in its word, so a 4-bit value costs an AND-OR, a subtraction and an FMA.
@@ -348,7 +348,8 @@ def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
     if variant == "half2_tma":
         kw = {"waves": _TMA_WAVES}
     split, k_iters = choose_split(tiles, triton.cdiv(w.in_features, block_k), device, **kw)
-    return GemvConfig(block_n, block_k, split, k_iters, warps)
+    stages = _TMA_STAGES if variant == "half2_tma" else 1
+    return GemvConfig(block_n, block_k, split, k_iters, warps, stages)
 
 
 def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None,
@@ -397,7 +398,7 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
             a, a.view(torch.int64) if x_bf16 else a, desc, w.scales, zeros, part, lock, out, m,
             n, k, out.stride(0), cfg.k_iters, cfg.split_k, GROUP=w.group_size,
             HAS_ZP=w.zeros is not None, ASM=a.is_cuda, X_BF16=x_bf16,
-            EVEN_K=cfg.split_k * cfg.k_iters * cfg.block_k == k, STAGES=_TMA_STAGES,
+            EVEN_K=cfg.split_k * cfg.k_iters * cfg.block_k == k, STAGES=max(cfg.num_stages, 1),
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_SPLIT=cfg.split_k > 1,
             num_warps=cfg.num_warps, **pdl_args(a))
         return out.reshape(*lead, n)
