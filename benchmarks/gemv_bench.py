@@ -39,7 +39,7 @@ SHAPES = {  # (K, N) per projection: q/k/v fused, o, gate/up fused, down
 
 
 VARIANTS = ("fma", "fma_prefetch", "mma", "inplace", "inplace_prefetch", "half2", "half2_prefetch",
-            "half2_prefetch2")
+            "half2_prefetch2", "half2_async", "half2_tma")
 
 
 def _nbytes(*ts: torch.Tensor | None) -> int:
@@ -143,7 +143,7 @@ def shape_rows(model: str, proj: str, k: int, n: int, rows: list[int], iters: in
                                               for v in ws],
                                           wna16=True,
                                           wide=variant.startswith(("inplace", "half2")),
-                                          tma=variant == "half2_tma"))
+                                          tma=variant in ("half2_tma", "half2_async")))
             timed(f"{label} GEMM", m, [lambda v=v: wna16_gemm(x, v) for v in ws],
                   wbytes + io(m))
         del ws, w

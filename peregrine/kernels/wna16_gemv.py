@@ -6,7 +6,9 @@ rows; see _variant for which), else fma:
 
 half2 (4 bits, one row, K blocks inside one group; wna16_gemv_half2.py): two values per
 instruction in fp16 pairs (dequantization and the products), the word's sum in float32;
-half2_prefetch loads each K block one iteration ahead, half2_prefetch2 two; half2_tma reads
+half2_prefetch loads each K block one iteration ahead, half2_prefetch2 two; half2_async lets
+the compiler copy the words into shared memory asynchronously (cp.async), the config's
+num_stages blocks in flight; half2_tma reads
 the words through a tensor descriptor, so on Hopper the compiler streams them into shared
 memory by TMA, the config's num_stages blocks in flight (N a multiple of 4: 16-byte rows).
 
@@ -181,11 +183,12 @@ _BLOCK_N = 64
 _MMA_BLOCK_N = 128
 _MMA_BLOCK_K = 128
 VARIANTS = ("fma", "fma_prefetch", "mma", "inplace", "inplace_prefetch", "half2",
-            "half2_prefetch", "half2_prefetch2", "half2_tma")
+            "half2_prefetch", "half2_prefetch2", "half2_async", "half2_tma")
 _TMA_STAGES = 4
 _TMA_BLOCK_N = 128
 _TMA_WAVES = 2.0
-_HALF2_AHEAD = {"half2": 0, "half2_prefetch": 1, "half2_prefetch2": 2}  # K blocks loaded ahead
+# K blocks loaded ahead into registers (half2_async: none; the pipeliner's stages instead)
+_HALF2_AHEAD = {"half2": 0, "half2_prefetch": 1, "half2_prefetch2": 2, "half2_async": 0}
 _INPLACE_WAVES = 3.5
 
 
@@ -334,7 +337,7 @@ def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
     inputs (or the group) per K block. K split to fill the SMs."""
     if variant == "mma":
         block_n, block_k, warps = _MMA_BLOCK_N, _mma_block_k(w), 4
-    elif variant == "half2_tma":
+    elif variant in ("half2_tma", "half2_async"):
         block_n, block_k, warps = _TMA_BLOCK_N, _inplace_block_k(w), 4
     elif variant.startswith(("inplace", "half2")):
         block_n, block_k, warps = _BLOCK_N, _inplace_block_k(w), 8 if block_m > 4 else 4
@@ -345,10 +348,10 @@ def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
     # projections (64 column tiles) 8 splits (512 programs) took 8.2 / 18.6 us on an H200 where
     # 16 (1,024, what 4 per SM asks for) took 9.4 / 19.6.
     kw = {"waves": _INPLACE_WAVES} if variant.startswith(("inplace", "half2")) else {}
-    if variant == "half2_tma":
+    if variant in ("half2_tma", "half2_async"):
         kw = {"waves": _TMA_WAVES}
     split, k_iters = choose_split(tiles, triton.cdiv(w.in_features, block_k), device, **kw)
-    stages = _TMA_STAGES if variant == "half2_tma" else 1
+    stages = _TMA_STAGES if variant in ("half2_tma", "half2_async") else 1
     return GemvConfig(block_n, block_k, split, k_iters, warps, stages)
 
 
@@ -356,7 +359,9 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
                variant: str | None = None) -> torch.Tensor:
     """y (..., N) = x (..., K) @ dequant(w) (K, N) in x's dtype, for at most GEMV_MAX_ROWS rows.
     variant: "inplace" (4 / 8 bits, values converted in place), "half2" / "half2_prefetch" /
-    "half2_prefetch2" (4 bits, one row, fp16 pairs; K blocks loaded 0 / 1 / 2 ahead), "fma" (float32 FMAs), "fma_prefetch" (the same, its loads
+    "half2_prefetch2" (4 bits, one row, fp16 pairs; K blocks loaded 0 / 1 / 2 ahead),
+    "half2_async" / "half2_tma" (the same, blocks streamed through shared memory by asynchronous
+    copies / a tensor descriptor), "fma" (float32 FMAs), "fma_prefetch" (the same, its loads
     pipelined two K blocks ahead) or "mma" (tensor cores; 4 / 8 bits, 16-bit x, sm_90+); None:
     half2_prefetch at one row of 4-bit weights and 16-bit x, else one of the in-place forms for
     4-bit weights and for 8-bit ones up to 2 rows where the layout allows (the prefetching one
@@ -409,7 +414,8 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
             HAS_ZP=w.zeros is not None, ASM=a.is_cuda, X_BF16=x_bf16,
             EVEN_K=cfg.split_k * cfg.k_iters * cfg.block_k == k,
             PREFETCH=_HALF2_AHEAD[kind], BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            HAS_SPLIT=cfg.split_k > 1, num_warps=cfg.num_warps, **pdl_args(a))
+            HAS_SPLIT=cfg.split_k > 1, STAGES=max(cfg.num_stages, 1) if kind == "half2_async"
+            else 1, num_warps=cfg.num_warps, **pdl_args(a))
         return out.reshape(*lead, n)
     if inplace:
         _wna16_gemv_inplace_kernel[(tiles, cfg.split_k)](

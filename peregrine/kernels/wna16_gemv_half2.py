@@ -19,7 +19,9 @@ bf16 output keeps. The interpreter (ASM off) computes the same sums in float32.
 
 On an H200 at Llama-3-8B's shapes the halved instructions alone bought nothing (the kernel
 waits on memory latency, not on issue slots); with PREFETCH (each K block's loads issued an
-iteration ahead, in registers) it takes about 8% less time than the in-place variant.
+iteration ahead, in registers) it takes about 8% less time than the in-place variant. STAGES
+keeps more blocks in flight through shared memory instead: asynchronous copies issued by the
+threads (the plain kernel), or bulk tensor copies (the tensor-descriptor kernel, TMA).
 """
 from __future__ import annotations
 
@@ -147,7 +149,7 @@ def _wna16_gemv_half2_kernel(
     M, N, K, stride_cm, K_ITERS, SPLIT_K,
     GROUP: tl.constexpr, HAS_ZP: tl.constexpr, ASM: tl.constexpr, X_BF16: tl.constexpr,
     EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr = 1,
 ):
     WORDS: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
@@ -168,7 +170,9 @@ def _wna16_gemv_half2_kernel(
                                               offs_w, offs_n, n_mask, k_end, GROUP, 4, HAS_ZP,
                                               BLOCK_N, BLOCK_K)
     pdl_wait(PDL)  # the first blocks' weights (constant) are read before it, x after
-    for it in range(0, K_ITERS):
+    # NOTE: STAGES > 1 (with PREFETCH 0) lets the compiler's pipeliner copy each block's words
+    # into shared memory asynchronously (cp.async), STAGES - 1 blocks ahead.
+    for it in tl.range(0, K_ITERS, num_stages=STAGES):
         k0 = (split * K_ITERS + it) * BLOCK_K
         word = k0 // 8 + offs_w  # (W,)
         w_mask = word < K // 8

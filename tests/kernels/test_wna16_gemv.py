@@ -321,6 +321,7 @@ def test_half2_split_k_ragged_and_prefetch(split: int, dtype: torch.dtype) -> No
     assert torch.equal(got, wna16_gemv(x, w, cfg, variant="half2"))
     assert torch.equal(got, wna16_gemv(x, w, cfg, variant="half2_prefetch"))
     assert torch.equal(got, wna16_gemv(x, w, cfg, variant="half2_prefetch2"))
+    assert torch.equal(got, wna16_gemv(x, w, cfg._replace(num_stages=3), variant="half2_async"))
     # 2 splits of 2 blocks over 5 blocks: the loads two blocks ahead run past K and the range
     long = _layout(4, 128, zp=True, k=640, n=n, seed=36, dtype=dtype)
     xl = _x(1, k=640, seed=37).to(dtype)
