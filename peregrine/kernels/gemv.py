@@ -61,12 +61,15 @@ def counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def choose_split(tiles: int, k_blocks: int, device: torch.device,
-                 waves: float = _WAVES) -> tuple[int, int]:
+                 waves: float = _WAVES, max_k_iters: int | None = None) -> tuple[int, int]:
     """(split_k, k_iters): the fewest power-of-two K splits that launch `waves` programs per
-    SM, then trimmed so that no split is left without a K block."""
+    SM and leave each at most `max_k_iters` K blocks, then trimmed so that no split is left
+    without a K block."""
     target = waves * (num_sms(device) if device.type == "cuda" else 8)
     split = 1
-    while tiles * split < target and split * 2 <= min(_MAX_SPLIT, k_blocks):
+    while ((tiles * split < target or (max_k_iters and triton.cdiv(k_blocks, split)
+                                         > max_k_iters))
+           and split * 2 <= min(_MAX_SPLIT, k_blocks)):
         split *= 2
     k_iters = triton.cdiv(k_blocks, split)
     return triton.cdiv(k_blocks, k_iters), k_iters
