@@ -79,6 +79,20 @@ def test_num_splits_depends_only_on_shapes() -> None:
     assert decode_num_splits(1, 1, 4, 16, cpu) == 1  # a 64-token table is never split
 
 
+def test_small_batches_split_shorter_contexts() -> None:
+    """Where a batch's kv rows are fewer than the SMs, splits may be as short as one tile, so
+    batch-1 decode spreads a short context over more programs; larger batches keep the longer
+    splits (the merge costs more than the parallelism wins there)."""
+    from peregrine.kernels.decode_attention import decode_min_split_len
+    cpu = torch.device("cpu")  # 4 SMs on the CPU
+    assert decode_min_split_len(1, 2, cpu) < decode_min_split_len(2, 2, cpu)
+    assert decode_min_split_len(1, 2, cpu) == 64 and decode_min_split_len(4, 8, cpu) == 256
+    assert decode_num_splits(1, 1, 16, 16, cpu) == 4  # 256 tokens: four splits of 64
+    assert decode_num_splits(2, 2, 16, 16, cpu) == 1  # four kv rows: one split of 256
+    case = make_paged_case([200, 9], [1, 1], 4, 1)
+    torch.testing.assert_close(_run(case), exact_reference(case, SCALE), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("num_splits,min_split_len", [(1, 16), (2, 16), (3, 16), (7, 16),
                                                       (4, 48), (64, 16), (2, 1000)])
 def test_per_sequence_splits_match_reference(num_splits: int, min_split_len: int) -> None:
@@ -135,9 +149,10 @@ def test_precompile_covers_every_merge_variant(monkeypatch) -> None:
     assert seen == want
 
 
-@pytest.mark.parametrize("max_context,want", [(16, [1]), (256, [1]), (512, [1, 2]),
-                                               (4096, [1, 2, 4, 8, 16]),
-                                               (8192, [1, 2, 4, 8, 16, 32])])
+@pytest.mark.parametrize("max_context,want", [(16, [1]), (64, [1]), (128, [1, 2]),
+                                               (512, [1, 2, 4, 8]),
+                                               (1024, [1, 2, 4, 8, 16]),
+                                               (8192, [1, 2, 4, 8, 16, 32, 64])])
 def test_precompile_skips_the_merge_variants_a_shorter_context_cannot_reach(
         monkeypatch, max_context: int, want: list[int]) -> None:
     """With max_context, precompile() compiles the split counts up to the next power of two of
