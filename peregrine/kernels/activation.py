@@ -9,6 +9,12 @@ from peregrine.kernels._utils import pdl_args, pdl_wait
 
 
 @triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up in float32 (the one expression every kernel that fuses it uses)."""
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter,
                          BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
@@ -17,7 +23,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter,
     mask = offs < inter
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up  # (BLOCK,)
+    out = silu_mul(gate, up)  # (BLOCK,)
     tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

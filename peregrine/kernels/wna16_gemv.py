@@ -366,8 +366,19 @@ def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
     return GemvConfig(block_n, block_k, split, k_iters, warps, stages)
 
 
+def gated_supported(w: WNA16Layout, h: torch.Tensor) -> bool:
+    """Whether wna16_gemv(h, w, gated=True) serves the gate-and-up rows h (..., 2K): one row of
+    16-bit activations whose default variant is a packed-half one read through registers."""
+    if h.shape[-1] != 2 * w.in_features:
+        return False
+    rows = h.numel() // max(h.shape[-1], 1)
+    if rows != 1 or h.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return _variant(w, h.reshape(1, -1), None, None) in _HALF2_AHEAD
+
+
 def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None,
-               variant: str | None = None) -> torch.Tensor:
+               variant: str | None = None, gated: bool = False) -> torch.Tensor:
     """y (..., N) = x (..., K) @ dequant(w) (K, N) in x's dtype, for at most GEMV_MAX_ROWS rows.
     variant: "inplace" (4 / 8 bits, values converted in place), "half2" / "half2_prefetch" /
     "half2_prefetch2" (4 bits, one row, fp16 pairs; K blocks loaded 0 / 1 / 2 ahead),
@@ -376,15 +387,23 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     pipelined two K blocks ahead) or "mma" (tensor cores; 4 / 8 bits, 16-bit x, sm_90+); None:
     half2_prefetch at one row of 4-bit weights and 16-bit x, else one of the in-place forms for
     4-bit weights and for 8-bit ones up to 2 rows where the layout allows (the prefetching one
-    at 3-4 rows of 4-bit and 1 row of 8-bit weights), else fma."""
+    at 3-4 rows of 4-bit and 1 row of 8-bit weights), else fma.
+    gated: x is a gate-and-up row h (1, 2K) and the GEMV's input silu(h[:K]) * h[K:], computed
+    as it is read (rounded to h's dtype, as silu_and_mul would): a packed-half variant read
+    through registers only."""
     k, n = w.in_features, w.out_features
-    if x.shape[-1] != k:
-        raise ValueError(f"wna16_gemv: x has {x.shape[-1]} inputs, the weight {k}")
+    width = 2 * k if gated else k
+    if x.shape[-1] != width:
+        raise ValueError(f"wna16_gemv: x has {x.shape[-1]} inputs, the weight {k}"
+                         f"{' (gated: twice that)' if gated else ''}")
     lead = x.shape[:-1]
-    a = x.reshape(-1, k).contiguous()  # (M, K), rows K apart
+    a = x.reshape(-1, width).contiguous()  # (M, K) or (M, 2K), rows width apart
     m = a.shape[0]
     bm = block_m_for(m)
     kind = _variant(w, a, variant, config)
+    if gated and kind not in _HALF2_AHEAD:
+        raise ValueError(f"wna16_gemv: gated inputs take a packed-half variant read through "
+                         f"registers ({', '.join(_HALF2_AHEAD)}); got {kind}")
     cfg = config or gemv_config(w, x.device, bm, kind)
     if cfg.block_k & (cfg.block_k - 1) or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"wna16_gemv: block_k {cfg.block_k} and block_n {cfg.block_n} must be "
@@ -403,7 +422,8 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     q = w.qweight
     zeros = w.zeros if w.zeros is not None else w.scales
     # bf16 x is read 4 values per 8-byte load where its rows allow it.
-    x_bf16 = a.dtype == torch.bfloat16 and a.data_ptr() % 8 == 0 and k % 4 == 0
+    x_bf16 = (a.dtype == torch.bfloat16 and a.data_ptr() % 8 == 0 and k % 4 == 0
+              and not gated)
     if kind == "half2_tma":
         from triton.tools.tensor_descriptor import TensorDescriptor
         if cfg.block_n > 256:  # a TMA box is at most 256 elements along each dimension
@@ -426,7 +446,7 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
             EVEN_K=cfg.split_k * cfg.k_iters * cfg.block_k == k,
             PREFETCH=_HALF2_AHEAD[kind], BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             HAS_SPLIT=cfg.split_k > 1, STAGES=max(cfg.num_stages, 1) if kind == "half2_async"
-            else 1, num_warps=cfg.num_warps, **pdl_args(a))
+            else 1, GATED=gated, num_warps=cfg.num_warps, **pdl_args(a))
         return out.reshape(*lead, n)
     if inplace:
         _wna16_gemv_inplace_kernel[(tiles, cfg.split_k)](

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from peregrine.kernels._utils import pdl_release, pdl_wait
+from peregrine.kernels.activation import silu_mul
 from peregrine.kernels.gemv import finish_split_k, store_partial
 from peregrine.kernels.wna16_gemv_inplace import _load_block, load_x_pairs
 
@@ -105,6 +106,32 @@ def _x_word_inputs(a_ptr, a64_ptr, word, w_mask, X_BF16: tl.constexpr, EVEN_K: t
 
 
 @triton.jit
+def _gated_word_inputs(a_ptr, word, w_mask, K, EVEN_K: tl.constexpr, WORDS: tl.constexpr):
+    """Row 0's inputs of the word rows (W,) when x is silu(h[:K]) * h[K:] of a gate-and-up row
+    h (2K,): each input computed once, by one thread, on a (W, 8) tile, rounded to h's dtype as
+    the activation kernel's output would be, then split into the eight (W,) columns, * 2^-8."""
+    offs = tl.arange(0, 8)
+    kk = word[:, None] * 8 + offs[None, :]  # (W, 8)
+    if EVEN_K:
+        g = tl.load(a_ptr + kk)
+        u = tl.load(a_ptr + K + kk)
+    else:
+        mask = w_mask[:, None] & (offs < 8)[None, :]
+        g = tl.load(a_ptr + kk, mask=mask, other=0.0)
+        u = tl.load(a_ptr + K + kk, mask=mask, other=0.0)
+    x = silu_mul(g.to(tl.float32), u.to(tl.float32)).to(a_ptr.dtype.element_ty)
+    x = x.to(tl.float32) * _X_SCALE
+    even, odd = tl.split(tl.reshape(x, (WORDS, 4, 2)))  # inputs 0, 2, 4, 6 / 1, 3, 5, 7
+    e0, e1 = tl.split(tl.reshape(even, (WORDS, 2, 2)))  # (0, 4), (2, 6)
+    o0, o1 = tl.split(tl.reshape(odd, (WORDS, 2, 2)))  # (1, 5), (3, 7)
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
 def _pair(hi, lo):
     """fp16 pair bits (lo in the low lane) of two float32 (W,) vectors."""
     return tl.inline_asm_elementwise(ASM_PAIR, "=r,r,r", [hi, lo], dtype=tl.int32,
@@ -113,10 +140,15 @@ def _pair(hi, lo):
 
 @triton.jit
 def _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM: tl.constexpr, X_BF16: tl.constexpr,
-                EVEN_K: tl.constexpr):
+                EVEN_K: tl.constexpr, K=0, GATED: tl.constexpr = False):
     """(W, BN) float32: each word's sum_j (q_j - zero) x[8 w + j] * 2^-8 for the block's words
-    (W, BN) and zero points z (BN,)."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = _x_word_inputs(a_ptr, a64_ptr, word, w_mask, X_BF16, EVEN_K)
+    (W, BN) and zero points z (BN,); GATED: x = silu(h[:K]) * h[K:] of the row h at a_ptr."""
+    if GATED:
+        x0, x1, x2, x3, x4, x5, x6, x7 = _gated_word_inputs(a_ptr, word, w_mask, K, EVEN_K,
+                                                            words.shape[0])
+    else:
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_word_inputs(a_ptr, a64_ptr, word, w_mask, X_BF16,
+                                                        EVEN_K)
     if ASM:
         zi = z.to(tl.uint32)  # (BN,) integer zero points, 0..15
         lo_bits = 0x6400 + zi  # fp16 1024 + zero
@@ -150,7 +182,9 @@ def _wna16_gemv_half2_kernel(
     GROUP: tl.constexpr, HAS_ZP: tl.constexpr, ASM: tl.constexpr, X_BF16: tl.constexpr,
     EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr = 1,
+    GATED: tl.constexpr = False,
 ):
+    """GATED: x is silu(h[:K]) * h[K:] of the row h (2K,) at a_ptr, computed as it is read."""
     WORDS: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -190,7 +224,7 @@ def _wna16_gemv_half2_kernel(
         else:
             words, s, z = _load_block(q_ptr, s_ptr, z_ptr, k0, K, N, offs_w, offs_n, n_mask,
                                       K, GROUP, 4, HAS_ZP, BLOCK_N, BLOCK_K)
-        t = _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM, X_BF16, EVEN_K)
+        t = _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM, X_BF16, EVEN_K, K, GATED)
         acc += t * (s * _UNDO)[None, :]
     pdl_release(PDL)
     store_partial(part_ptr, c_ptr, tl.sum(acc, axis=0), 0, M, N, split, offs_n, n_mask,

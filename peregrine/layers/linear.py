@@ -104,3 +104,13 @@ class RowParallelLinear(LinearBase):
         y = self.quant_method.apply(self, x)  # (T, out) partial sum of this rank's inputs
         y = tp_all_reduce(y)
         return y + self.bias if self.bias is not None else y
+
+    def forward_silu_and_mul(self, h: torch.Tensor) -> torch.Tensor | None:
+        """forward(silu(h[:, :I]) * h[:, I:]) for gate-and-up rows h (T, 2I), the activation
+        computed inside the weight's kernel; None where the quantization method has no such
+        kernel for h."""
+        y = self.quant_method.apply_silu_and_mul(self, h)
+        if y is None:
+            return None
+        y = tp_all_reduce(y)
+        return y + self.bias if self.bias is not None else y

@@ -131,7 +131,12 @@ class DecoderMLP(nn.Module):
         self.act = SiluAndMul(fused=opts.kernels.fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))  # (T, hidden)
+        h = self.gate_up_proj(x)  # (T, 2I)
+        if self.act.use_fused:  # the down projection's own kernel may take the activation
+            y = self.down_proj.forward_silu_and_mul(h)
+            if y is not None:
+                return y  # (T, hidden)
+        return self.down_proj(self.act(h))  # (T, hidden)
 
 
 class DecoderParts(NamedTuple):

@@ -223,6 +223,22 @@ def test_half2_variant_within_fp16_sums(shape: str, bits: int, zp: bool, dtype: 
     assert _exact_err(wna16_gemv(xu, w, variant="half2"), xu, w) <= 2.0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("variant", [None, "half2", "half2_prefetch2", "half2_async"])
+def test_gated_down_projection_is_the_activation_kernel_then_the_gemv(
+        variant: str | None, dtype: torch.dtype) -> None:
+    """Llama-3-8B's down projection of one gate-and-up row: silu(gate) * up computed inside the
+    GEMV gives the activation kernel's output fed to the same GEMV, bit for bit."""
+    from peregrine.kernels.activation import silu_and_mul
+    from peregrine.kernels.wna16_gemv import gated_supported
+    k, n = SHAPES["down"]
+    w = _layout(k, n, 4, True, dtype=dtype)
+    h = torch.randn(1, 2 * k, device=DEV, dtype=dtype) * 3
+    assert gated_supported(w, h)
+    got = wna16_gemv(h, w, variant=variant, gated=True)
+    assert torch.equal(got, wna16_gemv(silu_and_mul(h), w, variant=variant))
+
+
 def test_inplace_variant_reads_unaligned_bf16_rows() -> None:
     # bf16 rows that do not start 8 bytes apart from an aligned base: one value per load.
     k, n = 4160, 6200

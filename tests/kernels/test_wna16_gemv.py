@@ -331,6 +331,37 @@ def test_half2_split_k_ragged_and_prefetch(split: int, dtype: torch.dtype) -> No
     assert torch.equal(got, wna16_gemv(xl, long, cfg, variant="half2"))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("split", [1, 2])
+def test_gated_inputs_equal_the_activation_kernel_then_the_gemv(split: int,
+                                                                dtype: torch.dtype) -> None:
+    """x = silu(h[:K]) * h[K:] computed inside the GEMV as it reads h (2K,): the activation
+    kernel's output fed to the same variant, bit for bit, ragged splits included."""
+    from peregrine.kernels.activation import silu_and_mul
+    k, n = 384, 72
+    w = _layout(4, 128, zp=True, k=k, n=n, seed=38, dtype=dtype)
+    h = (_x(1, k=2 * k, seed=39) * 3).to(dtype)  # gates well into silu's curved part
+    cfg = GemvConfig(32, 128, split, -(-3 // split), 4)  # 2 splits: a block past K
+    x = silu_and_mul(h)
+    for variant in ("half2", "half2_prefetch", "half2_prefetch2", "half2_async"):
+        got = wna16_gemv(h, w, cfg, variant=variant, gated=True)
+        assert got.shape == (1, n)
+        assert torch.equal(got, wna16_gemv(x, w, cfg, variant=variant)), variant
+    assert wna16_gemv_module.gated_supported(w, h)
+    assert not wna16_gemv_module.gated_supported(w, x)  # not a gate-and-up row
+    assert not wna16_gemv_module.gated_supported(w, torch.cat([h, h]))  # two rows
+
+
+def test_gated_inputs_are_refused_where_no_variant_takes_them() -> None:
+    w = _layout(4, 128, zp=True)
+    h = _x(1, k=2 * K).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="gated inputs take a packed-half variant"):
+        wna16_gemv(h, w, variant="inplace", gated=True)
+    with pytest.raises(ValueError, match=r"twice that"):
+        wna16_gemv(_x(1).to(torch.bfloat16), w, variant="half2", gated=True)
+    assert not wna16_gemv_module.gated_supported(_layout(8, 128, zp=True), h)  # 8 bits
+
+
 def test_half2_variant_reads_unaligned_bf16_rows_one_value_at_a_time() -> None:
     w = _layout(4, 128, zp=False, dtype=torch.bfloat16, seed=35)
     buf = _x(1, torch.bfloat16, k=K + 1).reshape(-1)

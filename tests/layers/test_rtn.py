@@ -80,3 +80,39 @@ def test_dummy_weights_run_quantized(name: str) -> None:
 def test_rtn_config_bits_must_agree_with_the_name() -> None:
     with pytest.raises(ValueError, match="disagree"):
         get_quantization_config("rtn-int8").from_config({"bits": 4})
+
+
+def test_down_projection_takes_the_activation_into_its_gemv(monkeypatch) -> None:
+    """One decode row of a 4-bit MLP: the down projection's GEMV computes silu(gate) * up as it
+    reads its inputs, bit for bit the activation kernel's result fed to the same GEMV; more rows
+    and tensors without a kernel go through the activation kernel."""
+    import peregrine.kernels.activation as activation
+    import peregrine.kernels.gemv as gemv
+    import peregrine.layers.quantization.wna16 as wna16
+    from peregrine.attention import get_attention_backend
+    from peregrine.worker.loader import load_model
+    cfg = EngineArgs(model=str(tiny_checkpoint("llama")), device="cpu", dtype="bfloat16",
+                     quantization="rtn").create_engine_config().model
+    model = load_model(cfg, get_attention_backend("torch"), torch.device("cpu"))
+    mlp = model.layers[1].mlp
+    down = mlp.down_proj
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(1, 2 * down.wna16.in_features, generator=gen).to(torch.bfloat16)
+    assert down.forward_silu_and_mul(h) is None  # no kernel for a CPU tensor
+    # the interpreted kernels, as a GPU runs them: the GEMV for a few rows
+    monkeypatch.setattr(wna16, "_use_kernel", lambda x: True)
+    monkeypatch.setattr(gemv, "use_gemv", lambda x, max_m=gemv.GEMV_MAX_M:
+                        0 < x.numel() // x.shape[-1] <= max_m)
+    fused = down.forward_silu_and_mul(h)
+    assert fused is not None and fused.shape == (1, down.wna16.out_features)
+    assert torch.equal(fused, down(activation.silu_and_mul(h)))
+    assert down.forward_silu_and_mul(torch.cat([h, h])) is None  # two rows: the GEMM-side path
+    x = torch.randn(1, mlp.gate_up_proj.wna16.in_features, generator=gen).to(torch.bfloat16)
+    mlp.act.use_fused = True
+    want = down(activation.silu_and_mul(mlp.gate_up_proj(x)))
+
+    def no_activation_kernel(_h: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the activation kernel ran for one row")
+
+    monkeypatch.setattr(activation, "silu_and_mul", no_activation_kernel)
+    assert torch.equal(mlp(x), want)

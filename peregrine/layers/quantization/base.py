@@ -98,6 +98,13 @@ class QuantMethod(ABC):
               bias: torch.Tensor | None = None) -> torch.Tensor:
         """y (T, out_per_rank) of x (T, in_per_rank), plus bias when given."""
 
+    def apply_silu_and_mul(self, layer: LinearBase, h: torch.Tensor,
+                           bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """y of x = silu(h[:, :I]) * h[:, I:] for gate-and-up rows h (T, 2 in_per_rank), with
+        the activation inside this method's own kernel; None where it has no such kernel for h
+        (the caller then runs the activation kernel and apply)."""
+        return None
+
 
 class QuantizationConfig(ABC):
     """A checkpoint's quantization settings (config.json `quantization_config`)."""

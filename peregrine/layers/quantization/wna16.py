@@ -185,6 +185,19 @@ class WNA16LinearMethod(QuantMethod):
             return y if bias is None else y + bias
         return F.linear(x, layout.dequantize(x.dtype), bias)
 
+    def apply_silu_and_mul(self, layer: LinearBase, h: torch.Tensor,
+                           bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        # NOTE: one decode row through the packed-half GEMV, which computes the activation as
+        # it reads its inputs (one launch fewer per layer, bit for bit the unfused result).
+        if not _use_kernel(h):
+            return None
+        from peregrine.kernels.wna16_gemv import gated_supported, wna16_gemv
+        layout: WNA16Layout = layer.wna16
+        if not gated_supported(layout, h):
+            return None
+        y = wna16_gemv(h, layout, gated=True)
+        return y if bias is None else y + bias
+
 
 def check_groups(method: str, layer: LinearBase, in_features: int, group_size: int) -> None:
     """A clear error when this rank's inputs do not split into whole groups."""
