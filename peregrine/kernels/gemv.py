@@ -274,19 +274,24 @@ class GemvConfig(NamedTuple):
     num_stages: int = 1
 
 
+_W8_BLOCK_N = 32
+_W8_BLOCK_K = 256
+_W8_WAVES = _WAVES
+
+
 def w8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None,
                    device: torch.device) -> GemvConfig:
     """Tiles of 32 output channels x 256 weight bytes along K (less when block scales are that
     narrow), K split to fill the SMs. Compiled for sm_90 (FP8): 4 warps at 1 / 2 rows take 56 /
     96 registers and about 4.3 / 6.6 instructions per weight value in the K loop; 8 warps at
     4 / 8 rows 80 / 99 registers and 11.9 / 21.8 per value."""
-    block_k = 256
+    block_k = _W8_BLOCK_K
     if block is not None:
         while block_k > 16 and block[1] % block_k:
             block_k //= 2
-    block_n = 32
+    block_n = _W8_BLOCK_N
     tiles = triton.cdiv(n, block_n)
-    split, k_iters = choose_split(tiles, triton.cdiv(k, block_k), device)
+    split, k_iters = choose_split(tiles, triton.cdiv(k, block_k), device, _W8_WAVES)
     return GemvConfig(block_n, block_k, split, k_iters, 4 if m <= 2 else 8)
 
 
