@@ -483,3 +483,6 @@ def precompile_wna16_gemv(w: WNA16Layout, dtype: torch.dtype) -> None:
         return
     for rows in sorted({block_m_for(m) for m in range(1, GEMV_MAX_M + 1)}):
         wna16_gemv(torch.zeros(rows, w.in_features, dtype=dtype, device=w.qweight.device), w)
+    gate_up = torch.zeros(1, 2 * w.in_features, dtype=dtype, device=w.qweight.device)
+    if gated_supported(w, gate_up):  # a down projection's one-row form (SiLU-and-mul inside)
+        wna16_gemv(gate_up, w, gated=True)

@@ -132,6 +132,8 @@ def test_nothing_compiles_after_load_time_precompile(bits: int) -> None:
     before = _gemv_compiles()
     for m in range(1, GEMV_MAX_M + 1):
         wna16_gemv(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), w)
+    if bits == 4:  # a down projection's one-row form, SiLU-and-mul inside
+        wna16_gemv(torch.randn(1, 2 * k, device=DEV, dtype=torch.bfloat16), w, gated=True)
     assert _gemv_compiles() == before
 
 
