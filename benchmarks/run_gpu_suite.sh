@@ -3,7 +3,7 @@
 # Usage: bash benchmarks/run_gpu_suite.sh [steps...]
 #   steps: tests (all GPU tests) kernels sampler engine enginefp32 kernelbench layerbench splitsbench
 #          samplerbench w2 w2hf w1 w1prof w1trace w1hf serve ttft pacing pacetrace coldstart asyncprobe poolcost
-#          w5 (int4 AWQ layout, batch 1) w8a8 gemvbench stagegraphs
+#          w5 (int4 AWQ layout, batch 1) w8a8 gemvbench stagegraphs w8a8lat w6 w1fp8 w5prof
 # Logs, JUnit XML (tests) and JSON results go under $OUT (default /tmp/out).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -12,6 +12,8 @@ CFG="${CFG:-benchmarks/configs}"
 steps="${*:-kernels sampler engine w2 w1}"
 wheels() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"; }
 run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -40; echo "=== $name rc=${PIPESTATUS[0]}"; }
+# W5's model: Llama-3-8B's config with an AWQ quantization_config (4 bits, group 128, zero points)
+awq_config() { python -c "import json,sys; c=json.load(open(sys.argv[1])); c['quantization_config']={'quant_method':'awq','bits':4,'group_size':128,'zero_point':True,'version':'gemm'}; json.dump(c,open(sys.argv[2],'w'))" "$CFG/llama-3-8b.json" "$OUT/llama-3-8b-awq.json"; }
 gputest() { local name=$1 limit=$2; shift 2; run "$name" "$limit" python -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/$name.xml" "$@"; }
 for s in $steps; do
   case $s in
@@ -45,12 +47,19 @@ for s in $steps; do
     pacetrace) # TTFT inside the core at 8 req/s, per pacer margin (no HTTP); PACERS, TRACE_PROMPTS
              run pacetrace 400 python benchmarks/pacing_trace.py --pacers "${PACERS:-off,default,1.0:0.25}" --num-prompts "${TRACE_PROMPTS:-200}" --out "$OUT/pacing_trace.json" ;;
     enginefp32) gputest engine 300 tests/gpu/test_gpu_engine.py -k fp32 ;;
-    w5)      python -c "import json,sys; c=json.load(open(sys.argv[1])); c['quantization_config']={'quant_method':'awq','bits':4,'group_size':128,'zero_point':True,'version':'gemm'}; json.dump(c,open(sys.argv[2],'w'))" "$CFG/llama-3-8b.json" "$OUT/llama-3-8b-awq.json"
+    w5)      awq_config
              for v in ${W5_VARIANTS:-default}; do  # one-row GEMV variants to compare (PEREGRINE_WNA16_GEMV)
                PEREGRINE_WNA16_GEMV="${v#default}" timeout 150 python -m peregrine.entrypoints.cli bench latency --model "$OUT/llama-3-8b-awq.json" --output-json "$OUT/w5_$v.json" > "$OUT/w5_$v.log" 2>&1
                python -c "import json,sys; print('w5', sys.argv[2], round(json.load(open(sys.argv[1]))['decode_tokens_per_s'], 1))" "$OUT/w5_$v.json" "$v"
              done ;;
     w8a8)    run w8a8 400 python benchmarks/w8a8_bench.py --model "$CFG/llama-3-8b.json" --output-json "$OUT/w8a8.json" ;;
+    # single batch-1 rows (~25-60 s each): FP8 W8A8 online, int6 RTN; W1 with an FP8 KV cache
+    w8a8lat) run w8a8lat 150 python -m peregrine.entrypoints.cli bench latency --model "$CFG/llama-3-8b.json" --quantization fp8 --output-json "$OUT/w8a8_latency.json" ;;
+    w6)      run w6 150 python -m peregrine.entrypoints.cli bench latency --model "$CFG/llama-3-8b.json" --quantization rtn-int6 --output-json "$OUT/w6.json" ;;
+    w1fp8)   run w1fp8 200 python -m peregrine.entrypoints.cli bench throughput --model "$CFG/qwen3-0.6b.json" --kv-cache-dtype fp8 --output-json "$OUT/w1fp8.json" ;;
+    # where a W5 token's GPU time goes, kernel by kernel (ten decode steps of one request)
+    w5prof)  awq_config
+             run w5prof 200 python -m peregrine.entrypoints.cli bench throughput --model "$OUT/llama-3-8b-awq.json" --num-prompts 1 --min-input 128 --max-input 128 --min-output 300 --max-output 300 --torch-profile 100:110 --torch-profile-out "$OUT/w5_profile.txt" ;;
     gemvbench) run gemvbench 300 python benchmarks/gemv_bench.py --models 8b --rows "${GEMV_ROWS:-1,2,4}" --variants "${GEMV_VARIANTS:-inplace,inplace_prefetch,half2,half2_prefetch,half2_prefetch2,half2_async,half2_tma}" --out "$OUT/gemv.json" ;;
     stagegraphs) gputest stagegraphs 180 tests/gpu/test_gpu_stage_graphs.py ;;
     w1trace) run w1trace 200 python benchmarks/step_trace.py --model "$CFG/qwen3-0.6b.json" --out "$OUT/w1_trace.json" ;;
