@@ -39,7 +39,7 @@ SHAPES = {  # (K, N) per projection: q/k/v fused, o, gate/up fused, down
 
 
 VARIANTS = ("fma", "fma_prefetch", "mma", "inplace", "inplace_prefetch", "half2", "half2_prefetch",
-            "half2_prefetch2", "half2_async", "half2_tma")
+            "half2_prefetch2", "half2_async")
 
 
 def _nbytes(*ts: torch.Tensor | None) -> int:
@@ -143,7 +143,7 @@ def shape_rows(model: str, proj: str, k: int, n: int, rows: list[int], iters: in
                                               for v in ws],
                                           wna16=True,
                                           wide=variant.startswith(("inplace", "half2")),
-                                          tma=variant in ("half2_tma", "half2_async")))
+                                          streamed=variant == "half2_async"))
             timed(f"{label} GEMM", m, [lambda v=v: wna16_gemm(x, v) for v in ws],
                   wbytes + io(m))
         del ws, w
@@ -187,13 +187,14 @@ def _splits(k_blocks: int) -> list[tuple[int, int]]:
 
 
 def _sweep(model: str, proj: str, k: int, n: int, m: int, label: str, moved: int, iters: int,
-           calls_for: Callable, wna16: bool, wide: bool = False, tma: bool = False) -> dict:
+           calls_for: Callable, wna16: bool, wide: bool = False,
+           streamed: bool = False) -> dict:
     """The fastest GEMV config of a small grid (block_n, block_k, warps, K split); `wide`: the
-    in-place variant's grid (up to 1,024 columns, K blocks of 32 to 128 inputs); `tma`: the
-    tensor-descriptor variant's (up to 256 columns, 2 to 8 blocks in flight)."""
+    in-place variant's grid (up to 1,024 columns, K blocks of 32 to 128 inputs); `streamed`:
+    the shared-memory-pipelined variant's (up to 256 columns, 2 to 8 blocks in flight)."""
     from peregrine.kernels.gemv import GemvConfig
     stages_grid: tuple[int, ...] = (1,)
-    if tma:
+    if streamed:
         grid_n, grid_k, stages_grid = (64, 128, 256), (128,), (2, 3, 4, 6, 8)
     elif wide:
         grid_n, grid_k = (64, 128, 256, 512, 1024), (32, 64, 128)
@@ -205,7 +206,7 @@ def _sweep(model: str, proj: str, k: int, n: int, m: int, label: str, moved: int
     timings: list[tuple] = []
     for bn in grid_n:
         for bk in grid_k:
-            for warps in ((4, 8) if not (wide or tma) or bn >= 128 else (4,)):
+            for warps in ((4, 8) if not (wide or streamed) or bn >= 128 else (4,)):
                 for stages in stages_grid:
                     for split, k_iters in _splits(-(-k // bk)):
                         cfg = GemvConfig(bn, bk, split, k_iters, warps, stages)

@@ -60,7 +60,7 @@ for s in $steps; do
     # where a W5 token's GPU time goes, kernel by kernel (ten decode steps of one request)
     w5prof)  awq_config
              run w5prof 200 python -m peregrine.entrypoints.cli bench throughput --model "$OUT/llama-3-8b-awq.json" --num-prompts 1 --min-input 128 --max-input 128 --min-output 300 --max-output 300 --torch-profile 100:110 --torch-profile-out "$OUT/w5_profile.txt" ;;
-    gemvbench) run gemvbench 300 python benchmarks/gemv_bench.py --models 8b --rows "${GEMV_ROWS:-1,2,4}" --variants "${GEMV_VARIANTS:-inplace,inplace_prefetch,half2,half2_prefetch,half2_prefetch2,half2_async,half2_tma}" --out "$OUT/gemv.json" ;;
+    gemvbench) run gemvbench 300 python benchmarks/gemv_bench.py --models 8b --rows "${GEMV_ROWS:-1,2,4}" --variants "${GEMV_VARIANTS:-inplace,inplace_prefetch,half2,half2_prefetch,half2_prefetch2,half2_async}" --out "$OUT/gemv.json" ;;
     stagegraphs) gputest stagegraphs 180 tests/gpu/test_gpu_stage_graphs.py ;;
     w1trace) run w1trace 200 python benchmarks/step_trace.py --model "$CFG/qwen3-0.6b.json" --out "$OUT/w1_trace.json" ;;
     w1hf)    run w1hf 400 python -m peregrine.entrypoints.cli bench throughput --model "$CFG/qwen3-0.6b.json" --compare-transformers --hf-requests 32 --output-json "$OUT/w1hf.json" ;;

@@ -30,9 +30,9 @@ def test_values_are_read_when_called(monkeypatch) -> None:
     monkeypatch.setenv("PEREGRINE_PP_LAYER_PARTITION", "5,4")
     monkeypatch.setenv("PEREGRINE_DEPENDENT_LAUNCH", "0")
     monkeypatch.setenv("PEREGRINE_GRAPH_PATHS_ON_CPU", "1")
-    monkeypatch.setenv("PEREGRINE_WNA16_GEMV", "half2_tma")
+    monkeypatch.setenv("PEREGRINE_WNA16_GEMV", "half2_async")
     assert not envs.dependent_launch() and envs.graph_paths_on_cpu()
-    assert envs.wna16_gemv_variant() == "half2_tma"
+    assert envs.wna16_gemv_variant() == "half2_async"
     assert envs.attention_backend() == "torch" and envs.api_key() == "secret"
     assert not envs.fused_kernels() and envs.debug_checks() and envs.triton_interpret()
     assert not envs.core_pacing()

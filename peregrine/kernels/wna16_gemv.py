@@ -8,9 +8,7 @@ half2 (4 bits, one row, K blocks inside one group; wna16_gemv_half2.py): two val
 instruction in fp16 pairs (dequantization and the products), the word's sum in float32;
 half2_prefetch loads each K block one iteration ahead, half2_prefetch2 two; half2_async lets
 the compiler copy the words into shared memory asynchronously (cp.async), the config's
-num_stages blocks in flight; half2_tma reads
-the words through a tensor descriptor, so on Hopper the compiler streams them into shared
-memory by TMA, the config's num_stages blocks in flight (N a multiple of 4: 16-byte rows).
+num_stages blocks in flight.
 
 inplace (4 / 8 bits, K blocks inside one group; wna16_gemv_inplace.py): each value becomes a
 float where it sits in its word, so a 4-bit value costs an AND-OR, a subtraction and an FMA.
@@ -54,8 +52,7 @@ from peregrine import envs
 from peregrine.kernels._utils import dot_dtype, pdl_args, pdl_release, pdl_wait
 from peregrine.kernels.gemv import (GEMV_MAX_M, GemvConfig, block_m_for, choose_split,
                                     launch_buffers, row_accumulators, store_row_sums)
-from peregrine.kernels.wna16_gemv_half2 import (_wna16_gemv_half2_kernel,
-                                                 _wna16_gemv_half2_tma_kernel)
+from peregrine.kernels.wna16_gemv_half2 import _wna16_gemv_half2_kernel
 from peregrine.kernels.wna16_gemv_inplace import _wna16_gemv_inplace_kernel
 from peregrine.kernels.wna16_gemv_mma import _wna16_gemv_mma_kernel
 
@@ -183,10 +180,10 @@ _BLOCK_N = 64
 _MMA_BLOCK_N = 128
 _MMA_BLOCK_K = 128
 VARIANTS = ("fma", "fma_prefetch", "mma", "inplace", "inplace_prefetch", "half2",
-            "half2_prefetch", "half2_prefetch2", "half2_async", "half2_tma")
-_TMA_STAGES = 4
-_TMA_BLOCK_N = 128
-_TMA_WAVES = 2.0
+            "half2_prefetch", "half2_prefetch2", "half2_async")
+_ASYNC_STAGES = 4
+_ASYNC_BLOCK_N = 128
+_ASYNC_WAVES = 2.0
 # K blocks loaded ahead into registers (half2_async: none; the pipeliner's stages instead)
 _HALF2_AHEAD = {"half2": 0, "half2_prefetch": 1, "half2_prefetch2": 2, "half2_async": 0}
 # The packed-half variants' tile and split: 128 columns, at least _HALF2_WAVES programs per SM
@@ -232,18 +229,6 @@ def inplace_supported(w: WNA16Layout, block_k: int | None = None) -> bool:
         return False
     bk = block_k or _inplace_block_k(w)
     return bk >= 32 // w.bits and (w.group_size % bk == 0 or w.group_size == w.in_features)
-
-
-def tma_supported(w: WNA16Layout, device: torch.device) -> bool:
-    """Whether the half2_tma variant's tensor descriptor can read this layout's words: 4 bits,
-    rows of a multiple of 16 bytes from a 16-byte aligned start, and on CUDA sm_90+ (TMA)."""
-    q = w.qweight
-    if w.bits != 4 or w.out_features % 4 or q.data_ptr() % 16 or not q.is_contiguous():
-        return False
-    if device.type != "cuda":
-        return True
-    return _is_sm90_or_later(device.index if device.index is not None
-                             else torch.cuda.current_device())
 
 
 def _mma_block_k(w: WNA16Layout) -> int:
@@ -301,11 +286,7 @@ def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
                          f"16-bit activations and K blocks inside one group (sm_90+ on CUDA); "
                          f"got {w.bits} bits, {x.dtype}, group {w.group_size}, block_k "
                          f"{block_k or _mma_block_k(w)}")
-    if variant == "half2_tma" and not tma_supported(w, x.device):
-        raise ValueError(f"wna16_gemv: the half2_tma variant takes 4-bit weights of a multiple "
-                         f"of 4 outputs in 16-byte aligned rows (sm_90+ on CUDA); got "
-                         f"{w.bits} bits, {w.out_features} outputs")
-    if (variant in _HALF2_AHEAD or variant == "half2_tma") and not (
+    if variant in _HALF2_AHEAD and not (
             w.bits == 4 and x.shape[0] == 1 and inplace_supported(w, block_k)):
         raise ValueError(f"wna16_gemv: the half2 variant takes one row of x and 4-bit weights "
                          f"without act-order, K blocks inside one group; got {x.shape[0]} rows, "
@@ -327,8 +308,7 @@ def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
     if (rows == 1 and w.bits == 4 and x.dtype in (torch.bfloat16, torch.float16)
             and inplace_supported(w, block_k)):
         chosen = _one_row_variant()
-        if (chosen == "half2_tma" and not tma_supported(w, x.device)) or (
-                chosen == "mma" and not ok):
+        if chosen == "mma" and not ok:
             chosen = None
         return chosen or "half2_prefetch"
     if not inplace_supported(w, block_k) or (w.bits == 8 and rows > 2):
@@ -344,8 +324,8 @@ def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
     mma: 128 columns x 128 inputs (or the group) per K block. K split to fill the SMs."""
     if variant == "mma":
         block_n, block_k, warps = _MMA_BLOCK_N, _mma_block_k(w), 4
-    elif variant in ("half2_tma", "half2_async"):
-        block_n, block_k, warps = _TMA_BLOCK_N, _inplace_block_k(w), 4
+    elif variant == "half2_async":
+        block_n, block_k, warps = _ASYNC_BLOCK_N, _inplace_block_k(w), 4
     elif variant.startswith("half2"):
         block_n, block_k, warps = _HALF2_BLOCK_N, _inplace_block_k(w), 4
     elif variant.startswith("inplace"):
@@ -359,10 +339,10 @@ def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
     kw = {"waves": _INPLACE_WAVES} if variant.startswith("inplace") else {}
     if variant.startswith("half2"):
         kw = {"waves": _HALF2_WAVES, "max_k_iters": _HALF2_K_ITERS}
-    if variant in ("half2_tma", "half2_async"):
-        kw = {"waves": _TMA_WAVES}
+    if variant == "half2_async":
+        kw = {"waves": _ASYNC_WAVES}
     split, k_iters = choose_split(tiles, triton.cdiv(w.in_features, block_k), device, **kw)
-    stages = _TMA_STAGES if variant in ("half2_tma", "half2_async") else 1
+    stages = _ASYNC_STAGES if variant == "half2_async" else 1
     return GemvConfig(block_n, block_k, split, k_iters, warps, stages)
 
 
@@ -382,8 +362,8 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     """y (..., N) = x (..., K) @ dequant(w) (K, N) in x's dtype, for at most GEMV_MAX_ROWS rows.
     variant: "inplace" (4 / 8 bits, values converted in place), "half2" / "half2_prefetch" /
     "half2_prefetch2" (4 bits, one row, fp16 pairs; K blocks loaded 0 / 1 / 2 ahead),
-    "half2_async" / "half2_tma" (the same, blocks streamed through shared memory by asynchronous
-    copies / a tensor descriptor), "fma" (float32 FMAs), "fma_prefetch" (the same, its loads
+    "half2_async" (the same, blocks streamed through shared memory by asynchronous copies),
+    "fma" (float32 FMAs), "fma_prefetch" (the same, its loads
     pipelined two K blocks ahead) or "mma" (tensor cores; 4 / 8 bits, 16-bit x, sm_90+); None:
     half2_prefetch at one row of 4-bit weights and 16-bit x, else one of the in-place forms for
     4-bit weights and for 8-bit ones up to 2 rows where the layout allows (the prefetching one
@@ -408,7 +388,7 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     if cfg.block_k & (cfg.block_k - 1) or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"wna16_gemv: block_k {cfg.block_k} and block_n {cfg.block_n} must be "
                          "powers of two")
-    inplace = kind in ("inplace", "inplace_prefetch", "half2_tma") or kind in _HALF2_AHEAD
+    inplace = kind in ("inplace", "inplace_prefetch") or kind in _HALF2_AHEAD
     if not inplace and not gemv_supported(w, cfg.block_k):
         raise ValueError(f"wna16_gemv: group size {w.group_size} (act-order: "
                          f"{w.g_idx is not None}) does not fit K blocks of {cfg.block_k}")
@@ -424,20 +404,6 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     # bf16 x is read 4 values per 8-byte load where its rows allow it.
     x_bf16 = (a.dtype == torch.bfloat16 and a.data_ptr() % 8 == 0 and k % 4 == 0
               and not gated)
-    if kind == "half2_tma":
-        from triton.tools.tensor_descriptor import TensorDescriptor
-        if cfg.block_n > 256:  # a TMA box is at most 256 elements along each dimension
-            raise ValueError(f"wna16_gemv: the half2_tma variant takes block_n <= 256, got "
-                             f"{cfg.block_n}")
-        desc = TensorDescriptor.from_tensor(q, [cfg.block_k // 8, cfg.block_n])
-        _wna16_gemv_half2_tma_kernel[(tiles, cfg.split_k)](
-            a, a.view(torch.int64) if x_bf16 else a, desc, w.scales, zeros, part, lock, out, m,
-            n, k, out.stride(0), cfg.k_iters, cfg.split_k, GROUP=w.group_size,
-            HAS_ZP=w.zeros is not None, ASM=a.is_cuda, X_BF16=x_bf16,
-            EVEN_K=cfg.split_k * cfg.k_iters * cfg.block_k == k, STAGES=max(cfg.num_stages, 1),
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_SPLIT=cfg.split_k > 1,
-            num_warps=cfg.num_warps, **pdl_args(a))
-        return out.reshape(*lead, n)
     if kind.startswith("half2"):
         _wna16_gemv_half2_kernel[(tiles, cfg.split_k)](
             a, a.view(torch.int64) if x_bf16 else a, q, w.scales, zeros, part, lock, out, m, n,

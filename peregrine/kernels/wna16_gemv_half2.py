@@ -20,8 +20,9 @@ bf16 output keeps. The interpreter (ASM off) computes the same sums in float32.
 On an H200 at Llama-3-8B's shapes the halved instructions alone bought nothing (the kernel
 waits on memory latency, not on issue slots); with PREFETCH (each K block's loads issued an
 iteration ahead, in registers) it takes about 8% less time than the in-place variant. STAGES
-keeps more blocks in flight through shared memory instead: asynchronous copies issued by the
-threads (the plain kernel), or bulk tensor copies (the tensor-descriptor kernel, TMA).
+keeps more blocks in flight through shared memory instead (asynchronous copies the compiler
+pipelines); on an H200 that measured slower than one block ahead in registers, as did bulk
+tensor copies (TMA) through a tensor descriptor.
 """
 from __future__ import annotations
 
@@ -225,54 +226,6 @@ def _wna16_gemv_half2_kernel(
             words, s, z = _load_block(q_ptr, s_ptr, z_ptr, k0, K, N, offs_w, offs_n, n_mask,
                                       K, GROUP, 4, HAS_ZP, BLOCK_N, BLOCK_K)
         t = _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM, X_BF16, EVEN_K, K, GATED)
-        acc += t * (s * _UNDO)[None, :]
-    pdl_release(PDL)
-    store_partial(part_ptr, c_ptr, tl.sum(acc, axis=0), 0, M, N, split, offs_n, n_mask,
-                  stride_cm, HAS_SPLIT)
-    finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, stride_cm, SPLIT_K,
-                   HAS_SPLIT, 1, BLOCK_N)
-
-
-@triton.jit
-def _group_scales(s_ptr, z_ptr, k0, K, N, offs_n, n_mask, GROUP: tl.constexpr,
-                  HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The scales and zero points (BN,) float32 of the group holding the K block at k0."""
-    grp = tl.minimum(k0, K - 1) // GROUP
-    s = tl.load(s_ptr + grp * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    if HAS_ZP:
-        z = tl.load(z_ptr + grp * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    else:
-        z = tl.full((BLOCK_N,), 8, tl.float32)
-    return s, z
-
-
-@triton.jit(do_not_specialize=["stride_cm", "K_ITERS", "SPLIT_K"])
-def _wna16_gemv_half2_tma_kernel(
-    a_ptr, a64_ptr, q_desc, s_ptr, z_ptr, part_ptr, lock_ptr, c_ptr,
-    M, N, K, stride_cm, K_ITERS, SPLIT_K,
-    GROUP: tl.constexpr, HAS_ZP: tl.constexpr, ASM: tl.constexpr, X_BF16: tl.constexpr,
-    EVEN_K: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr, PDL: tl.constexpr,
-):
-    """The packed-half GEMV with the words read through a tensor descriptor: on Hopper the
-    compiler turns the loop's block loads into asynchronous bulk copies (TMA) into shared memory,
-    STAGES blocks in flight, instead of registers one block ahead. Blocks past K or N read as
-    zeros (the descriptor pads them)."""
-    WORDS: tl.constexpr = BLOCK_K // 8
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
-    n_mask = offs_n < N
-    offs_w = tl.arange(0, WORDS)  # (W,)
-    acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
-    pdl_wait(PDL)
-    for it in tl.range(0, K_ITERS, num_stages=STAGES):
-        k0 = (split * K_ITERS + it) * BLOCK_K
-        word = k0 // 8 + offs_w  # (W,)
-        w_mask = word < K // 8
-        words = q_desc.load([k0 // 8, pid_n * BLOCK_N])  # (W, BN) int32
-        s, z = _group_scales(s_ptr, z_ptr, k0, K, N, offs_n, n_mask, GROUP, HAS_ZP, BLOCK_N)
-        t = _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM, X_BF16, EVEN_K)
         acc += t * (s * _UNDO)[None, :]
     pdl_release(PDL)
     store_partial(part_ptr, c_ptr, tl.sum(acc, axis=0), 0, M, N, split, offs_n, n_mask,

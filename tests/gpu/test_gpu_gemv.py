@@ -210,12 +210,11 @@ def test_half2_variant_within_fp16_sums(shape: str, bits: int, zp: bool, dtype: 
     assert _exact_err(got, x, w) <= 2.0
     assert torch.equal(wna16_gemv(x, w, variant="half2_prefetch"), got)
     assert torch.equal(wna16_gemv(x, w, variant="half2_prefetch2"), got)
-    # the words streamed through shared memory (cp.async, TMA): the same per-word sums, maybe
+    # the words streamed through shared memory (cp.async): the same per-word sums, maybe
     # summed over the words in another order
-    for variant in ("half2_async", "half2_tma"):
-        streamed = wna16_gemv(x, w, variant=variant)
-        assert _exact_err(streamed, x, w) <= 2.0, variant
-        assert torch.equal(wna16_gemv(x, w, variant=variant), streamed), variant
+    streamed = wna16_gemv(x, w, variant="half2_async")
+    assert _exact_err(streamed, x, w) <= 2.0
+    assert torch.equal(wna16_gemv(x, w, variant="half2_async"), streamed)
     # large inputs (the scaling keeps the fp16 products finite; fp16 x and outputs have their
     # own ceiling) and an unaligned row
     big = x * (4096 if dtype == torch.bfloat16 else 16)

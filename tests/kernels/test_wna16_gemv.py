@@ -380,38 +380,6 @@ def test_half2_variant_refuses_what_it_cannot_read() -> None:
         wna16_gemv(_x(1), _layout(4, 32, zp=True, act_order=True), variant="half2_prefetch")
 
 
-@pytest.mark.parametrize("group", [32, 128, K], ids=["g32", "g128", "channel"])
-@pytest.mark.parametrize("zp", [False, True], ids=["sym", "zp"])
-def test_half2_tma_variant_reads_the_words_through_a_descriptor(zp: bool, group: int) -> None:
-    w = _layout(4, group, zp, seed=41)
-    x = _x(1, seed=42)
-    got = wna16_gemv(x, w, variant="half2_tma")
-    torch.testing.assert_close(got, _reference(x, w), rtol=1e-5, atol=1e-4)
-
-
-@pytest.mark.parametrize("split", [1, 2])
-def test_half2_tma_pads_past_k_and_n_and_sums_as_half2(split: int) -> None:
-    # K = 384 in blocks of 128 over 2 splits of 2 (a block past K); N = 72 against 32-column
-    # tiles (the last one partial): the descriptor reads zeros there
-    k, n = 384, 72
-    w = _layout(4, 128, zp=True, k=k, n=n, seed=43, dtype=torch.bfloat16)
-    x = _x(1, k=k, seed=44).to(torch.bfloat16)
-    cfg = GemvConfig(32, 128, split, -(-3 // split), 4)
-    got = wna16_gemv(x, w, cfg, variant="half2_tma")
-    assert torch.equal(got, wna16_gemv(x, w, cfg, variant="half2"))
-    assert _ulps(got, x, w) < ULP
-
-
-def test_half2_tma_refuses_rows_a_descriptor_cannot_read() -> None:
-    with pytest.raises(ValueError, match="half2_tma variant takes 4-bit weights of a multiple"):
-        wna16_gemv(_x(1), _layout(4, 128, zp=True, n=70), variant="half2_tma")
-    with pytest.raises(ValueError, match="half2 variant takes one row"):
-        wna16_gemv(_x(2), _layout(4, 128, zp=True), variant="half2_tma")
-    with pytest.raises(ValueError, match="block_n <= 256"):
-        wna16_gemv(_x(1), _layout(4, 128, zp=True, n=512), GemvConfig(512, 128, 1, 2, 4),
-                   variant="half2_tma")
-
-
 def test_one_row_variant_from_the_environment(monkeypatch) -> None:
     w = _layout(4, 128, zp=True, dtype=torch.bfloat16, seed=45)
     x = _x(1, torch.bfloat16, seed=46)
@@ -420,14 +388,14 @@ def test_one_row_variant_from_the_environment(monkeypatch) -> None:
     monkeypatch.setattr(wna16_gemv_module, "_variant",
                         lambda *a: chosen.append(real(*a)) or chosen[-1])
     try:
-        for name in ("half2_tma", "inplace", None):
+        for name in ("half2_async", "inplace", None):
             if name is None:
                 monkeypatch.delenv("PEREGRINE_WNA16_GEMV", raising=False)
             else:
                 monkeypatch.setenv("PEREGRINE_WNA16_GEMV", name)
             wna16_gemv_module._one_row_variant.cache_clear()
             assert _ulps(wna16_gemv(x, w), x, w) < ULP
-        assert chosen == ["half2_tma", "inplace", "half2_prefetch"]
+        assert chosen == ["half2_async", "inplace", "half2_prefetch"]
         monkeypatch.setenv("PEREGRINE_WNA16_GEMV", "fastest")
         wna16_gemv_module._one_row_variant.cache_clear()
         with pytest.raises(ValueError, match="PEREGRINE_WNA16_GEMV: unknown variant 'fastest'"):
