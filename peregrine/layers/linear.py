@@ -100,17 +100,17 @@ class RowParallelLinear(LinearBase):
         super().__init__(in_features, [out_features], bias, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: the bias is added once, after the reduction, not on every rank.
-        y = self.quant_method.apply(self, x)  # (T, out) partial sum of this rank's inputs
-        y = tp_all_reduce(y)
-        return y + self.bias if self.bias is not None else y
+        return self._reduce(self.quant_method.apply(self, x))  # (T, out)
 
     def forward_silu_and_mul(self, h: torch.Tensor) -> torch.Tensor | None:
         """forward(silu(h[:, :I]) * h[:, I:]) for gate-and-up rows h (T, 2I), the activation
         computed inside the weight's kernel; None where the quantization method has no such
         kernel for h."""
         y = self.quant_method.apply_silu_and_mul(self, h)
-        if y is None:
-            return None
+        return None if y is None else self._reduce(y)
+
+    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The layer's output from this rank's partial sums y (T, out): all-reduced, then the
+        bias, added once after the reduction, not on every rank."""
         y = tp_all_reduce(y)
         return y + self.bias if self.bias is not None else y
