@@ -136,6 +136,14 @@ def store_row_sums(part_ptr, lock_ptr, c_ptr, acc0, acc1, acc2, acc3, acc4, acc5
 
 
 @triton.jit
+def _partial(part_ptr, s, m, M, N, offs_n, n_mask, SPLIT_K):
+    """Split s's partial sums of row m (BLOCK_N,), read from L2; zeros for s >= SPLIT_K."""
+    ok = n_mask & ((offs_n * 0 + s) < SPLIT_K)
+    return tl.load(part_ptr + (s * M + m).to(tl.int64) * N + offs_n, mask=ok, other=0.0,
+                   cache_modifier=".cg")
+
+
+@triton.jit
 def finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, stride_cm,
                    SPLIT_K, HAS_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr):
@@ -149,10 +157,28 @@ def finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, strid
         if ticket == SPLIT_K - 1:
             for m in tl.static_range(BLOCK_M):
                 if m < M:
+                    # NOTE: eight partials' loads are issued before any is added, so their
+                    # L2 round trips overlap; the adds stay in split order (a split past SPLIT_K
+                    # reads 0.0, which leaves the sum as it is), so the result is the one-by-one
+                    # loop's (up to the sign of a zero sum).
                     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                    for s in range(SPLIT_K):
-                        total += tl.load(part_ptr + (s * M + m).to(tl.int64) * N + offs_n,
-                                         mask=n_mask, other=0.0, cache_modifier=".cg")
+                    for s0 in range(0, SPLIT_K, 8):
+                        p0 = _partial(part_ptr, s0, m, M, N, offs_n, n_mask, SPLIT_K)
+                        p1 = _partial(part_ptr, s0 + 1, m, M, N, offs_n, n_mask, SPLIT_K)
+                        p2 = _partial(part_ptr, s0 + 2, m, M, N, offs_n, n_mask, SPLIT_K)
+                        p3 = _partial(part_ptr, s0 + 3, m, M, N, offs_n, n_mask, SPLIT_K)
+                        p4 = _partial(part_ptr, s0 + 4, m, M, N, offs_n, n_mask, SPLIT_K)
+                        p5 = _partial(part_ptr, s0 + 5, m, M, N, offs_n, n_mask, SPLIT_K)
+                        p6 = _partial(part_ptr, s0 + 6, m, M, N, offs_n, n_mask, SPLIT_K)
+                        p7 = _partial(part_ptr, s0 + 7, m, M, N, offs_n, n_mask, SPLIT_K)
+                        total += p0
+                        total += p1
+                        total += p2
+                        total += p3
+                        total += p4
+                        total += p5
+                        total += p6
+                        total += p7
                     tl.store(c_ptr + m * stride_cm + offs_n,
                              total.to(c_ptr.dtype.element_ty), mask=n_mask)
             tl.atomic_xchg(lock_ptr + pid_n, 0)
