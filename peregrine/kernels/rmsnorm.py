@@ -14,10 +14,13 @@ def _rms_norm_kernel(
     stride_x, stride_res, stride_out, stride_new_res,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
-    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)  # (BLOCK,)
     mask = offs < HIDDEN
+    # NOTE: the weight is constant, so it is read before waiting for the kernel before (a
+    # dependent launch): its load overlaps that kernel's tail instead of following the sum.
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (BLOCK,)
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)  # (BLOCK,)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
@@ -28,7 +31,6 @@ def _rms_norm_kernel(
         x = summed.to(tl.float32)
     var = tl.sum(x * x, 0) / HIDDEN
     normed = (x * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)  # (BLOCK,)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (BLOCK,)
     tl.store(out_ptr + row * stride_out + offs, (normed * w).to(out_ptr.dtype.element_ty),
              mask=mask)
 
