@@ -39,7 +39,7 @@ SHAPES = {  # (K, N) per projection: q/k/v fused, o, gate/up fused, down
 
 
 VARIANTS = ("fma", "fma_prefetch", "mma", "inplace", "inplace_prefetch", "half2", "half2_prefetch",
-            "half2_prefetch2", "half2_async")
+            "half2_prefetch2", "half2_async", "half2_staged")
 
 
 def _nbytes(*ts: torch.Tensor | None) -> int:

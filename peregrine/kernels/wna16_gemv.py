@@ -8,7 +8,8 @@ half2 (4 bits, one row, K blocks inside one group; wna16_gemv_half2.py): two val
 instruction in fp16 pairs (dequantization and the products), the word's sum in float32;
 half2_prefetch loads each K block one iteration ahead, half2_prefetch2 two; half2_async lets
 the compiler copy the words into shared memory asynchronously (cp.async), the config's
-num_stages blocks in flight.
+num_stages blocks in flight. half2_staged (wna16_gemv_staged.py): x converted once per program
+into a scratch buffer and the zero point taken out of the K loop, on 512-column tiles.
 
 inplace (4 / 8 bits, K blocks inside one group; wna16_gemv_inplace.py): each value becomes a
 float where it sits in its word, so a 4-bit value costs an AND-OR, a subtraction and an FMA.
@@ -55,6 +56,7 @@ from peregrine.kernels.gemv import (GEMV_MAX_M, GemvConfig, block_m_for, choose_
 from peregrine.kernels.wna16_gemv_half2 import _wna16_gemv_half2_kernel
 from peregrine.kernels.wna16_gemv_inplace import _wna16_gemv_inplace_kernel
 from peregrine.kernels.wna16_gemv_mma import _wna16_gemv_mma_kernel
+from peregrine.kernels.wna16_gemv_staged import _wna16_gemv_staged_kernel
 
 if TYPE_CHECKING:
     from peregrine.layers.quantization.wna16 import WNA16Layout
@@ -180,12 +182,13 @@ _BLOCK_N = 64
 _MMA_BLOCK_N = 128
 _MMA_BLOCK_K = 128
 VARIANTS = ("fma", "fma_prefetch", "mma", "inplace", "inplace_prefetch", "half2",
-            "half2_prefetch", "half2_prefetch2", "half2_async")
+            "half2_prefetch", "half2_prefetch2", "half2_async", "half2_staged")
 _ASYNC_STAGES = 4
 _ASYNC_BLOCK_N = 128
 _ASYNC_WAVES = 2.0
 # K blocks loaded ahead into registers (half2_async: none; the pipeliner's stages instead)
-_HALF2_AHEAD = {"half2": 0, "half2_prefetch": 1, "half2_prefetch2": 2, "half2_async": 0}
+_HALF2_AHEAD = {"half2": 0, "half2_prefetch": 1, "half2_prefetch2": 2, "half2_async": 0,
+                "half2_staged": 1}
 # The packed-half variants' tile and split: 128 columns, at least _HALF2_WAVES programs per SM
 # and at most _HALF2_K_ITERS K blocks each. On an H200 at Llama-3-8B's shapes (one row, group
 # 128) this beat 64 columns at 3.5 programs per SM by 8% over a layer's four GEMVs (56.0 against
@@ -194,6 +197,13 @@ _HALF2_BLOCK_N = 128
 _HALF2_WAVES = 2.9
 _HALF2_K_ITERS = 8
 _INPLACE_WAVES = 3.5
+# The staged variant's tile: 512 columns, at least _STAGED_WAVES programs per SM, at most
+# _HALF2_K_ITERS K blocks each. On an H200 at Llama-3-8B's gate/up projection (one row) that
+# took 24.1 us against the packed-half variant's 27.5, yet batch-1 decode with it there was no
+# faster (407.8 against 407.7 tok/s); at the other projections it was slower (13.1 / 8.4 / 15.2
+# us at qkv / o / down against 9.0 / 6.8 / 14.3). It is not a default.
+_STAGED_BLOCK_N = 512
+_STAGED_WAVES = 1.5
 
 
 def _block_k(bits: int) -> int:
@@ -326,6 +336,8 @@ def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
         block_n, block_k, warps = _MMA_BLOCK_N, _mma_block_k(w), 4
     elif variant == "half2_async":
         block_n, block_k, warps = _ASYNC_BLOCK_N, _inplace_block_k(w), 4
+    elif variant == "half2_staged":
+        block_n, block_k, warps = _STAGED_BLOCK_N, _inplace_block_k(w), 4
     elif variant.startswith("half2"):
         block_n, block_k, warps = _HALF2_BLOCK_N, _inplace_block_k(w), 4
     elif variant.startswith("inplace"):
@@ -341,6 +353,8 @@ def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
         kw = {"waves": _HALF2_WAVES, "max_k_iters": _HALF2_K_ITERS}
     if variant == "half2_async":
         kw = {"waves": _ASYNC_WAVES}
+    if variant == "half2_staged":
+        kw = {"waves": _STAGED_WAVES, "max_k_iters": _HALF2_K_ITERS}
     split, k_iters = choose_split(tiles, triton.cdiv(w.in_features, block_k), device, **kw)
     stages = _ASYNC_STAGES if variant == "half2_async" else 1
     return GemvConfig(block_n, block_k, split, k_iters, warps, stages)
@@ -363,7 +377,8 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     variant: "inplace" (4 / 8 bits, values converted in place), "half2" / "half2_prefetch" /
     "half2_prefetch2" (4 bits, one row, fp16 pairs; K blocks loaded 0 / 1 / 2 ahead),
     "half2_async" (the same, blocks streamed through shared memory by asynchronous copies),
-    "fma" (float32 FMAs), "fma_prefetch" (the same, its loads
+    "half2_staged" (the same sums with x staged once per program, the zero point outside the
+    K loop), "fma" (float32 FMAs), "fma_prefetch" (the same, its loads
     pipelined two K blocks ahead) or "mma" (tensor cores; 4 / 8 bits, 16-bit x, sm_90+); None:
     half2_prefetch at one row of 4-bit weights and 16-bit x, else one of the in-place forms for
     4-bit weights and for 8-bit ones up to 2 rows where the layout allows (the prefetching one
@@ -404,6 +419,16 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     # bf16 x is read 4 values per 8-byte load where its rows allow it.
     x_bf16 = (a.dtype == torch.bfloat16 and a.data_ptr() % 8 == 0 and k % 4 == 0
               and not gated)
+    if kind == "half2_staged":
+        # scratch: the staged inputs (K entries) and each K block's input sum
+        xs = torch.empty(k + triton.cdiv(k, cfg.block_k), dtype=torch.int32, device=a.device)
+        _wna16_gemv_staged_kernel[(tiles, cfg.split_k)](
+            a, a.view(torch.int64) if x_bf16 else a, q, w.scales, zeros, part, lock, out, xs, m,
+            n, k, out.stride(0), cfg.k_iters, cfg.split_k, GROUP=w.group_size,
+            HAS_ZP=w.zeros is not None, ASM=a.is_cuda, X_BF16=x_bf16, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, HAS_SPLIT=cfg.split_k > 1, GATED=gated,
+            STAGE_ROWS=32 * cfg.num_warps, num_warps=cfg.num_warps, **pdl_args(a))
+        return out.reshape(*lead, n)
     if kind.startswith("half2"):
         _wna16_gemv_half2_kernel[(tiles, cfg.split_k)](
             a, a.view(torch.int64) if x_bf16 else a, q, w.scales, zeros, part, lock, out, m, n,

@@ -352,6 +352,46 @@ def test_gated_inputs_equal_the_activation_kernel_then_the_gemv(split: int,
     assert not wna16_gemv_module.gated_supported(w, torch.cat([h, h]))  # two rows
 
 
+# NOTE: the staged variant sums q x and takes z times each block's input sum off after; under
+# the interpreter that is float32 throughout, so it meets the float32 reference closely.
+@pytest.mark.parametrize("group", [32, 64, 128, K], ids=["g32", "g64", "g128", "channel"])
+@pytest.mark.parametrize("zp", [False, True], ids=["sym", "zp"])
+def test_staged_variant_matches_dequantized_matmul(zp: bool, group: int) -> None:
+    w = _layout(4, group, zp, seed=41)
+    x = _x(1, seed=42)
+    got = wna16_gemv(x, w, variant="half2_staged")
+    assert got.shape == (1, N) and got.dtype == torch.float32
+    torch.testing.assert_close(got, _reference(x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_staged_split_k_ragged_and_gated(split: int, dtype: torch.dtype) -> None:
+    """Ragged K splits (a block past K, a split past the program's range) round only the output;
+    gated rows give the activation kernel's output fed to the same variant, bit for bit."""
+    from peregrine.kernels.activation import silu_and_mul
+    k, n = 640, 72  # 5 groups of 128; the last column tile is partial
+    w = _layout(4, 128, zp=True, k=k, n=n, seed=43, dtype=dtype)
+    x = _x(1, k=k, seed=44).to(dtype)
+    cfg = GemvConfig(32, 128, split, -(-5 // split), 4)
+    got = wna16_gemv(x, w, cfg, variant="half2_staged")
+    assert _ulps(got, x, w) < ULP
+    assert torch.equal(got, wna16_gemv(x, w, cfg, variant="half2_staged"))
+    h = (_x(1, k=2 * k, seed=45) * 3).to(dtype)
+    gated = wna16_gemv(h, w, cfg, variant="half2_staged", gated=True)
+    assert torch.equal(gated, wna16_gemv(silu_and_mul(h), w, cfg, variant="half2_staged"))
+
+
+def test_staged_variant_stages_more_rows_than_one_pass() -> None:
+    """A program whose K range spans more word rows than it stages at a time (128 with 4 warps)
+    and an unaligned bf16 row (read one value at a time)."""
+    k = 2048 + 128  # 17 blocks, one split: 272 word rows, three staging passes
+    w = _layout(4, 128, zp=True, k=k, n=40, seed=46, dtype=torch.bfloat16)
+    x = _x(1, k=k + 1, seed=47).to(torch.bfloat16)[:, 1:]  # 2 bytes off 8-byte alignment
+    got = wna16_gemv(x, w, GemvConfig(32, 128, 1, 17, 4), variant="half2_staged")
+    assert _ulps(got, x, w) < ULP
+
+
 def test_gated_inputs_are_refused_where_no_variant_takes_them() -> None:
     w = _layout(4, 128, zp=True)
     h = _x(1, k=2 * K).to(torch.bfloat16)
