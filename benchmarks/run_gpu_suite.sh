@@ -4,6 +4,7 @@
 #   steps: tests (all GPU tests) kernels sampler engine enginefp32 kernelbench layerbench splitsbench
 #          samplerbench w2 w2hf w1 w1prof w1trace w1hf serve ttft pacing pacetrace coldstart asyncprobe poolcost
 #          w5 (int4 AWQ layout, batch 1) w8a8 gemvbench stagegraphs w8a8lat w6 w1fp8 w5prof
+#          streamprobe w5ablate
 # Logs, JUnit XML (tests) and JSON results go under $OUT (default /tmp/out).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -60,6 +61,12 @@ for s in $steps; do
     # where a W5 token's GPU time goes, kernel by kernel (ten decode steps of one request)
     w5prof)  awq_config
              run w5prof 200 python -m peregrine.entrypoints.cli bench throughput --model "$OUT/llama-3-8b-awq.json" --num-prompts 1 --min-input 128 --max-input 128 --min-output 300 --max-output 300 --torch-profile 100:110 --torch-profile-out "$OUT/w5_profile.txt" ;;
+    streamprobe) run streamprobe 200 python benchmarks/gemv_stream_probe.py --out "$OUT/stream_probe.json" ;;
+    w5ablate) awq_config  # W5 with parts of the step left out (time only): each part's share
+             for p in ${ABLATE_PARTS:-none norm attention rope_store gemv norm,attention,rope_store}; do
+               timeout 150 python benchmarks/ablate.py "$p" -- bench latency --model "$OUT/llama-3-8b-awq.json" --output-json "$OUT/w5_ablate_${p//,/+}.json" > "$OUT/w5_ablate_${p//,/+}.log" 2>&1
+               python -c "import json,sys; print('w5 without', sys.argv[2], round(json.load(open(sys.argv[1]))['decode_tokens_per_s'], 1))" "$OUT/w5_ablate_${p//,/+}.json" "$p"
+             done ;;
     gemvbench) run gemvbench 300 python benchmarks/gemv_bench.py --models 8b --rows "${GEMV_ROWS:-1,2,4}" --variants "${GEMV_VARIANTS:-inplace,inplace_prefetch,half2,half2_prefetch,half2_prefetch2,half2_async}" --out "$OUT/gemv.json" ;;
     stagegraphs) gputest stagegraphs 180 tests/gpu/test_gpu_stage_graphs.py ;;
     w1trace) run w1trace 200 python benchmarks/step_trace.py --model "$CFG/qwen3-0.6b.json" --out "$OUT/w1_trace.json" ;;
