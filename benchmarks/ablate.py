@@ -13,6 +13,9 @@ weights. Parts:
   attention   paged attention (decode split and merge, or the extend kernel)
   gemv        the 4-bit weight-only GEMV (one row; with the SiLU-and-mul it may compute)
   act         the SiLU-and-mul kernel
+  lm_head     the LM head's matmul (zero logits instead)
+Leaving everything out that the step's GPU time is made of shows the floor the rest of a step
+(the host's work per step, the sampler) sets.
 """
 from __future__ import annotations
 
@@ -68,8 +71,19 @@ def _skip_act() -> None:
     m.silu_and_mul = silu_and_mul
 
 
+def _skip_lm_head() -> None:
+    from peregrine.layers.embedding import ParallelLMHead
+
+    def compute_logits(self, hidden, out=None):
+        if out is None:
+            return torch.zeros((hidden.shape[0], self.vocab_size), dtype=torch.float32,
+                               device=hidden.device)
+        return out.zero_()
+    ParallelLMHead.compute_logits = compute_logits
+
+
 PARTS = {"norm": _skip_norm, "rope_store": _skip_rope_store, "attention": _skip_attention,
-         "gemv": _skip_gemv, "act": _skip_act}
+         "gemv": _skip_gemv, "act": _skip_act, "lm_head": _skip_lm_head}
 
 
 def main(argv: list[str]) -> int:

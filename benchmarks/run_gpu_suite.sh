@@ -63,7 +63,7 @@ for s in $steps; do
              run w5prof 200 python -m peregrine.entrypoints.cli bench throughput --model "$OUT/llama-3-8b-awq.json" --num-prompts 1 --min-input 128 --max-input 128 --min-output 300 --max-output 300 --torch-profile 100:110 --torch-profile-out "$OUT/w5_profile.txt" ;;
     streamprobe) run streamprobe 200 python benchmarks/gemv_stream_probe.py --out "$OUT/stream_probe.json" ;;
     w5ablate) awq_config  # W5 with parts of the step left out (time only): each part's share
-             for p in ${ABLATE_PARTS:-none norm attention rope_store gemv norm,attention,rope_store}; do
+             for p in ${ABLATE_PARTS:-none norm attention rope_store gemv norm,attention,rope_store gemv,norm,attention,rope_store,lm_head}; do
                timeout 150 python benchmarks/ablate.py "$p" -- bench latency --model "$OUT/llama-3-8b-awq.json" --output-json "$OUT/w5_ablate_${p//,/+}.json" > "$OUT/w5_ablate_${p//,/+}.log" 2>&1
                python -c "import json,sys; print('w5 without', sys.argv[2], round(json.load(open(sys.argv[1]))['decode_tokens_per_s'], 1))" "$OUT/w5_ablate_${p//,/+}.json" "$p"
              done ;;

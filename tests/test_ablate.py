@@ -16,8 +16,10 @@ def restored(monkeypatch):
     import peregrine.kernels.rope_store as rs
     import peregrine.kernels.wna16_gemv as gemv
     from peregrine.layers.attention import Attention
+    from peregrine.layers.embedding import ParallelLMHead
     for owner, name in [(rms, "rms_norm"), (rs, "norm_rope_store"), (gemv, "wna16_gemv"),
-                        (act, "silu_and_mul"), (Attention, "forward")]:
+                        (act, "silu_and_mul"), (Attention, "forward"),
+                        (ParallelLMHead, "compute_logits")]:
         monkeypatch.setattr(owner, name, getattr(owner, name))
     return monkeypatch
 
@@ -54,6 +56,20 @@ def test_attention_stand_in_returns_the_flat_query(restored) -> None:
     layer.num_heads, layer.head_dim = 4, 2
     q = torch.randn(3, 4, 2)
     assert torch.equal(Attention.forward(layer, q, None, None, (None, None), None), q.reshape(3, 8))
+
+
+def test_lm_head_stand_in_gives_zero_logits(restored) -> None:
+    import peregrine.entrypoints.cli as cli
+    from peregrine.layers.embedding import ParallelLMHead
+    ab = load("ablate")
+    restored.setattr(cli, "main", lambda argv: 0)
+    ab.main(["lm_head", "--"])
+    head = ParallelLMHead.__new__(ParallelLMHead)
+    head.vocab_size = 7
+    logits = ParallelLMHead.compute_logits(head, torch.randn(3, 4))
+    assert logits.shape == (3, 7) and logits.dtype == torch.float32 and not logits.any()
+    out = torch.ones(3, 7)
+    assert ParallelLMHead.compute_logits(head, torch.randn(3, 4), out) is out and not out.any()
 
 
 @pytest.mark.parametrize("argv, message", [
