@@ -151,20 +151,9 @@ def _staged_sums(words, xs_ptr, word, w_mask, ASM: tl.constexpr):
     else:
         f_ptr = xs_ptr.to(tl.pointer_type(tl.float32), bitcast=True) + word * 8
         t = (words & 0xF).to(tl.float32) * tl.load(f_ptr, mask=w_mask, other=0.0)[:, None]
-        t += ((words >> 4) & 0xF).to(tl.float32) * tl.load(f_ptr + 1, mask=w_mask,
-                                                           other=0.0)[:, None]
-        t += ((words >> 8) & 0xF).to(tl.float32) * tl.load(f_ptr + 2, mask=w_mask,
-                                                           other=0.0)[:, None]
-        t += ((words >> 12) & 0xF).to(tl.float32) * tl.load(f_ptr + 3, mask=w_mask,
-                                                            other=0.0)[:, None]
-        t += ((words >> 16) & 0xF).to(tl.float32) * tl.load(f_ptr + 4, mask=w_mask,
-                                                            other=0.0)[:, None]
-        t += ((words >> 20) & 0xF).to(tl.float32) * tl.load(f_ptr + 5, mask=w_mask,
-                                                            other=0.0)[:, None]
-        t += ((words >> 24) & 0xF).to(tl.float32) * tl.load(f_ptr + 6, mask=w_mask,
-                                                            other=0.0)[:, None]
-        t += ((words >> 28) & 0xF).to(tl.float32) * tl.load(f_ptr + 7, mask=w_mask,
-                                                            other=0.0)[:, None]
+        for j in tl.static_range(1, 8):
+            t += (((words >> (4 * j)) & 0xF).to(tl.float32)
+                  * tl.load(f_ptr + j, mask=w_mask, other=0.0)[:, None])
     return t
 
 
