@@ -70,18 +70,7 @@ def _x_word_inputs(a_ptr, a64_ptr, word, w_mask, X_BF16: tl.constexpr, EVEN_K: t
     """Row 0's inputs of the word rows (W,): x[8 w + j] * 2^-8, j = 0..7, float32."""
     if X_BF16:  # two 8-byte loads per word row: inputs 0..3 and 4..7
         xa, xb = load_x_pairs(a64_ptr + word * 2, w_mask, EVEN_K)
-        a0 = xa.to(tl.int32)
-        a1 = (xa >> 32).to(tl.int32)
-        b0 = xb.to(tl.int32)
-        b1 = (xb >> 32).to(tl.int32)
-        x0 = (a0 << 16).to(tl.float32, bitcast=True)
-        x1 = (a0 & -65536).to(tl.float32, bitcast=True)
-        x2 = (a1 << 16).to(tl.float32, bitcast=True)
-        x3 = (a1 & -65536).to(tl.float32, bitcast=True)
-        x4 = (b0 << 16).to(tl.float32, bitcast=True)
-        x5 = (b0 & -65536).to(tl.float32, bitcast=True)
-        x6 = (b1 << 16).to(tl.float32, bitcast=True)
-        x7 = (b1 & -65536).to(tl.float32, bitcast=True)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _bf16_unpack(xa, xb)
     else:
         kk = word * 8
         if EVEN_K:
@@ -104,6 +93,19 @@ def _x_word_inputs(a_ptr, a64_ptr, word, w_mask, X_BF16: tl.constexpr, EVEN_K: t
             x7 = tl.load(a_ptr + kk + 7, mask=w_mask, other=0.0).to(tl.float32)
     return (x0 * _X_SCALE, x1 * _X_SCALE, x2 * _X_SCALE, x3 * _X_SCALE, x4 * _X_SCALE,
             x5 * _X_SCALE, x6 * _X_SCALE, x7 * _X_SCALE)
+
+
+@triton.jit
+def _bf16_unpack(xa, xb):
+    """The eight bf16 inputs of word rows read as two int64 (W,) (inputs 0..3, 4..7), float32."""
+    a0 = xa.to(tl.int32)
+    a1 = (xa >> 32).to(tl.int32)
+    b0 = xb.to(tl.int32)
+    b1 = (xb >> 32).to(tl.int32)
+    return ((a0 << 16).to(tl.float32, bitcast=True), (a0 & -65536).to(tl.float32, bitcast=True),
+            (a1 << 16).to(tl.float32, bitcast=True), (a1 & -65536).to(tl.float32, bitcast=True),
+            (b0 << 16).to(tl.float32, bitcast=True), (b0 & -65536).to(tl.float32, bitcast=True),
+            (b1 << 16).to(tl.float32, bitcast=True), (b1 & -65536).to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -141,10 +143,15 @@ def _pair(hi, lo):
 
 @triton.jit
 def _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM: tl.constexpr, X_BF16: tl.constexpr,
-                EVEN_K: tl.constexpr, K=0, GATED: tl.constexpr = False):
+                EVEN_K: tl.constexpr, K=0, GATED: tl.constexpr = False, xa=None, xb=None):
     """(W, BN) float32: each word's sum_j (q_j - zero) x[8 w + j] * 2^-8 for the block's words
-    (W, BN) and zero points z (BN,); GATED: x = silu(h[:K]) * h[K:] of the row h at a_ptr."""
-    if GATED:
+    (W, BN) and zero points z (BN,); GATED: x = silu(h[:K]) * h[K:] of the row h at a_ptr;
+    xa, xb: the block's bf16 inputs already loaded (two int64 per word row)."""
+    if xa is not None:
+        x0, x1, x2, x3, x4, x5, x6, x7 = _bf16_unpack(xa, xb)
+        x0, x1, x2, x3 = x0 * _X_SCALE, x1 * _X_SCALE, x2 * _X_SCALE, x3 * _X_SCALE
+        x4, x5, x6, x7 = x4 * _X_SCALE, x5 * _X_SCALE, x6 * _X_SCALE, x7 * _X_SCALE
+    elif GATED:
         x0, x1, x2, x3, x4, x5, x6, x7 = _gated_word_inputs(a_ptr, word, w_mask, K, EVEN_K,
                                                             words.shape[0])
     else:
@@ -183,9 +190,11 @@ def _wna16_gemv_half2_kernel(
     GROUP: tl.constexpr, HAS_ZP: tl.constexpr, ASM: tl.constexpr, X_BF16: tl.constexpr,
     EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr = 1,
-    GATED: tl.constexpr = False,
+    GATED: tl.constexpr = False, X_AHEAD: tl.constexpr = False,
 ):
-    """GATED: x is silu(h[:K]) * h[K:] of the row h (2K,) at a_ptr, computed as it is read."""
+    """GATED: x is silu(h[:K]) * h[K:] of the row h (2K,) at a_ptr, computed as it is read.
+    X_AHEAD (bf16 x, PREFETCH 1): each block's inputs are loaded an iteration ahead too, with
+    its weights."""
     WORDS: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -205,6 +214,9 @@ def _wna16_gemv_half2_kernel(
                                               offs_w, offs_n, n_mask, k_end, GROUP, 4, HAS_ZP,
                                               BLOCK_N, BLOCK_K)
     pdl_wait(PDL)  # the first blocks' weights (constant) are read before it, x after
+    if X_AHEAD:
+        word0 = k_start // 8 + offs_w
+        nxt_xa, nxt_xb = load_x_pairs(a64_ptr + word0 * 2, word0 < K // 8, False)
     # NOTE: STAGES > 1 (with PREFETCH 0) lets the compiler's pipeliner copy each block's words
     # into shared memory asynchronously (cp.async), STAGES - 1 blocks ahead.
     for it in tl.range(0, K_ITERS, num_stages=STAGES):
@@ -225,7 +237,15 @@ def _wna16_gemv_half2_kernel(
         else:
             words, s, z = _load_block(q_ptr, s_ptr, z_ptr, k0, K, N, offs_w, offs_n, n_mask,
                                       K, GROUP, 4, HAS_ZP, BLOCK_N, BLOCK_K)
-        t = _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM, X_BF16, EVEN_K, K, GATED)
+        if X_AHEAD:
+            xa, xb = nxt_xa, nxt_xb
+            word1 = word + BLOCK_K // 8  # the next block's word rows (masked past K)
+            nxt_xa, nxt_xb = load_x_pairs(a64_ptr + word1 * 2, word1 < K // 8, False)
+            t = _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM, X_BF16, EVEN_K, K,
+                            GATED, xa, xb)
+        else:
+            t = _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM, X_BF16, EVEN_K, K,
+                            GATED)
         acc += t * (s * _UNDO)[None, :]
     pdl_release(PDL)
     store_partial(part_ptr, c_ptr, tl.sum(acc, axis=0), 0, M, N, split, offs_n, n_mask,

@@ -320,6 +320,7 @@ def test_half2_split_k_ragged_and_prefetch(split: int, dtype: torch.dtype) -> No
     assert _ulps(got, x, w) < ULP
     assert torch.equal(got, wna16_gemv(x, w, cfg, variant="half2"))
     assert torch.equal(got, wna16_gemv(x, w, cfg, variant="half2_prefetch"))
+    assert torch.equal(got, wna16_gemv(x, w, cfg, variant="half2_prefetch_x"))
     assert torch.equal(got, wna16_gemv(x, w, cfg, variant="half2_prefetch2"))
     assert torch.equal(got, wna16_gemv(x, w, cfg._replace(num_stages=3), variant="half2_async"))
     # 2 splits of 2 blocks over 5 blocks: the loads two blocks ahead run past K and the range
@@ -329,6 +330,7 @@ def test_half2_split_k_ragged_and_prefetch(split: int, dtype: torch.dtype) -> No
     got = wna16_gemv(xl, long, cfg, variant="half2_prefetch2")
     assert _ulps(got, xl, long) < ULP
     assert torch.equal(got, wna16_gemv(xl, long, cfg, variant="half2"))
+    assert torch.equal(got, wna16_gemv(xl, long, cfg, variant="half2_prefetch_x"))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
