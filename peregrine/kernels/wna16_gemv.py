@@ -233,6 +233,30 @@ def _inplace_block_k(w: WNA16Layout) -> int:
     return 0
 
 
+def _half2_block_k(w: WNA16Layout) -> int:
+    """The packed-half variants' K block: the in-place one at 4 bits; at 6 bits 128 inputs or
+    the group when it is smaller, whole 16-value high-bits words (0 when none fits)."""
+    if w.bits != 6:
+        return _inplace_block_k(w)
+    bk = 128
+    while bk >= 16:
+        if w.group_size % bk == 0 or w.group_size == w.in_features:
+            return bk
+        bk //= 2
+    return 0
+
+
+def half2_supported(w: WNA16Layout, block_k: int | None = None) -> bool:
+    """Whether the packed-half variants serve this layout: 4 or 6 bits, no act-order, K blocks
+    of whole words (6 bits: whole high-bits words) inside one group."""
+    if w.g_idx is not None or w.bits not in (4, 6):
+        return False
+    bk = block_k or _half2_block_k(w)
+    need = 16 if w.bits == 6 else 8
+    return (bk >= need and bk % need == 0
+            and (w.group_size % bk == 0 or w.group_size == w.in_features))
+
+
 def inplace_supported(w: WNA16Layout, block_k: int | None = None) -> bool:
     """Whether the in-place variant serves this layout: 4 or 8 bits, no act-order, K blocks of
     whole words inside one group."""
@@ -298,10 +322,12 @@ def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
                          f"got {w.bits} bits, {x.dtype}, group {w.group_size}, block_k "
                          f"{block_k or _mma_block_k(w)}")
     if variant in _HALF2_AHEAD and not (
-            w.bits == 4 and x.shape[0] == 1 and inplace_supported(w, block_k)):
+            x.shape[0] == 1 and half2_supported(w, block_k)
+            and (w.bits == 4 or variant != "half2_staged")):
         raise ValueError(f"wna16_gemv: the half2 variant takes one row of x and 4-bit weights "
-                         f"without act-order, K blocks inside one group; got {x.shape[0]} rows, "
-                         f"{w.bits} bits, group {w.group_size}")
+                         f"(6-bit ones but for half2_staged) without act-order, K blocks inside "
+                         f"one group; got {x.shape[0]} rows, {w.bits} bits, group "
+                         f"{w.group_size}")
     if variant in ("inplace", "inplace_prefetch") and not inplace_supported(w, block_k):
         raise ValueError(f"wna16_gemv: the inplace variant takes 4 / 8-bit weights without "
                          f"act-order and K blocks inside one group; got {w.bits} bits, group "
@@ -322,6 +348,10 @@ def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
         if chosen == "mma" and not ok:
             chosen = None
         return chosen or "half2_prefetch"
+    # One row of 6-bit weights: the packed-half form too (the high bits OR-ed into the pairs).
+    if (rows == 1 and w.bits == 6 and x.dtype in (torch.bfloat16, torch.float16)
+            and half2_supported(w, block_k)):
+        return "half2_prefetch"
     if not inplace_supported(w, block_k) or (w.bits == 8 and rows > 2):
         return "fma"
     if (w.bits == 4 and rows > 2) or (w.bits == 8 and rows == 1):
@@ -336,11 +366,11 @@ def gemv_config(w: WNA16Layout, device: torch.device, block_m: int = 1,
     if variant == "mma":
         block_n, block_k, warps = _MMA_BLOCK_N, _mma_block_k(w), 4
     elif variant == "half2_async":
-        block_n, block_k, warps = _ASYNC_BLOCK_N, _inplace_block_k(w), 4
+        block_n, block_k, warps = _ASYNC_BLOCK_N, _half2_block_k(w), 4
     elif variant == "half2_staged":
         block_n, block_k, warps = _STAGED_BLOCK_N, _inplace_block_k(w), 4
     elif variant.startswith("half2"):
-        block_n, block_k, warps = _HALF2_BLOCK_N, _inplace_block_k(w), 4
+        block_n, block_k, warps = _HALF2_BLOCK_N, _half2_block_k(w), 4
     elif variant.startswith("inplace"):
         block_n, block_k, warps = _BLOCK_N, _inplace_block_k(w), 8 if block_m > 4 else 4
     else:
@@ -433,13 +463,14 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
         return out.reshape(*lead, n)
     if kind.startswith("half2"):
         _wna16_gemv_half2_kernel[(tiles, cfg.split_k)](
-            a, a.view(torch.int64) if x_bf16 else a, q, w.scales, zeros, part, lock, out, m, n,
+            a, a.view(torch.int64) if x_bf16 else a, q,
+            w.qweight_hi if w.qweight_hi is not None else q, w.scales, zeros, part, lock, out, m, n,
             k, out.stride(0), cfg.k_iters, cfg.split_k, GROUP=w.group_size,
             HAS_ZP=w.zeros is not None, ASM=a.is_cuda, X_BF16=x_bf16,
             EVEN_K=cfg.split_k * cfg.k_iters * cfg.block_k == k,
             PREFETCH=_HALF2_AHEAD[kind], BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             HAS_SPLIT=cfg.split_k > 1, STAGES=max(cfg.num_stages, 1) if kind == "half2_async"
-            else 1, GATED=gated, X_AHEAD=kind == "half2_prefetch_x" and x_bf16,
+            else 1, GATED=gated, X_AHEAD=kind == "half2_prefetch_x" and x_bf16, BITS=w.bits,
             num_warps=cfg.num_warps, **pdl_args(a))
         return out.reshape(*lead, n)
     if inplace:

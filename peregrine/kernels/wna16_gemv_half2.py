@@ -1,5 +1,5 @@
-"""The weight-only int GEMV's packed-half variant (wna16_gemv.py launches it): 4-bit weights, one
-row of x, whole K blocks inside one group.
+"""The weight-only int GEMV's packed-half variant (wna16_gemv.py launches it): 4-bit (and 6-bit)
+weights, one row of x, whole K blocks inside one group.
 
 The in-place variant spends an AND-OR, a subtraction and a float32 FMA on every 4-bit value, and
 at an H200's issue rate that caps it near 3.6 TB/s of weights before anything else it issues.
@@ -9,6 +9,12 @@ from w, (v2, v6) and (16 v3, 16 v7) from w >> 8; one packed subtraction of (1024
 fused multiply-add by (1/16, -(64 + zero)) leaves (q - zero) exactly in both lanes, and one
 packed FMA multiplies it by the pair of inputs it meets. The word's four pair products are summed
 in fp16 lanes, then the two lanes in float32: 16 instructions per 8 values instead of about 25.
+
+6-bit weights keep their low nibbles in the 4-bit words and their two high bits, 16 values to
+a word, in a second plane (wna16.py's layout): one prmt brings a word row's 16 high bits to the
+pairs' byte positions, and one shift and one OR per pair put them above the nibble in the
+mantissa (1024 + q, or 1024 + 16 q, with q < 64 still exact), so a word costs 8 instructions
+more than at 4 bits.
 
 x enters as fp16 pairs (x0, x4), (x1, x5), (x2, x6), (x3, x7), built once per word row and
 scaled by 2^-8 (undone with the group's scale in float32): q - zero is at most 15 in size, so
@@ -59,6 +65,41 @@ fma.rn.f16x2 a, t, $5, a;
 mov.b32 {l, u}, a;
 cvt.f32.f16 fl, l;
 cvt.f32.f16 fu, u;
+add.f32 $0, fl, fu;
+}""")
+# The same for 6-bit values: $8 the word's high-bits word (two bits per value, 16 values: this
+# word row's 8 in its byte pair that $9, a prmt selector, moves to bytes 0 and 2), OR-ed into
+# each pair's mantissas above the low nibble: 1024 + q, or 1024 + 16 q, q < 64.
+ASM_DOT_U6 = tl.constexpr("""{
+.reg .b32 h, t, a, s, e, u, zz;
+.reg .b16 l, v;
+.reg .f32 fl, fu;
+mov.b32 s, 0x2C002C00;
+mov.b32 zz, 0;
+prmt.b32 e, $8, zz, $9;
+shr.u32 h, $1, 8;
+lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA;
+shl.b32 u, e, 4;
+lop3.b32 t, u, 0x00300030, t, 0xEA;
+sub.f16x2 t, t, $6;
+mul.f16x2 a, t, $2;
+lop3.b32 t, $1, 0x00F000F0, 0x64006400, 0xEA;
+shl.b32 u, e, 6;
+lop3.b32 t, u, 0x03000300, t, 0xEA;
+fma.rn.f16x2 t, t, s, $7;
+fma.rn.f16x2 a, t, $3, a;
+lop3.b32 t, h, 0x000F000F, 0x64006400, 0xEA;
+lop3.b32 t, e, 0x00300030, t, 0xEA;
+sub.f16x2 t, t, $6;
+fma.rn.f16x2 a, t, $4, a;
+lop3.b32 t, h, 0x00F000F0, 0x64006400, 0xEA;
+shl.b32 u, e, 2;
+lop3.b32 t, u, 0x03000300, t, 0xEA;
+fma.rn.f16x2 t, t, s, $7;
+fma.rn.f16x2 a, t, $5, a;
+mov.b32 {l, v}, a;
+cvt.f32.f16 fl, l;
+cvt.f32.f16 fu, v;
 add.f32 $0, fl, fu;
 }""")
 # Two float32 values as one fp16 pair: $1 in the high lane, $2 in the low one.
@@ -143,10 +184,12 @@ def _pair(hi, lo):
 
 @triton.jit
 def _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM: tl.constexpr, X_BF16: tl.constexpr,
-                EVEN_K: tl.constexpr, K=0, GATED: tl.constexpr = False, xa=None, xb=None):
+                EVEN_K: tl.constexpr, K=0, GATED: tl.constexpr = False, xa=None, xb=None,
+                hi=None, BITS: tl.constexpr = 4):
     """(W, BN) float32: each word's sum_j (q_j - zero) x[8 w + j] * 2^-8 for the block's words
     (W, BN) and zero points z (BN,); GATED: x = silu(h[:K]) * h[K:] of the row h at a_ptr;
-    xa, xb: the block's bf16 inputs already loaded (two int64 per word row)."""
+    xa, xb: the block's bf16 inputs already loaded (two int64 per word row); BITS 6: hi (W, BN)
+    the high-bits words (16 values each: word row w's 8 in half w % 2)."""
     if xa is not None:
         x0, x1, x2, x3, x4, x5, x6, x7 = _bf16_unpack(xa, xb)
         x0, x1, x2, x3 = x0 * _X_SCALE, x1 * _X_SCALE, x2 * _X_SCALE, x3 * _X_SCALE
@@ -167,30 +210,67 @@ def _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM: tl.constexpr, X_BF1
         p1 = _pair(x5, x1)[:, None]
         p2 = _pair(x6, x2)[:, None]
         p3 = _pair(x7, x3)[:, None]
-        t = tl.inline_asm_elementwise(ASM_DOT_U4, "=r,r,r,r,r,r,r,r",
-                                      [words, p0, p1, p2, p3, c_lo, c_hi],
-                                      dtype=tl.float32, is_pure=True, pack=1)
+        if BITS == 6:
+            # prmt selector: bytes 0, 1 (even word row) or 2, 3 (odd) of hi to bytes 0 and 2
+            sel = tl.where(word % 2 == 0, 0x4140, 0x4342)[:, None]  # (W, 1)
+            t = tl.inline_asm_elementwise(ASM_DOT_U6, "=r,r,r,r,r,r,r,r,r,r",
+                                          [words, p0, p1, p2, p3, c_lo, c_hi, hi, sel],
+                                          dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            t = tl.inline_asm_elementwise(ASM_DOT_U4, "=r,r,r,r,r,r,r,r",
+                                          [words, p0, p1, p2, p3, c_lo, c_hi],
+                                          dtype=tl.float32, is_pure=True, pack=1)
     else:
         zc = z[None, :]
-        t = ((words & 0xF).to(tl.float32) - zc) * x0[:, None]
-        t += (((words >> 4) & 0xF).to(tl.float32) - zc) * x1[:, None]
-        t += (((words >> 8) & 0xF).to(tl.float32) - zc) * x2[:, None]
-        t += (((words >> 12) & 0xF).to(tl.float32) - zc) * x3[:, None]
-        t += (((words >> 16) & 0xF).to(tl.float32) - zc) * x4[:, None]
-        t += (((words >> 20) & 0xF).to(tl.float32) - zc) * x5[:, None]
-        t += (((words >> 24) & 0xF).to(tl.float32) - zc) * x6[:, None]
-        t += (((words >> 28) & 0xF).to(tl.float32) - zc) * x7[:, None]
+        hs = (word % 2 * 16)[:, None]  # (W, 1): this word row's half of its high-bits word
+        t = (_value(words, hi, 0, hs, BITS) - zc) * x0[:, None]
+        t += (_value(words, hi, 1, hs, BITS) - zc) * x1[:, None]
+        t += (_value(words, hi, 2, hs, BITS) - zc) * x2[:, None]
+        t += (_value(words, hi, 3, hs, BITS) - zc) * x3[:, None]
+        t += (_value(words, hi, 4, hs, BITS) - zc) * x4[:, None]
+        t += (_value(words, hi, 5, hs, BITS) - zc) * x5[:, None]
+        t += (_value(words, hi, 6, hs, BITS) - zc) * x6[:, None]
+        t += (_value(words, hi, 7, hs, BITS) - zc) * x7[:, None]
     return t
+
+
+@triton.jit
+def _value(words, hi, j: tl.constexpr, hs, BITS: tl.constexpr):
+    """Value j of each word (float32): its low nibble, and for 6 bits its two high bits (at
+    2 j + hs in hi)."""
+    q = (words >> (4 * j)) & 0xF
+    if BITS == 6:
+        q += ((hi >> (hs + 2 * j)) & 3) << 4
+    return q.to(tl.float32)
+
+
+@triton.jit
+def _load_words(q_ptr, qhi_ptr, s_ptr, z_ptr, k0, K, N, offs_w, offs_n, n_mask, k_end,
+                GROUP: tl.constexpr, HAS_ZP: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, BITS: tl.constexpr):
+    """The K block at k0: (words, high-bits words (6 bits; else the words again), scales,
+    zero points); nothing read from K or k_end on."""
+    words, s, z = _load_block(q_ptr, s_ptr, z_ptr, k0, K, N, offs_w, offs_n, n_mask, k_end,
+                              GROUP, 4, HAS_ZP, BLOCK_N, BLOCK_K)
+    hi = words
+    if BITS == 6:
+        word = k0 // 8 + offs_w  # (W,): two word rows share a row of high-bits words
+        w_mask = (word < K // 8) & (word < k_end // 8)
+        hi = tl.load(qhi_ptr + (word // 2).to(tl.int64)[:, None] * N + offs_n[None, :],
+                     mask=w_mask[:, None] & n_mask[None, :], other=0)
+        if not HAS_ZP:
+            z = tl.full((BLOCK_N,), 32.0, tl.float32)
+    return words, hi, s, z
 
 
 @triton.jit(do_not_specialize=["stride_cm", "K_ITERS", "SPLIT_K"])
 def _wna16_gemv_half2_kernel(
-    a_ptr, a64_ptr, q_ptr, s_ptr, z_ptr, part_ptr, lock_ptr, c_ptr,
+    a_ptr, a64_ptr, q_ptr, qhi_ptr, s_ptr, z_ptr, part_ptr, lock_ptr, c_ptr,
     M, N, K, stride_cm, K_ITERS, SPLIT_K,
     GROUP: tl.constexpr, HAS_ZP: tl.constexpr, ASM: tl.constexpr, X_BF16: tl.constexpr,
     EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr = 1,
-    GATED: tl.constexpr = False, X_AHEAD: tl.constexpr = False,
+    GATED: tl.constexpr = False, X_AHEAD: tl.constexpr = False, BITS: tl.constexpr = 4,
 ):
     """GATED: x is silu(h[:K]) * h[K:] of the row h (2K,) at a_ptr, computed as it is read.
     X_AHEAD (bf16 x, PREFETCH 1): each block's inputs are loaded an iteration ahead too, with
@@ -207,12 +287,13 @@ def _wna16_gemv_half2_kernel(
     # arithmetic, so that many blocks' loads are in flight while it runs.
     k_start = split * K_ITERS * BLOCK_K
     if PREFETCH >= 1:
-        nxt_words, nxt_s, nxt_z = _load_block(q_ptr, s_ptr, z_ptr, k_start, K, N, offs_w, offs_n,
-                                              n_mask, k_end, GROUP, 4, HAS_ZP, BLOCK_N, BLOCK_K)
+        nxt_words, nxt_hi, nxt_s, nxt_z = _load_words(
+            q_ptr, qhi_ptr, s_ptr, z_ptr, k_start, K, N, offs_w, offs_n, n_mask, k_end, GROUP,
+            HAS_ZP, BLOCK_N, BLOCK_K, BITS)
     if PREFETCH >= 2:
-        far_words, far_s, far_z = _load_block(q_ptr, s_ptr, z_ptr, k_start + BLOCK_K, K, N,
-                                              offs_w, offs_n, n_mask, k_end, GROUP, 4, HAS_ZP,
-                                              BLOCK_N, BLOCK_K)
+        far_words, far_hi, far_s, far_z = _load_words(
+            q_ptr, qhi_ptr, s_ptr, z_ptr, k_start + BLOCK_K, K, N, offs_w, offs_n, n_mask, k_end,
+            GROUP, HAS_ZP, BLOCK_N, BLOCK_K, BITS)
     pdl_wait(PDL)  # the first blocks' weights (constant) are read before it, x after
     if X_AHEAD:
         word0 = k_start // 8 + offs_w
@@ -224,28 +305,29 @@ def _wna16_gemv_half2_kernel(
         word = k0 // 8 + offs_w  # (W,)
         w_mask = word < K // 8
         if PREFETCH >= 2:
-            words, s, z = nxt_words, nxt_s, nxt_z
-            nxt_words, nxt_s, nxt_z = far_words, far_s, far_z
-            far_words, far_s, far_z = _load_block(q_ptr, s_ptr, z_ptr, k0 + 2 * BLOCK_K, K, N,
-                                                  offs_w, offs_n, n_mask, k_end, GROUP, 4,
-                                                  HAS_ZP, BLOCK_N, BLOCK_K)
+            words, hi, s, z = nxt_words, nxt_hi, nxt_s, nxt_z
+            nxt_words, nxt_hi, nxt_s, nxt_z = far_words, far_hi, far_s, far_z
+            far_words, far_hi, far_s, far_z = _load_words(
+                q_ptr, qhi_ptr, s_ptr, z_ptr, k0 + 2 * BLOCK_K, K, N, offs_w, offs_n, n_mask,
+                k_end, GROUP, HAS_ZP, BLOCK_N, BLOCK_K, BITS)
         elif PREFETCH == 1:
-            words, s, z = nxt_words, nxt_s, nxt_z
-            nxt_words, nxt_s, nxt_z = _load_block(q_ptr, s_ptr, z_ptr, k0 + BLOCK_K, K, N,
-                                                  offs_w, offs_n, n_mask, k_end, GROUP, 4,
-                                                  HAS_ZP, BLOCK_N, BLOCK_K)
+            words, hi, s, z = nxt_words, nxt_hi, nxt_s, nxt_z
+            nxt_words, nxt_hi, nxt_s, nxt_z = _load_words(
+                q_ptr, qhi_ptr, s_ptr, z_ptr, k0 + BLOCK_K, K, N, offs_w, offs_n, n_mask, k_end,
+                GROUP, HAS_ZP, BLOCK_N, BLOCK_K, BITS)
         else:
-            words, s, z = _load_block(q_ptr, s_ptr, z_ptr, k0, K, N, offs_w, offs_n, n_mask,
-                                      K, GROUP, 4, HAS_ZP, BLOCK_N, BLOCK_K)
+            words, hi, s, z = _load_words(q_ptr, qhi_ptr, s_ptr, z_ptr, k0, K, N, offs_w,
+                                          offs_n, n_mask, K, GROUP, HAS_ZP, BLOCK_N, BLOCK_K,
+                                          BITS)
         if X_AHEAD:
             xa, xb = nxt_xa, nxt_xb
             word1 = word + BLOCK_K // 8  # the next block's word rows (masked past K)
             nxt_xa, nxt_xb = load_x_pairs(a64_ptr + word1 * 2, word1 < K // 8, False)
             t = _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM, X_BF16, EVEN_K, K,
-                            GATED, xa, xb)
+                            GATED, xa, xb, hi, BITS)
         else:
             t = _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM, X_BF16, EVEN_K, K,
-                            GATED)
+                            GATED, None, None, hi, BITS)
         acc += t * (s * _UNDO)[None, :]
     pdl_release(PDL)
     store_partial(part_ptr, c_ptr, tl.sum(acc, axis=0), 0, M, N, split, offs_n, n_mask,

@@ -442,3 +442,27 @@ def test_dependent_launches_in_a_graph_give_plain_launches_bits(monkeypatch) -> 
     assert all(torch.isfinite(o).all() for o in on)
     for a, b in zip(on, off):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("zp", [False, True], ids=["sym", "zp"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_half2_variant_reads_6_bit_weights(shape: str, dtype: torch.dtype, zp: bool) -> None:
+    """One row of 6-bit weights (RTN's layout: low nibbles in the 4-bit words, two high bits in
+    a second plane) through the packed-half GEMV, the default there: within the fp16 sums'
+    rounding of the exact result (as for 4 bits: q - zero < 64 and x * 2^-8 exact in fp16, four
+    products summed in fp16), its prefetching forms the same bits, gated inputs the activation
+    kernel's output fed to it bit for bit."""
+    from peregrine.kernels.activation import silu_and_mul
+    from peregrine.kernels.wna16_gemv import _variant
+    k, n = SHAPES[shape]
+    w = _layout(k, n, 6, zp, dtype=dtype)
+    x = torch.randn(1, k, device=DEV, dtype=dtype)
+    assert _variant(w, x, None, None) == "half2_prefetch"
+    got = wna16_gemv(x, w)
+    assert _exact_err(got, x, w) <= 2.0
+    assert torch.equal(wna16_gemv(x, w, variant="half2"), got)
+    assert torch.equal(wna16_gemv(x, w, variant="half2_prefetch2"), got)
+    if shape == "down":
+        h = torch.randn(1, 2 * k, device=DEV, dtype=dtype) * 3
+        assert torch.equal(wna16_gemv(h, w, gated=True), wna16_gemv(silu_and_mul(h), w))

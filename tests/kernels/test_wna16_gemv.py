@@ -182,7 +182,7 @@ def test_the_default_variant_and_every_variant_agrees() -> None:
     w = _layout(4, 128, zp=True, dtype=torch.bfloat16, seed=17)
     x = _x(4, torch.bfloat16, seed=18)
     # 4-bit: packed halves at 1 row of 16-bit x, in place (prefetching at 3-4 rows); 8-bit: in place up to 2 rows (prefetching at
-    # 1), fma above; 6-bit and act-order: fma
+    # 1), fma above; 6-bit: packed halves at 1 row, fma above; act-order: fma
     chosen = []
     real = wna16_gemv_module._variant
     with pytest.MonkeyPatch.context() as mp:
@@ -191,10 +191,10 @@ def test_the_default_variant_and_every_variant_agrees() -> None:
         w8 = _layout(8, 128, zp=False, dtype=torch.bfloat16, seed=19)
         w6 = _layout(6, 128, zp=True, dtype=torch.bfloat16, seed=20)
         for xx, ww in ((x[:1], w), (x[:2], w), (x[:3], w), (x, w), (x[:1], w8), (x[:2], w8),
-                       (x[:3], w8), (x[:1], w6)):
+                       (x[:3], w8), (x[:1], w6), (x[:2], w6)):
             wna16_gemv(xx, ww)
     assert chosen == ["half2_prefetch", "inplace", "inplace_prefetch", "inplace_prefetch",
-                      "inplace_prefetch", "inplace", "fma", "fma"]
+                      "inplace_prefetch", "inplace", "fma", "half2_prefetch", "fma"]
     assert torch.equal(wna16_gemv(x, w), wna16_gemv(x, w, variant="inplace"))
     for variant in ("fma", "fma_prefetch", "mma", "inplace"):
         assert _ulps(wna16_gemv(x, w, variant=variant), x, w) < ULP, variant
@@ -331,6 +331,42 @@ def test_half2_split_k_ragged_and_prefetch(split: int, dtype: torch.dtype) -> No
     assert _ulps(got, xl, long) < ULP
     assert torch.equal(got, wna16_gemv(xl, long, cfg, variant="half2"))
     assert torch.equal(got, wna16_gemv(xl, long, cfg, variant="half2_prefetch_x"))
+
+
+# NOTE: 6-bit values: low nibbles in the 4-bit words, the two high bits of 16 values per word
+# of a second plane; under the interpreter the sums are float32, as for 4 bits.
+@pytest.mark.parametrize("group", [16, 32, 128, K], ids=["g16", "g32", "g128", "channel"])
+@pytest.mark.parametrize("zp", [False, True], ids=["sym", "zp"])
+def test_half2_variant_reads_6_bit_weights(zp: bool, group: int) -> None:
+    w = _layout(6, group, zp, seed=40)
+    x = _x(1, seed=41)
+    for variant in ("half2", "half2_prefetch", "half2_prefetch2"):
+        got = wna16_gemv(x, w, variant=variant)
+        assert got.shape == (1, N)
+        torch.testing.assert_close(got, _reference(x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("split", [1, 2])
+def test_6_bit_half2_split_k_ragged_gated_and_by_default(split: int, dtype: torch.dtype) -> None:
+    """An odd count of 16-input high-bits rows per split, ragged columns, gated inputs; the
+    default variant at one row of 6-bit weights and 16-bit x."""
+    from peregrine.kernels.activation import silu_and_mul
+    k, n = 384, 72
+    w = _layout(6, 128, zp=False, k=k, n=n, seed=42, dtype=dtype)
+    x = _x(1, k=k, seed=43).to(dtype)
+    cfg = GemvConfig(32, 128, split, -(-3 // split), 4)
+    got = wna16_gemv(x, w, cfg, variant="half2")
+    assert _ulps(got, x, w) < ULP
+    assert torch.equal(got, wna16_gemv(x, w, cfg, variant="half2_prefetch"))
+    assert torch.equal(got, wna16_gemv(x, w, cfg, variant="half2_prefetch_x"))
+    assert wna16_gemv_module._variant(w, x, None, None) == "half2_prefetch"
+    h = (_x(1, k=2 * k, seed=44) * 3).to(dtype)
+    assert wna16_gemv_module.gated_supported(w, h)
+    assert torch.equal(wna16_gemv(h, w, cfg, variant="half2_prefetch", gated=True),
+                       wna16_gemv(silu_and_mul(h), w, cfg, variant="half2_prefetch"))
+    with pytest.raises(ValueError, match="half2 variant takes one row"):
+        wna16_gemv(x, w, variant="half2_staged")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
