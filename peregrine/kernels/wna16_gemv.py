@@ -464,8 +464,8 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     if kind.startswith("half2"):
         _wna16_gemv_half2_kernel[(tiles, cfg.split_k)](
             a, a.view(torch.int64) if x_bf16 else a, q,
-            w.qweight_hi if w.qweight_hi is not None else q, w.scales, zeros, part, lock, out, m, n,
-            k, out.stride(0), cfg.k_iters, cfg.split_k, GROUP=w.group_size,
+            w.qweight_hi if w.qweight_hi is not None else q, w.scales, zeros, part, lock, out,
+            m, n, k, out.stride(0), cfg.k_iters, cfg.split_k, GROUP=w.group_size,
             HAS_ZP=w.zeros is not None, ASM=a.is_cuda, X_BF16=x_bf16,
             EVEN_K=cfg.split_k * cfg.k_iters * cfg.block_k == k,
             PREFETCH=_HALF2_AHEAD[kind], BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,

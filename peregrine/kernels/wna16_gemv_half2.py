@@ -17,9 +17,9 @@ mantissa (1024 + q, or 1024 + 16 q, with q < 64 still exact), so a word costs 8 
 more than at 4 bits.
 
 x enters as fp16 pairs (x0, x4), (x1, x5), (x2, x6), (x3, x7), built once per word row and
-scaled by 2^-8 (undone with the group's scale in float32): q - zero is at most 15 in size, so
-four products then stay far from fp16's 65504 for any input below ~2^18 in size, while inputs
-down to 2^-6 keep fp16's 11 significant bits. The result differs from the float32 variants by
+scaled by 2^-8 (undone with the group's scale in float32): q - zero is at most 15 in size (63
+at 6 bits), so four products then stay far from fp16's 65504 for any input below ~2^18 (~2^16)
+in size, while inputs down to 2^-6 keep fp16's 11 significant bits. The result differs from the float32 variants by
 fp16 rounding of x and of the four-product sums (a relative 2^-11 each), well inside what the
 bf16 output keeps. The interpreter (ASM off) computes the same sums in float32.
 
@@ -201,7 +201,7 @@ def _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM: tl.constexpr, X_BF1
         x0, x1, x2, x3, x4, x5, x6, x7 = _x_word_inputs(a_ptr, a64_ptr, word, w_mask, X_BF16,
                                                         EVEN_K)
     if ASM:
-        zi = z.to(tl.uint32)  # (BN,) integer zero points, 0..15
+        zi = z.to(tl.uint32)  # (BN,) integer zero points, 0..15 (0..63 at 6 bits)
         lo_bits = 0x6400 + zi  # fp16 1024 + zero
         hi_bits = 0xD400 + 16 * zi  # fp16 -(64 + zero)
         c_lo = ((lo_bits << 16) | lo_bits).to(tl.int32, bitcast=True)[None, :]
