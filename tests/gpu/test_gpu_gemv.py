@@ -126,7 +126,7 @@ def _gemv_compiles() -> int:
                                       _wna16_gemv_staged_kernel))
 
 
-@pytest.mark.parametrize("bits", [4, 8])  # 8-bit: in place up to 2 rows, fma above
+@pytest.mark.parametrize("bits", [4, 6, 8])  # 8-bit: in place up to 2 rows, fma above
 def test_nothing_compiles_after_load_time_precompile(bits: int) -> None:
     k, n = SHAPES["gate_up"]
     w = _layout(k, n, bits, zp=bits == 4)
@@ -134,7 +134,7 @@ def test_nothing_compiles_after_load_time_precompile(bits: int) -> None:
     before = _gemv_compiles()
     for m in range(1, GEMV_MAX_M + 1):
         wna16_gemv(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), w)
-    if bits == 4:  # a down projection's one-row form, SiLU-and-mul inside
+    if bits in (4, 6):  # a down projection's one-row form, SiLU-and-mul inside
         wna16_gemv(torch.randn(1, 2 * k, device=DEV, dtype=torch.bfloat16), w, gated=True)
     assert _gemv_compiles() == before
 
