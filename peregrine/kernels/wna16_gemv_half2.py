@@ -42,6 +42,13 @@ from peregrine.kernels.wna16_gemv_inplace import _load_block, load_x_pairs
 
 _X_SCALE = tl.constexpr(0.00390625)  # 2^-8 on x; the float32 sums get 2^8 back
 _UNDO = tl.constexpr(256.0)
+# The end of the packed dot products below: the f16x2 sum `a` of a word's four pair products,
+# its two lanes added in float32 into $0 (registers l, u (.b16) and fl, fu (.f32) declared).
+ASM_LANE_SUM = """mov.b32 {l, u}, a;
+cvt.f32.f16 fl, l;
+cvt.f32.f16 fu, u;
+add.f32 $0, fl, fu;
+}"""
 # One word's 8 4-bit values against x's four fp16 pairs: $1 the word, $2..$5 the pairs,
 # $6 (1024 + zero) and $7 -(64 + zero) as fp16 pairs. $0 = sum_j (q_j - zero) x_j (x scaled).
 ASM_DOT_U4 = tl.constexpr("""{
@@ -62,30 +69,26 @@ fma.rn.f16x2 a, t, $4, a;
 lop3.b32 t, h, 0x00F000F0, 0x64006400, 0xEA;
 fma.rn.f16x2 t, t, s, $7;
 fma.rn.f16x2 a, t, $5, a;
-mov.b32 {l, u}, a;
-cvt.f32.f16 fl, l;
-cvt.f32.f16 fu, u;
-add.f32 $0, fl, fu;
-}""")
+""" + ASM_LANE_SUM)
 # The same for 6-bit values: $8 the word's high-bits word (two bits per value, 16 values: this
 # word row's 8 in its byte pair that $9, a prmt selector, moves to bytes 0 and 2), OR-ed into
 # each pair's mantissas above the low nibble: 1024 + q, or 1024 + 16 q, q < 64.
 ASM_DOT_U6 = tl.constexpr("""{
-.reg .b32 h, t, a, s, e, u, zz;
-.reg .b16 l, v;
+.reg .b32 h, t, a, s, e, g, zz;
+.reg .b16 l, u;
 .reg .f32 fl, fu;
 mov.b32 s, 0x2C002C00;
 mov.b32 zz, 0;
 prmt.b32 e, $8, zz, $9;
 shr.u32 h, $1, 8;
 lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA;
-shl.b32 u, e, 4;
-lop3.b32 t, u, 0x00300030, t, 0xEA;
+shl.b32 g, e, 4;
+lop3.b32 t, g, 0x00300030, t, 0xEA;
 sub.f16x2 t, t, $6;
 mul.f16x2 a, t, $2;
 lop3.b32 t, $1, 0x00F000F0, 0x64006400, 0xEA;
-shl.b32 u, e, 6;
-lop3.b32 t, u, 0x03000300, t, 0xEA;
+shl.b32 g, e, 6;
+lop3.b32 t, g, 0x03000300, t, 0xEA;
 fma.rn.f16x2 t, t, s, $7;
 fma.rn.f16x2 a, t, $3, a;
 lop3.b32 t, h, 0x000F000F, 0x64006400, 0xEA;
@@ -93,15 +96,11 @@ lop3.b32 t, e, 0x00300030, t, 0xEA;
 sub.f16x2 t, t, $6;
 fma.rn.f16x2 a, t, $4, a;
 lop3.b32 t, h, 0x00F000F0, 0x64006400, 0xEA;
-shl.b32 u, e, 2;
-lop3.b32 t, u, 0x03000300, t, 0xEA;
+shl.b32 g, e, 2;
+lop3.b32 t, g, 0x03000300, t, 0xEA;
 fma.rn.f16x2 t, t, s, $7;
 fma.rn.f16x2 a, t, $5, a;
-mov.b32 {l, v}, a;
-cvt.f32.f16 fl, l;
-cvt.f32.f16 fu, v;
-add.f32 $0, fl, fu;
-}""")
+""" + ASM_LANE_SUM)
 # Two float32 values as one fp16 pair: $1 in the high lane, $2 in the low one.
 ASM_PAIR = tl.constexpr("cvt.rn.f16x2.f32 $0, $1, $2;")
 

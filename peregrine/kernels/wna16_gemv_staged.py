@@ -33,7 +33,8 @@ import triton.language as tl
 
 from peregrine.kernels._utils import pdl_release, pdl_wait
 from peregrine.kernels.gemv import finish_split_k, store_partial
-from peregrine.kernels.wna16_gemv_half2 import _gated_word_inputs, _pair, _x_word_inputs
+from peregrine.kernels.wna16_gemv_half2 import (ASM_LANE_SUM, _gated_word_inputs, _pair,
+                                               _x_word_inputs)
 
 _UNDO = tl.constexpr(256.0)  # x was scaled by 2^-8
 # One word's 8 4-bit values against x's four fp16 pairs: $1 the word, $2..$5 the pairs
@@ -60,11 +61,7 @@ fma.rn.f16x2 a, t, $4, a;
 lop3.b32 t, h, 0x00F000F0, 0x64006400, 0xEA;
 fma.rn.f16x2 t, t, s, c;
 fma.rn.f16x2 a, t, $5, a;
-mov.b32 {l, u}, a;
-cvt.f32.f16 fl, l;
-cvt.f32.f16 fu, u;
-add.f32 $0, fl, fu;
-}""")
+""" + ASM_LANE_SUM)
 
 
 @triton.jit
