@@ -182,14 +182,14 @@ _BLOCK_N = 64
 _MMA_BLOCK_N = 128
 _MMA_BLOCK_K = 128
 VARIANTS = ("fma", "fma_prefetch", "mma", "inplace", "inplace_prefetch", "half2",
-            "half2_prefetch", "half2_prefetch_x", "half2_prefetch2", "half2_async",
+            "half2_prefetch", "half2_prefetch_x", "half2_pair", "half2_prefetch2", "half2_async",
             "half2_staged")
 _ASYNC_STAGES = 4
 _ASYNC_BLOCK_N = 128
 _ASYNC_WAVES = 2.0
 # K blocks loaded ahead into registers (half2_async: none; the pipeliner's stages instead)
-_HALF2_AHEAD = {"half2": 0, "half2_prefetch": 1, "half2_prefetch_x": 1, "half2_prefetch2": 2,
-                "half2_async": 0, "half2_staged": 1}
+_HALF2_AHEAD = {"half2": 0, "half2_prefetch": 1, "half2_prefetch_x": 1, "half2_pair": 1,
+                "half2_prefetch2": 2, "half2_async": 0, "half2_staged": 1}
 # The packed-half variants' tile and split: 128 columns, at least _HALF2_WAVES programs per SM
 # and at most _HALF2_K_ITERS K blocks each. On an H200 at Llama-3-8B's shapes (one row, group
 # 128) this beat 64 columns at 3.5 programs per SM by 8% over a layer's four GEMVs (56.0 against
@@ -408,6 +408,8 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     variant: "inplace" (4 / 8 bits, values converted in place), "half2" / "half2_prefetch" /
     "half2_prefetch2" (4 bits, one row, fp16 pairs; K blocks loaded 0 / 1 / 2 ahead),
     "half2_prefetch_x" (as half2_prefetch, bf16 x loaded a block ahead with the weights),
+    "half2_pair" (as half2_prefetch at 4 bits, two word rows of a column summed in fp16 lanes
+    before their one float32 sum),
     "half2_async" (the same, blocks streamed through shared memory by asynchronous copies),
     "half2_staged" (the same sums with x staged once per program, the zero point outside the
     K loop), "fma" (float32 FMAs), "fma_prefetch" (the same, its loads
@@ -471,6 +473,7 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
             PREFETCH=_HALF2_AHEAD[kind], BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             HAS_SPLIT=cfg.split_k > 1, STAGES=max(cfg.num_stages, 1) if kind == "half2_async"
             else 1, GATED=gated, X_AHEAD=kind == "half2_prefetch_x" and x_bf16, BITS=w.bits,
+            PAIR_ROWS=kind == "half2_pair" and w.bits == 4 and cfg.block_k >= 16,
             num_warps=cfg.num_warps, **pdl_args(a))
         return out.reshape(*lead, n)
     if inplace:

@@ -70,6 +70,41 @@ lop3.b32 t, h, 0x00F000F0, 0x64006400, 0xEA;
 fma.rn.f16x2 t, t, s, $7;
 fma.rn.f16x2 a, t, $5, a;
 """ + ASM_LANE_SUM)
+# Two words of one column (word rows r and r + W/2) against their rows' pairs: $1, $2 the
+# words, $3..$6 and $7..$10 their pairs, $11 (1024 + zero) and $12 -(64 + zero). The eight pair
+# products are summed in fp16 lanes before the one float32 sum of the lanes.
+ASM_DOT_U4_X2 = tl.constexpr("""{
+.reg .b32 h, t, a, s;
+.reg .b16 l, u;
+.reg .f32 fl, fu;
+mov.b32 s, 0x2C002C00;
+shr.u32 h, $1, 8;
+lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 t, t, $11;
+mul.f16x2 a, t, $3;
+lop3.b32 t, $1, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 t, t, s, $12;
+fma.rn.f16x2 a, t, $4, a;
+lop3.b32 t, h, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 t, t, $11;
+fma.rn.f16x2 a, t, $5, a;
+lop3.b32 t, h, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 t, t, s, $12;
+fma.rn.f16x2 a, t, $6, a;
+shr.u32 h, $2, 8;
+lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 t, t, $11;
+fma.rn.f16x2 a, t, $7, a;
+lop3.b32 t, $2, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 t, t, s, $12;
+fma.rn.f16x2 a, t, $8, a;
+lop3.b32 t, h, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 t, t, $11;
+fma.rn.f16x2 a, t, $9, a;
+lop3.b32 t, h, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 t, t, s, $12;
+fma.rn.f16x2 a, t, $10, a;
+""" + ASM_LANE_SUM)
 # The same for 6-bit values: $8 the word's high-bits word (two bits per value, 16 values: this
 # word row's 8 in its byte pair that $9, a prmt selector, moves to bytes 0 and 2), OR-ed into
 # each pair's mantissas above the low nibble: 1024 + q, or 1024 + 16 q, q < 64.
@@ -184,11 +219,12 @@ def _pair(hi, lo):
 @triton.jit
 def _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM: tl.constexpr, X_BF16: tl.constexpr,
                 EVEN_K: tl.constexpr, K=0, GATED: tl.constexpr = False, xa=None, xb=None,
-                hi=None, BITS: tl.constexpr = 4):
+                hi=None, BITS: tl.constexpr = 4, PAIR_ROWS: tl.constexpr = False):
     """(W, BN) float32: each word's sum_j (q_j - zero) x[8 w + j] * 2^-8 for the block's words
     (W, BN) and zero points z (BN,); GATED: x = silu(h[:K]) * h[K:] of the row h at a_ptr;
     xa, xb: the block's bf16 inputs already loaded (two int64 per word row); BITS 6: hi (W, BN)
-    the high-bits words (16 values each: word row w's 8 in half w % 2)."""
+    the high-bits words (16 values each: word row w's 8 in half w % 2); PAIR_ROWS (4 bits):
+    (W/2, BN), rows r and r + W/2 summed (in fp16 lanes before float32 on the GPU)."""
     if xa is not None:
         x0, x1, x2, x3, x4, x5, x6, x7 = _bf16_unpack(xa, xb)
         x0, x1, x2, x3 = x0 * _X_SCALE, x1 * _X_SCALE, x2 * _X_SCALE, x3 * _X_SCALE
@@ -209,7 +245,18 @@ def _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM: tl.constexpr, X_BF1
         p1 = _pair(x5, x1)[:, None]
         p2 = _pair(x6, x2)[:, None]
         p3 = _pair(x7, x3)[:, None]
-        if BITS == 6:
+        if PAIR_ROWS:
+            we, wo = _row_halves(words)  # (W/2, BN): rows r and r + W/2
+            p0e, p0o = _vec_halves(_pair(x4, x0))
+            p1e, p1o = _vec_halves(_pair(x5, x1))
+            p2e, p2o = _vec_halves(_pair(x6, x2))
+            p3e, p3o = _vec_halves(_pair(x7, x3))
+            t = tl.inline_asm_elementwise(
+                ASM_DOT_U4_X2, "=r,r,r,r,r,r,r,r,r,r,r,r,r",
+                [we, wo, p0e[:, None], p1e[:, None], p2e[:, None], p3e[:, None], p0o[:, None],
+                 p1o[:, None], p2o[:, None], p3o[:, None], c_lo, c_hi],
+                dtype=tl.float32, is_pure=True, pack=1)
+        elif BITS == 6:
             # prmt selector: bytes 0, 1 (even word row) or 2, 3 (odd) of hi to bytes 0 and 2
             sel = tl.where(word % 2 == 0, 0x4140, 0x4342)[:, None]  # (W, 1)
             t = tl.inline_asm_elementwise(ASM_DOT_U6, "=r,r,r,r,r,r,r,r,r,r",
@@ -230,7 +277,22 @@ def _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM: tl.constexpr, X_BF1
         t += (_value(words, hi, 5, hs, BITS) - zc) * x5[:, None]
         t += (_value(words, hi, 6, hs, BITS) - zc) * x6[:, None]
         t += (_value(words, hi, 7, hs, BITS) - zc) * x7[:, None]
+        if PAIR_ROWS:  # the same float32 sums, the two halves of the rows added
+            te, to = _row_halves(t)
+            t = te + to
     return t
+
+
+@triton.jit
+def _row_halves(t):
+    """(W/2, BN) rows r and r + W/2 of a (W, BN) tile."""
+    return tl.split(tl.permute(tl.reshape(t, (2, t.shape[0] // 2, t.shape[1])), (1, 2, 0)))
+
+
+@triton.jit
+def _vec_halves(v):
+    """(W/2,) entries r and r + W/2 of a (W,) vector."""
+    return tl.split(tl.permute(tl.reshape(v, (2, v.shape[0] // 2)), (1, 0)))
 
 
 @triton.jit
@@ -270,6 +332,7 @@ def _wna16_gemv_half2_kernel(
     EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr = 1,
     GATED: tl.constexpr = False, X_AHEAD: tl.constexpr = False, BITS: tl.constexpr = 4,
+    PAIR_ROWS: tl.constexpr = False,
 ):
     """GATED: x is silu(h[:K]) * h[K:] of the row h (2K,) at a_ptr, computed as it is read.
     X_AHEAD (bf16 x, PREFETCH 1): each block's inputs are loaded an iteration ahead too, with
@@ -280,7 +343,7 @@ def _wna16_gemv_half2_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     n_mask = offs_n < N
     offs_w = tl.arange(0, WORDS)  # (W,)
-    acc = tl.zeros((WORDS, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((WORDS // 2 if PAIR_ROWS else WORDS, BLOCK_N), dtype=tl.float32)
     k_end = (split + 1) * K_ITERS * BLOCK_K  # this program's K range ends here
     # NOTE: PREFETCH blocks ahead (0, 1 or 2) are loaded into registers before each block's
     # arithmetic, so that many blocks' loads are in flight while it runs.
@@ -323,10 +386,10 @@ def _wna16_gemv_half2_kernel(
             word1 = word + BLOCK_K // 8  # the next block's word rows (masked past K)
             nxt_xa, nxt_xb = load_x_pairs(a64_ptr + word1 * 2, word1 < K // 8, False)
             t = _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM, X_BF16, EVEN_K, K,
-                            GATED, xa, xb, hi, BITS)
+                            GATED, xa, xb, hi, BITS, PAIR_ROWS)
         else:
             t = _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM, X_BF16, EVEN_K, K,
-                            GATED, None, None, hi, BITS)
+                            GATED, None, None, hi, BITS, PAIR_ROWS)
         acc += t * (s * _UNDO)[None, :]
     pdl_release(PDL)
     store_partial(part_ptr, c_ptr, tl.sum(acc, axis=0), 0, M, N, split, offs_n, n_mask,

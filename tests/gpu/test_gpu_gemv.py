@@ -213,6 +213,8 @@ def test_half2_variant_within_fp16_sums(shape: str, bits: int, zp: bool, dtype: 
     assert torch.equal(wna16_gemv(x, w, variant="half2_prefetch"), got)
     assert torch.equal(wna16_gemv(x, w, variant="half2_prefetch2"), got)
     assert torch.equal(wna16_gemv(x, w, variant="half2_prefetch_x"), got)  # x a block ahead
+    # two word rows of a column summed in fp16 lanes (eight products) before float32
+    assert _exact_err(wna16_gemv(x, w, variant="half2_pair"), x, w) <= 2.0
     # the words streamed through shared memory (cp.async): the same per-word sums, maybe
     # summed over the words in another order
     streamed = wna16_gemv(x, w, variant="half2_async")

@@ -322,6 +322,10 @@ def test_half2_split_k_ragged_and_prefetch(split: int, dtype: torch.dtype) -> No
     assert torch.equal(got, wna16_gemv(x, w, cfg, variant="half2_prefetch"))
     assert torch.equal(got, wna16_gemv(x, w, cfg, variant="half2_prefetch_x"))
     assert torch.equal(got, wna16_gemv(x, w, cfg, variant="half2_prefetch2"))
+    # two word rows of a column added before the scale: the float32 sums in another order
+    paired = wna16_gemv(x, w, cfg, variant="half2_pair")
+    assert _ulps(paired, x, w) < ULP
+    assert torch.equal(paired, wna16_gemv(x, w, cfg, variant="half2_pair"))
     assert torch.equal(got, wna16_gemv(x, w, cfg._replace(num_stages=3), variant="half2_async"))
     # 2 splits of 2 blocks over 5 blocks: the loads two blocks ahead run past K and the range
     long = _layout(4, 128, zp=True, k=640, n=n, seed=36, dtype=dtype)
@@ -381,7 +385,7 @@ def test_gated_inputs_equal_the_activation_kernel_then_the_gemv(split: int,
     h = (_x(1, k=2 * k, seed=39) * 3).to(dtype)  # gates well into silu's curved part
     cfg = GemvConfig(32, 128, split, -(-3 // split), 4)  # 2 splits: a block past K
     x = silu_and_mul(h)
-    for variant in ("half2", "half2_prefetch", "half2_prefetch2", "half2_async"):
+    for variant in ("half2", "half2_prefetch", "half2_prefetch2", "half2_async", "half2_pair"):
         got = wna16_gemv(h, w, cfg, variant=variant, gated=True)
         assert got.shape == (1, n)
         assert torch.equal(got, wna16_gemv(x, w, cfg, variant=variant)), variant
