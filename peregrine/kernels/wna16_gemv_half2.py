@@ -19,9 +19,9 @@ more than at 4 bits.
 x enters as fp16 pairs (x0, x4), (x1, x5), (x2, x6), (x3, x7), built once per word row and
 scaled by 2^-8 (undone with the group's scale in float32): q - zero is at most 15 in size (63
 at 6 bits), so four products then stay far from fp16's 65504 for any input below ~2^18 (~2^16)
-in size, while inputs down to 2^-6 keep fp16's 11 significant bits. The result differs from the float32 variants by
-fp16 rounding of x and of the four-product sums (a relative 2^-11 each), well inside what the
-bf16 output keeps. The interpreter (ASM off) computes the same sums in float32.
+in size, while inputs down to 2^-6 keep fp16's 11 significant bits. The result differs from the
+float32 variants by fp16 rounding of x and of the four-product sums (a relative 2^-11 each),
+well inside what the bf16 output keeps. The interpreter (ASM off) computes the same sums in float32.
 
 On an H200 at Llama-3-8B's shapes the halved instructions alone bought nothing (the kernel
 waits on memory latency, not on issue slots); with PREFETCH (each K block's loads issued an
@@ -49,62 +49,48 @@ cvt.f32.f16 fl, l;
 cvt.f32.f16 fu, u;
 add.f32 $0, fl, fu;
 }"""
-# One word's 8 4-bit values against x's four fp16 pairs: $1 the word, $2..$5 the pairs,
-# $6 (1024 + zero) and $7 -(64 + zero) as fp16 pairs. $0 = sum_j (q_j - zero) x_j (x scaled).
-ASM_DOT_U4 = tl.constexpr("""{
+_ASM_HEAD = """{
 .reg .b32 h, t, a, s;
 .reg .b16 l, u;
 .reg .f32 fl, fu;
 mov.b32 s, 0x2C002C00;
-shr.u32 h, $1, 8;
-lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA;
-sub.f16x2 t, t, $6;
-mul.f16x2 a, t, $2;
-lop3.b32 t, $1, 0x00F000F0, 0x64006400, 0xEA;
-fma.rn.f16x2 t, t, s, $7;
-fma.rn.f16x2 a, t, $3, a;
+"""
+
+
+def _asm_word(word: str, pairs: tuple[str, str, str, str], c_lo: str, c_hi: str,
+              first: bool) -> str:
+    """PTX adding one word's four pair products (q - zero) x into the f16x2 sum `a` (set by
+    the first word): lanes of w & 0x000F000F are 1024 + q (fp16 1024's ulp is 1), minus
+    c_lo = 1024 + zero; lanes of w & 0x00F000F0 are 1024 + 16 q, times 1/16 (s) plus
+    c_hi = -(64 + zero); the same for w >> 8."""
+    p0, p1, p2, p3 = pairs
+    start = f"mul.f16x2 a, t, {p0};" if first else f"fma.rn.f16x2 a, t, {p0}, a;"
+    return f"""shr.u32 h, {word}, 8;
+lop3.b32 t, {word}, 0x000F000F, 0x64006400, 0xEA;
+sub.f16x2 t, t, {c_lo};
+{start}
+lop3.b32 t, {word}, 0x00F000F0, 0x64006400, 0xEA;
+fma.rn.f16x2 t, t, s, {c_hi};
+fma.rn.f16x2 a, t, {p1}, a;
 lop3.b32 t, h, 0x000F000F, 0x64006400, 0xEA;
-sub.f16x2 t, t, $6;
-fma.rn.f16x2 a, t, $4, a;
+sub.f16x2 t, t, {c_lo};
+fma.rn.f16x2 a, t, {p2}, a;
 lop3.b32 t, h, 0x00F000F0, 0x64006400, 0xEA;
-fma.rn.f16x2 t, t, s, $7;
-fma.rn.f16x2 a, t, $5, a;
-""" + ASM_LANE_SUM)
+fma.rn.f16x2 t, t, s, {c_hi};
+fma.rn.f16x2 a, t, {p3}, a;
+"""
+
+
+# One word's 8 4-bit values against x's four fp16 pairs: $1 the word, $2..$5 the pairs,
+# $6 (1024 + zero) and $7 -(64 + zero) as fp16 pairs. $0 = sum_j (q_j - zero) x_j (x scaled).
+ASM_DOT_U4 = tl.constexpr(_ASM_HEAD + _asm_word("$1", ("$2", "$3", "$4", "$5"), "$6", "$7", True)
+                          + ASM_LANE_SUM)
 # Two words of one column (word rows r and r + W/2) against their rows' pairs: $1, $2 the
 # words, $3..$6 and $7..$10 their pairs, $11 (1024 + zero) and $12 -(64 + zero). The eight pair
 # products are summed in fp16 lanes before the one float32 sum of the lanes.
-ASM_DOT_U4_X2 = tl.constexpr("""{
-.reg .b32 h, t, a, s;
-.reg .b16 l, u;
-.reg .f32 fl, fu;
-mov.b32 s, 0x2C002C00;
-shr.u32 h, $1, 8;
-lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xEA;
-sub.f16x2 t, t, $11;
-mul.f16x2 a, t, $3;
-lop3.b32 t, $1, 0x00F000F0, 0x64006400, 0xEA;
-fma.rn.f16x2 t, t, s, $12;
-fma.rn.f16x2 a, t, $4, a;
-lop3.b32 t, h, 0x000F000F, 0x64006400, 0xEA;
-sub.f16x2 t, t, $11;
-fma.rn.f16x2 a, t, $5, a;
-lop3.b32 t, h, 0x00F000F0, 0x64006400, 0xEA;
-fma.rn.f16x2 t, t, s, $12;
-fma.rn.f16x2 a, t, $6, a;
-shr.u32 h, $2, 8;
-lop3.b32 t, $2, 0x000F000F, 0x64006400, 0xEA;
-sub.f16x2 t, t, $11;
-fma.rn.f16x2 a, t, $7, a;
-lop3.b32 t, $2, 0x00F000F0, 0x64006400, 0xEA;
-fma.rn.f16x2 t, t, s, $12;
-fma.rn.f16x2 a, t, $8, a;
-lop3.b32 t, h, 0x000F000F, 0x64006400, 0xEA;
-sub.f16x2 t, t, $11;
-fma.rn.f16x2 a, t, $9, a;
-lop3.b32 t, h, 0x00F000F0, 0x64006400, 0xEA;
-fma.rn.f16x2 t, t, s, $12;
-fma.rn.f16x2 a, t, $10, a;
-""" + ASM_LANE_SUM)
+ASM_DOT_U4_X2 = tl.constexpr(
+    _ASM_HEAD + _asm_word("$1", ("$3", "$4", "$5", "$6"), "$11", "$12", True)
+    + _asm_word("$2", ("$7", "$8", "$9", "$10"), "$11", "$12", False) + ASM_LANE_SUM)
 # The same for 6-bit values: $8 the word's high-bits word (two bits per value, 16 values: this
 # word row's 8 in its byte pair that $9, a prmt selector, moves to bytes 0 and 2), OR-ed into
 # each pair's mantissas above the low nibble: 1024 + q, or 1024 + 16 q, q < 64.
