@@ -227,16 +227,16 @@ def _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM: tl.constexpr, X_BF1
         hi_bits = 0xD400 + 16 * zi  # fp16 -(64 + zero)
         c_lo = ((lo_bits << 16) | lo_bits).to(tl.int32, bitcast=True)[None, :]
         c_hi = ((hi_bits << 16) | hi_bits).to(tl.int32, bitcast=True)[None, :]
-        p0 = _pair(x4, x0)[:, None]  # (W, 1)
-        p1 = _pair(x5, x1)[:, None]
-        p2 = _pair(x6, x2)[:, None]
-        p3 = _pair(x7, x3)[:, None]
+        p0 = _pair(x4, x0)  # (W,)
+        p1 = _pair(x5, x1)
+        p2 = _pair(x6, x2)
+        p3 = _pair(x7, x3)
         if PAIR_ROWS:
             we, wo = _row_halves(words)  # (W/2, BN): rows r and r + W/2
-            p0e, p0o = _vec_halves(_pair(x4, x0))
-            p1e, p1o = _vec_halves(_pair(x5, x1))
-            p2e, p2o = _vec_halves(_pair(x6, x2))
-            p3e, p3o = _vec_halves(_pair(x7, x3))
+            p0e, p0o = _vec_halves(p0)
+            p1e, p1o = _vec_halves(p1)
+            p2e, p2o = _vec_halves(p2)
+            p3e, p3o = _vec_halves(p3)
             t = tl.inline_asm_elementwise(
                 ASM_DOT_U4_X2, "=r,r,r,r,r,r,r,r,r,r,r,r,r",
                 [we, wo, p0e[:, None], p1e[:, None], p2e[:, None], p3e[:, None], p0o[:, None],
@@ -245,13 +245,15 @@ def _block_sums(words, z, a_ptr, a64_ptr, word, w_mask, ASM: tl.constexpr, X_BF1
         elif BITS == 6:
             # prmt selector: bytes 0, 1 (even word row) or 2, 3 (odd) of hi to bytes 0 and 2
             sel = tl.where(word % 2 == 0, 0x4140, 0x4342)[:, None]  # (W, 1)
-            t = tl.inline_asm_elementwise(ASM_DOT_U6, "=r,r,r,r,r,r,r,r,r,r",
-                                          [words, p0, p1, p2, p3, c_lo, c_hi, hi, sel],
-                                          dtype=tl.float32, is_pure=True, pack=1)
+            t = tl.inline_asm_elementwise(
+                ASM_DOT_U6, "=r,r,r,r,r,r,r,r,r,r",
+                [words, p0[:, None], p1[:, None], p2[:, None], p3[:, None], c_lo, c_hi, hi, sel],
+                dtype=tl.float32, is_pure=True, pack=1)
         else:
-            t = tl.inline_asm_elementwise(ASM_DOT_U4, "=r,r,r,r,r,r,r,r",
-                                          [words, p0, p1, p2, p3, c_lo, c_hi],
-                                          dtype=tl.float32, is_pure=True, pack=1)
+            t = tl.inline_asm_elementwise(
+                ASM_DOT_U4, "=r,r,r,r,r,r,r,r",
+                [words, p0[:, None], p1[:, None], p2[:, None], p3[:, None], c_lo, c_hi],
+                dtype=tl.float32, is_pure=True, pack=1)
     else:
         zc = z[None, :]
         hs = (word % 2 * 16)[:, None]  # (W, 1): this word row's half of its high-bits word
