@@ -324,7 +324,8 @@ def _wna16_gemv_half2_kernel(
 ):
     """GATED: x is silu(h[:K]) * h[K:] of the row h (2K,) at a_ptr, computed as it is read.
     X_AHEAD (bf16 x, PREFETCH 1): each block's inputs are loaded an iteration ahead too, with
-    its weights."""
+    its weights. BITS 6: the high bits come from qhi_ptr (16 values per word). PAIR_ROWS (4
+    bits): two word rows of a column are summed in fp16 lanes before float32."""
     WORDS: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
