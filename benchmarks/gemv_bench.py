@@ -5,7 +5,7 @@ the time and achieved GB/s of the GEMVs (kernels/wna16_gemv.py: each variant, "f
 per-token quant + torch._int_mm.
 
     python benchmarks/gemv_bench.py --out /tmp/out/gemv.json [--models 8b,70b] [--rows 1,2,4,8,16]
-        [--sweep] [--variants fma,inplace] [--sweep-variants inplace]
+        [--sweep] [--variants fma,inplace] [--sweep-variants inplace] [--w8-forms 0,1]
 
 GB/s counts the bytes a call must move: weight (packed) + scales + zeros + activations + output.
 Each timing replays a CUDA graph that runs the call on enough copies of the weight (>= 256 MiB in
@@ -91,7 +91,8 @@ def _int_mm(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor
 def shape_rows(model: str, proj: str, k: int, n: int, rows: list[int], iters: int,
                sweep: bool, dev: torch.device = torch.device("cuda"),
                variants: tuple[str, ...] = VARIANTS,
-               sweep_variants: tuple[str, ...] = VARIANTS + ("w8",)) -> list[dict]:
+               sweep_variants: tuple[str, ...] = VARIANTS + ("w8",),
+               w8_forms: tuple[int, ...] = ()) -> list[dict]:
     from peregrine.kernels.gemv import GEMV_MAX_ROWS, block_m_for, w8_gemv
     from peregrine.kernels.wna16_gemm import wna16_gemm
     from peregrine.kernels.wna16_gemv import gemv_config, mma_supported, wna16_gemv
@@ -160,6 +161,10 @@ def shape_rows(model: str, proj: str, k: int, n: int, rows: list[int], iters: in
                 timed(f"{label} GEMV prefetch", m,
                       [lambda p=p: w8_gemv(x, p[0], p[1], prefetch=True) for p in pairs],
                       wbytes + io(m))
+                for form in w8_forms:  # the K loop's other forms (kernels/gemv.py _row_dot)
+                    timed(f"{label} GEMV form {form}", m,
+                          [lambda p=p, f=form: w8_gemv(x, p[0], p[1], form=f) for p in pairs],
+                          wbytes + io(m))
                 if sweep and m in (1, GEMV_MAX_ROWS) and "w8" in sweep_variants:
                     out.append(_sweep(model, proj, k, n, m, f"{label} GEMV", wbytes + io(m),
                                       iters, lambda c: [lambda p=p: w8_gemv(x, p[0], p[1],
@@ -256,6 +261,8 @@ def main() -> int:
     p.add_argument("--sweep-variants", default=",".join(VARIANTS + ("w8",)),
                    help="with --sweep: the int GEMV variants whose config grid is timed, and "
                         "w8 for the 8-bit GEMV's")
+    p.add_argument("--w8-forms", default="",
+                   help="also time the 8-bit GEMV with these K-loop forms (0, 1: kernels/gemv.py)")
     ns = p.parse_args()
     if not torch.cuda.is_available():
         print("gemv_bench needs a CUDA GPU", file=sys.stderr)
@@ -272,7 +279,8 @@ def main() -> int:
         for proj, (k, n) in SHAPES[model].items():
             results += shape_rows(model, proj, k, n, rows, ns.iters, ns.sweep,
                                   variants=tuple(ns.variants.split(",")),
-                                  sweep_variants=tuple(ns.sweep_variants.split(",")))
+                                  sweep_variants=tuple(ns.sweep_variants.split(",")),
+                                  w8_forms=tuple(int(f) for f in ns.w8_forms.split(",") if f))
     doc = dict(device=torch.cuda.get_device_name(), hbm_gbps=HBM_GBPS, gemv_max_m=GEMV_MAX_M, w8_gemv_max_m=W8_GEMV_MAX_M,
                torch=torch.__version__, seconds=time.time() - t0, rows=results,
                per_layer=per_layer(results))

@@ -374,6 +374,20 @@ def test_fp8_block_scales_across_the_cut_off(shape: str, m: int) -> None:
     assert rel_err(got.float(), want) < GEMM_TOL
 
 
+@pytest.mark.parametrize("form", (0, 1))
+@pytest.mark.parametrize("m", (1, 2, 4))
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_w8_gemv_forms_match_the_dequantized_matmul(shape: str, m: int, form: int) -> None:
+    # both K-loop forms (the block reduced every block; per-thread sums of 16 adjacent k)
+    _needs_fp8()
+    k, n = SHAPES[shape]
+    wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=DEV) * 0.02, FP8_DTYPE)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    got = w8_gemv(x, wq, ws.t().contiguous(), form=form)
+    assert torch.equal(got, w8_gemv(x, wq, ws.t().contiguous(), form=form))
+    assert rel_err(got.float(), x.float() @ (wq.float() * ws).t()) < GEMM_TOL
+
+
 @pytest.mark.parametrize("m", (1, 2))
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_int8_weights_at_small_batches(shape: str, m: int) -> None:

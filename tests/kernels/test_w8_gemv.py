@@ -92,6 +92,28 @@ def test_prefetch_gives_the_same_bits(block) -> None:
     torch.testing.assert_close(plain, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("form", [0, 1])
+@pytest.mark.parametrize("block", [None, (32, 64)], ids=["channel", "blocks"])
+def test_both_k_loop_forms_match_dequantized_matmul(block, form: int) -> None:
+    # the block reduced every block (0) or per-thread sums of 16 adjacent k (1): split, several
+    # rows, prefetch
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(10)) * 0.02
+    if block is None:
+        wq, ws = fp8_pack.quantize_per_channel(w, FP8_DTYPE)
+        ws = ws.t().contiguous()
+        want_w = wq.float() * ws.t()
+    else:
+        wq, ws = fp8_pack.quantize_blocks(w, block)
+        want_w = block_dequantize(wq, ws, block)
+    x = _x(3, seed=11)
+    cfg = GemvConfig(block_n=16, block_k=64, split_k=2, k_iters=2, num_warps=4)
+    got = w8_gemv(x, wq, ws, block, config=cfg, form=form)
+    torch.testing.assert_close(got, x @ want_w.t(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(w8_gemv(x, wq, ws, block, config=cfg, prefetch=True, form=form), got)
+    # NOTE: the two forms add in different orders: close, not the same bits
+    assert (got - w8_gemv(x, wq, ws, block, config=cfg, form=1 - form)).abs().max() < 1e-5
+
+
 def test_bad_inputs_are_named() -> None:
     wq, ws = _weight(FP8_DTYPE)
     with pytest.raises(ValueError, match="does not match the weight"):
