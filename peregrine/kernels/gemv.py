@@ -406,6 +406,10 @@ def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if cfg.block_k & (cfg.block_k - 1) or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"w8_gemv: block_k {cfg.block_k} and block_n {cfg.block_n} must be "
                          "powers of two")
+    form = _W8_FORM if form is None else form
+    if form not in (0, 1) or (form == 1 and cfg.block_k < 16):
+        raise ValueError(f"w8_gemv: form {form} with block_k {cfg.block_k} (forms 0 and 1; "
+                         "form 1 sums 16 adjacent inputs per thread, so block_k >= 16)")
     if block is not None and block[1] % cfg.block_k:
         raise ValueError(f"w8_gemv: block_k {cfg.block_k} does not divide the scale blocks "
                          f"{block[1]}")
@@ -416,8 +420,8 @@ def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         a, weight, scale, part, lock, out, m, n, k, a.stride(0), weight.stride(0), out.stride(0),
         cfg.k_iters, cfg.split_k, scale_cols, BLOCK_SCALE=block is not None, BN_SCALE=bn_scale,
         BK_SCALE=bk_scale, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        HAS_SPLIT=cfg.split_k > 1, PREFETCH=prefetch, FORM=_W8_FORM if form is None else form,
-        num_warps=cfg.num_warps, **pdl_args(a))
+        HAS_SPLIT=cfg.split_k > 1, PREFETCH=prefetch, FORM=form, num_warps=cfg.num_warps,
+        **pdl_args(a))
     return out
 
 

@@ -124,6 +124,10 @@ def test_bad_inputs_are_named() -> None:
         w8_gemv(torch.zeros(1, K), wq, torch.ones(1, 1), (128, 128))
     with pytest.raises(ValueError, match="not supported"):
         w8_gemv(torch.zeros(1, K), wq.float(), ws)
+    with pytest.raises(ValueError, match="form 2"):
+        w8_gemv(torch.zeros(1, K), wq, ws, form=2)
+    with pytest.raises(ValueError, match="block_k 8"):
+        w8_gemv(torch.zeros(1, K), wq, ws, config=GemvConfig(16, 8, 1, 32, 4), form=1)
     assert not w8_gemv_supported(wq.t())  # column-major
     assert not w8_gemv_supported(wq, (128, 24))
 
