@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from peregrine.kernels._utils import next_pow2, num_sms, pdl_args, pdl_release, pdl_wait
+from peregrine.kernels.activation import silu_mul
 
 # The cut-offs, measured on an H200 at Llama-3-8B's shapes (benchmarks/gemv_bench.py): a linear
 # with at most this many rows uses a GEMV on CUDA, more use the GEMMs. The int layout's GEMV beats
@@ -202,13 +203,21 @@ def _w8_block(w_rows, s_ptr, offs_n, n_mask, k0, K, k_end, scale_cols, BLOCK_SCA
 
 
 @triton.jit
-def _row_dot(w, a_ptr, m, M, stride_am, offs_k, k_mask, FORM: tl.constexpr):
+def _row_dot(w, a_ptr, m, M, stride_am, offs_k, k_mask, K, FORM: tl.constexpr,
+             GATED: tl.constexpr):
     """sum_k w[n, k] * x[m, k] over this K block (zeros past row M) as float32: FORM 0 (BLOCK_N,),
     the whole block reduced (across threads) every block; FORM 1 (BLOCK_N, BLOCK_K / 16), each
     thread's sums of its own 16 adjacent k (the 16 bytes it loads), so threads exchange nothing
-    until the K loop is done."""
+    until the K loop is done. GATED: row m is a gate-and-up row h (2K,) and x = silu(h[:K]) *
+    h[K:], rounded to h's dtype as the activation kernel's output is."""
     row_ok = (offs_k * 0 + m) < M  # (BK,): a tensor mask, also under the interpreter
-    x = tl.load(a_ptr + m * stride_am + offs_k, mask=k_mask & row_ok, other=0.0)  # (BK,)
+    row = a_ptr + m * stride_am
+    if GATED:
+        g = tl.load(row + offs_k, mask=k_mask & row_ok, other=0.0)  # (BK,)
+        u = tl.load(row + K + offs_k, mask=k_mask & row_ok, other=0.0)
+        x = silu_mul(g.to(tl.float32), u.to(tl.float32)).to(a_ptr.dtype.element_ty)
+    else:
+        x = tl.load(row + offs_k, mask=k_mask & row_ok, other=0.0)  # (BK,)
     p = w * x.to(tl.float32)[None, :]  # (BN, BK)
     if FORM == 0:
         sums = tl.sum(p, axis=1)
@@ -244,8 +253,10 @@ def _w8_gemv_kernel(
     BLOCK_SCALE: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, FORM: tl.constexpr = 0,
+    GATED: tl.constexpr = False,
 ):
-    """FORM: how a K block's products are summed (_row_dot)."""
+    """FORM: how a K block's products are summed; GATED: x is silu(h[:K]) * h[K:] of the rows h
+    (M, 2K) at a_ptr, computed as they are read (_row_dot)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
@@ -278,17 +289,17 @@ def _w8_gemv_kernel(
         w = w.to(tl.float32)  # (BN, BK)
         if BLOCK_SCALE:
             w = w * s[:, None]
-        acc0 += _row_dot(w, a_ptr, 0, M, stride_am, offs_k, k_mask, FORM)
+        acc0 += _row_dot(w, a_ptr, 0, M, stride_am, offs_k, k_mask, K, FORM, GATED)
         if BLOCK_M > 1:
-            acc1 += _row_dot(w, a_ptr, 1, M, stride_am, offs_k, k_mask, FORM)
+            acc1 += _row_dot(w, a_ptr, 1, M, stride_am, offs_k, k_mask, K, FORM, GATED)
         if BLOCK_M > 2:
-            acc2 += _row_dot(w, a_ptr, 2, M, stride_am, offs_k, k_mask, FORM)
-            acc3 += _row_dot(w, a_ptr, 3, M, stride_am, offs_k, k_mask, FORM)
+            acc2 += _row_dot(w, a_ptr, 2, M, stride_am, offs_k, k_mask, K, FORM, GATED)
+            acc3 += _row_dot(w, a_ptr, 3, M, stride_am, offs_k, k_mask, K, FORM, GATED)
         if BLOCK_M > 4:
-            acc4 += _row_dot(w, a_ptr, 4, M, stride_am, offs_k, k_mask, FORM)
-            acc5 += _row_dot(w, a_ptr, 5, M, stride_am, offs_k, k_mask, FORM)
-            acc6 += _row_dot(w, a_ptr, 6, M, stride_am, offs_k, k_mask, FORM)
-            acc7 += _row_dot(w, a_ptr, 7, M, stride_am, offs_k, k_mask, FORM)
+            acc4 += _row_dot(w, a_ptr, 4, M, stride_am, offs_k, k_mask, K, FORM, GATED)
+            acc5 += _row_dot(w, a_ptr, 5, M, stride_am, offs_k, k_mask, K, FORM, GATED)
+            acc6 += _row_dot(w, a_ptr, 6, M, stride_am, offs_k, k_mask, K, FORM, GATED)
+            acc7 += _row_dot(w, a_ptr, 7, M, stride_am, offs_k, k_mask, K, FORM, GATED)
     s = tl.full((BLOCK_N,), 1.0, tl.float32)
     if not BLOCK_SCALE:  # one scale per output channel, applied once to the sums
         s = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
@@ -377,14 +388,18 @@ def w8_gemv_ready(weight: torch.Tensor, block: tuple[int, int] | None = None) ->
 def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             block: tuple[int, int] | None = None,
             config: GemvConfig | None = None, prefetch: bool = False,
-            form: int | None = None) -> torch.Tensor:
+            form: int | None = None, gated: bool = False) -> torch.Tensor:
     """y (M, N) = x (M, K) @ (weight (N, K) * scale)^T in x's dtype, for M <= GEMV_MAX_ROWS.
     scale: (1, N) or (N, 1) per channel, or (ceil(N / bn), ceil(K / bk)) for block=(bn, bk).
     prefetch: each K block's weights are loaded an iteration ahead (the same sums).
-    form: how the kernel sums a block's products (0 or 1: _row_dot; default _W8_FORM)."""
+    form: how the kernel sums a block's products (0 or 1: _row_dot; default _W8_FORM).
+    gated: x is gate-and-up rows h (M, 2K) and the GEMV's input silu(h[:, :K]) * h[:, K:],
+    computed as it is read: bit for bit the activation kernel's output fed to the GEMV, without
+    its launch."""
     n, k = weight.shape
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"w8_gemv: x {tuple(x.shape)} does not match the weight ({n}, {k})")
+    if x.dim() != 2 or x.shape[1] != (2 * k if gated else k):
+        raise ValueError(f"w8_gemv: x {tuple(x.shape)} does not match the weight ({n}, {k})"
+                         f"{' (gated: twice its inputs)' if gated else ''}")
     if not w8_gemv_supported(weight, block):
         raise ValueError(f"w8_gemv: weight {weight.dtype} {tuple(weight.shape)} with block "
                          f"{block} is not supported (row-major fp8 e4m3 / int8, block K % 16)")
@@ -420,8 +435,8 @@ def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         a, weight, scale, part, lock, out, m, n, k, a.stride(0), weight.stride(0), out.stride(0),
         cfg.k_iters, cfg.split_k, scale_cols, BLOCK_SCALE=block is not None, BN_SCALE=bn_scale,
         BK_SCALE=bk_scale, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        HAS_SPLIT=cfg.split_k > 1, PREFETCH=prefetch, FORM=form, num_warps=cfg.num_warps,
-        **pdl_args(a))
+        HAS_SPLIT=cfg.split_k > 1, PREFETCH=prefetch, FORM=form, GATED=gated,
+        num_warps=cfg.num_warps, **pdl_args(a))
     return out
 
 
@@ -431,5 +446,6 @@ def precompile_w8_gemv(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     if not w8_gemv_ready(weight, block):
         return
     for rows in sorted({block_m_for(m) for m in range(1, W8_GEMV_MAX_M + 1)}):
-        w8_gemv(torch.zeros(rows, weight.shape[1], dtype=dtype, device=weight.device), weight,
-                scale, block)
+        for gated in (False, True):  # a down projection's form too (SiLU-and-mul inside)
+            w8_gemv(torch.zeros(rows, weight.shape[1] * (2 if gated else 1), dtype=dtype,
+                                device=weight.device), weight, scale, block, gated=gated)

@@ -389,6 +389,24 @@ def test_w8_gemv_forms_match_the_dequantized_matmul(shape: str, m: int, form: in
 
 
 @pytest.mark.parametrize("m", (1, 2))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
+@pytest.mark.parametrize("wdtype", (FP8_DTYPE, torch.int8), ids=("fp8", "int8"))
+def test_w8_gemv_gated_equals_the_activation_kernel_then_the_gemv(wdtype: torch.dtype,
+                                                                   dtype: torch.dtype,
+                                                                   m: int) -> None:
+    # Llama-3-8B's down projection: silu(gate) * up computed as the GEMV reads it, bit for bit
+    from peregrine.kernels.activation import silu_and_mul
+    if wdtype == FP8_DTYPE:
+        _needs_fp8()
+    k, n = SHAPES["down"]
+    wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=DEV) * 0.02, wdtype)
+    ws = ws.t().contiguous()
+    h = torch.randn(m, 2 * k, device=DEV, dtype=dtype)
+    got = w8_gemv(h, wq, ws, gated=True)
+    assert torch.equal(got, w8_gemv(silu_and_mul(h), wq, ws))
+
+
+@pytest.mark.parametrize("m", (1, 2))
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_int8_weights_at_small_batches(shape: str, m: int) -> None:
     k, n = SHAPES[shape]
@@ -413,6 +431,7 @@ def test_w8_gemv_is_deterministic_and_precompiled() -> None:
         assert torch.equal(w8_gemv(x, wq, ws), first)
     for m in range(1, W8_GEMV_MAX_M + 1):
         w8_gemv(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), wq, ws)
+        w8_gemv(torch.randn(m, 2 * k, device=DEV, dtype=torch.bfloat16), wq, ws, gated=True)
     assert _compiled(_w8_gemv_kernel) == before
 
 

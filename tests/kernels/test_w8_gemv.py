@@ -114,6 +114,26 @@ def test_both_k_loop_forms_match_dequantized_matmul(block, form: int) -> None:
     assert (got - w8_gemv(x, wq, ws, block, config=cfg, form=1 - form)).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block", [None, (32, 64)], ids=["channel", "blocks"])
+def test_gated_rows_equal_the_activation_kernel_then_the_gemv(block, dtype: torch.dtype,
+                                                                m: int) -> None:
+    from peregrine.kernels.activation import silu_and_mul
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(12)) * 0.02
+    if block is None:
+        wq, ws = fp8_pack.quantize_per_channel(w, FP8_DTYPE)
+        ws = ws.t().contiguous()
+    else:
+        wq, ws = fp8_pack.quantize_blocks(w, block)
+    h = torch.randn(m, 2 * K, generator=torch.Generator().manual_seed(13)).to(dtype)
+    cfg = GemvConfig(block_n=16, block_k=64, split_k=2, k_iters=2, num_warps=4)
+    got = w8_gemv(h, wq, ws, block, config=cfg, gated=True)
+    assert torch.equal(got, w8_gemv(silu_and_mul(h), wq, ws, block, config=cfg))
+    with pytest.raises(ValueError, match="gated: twice its inputs"):
+        w8_gemv(h[:, :K], wq, ws, block, gated=True)
+
+
 def test_bad_inputs_are_named() -> None:
     wq, ws = _weight(FP8_DTYPE)
     with pytest.raises(ValueError, match="does not match the weight"):

@@ -71,6 +71,18 @@ def apply_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     return y if bias is None else y + bias
 
 
+def apply_w8_silu_and_mul(h: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                          block: tuple[int, int] | None,
+                          bias: torch.Tensor | None) -> torch.Tensor | None:
+    """y (M, N) of x = silu(h[:, :K]) * h[:, K:] for decode rows h (M, 2K) through the 8-bit
+    GEMV, which computes the activation as it reads its inputs (one launch fewer per layer, bit
+    for bit the unfused result); None where the GEMV does not serve h."""
+    if not (use_gemv(h, W8_GEMV_MAX_M) and w8_gemv_ready(weight, block)):
+        return None
+    y = w8_gemv(h.reshape(-1, h.shape[-1]), weight, scale, block, gated=True)  # (M, N)
+    return y if bias is None else y + bias
+
+
 class W8A8Method(QuantMethod):
     """8-bit weights with per-channel or per-tensor scales, 8-bit activations (per token, or a
     static per-tensor input_scale). After loading: layer.weight (N, K), layer.weight_scale (1, N)
@@ -120,6 +132,10 @@ class W8A8Method(QuantMethod):
             layer.input_scale = nn.Parameter(layer.input_scale.data.max().reshape(1, 1),
                                              requires_grad=False)
         precompile_w8_gemv(layer.weight, layer.weight_scale, self.act_dtype)
+
+    def apply_silu_and_mul(self, layer: LinearBase, h: torch.Tensor,
+                           bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        return apply_w8_silu_and_mul(h, layer.weight, layer.weight_scale, None, bias)
 
 
 def _per_shard_scalar(num_shards: int) -> nn.Parameter:
@@ -204,6 +220,11 @@ class Fp8BlockMethod(QuantMethod):
         else:
             y = w8a8_block_matmul_ref(xq, xs, layer.weight, scale, self.block, x.dtype)
         return y if bias is None else y + bias  # (M, N)
+
+    def apply_silu_and_mul(self, layer: LinearBase, h: torch.Tensor,
+                           bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        return apply_w8_silu_and_mul(h, layer.weight, getattr(layer, self.scale_name),
+                                     self.block, bias)
 
 
 class Fp8Config(QuantizationConfig):
