@@ -20,6 +20,18 @@ def _weight(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tens
     return wq, ws.t().contiguous()
 
 
+def _fp8_weight(block: tuple[int, int] | None, seed: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) FP8 with (1, N) per-channel scales (block None) or block scales, and the
+    dequantized (N, K) float32 weight."""
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.02
+    if block is None:
+        wq, ws = fp8_pack.quantize_per_channel(w, FP8_DTYPE)
+        return wq, ws.t().contiguous(), wq.float() * ws
+    wq, ws = fp8_pack.quantize_blocks(w, block)
+    return wq, ws, block_dequantize(wq, ws, block)
+
+
 def _x(m: int, dtype: torch.dtype = torch.float32, seed: int = 1) -> torch.Tensor:
     return torch.randn(m, K, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
@@ -77,19 +89,12 @@ def test_split_k_adds_every_split_and_repeats_bit_for_bit(split: int) -> None:
 @pytest.mark.parametrize("block", [None, (32, 64)], ids=["channel", "blocks"])
 def test_prefetch_gives_the_same_bits(block) -> None:
     # 3 splits of 2 blocks of 64 over K = 256 (4 blocks): the last split's loads ahead run past K
-    w = torch.randn(N, K, generator=torch.Generator().manual_seed(8)) * 0.02
-    if block is None:
-        wq, ws = fp8_pack.quantize_per_channel(w, FP8_DTYPE)
-        ws = ws.t().contiguous()
-    else:
-        wq, ws = fp8_pack.quantize_blocks(w, block)
+    wq, ws, want_w = _fp8_weight(block, seed=8)
     x = _x(2, seed=9)
     cfg = GemvConfig(block_n=16, block_k=64, split_k=3, k_iters=2, num_warps=4)
     plain = w8_gemv(x, wq, ws, block, config=cfg)
     assert torch.equal(w8_gemv(x, wq, ws, block, config=cfg, prefetch=True), plain)
-    want = x @ (wq.float() * ws.t()).t() if block is None else \
-        x @ block_dequantize(wq, ws, block).t()
-    torch.testing.assert_close(plain, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(plain, x @ want_w.t(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("form", [0, 1])
@@ -97,14 +102,7 @@ def test_prefetch_gives_the_same_bits(block) -> None:
 def test_both_k_loop_forms_match_dequantized_matmul(block, form: int) -> None:
     # the block reduced every block (0) or per-thread sums of 16 adjacent k (1): split, several
     # rows, prefetch
-    w = torch.randn(N, K, generator=torch.Generator().manual_seed(10)) * 0.02
-    if block is None:
-        wq, ws = fp8_pack.quantize_per_channel(w, FP8_DTYPE)
-        ws = ws.t().contiguous()
-        want_w = wq.float() * ws.t()
-    else:
-        wq, ws = fp8_pack.quantize_blocks(w, block)
-        want_w = block_dequantize(wq, ws, block)
+    wq, ws, want_w = _fp8_weight(block, seed=10)
     x = _x(3, seed=11)
     cfg = GemvConfig(block_n=16, block_k=64, split_k=2, k_iters=2, num_warps=4)
     got = w8_gemv(x, wq, ws, block, config=cfg, form=form)
@@ -120,12 +118,7 @@ def test_both_k_loop_forms_match_dequantized_matmul(block, form: int) -> None:
 def test_gated_rows_equal_the_activation_kernel_then_the_gemv(block, dtype: torch.dtype,
                                                                 m: int) -> None:
     from peregrine.kernels.activation import silu_and_mul
-    w = torch.randn(N, K, generator=torch.Generator().manual_seed(12)) * 0.02
-    if block is None:
-        wq, ws = fp8_pack.quantize_per_channel(w, FP8_DTYPE)
-        ws = ws.t().contiguous()
-    else:
-        wq, ws = fp8_pack.quantize_blocks(w, block)
+    wq, ws, _ = _fp8_weight(block, seed=12)
     h = torch.randn(m, 2 * K, generator=torch.Generator().manual_seed(13)).to(dtype)
     cfg = GemvConfig(block_n=16, block_k=64, split_k=2, k_iters=2, num_warps=4)
     got = w8_gemv(h, wq, ws, block, config=cfg, gated=True)
