@@ -7,7 +7,9 @@ row-wise scales (per-channel weights) or the block-scaled Triton GEMM (kernels/f
 elsewhere, the CPU included, the same quantized values are dequantized and multiplied in float32.
 Small batches on those GPUs (at most W8_GEMV_MAX_M rows, decode) instead compute x @ dequant(W)
 with x as it is (kernels/gemv.py): weight-only math, which reads the same FP8 weight bytes, is more
-accurate than rounding x to FP8, and ignores a static input_scale.
+accurate than rounding x to FP8, and ignores a static input_scale. A down projection's such
+rows take the gate-and-up rows instead, SiLU-and-mul computed as the GEMV reads them
+(apply_silu_and_mul).
 """
 from __future__ import annotations
 

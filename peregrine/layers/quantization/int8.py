@@ -6,7 +6,8 @@ On CUDA the matmul is `torch._int_mm` (int32 accumulation; it needs more than 16
 batches are padded) followed by the two scales; elsewhere the same int8 values are multiplied in
 float32, which is exact for the integer products at the sizes the tests use. Batches of at most
 W8_GEMV_MAX_M rows on CUDA compute x @ (weight * scale)^T with x as it is (kernels/gemv.py): the
-weight is read once, and x is not rounded to int8.
+weight is read once, and x is not rounded to int8; a down projection's such rows take the
+gate-and-up rows instead, SiLU-and-mul computed inside the GEMV (W8A8Method, fp8.py).
 """
 from __future__ import annotations
 
