@@ -48,10 +48,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from peregrine.kernels import reference as ref  # noqa: E402
 from peregrine.kernels._utils import max_shared_memory  # noqa: E402
-from peregrine.kernels.decode_attention import (FP8_ONLY_VARIANTS, VARIANTS,  # noqa: E402
-                                                decode_num_splits, paged_decode_attention,
-                                                pick_config)
+from peregrine.kernels.decode_attention import (FP8_ONLY_VARIANTS, GPU_ONLY_VARIANTS,  # noqa: E402
+                                                VARIANTS, decode_num_splits,
+                                                paged_decode_attention, pick_config)
 from peregrine.kernels.decode_attention import _MIN_SPLIT_LEN as MIN_SPLIT_LEN  # noqa: E402
+from peregrine.kernels.decode_attention_mma import usable as mma_fp8_unusable  # noqa: E402
 from peregrine.kernels.decode_configs import DecodeConfig  # noqa: E402
 
 import triton  # noqa: E402
@@ -158,7 +159,7 @@ PREVIOUS_FP8_SMALL_GROUP = dict(variant="fma", block_n=16, num_warps=2, num_stag
                                 aligned=False, asm_cvt=False, heads_first=False)
 # Phase 2 knob values (one knob moved at a time).
 KNOBS = {"block_n": {"dot": (32, 64, 128), "dot_kt": (32, 64, 128), "fma": (16, 32, 64),
-                     "fma_fp8": (16, 32, 64)},
+                     "fma_fp8": (16, 32, 64), "mma_fp8": (16,)},
          "num_warps": (2, 4, 8), "num_stages": (1, 2, 3, 4),
          "programs_per_sm": (4, 16, 32, 64, 128),
          "prefetch": (False, True), "clamp_tokens": (False, True), "aligned": (False, True),
@@ -233,7 +234,9 @@ def launch(p: Problem, cfg: Cfg, out: torch.Tensor) -> None:
 
 def default_cfg(p: Problem) -> Cfg:
     group = p.q.shape[1] // p.k_cache.shape[2]
-    return Cfg(*pick_config(p.q.dtype, p.k_cache.dtype, group, True, max_shared_memory(DEV)))
+    mma = mma_fp8_unusable(p.q, p.k_cache, group, BLOCK_SIZE) is None
+    return Cfg(*pick_config(p.q.dtype, p.k_cache.dtype, group, True, max_shared_memory(DEV),
+                            fp8_mma=mma))
 
 
 PROBE_HEADS = (1, 2, 4, 8)  # kv heads per program: contiguous bytes per token row read

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.cuda_timing import graph_replay_ms  # noqa: E402
 from peregrine.bench.offline import w1_requests  # noqa: E402
 from peregrine.kernels import reference as ref  # noqa: E402
-from peregrine.kernels._utils import max_shared_memory, num_sms  # noqa: E402
+from peregrine.kernels._utils import has_fp8_convert, max_shared_memory, num_sms  # noqa: E402
 from peregrine.kernels.decode_attention import (decode_num_splits,  # noqa: E402
                                                 max_decode_splits, paged_decode_attention,
                                                 pick_config)
@@ -88,7 +88,8 @@ def make_problem(lens: list[int], cache: str, layers: int) -> dict:
 def parse_config(spec: str, cache: str) -> tuple[str, DecodeConfig]:
     """("default" | "fixed" | knob changes, after "fixed+" for the former rule) -> (rule,
     config)."""
-    cfg = pick_config(torch.bfloat16, CACHES[cache], HQ // HKV, True, max_shared_memory(DEV))
+    cfg = pick_config(torch.bfloat16, CACHES[cache], HQ // HKV, True, max_shared_memory(DEV),
+                      fp8_mma=torch.cuda.is_available() and has_fp8_convert(DEV))
     rule, _, spec = spec.partition("+") if spec.startswith("fixed") else ("per-seq", "", spec)
     changes = {}
     for part in spec.split("+") if spec not in ("", "default") else []:

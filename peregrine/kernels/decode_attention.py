@@ -17,6 +17,8 @@ from peregrine.kernels._utils import (FP8_DTYPES, check_block_size, check_q_and_
                                       is_gpu, kv_dot_dtype, max_shared_memory, next_pow2,
                                       may_reuse_launches, num_sms, pdl_args, pdl_wait,
                                       reusable_launch)
+from peregrine.kernels.decode_attention_mma import BLOCK_N as MMA_BLOCK_N
+from peregrine.kernels.decode_attention_mma import usable as mma_fp8_unusable
 from peregrine.kernels.decode_configs import PROGRAMS_PER_SM, pick_config
 
 _reuse_launches = True  # False once a compiled launch refused its arguments
@@ -55,6 +57,9 @@ def _seq_split_len(seq_len, num_splits, min_split_len, BLOCK_N: tl.constexpr):
 #             and the rescale costs one multiply per row and tile, not per element; a word
 #             becomes four fp32 values by two packed FP8 -> fp16 conversions (inline PTX on
 #             sm_89+) and four fp16 -> fp32 moves; words carry cleanly through the prefetch.
+#   "mma_fp8": (FP8 caches only, CUDA sm_89+, up to 8 q heads per kv head, head dim 64/128/256,
+#             cache blocks of a multiple of 16 tokens) decode_attention_mma's Gluon kernel: one
+#             warp a program, K and V words loaded straight into tensor-core operand registers.
 # Options of every variant (constexpr flags; DecodeConfig):
 #   PREFETCH:     the next tile's block ids, K and V are loaded before the current tile is
 #                 computed (register double buffering).
@@ -66,8 +71,9 @@ def _seq_split_len(seq_len, num_splits, min_split_len, BLOCK_N: tl.constexpr):
 #                 NOTE: without it the compiler stages the FP8 tile in shared memory and reads
 #                 V back byte by byte to transpose it for the dot operand. ("fma_fp8": the
 #                 packed conversion instructions instead of byte shifts.)
-VARIANTS = ("dot", "dot_kt", "fma", "fma_fp8")
-FP8_ONLY_VARIANTS = ("fma_fp8",)  # read FP8 caches only
+VARIANTS = ("dot", "dot_kt", "fma", "fma_fp8", "mma_fp8")
+FP8_ONLY_VARIANTS = ("fma_fp8", "mma_fp8")  # read FP8 caches only
+GPU_ONLY_VARIANTS = ("mma_fp8",)  # Gluon kernels: not on the Triton interpreter
 _VARIANT_IDS = {name: i for i, name in enumerate(VARIANTS)}
 
 
@@ -704,11 +710,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if batch == 0:
         return out
     group = num_q_heads // num_kv_heads
-    cfg = pick_config(q.dtype, k_cache.dtype, group, is_gpu(q), max_shared_memory(q.device))
+    cfg = pick_config(q.dtype, k_cache.dtype, group, is_gpu(q), max_shared_memory(q.device),
+                      fp8_mma=mma_fp8_unusable(q, k_cache, group, block_size) is None)
+    variant = variant or cfg.variant
+    if variant == "mma_fp8":
+        why = mma_fp8_unusable(q, k_cache, group, block_size)
+        if why is not None:
+            raise ValueError(f"paged_decode_attention: variant 'mma_fp8' needs {why}")
+        if block_n not in (None, MMA_BLOCK_N) or num_warps not in (None, 1):
+            raise ValueError(f"paged_decode_attention: variant 'mma_fp8' runs one warp over "
+                             f"{MMA_BLOCK_N}-token tiles, got block_n {block_n}, num_warps "
+                             f"{num_warps}")
+        block_n, num_warps = MMA_BLOCK_N, 1
     block_n = block_n or cfg.block_n
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    variant = variant or cfg.variant
     per_program = cfg.kv_heads_per_program if kv_heads_per_program is None \
         else kv_heads_per_program
     check_kv_heads_per_program(per_program, num_kv_heads, variant)
@@ -744,14 +760,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # NOTE: tl.dot needs 16 rows; the CUDA-core variants compute only the real q heads.
     block_g = next_pow2(group) if variant in ("fma", "fma_fp8") else max(16, next_pow2(group))
     k_arg, v_arg, rows = k_cache, v_cache, 1
-    if variant == "fma_fp8":
+    if variant in ("fma_fp8", "mma_fp8"):
         if not kv_fp8 or head_dim % 4:
-            raise ValueError(f"paged_decode_attention: variant 'fma_fp8' reads FP8 caches with a "
-                             f"head dim divisible by 4, got {k_cache.dtype} and {head_dim}")
+            raise ValueError(f"paged_decode_attention: variant {variant!r} reads FP8 caches with "
+                             f"a head dim divisible by 4, got {k_cache.dtype} and {head_dim}")
         try:  # the caches as int32 words of four FP8 values (strides in words)
             k_arg, v_arg = k_cache.view(torch.int32), v_cache.view(torch.int32)
         except RuntimeError as e:
-            raise ValueError(f"paged_decode_attention: variant 'fma_fp8' reads the caches as "
+            raise ValueError(f"paged_decode_attention: variant {variant!r} reads the caches as "
                              f"32-bit words, which their layout does not allow: {e}") from e
         # NOTE: the word tile's load layout: 16-byte vectors, block_d / 16 lanes along d, the
         # other lanes and the warps along token rows; more rows than tile tokens only repeat.
@@ -769,6 +785,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
     )
+    split_kernel = _decode_split_kernel
     split_kwargs = dict(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_D=block_d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size,
@@ -783,6 +800,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         KV_E5M2=k_cache.dtype == torch.float8_e5m2,
         HEADS_FIRST=heads_first, ROWS=rows, HEADS=per_program,
     )
+    if variant == "mma_fp8":  # the same grid and arguments; its own constexprs
+        from peregrine.kernels.decode_attention_mma import decode_split_mma_kernel
+        split_kernel = decode_split_mma_kernel
+        split_kwargs = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n,
+                            BLOCK_SIZE=block_size, HAS_WINDOW=window is not None,
+                            HEADS_FIRST=heads_first, KV_E5M2=split_kwargs["KV_E5M2"],
+                            PREFETCH=split_kwargs["PREFETCH"])
     pdl = pdl_args(q)
     launch_pdl = {"launch_pdl": True} if pdl["PDL"] else {}
     split_kwargs["PDL"] = pdl["PDL"]
@@ -801,14 +825,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     merge_options = dict(num_warps=4, **launch_pdl)
     reuse = key is not None and may_reuse_launches(q)
     if not reuse:
-        _decode_split_kernel[grid](*split_args, **split_kwargs, **split_options)
+        split_kernel[grid](*split_args, **split_kwargs, **split_options)
         _decode_merge_kernel[(batch, num_q_heads)](*merge_args, **merge_kwargs, **merge_options)
         return out
-    split = reusable_launch(_decode_split_kernel, grid, split_args, split_kwargs, split_options)
+    split = reusable_launch(split_kernel, grid, split_args, split_kwargs, split_options)
     merge = reusable_launch(_decode_merge_kernel, (batch, num_q_heads), merge_args, merge_kwargs,
                             merge_options)
     if split is not None and merge is not None:
-        launches[key] = (split, merge, variant == "fma_fp8")
+        launches[key] = (split, merge, variant in ("fma_fp8", "mma_fp8"))
     return out
 
 

@@ -72,18 +72,28 @@ _CONFIGS = {
                                                heads_first=True),
     # FP8 cache, larger groups: Llama-3-8B 367 us (was 486)
     "cuda-fp8-cache": DecodeConfig("dot", 64, 2, 2, False, PROGRAMS_PER_SM, True, True, False),
+    # FP8 cache where decode_attention_mma's kernel runs (sm_89+, up to 8 q heads per kv head):
+    # one warp a program, K and V straight into tensor-core operand registers.
+    "cuda-fp8-cache-mma": DecodeConfig("mma_fp8", 16, 1, 1, True, 16, False, True, False,
+                                       heads_first=True),
 }
+# Whether FP8 caches use "cuda-fp8-cache-mma" where it runs.
+FP8_MMA = True
 
 
 def pick_config(q_dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
-                on_gpu: bool, shared_memory: int = 0) -> DecodeConfig:
+                on_gpu: bool, shared_memory: int = 0, fp8_mma: bool = False) -> DecodeConfig:
     """The split kernel's launch choice from the device (on_gpu, and the shared memory one
     program may use there, 0 if unknown), the dtypes and the GQA group only (never batch
-    values), so one model always runs, and precompile() compiles, the same variant."""
+    values), so one model always runs, and precompile() compiles, the same variant. fp8_mma:
+    the device and the model's shapes allow the "mma_fp8" variant
+    (decode_attention_mma.usable)."""
     if not on_gpu:
         return _CONFIGS["cpu"]
     if q_dtype == torch.float32:
         return _CONFIGS["cuda-fp32"]
+    if cache_dtype in FP8_DTYPES and fp8_mma and FP8_MMA:
+        return _CONFIGS["cuda-fp8-cache-mma"]
     if cache_dtype in FP8_DTYPES:
         # NOTE: the CUDA-core variants do group multiply-adds per K and V element; past 2 heads
         # per kv head the padded tensor-core dot is cheaper.

@@ -8,8 +8,9 @@ import torch
 
 from kernel_cases import (FP8_DTYPES, FP8_IDS, K_SCALE, TOLERANCES, V_SCALE, exact_reference,
                           fp8_case, fp8_error_bounds, make_paged_case)
-from peregrine.kernels.decode_attention import (FP8_ONLY_VARIANTS, VARIANTS, decode_num_splits,
-                                                paged_decode_attention, pick_config)
+from peregrine.kernels.decode_attention import (FP8_ONLY_VARIANTS, GPU_ONLY_VARIANTS, VARIANTS,
+                                                decode_num_splits, paged_decode_attention,
+                                                pick_config)
 
 SCALE = 0.125
 
@@ -278,6 +279,10 @@ def test_every_variant_reads_an_fp8_cache_with_scales(variant: str) -> None:
     inline-PTX conversion is asked for and, under the interpreter, left out."""
     case = make_paged_case([9, 40], [1, 1], 4, 2, head_dim=32, dtype=torch.bfloat16)
     quant, deq = fp8_case(case, torch.float8_e4m3fn)
+    if variant in GPU_ONLY_VARIANTS:  # refused by name here; the GPU tests check it
+        with pytest.raises(ValueError, match=f"{variant}.*CUDA GPU"):
+            _run(quant, split_len=32, variant=variant)
+        return
     out = _run(quant, split_len=32, variant=variant, prefetch=variant != "dot_kt",
                clamp_tokens=variant != "dot", aligned=variant != "fma", asm_cvt=True,
                k_scale=K_SCALE, v_scale=V_SCALE)
@@ -370,6 +375,26 @@ def test_pick_config_depends_only_on_dtypes_and_group() -> None:
     assert pick_config(torch.bfloat16, torch.float8_e4m3fn, 2, on_gpu=True,
                        shared_memory=227 * 1024) == pick_config(torch.bfloat16,
                                                                 torch.float8_e4m3fn, 2, True)
+
+
+def test_pick_config_takes_the_tensor_core_fp8_kernel_only_where_it_runs(monkeypatch) -> None:
+    from peregrine.kernels import decode_configs
+    from peregrine.kernels.decode_attention_mma import usable
+    for group in (1, 2, 4, 8):
+        assert pick_config(torch.bfloat16, torch.float8_e4m3fn, group, True,
+                           fp8_mma=True).variant == "mma_fp8"
+        assert pick_config(torch.bfloat16, torch.float8_e4m3fn, group, True).variant != "mma_fp8"
+        assert pick_config(torch.bfloat16, torch.bfloat16, group, True,
+                           fp8_mma=True).variant != "mma_fp8"
+    assert pick_config(torch.bfloat16, torch.float8_e4m3fn, 2, False, fp8_mma=True) \
+        == pick_config(torch.bfloat16, torch.float8_e4m3fn, 2, False)
+    monkeypatch.setattr(decode_configs, "FP8_MMA", False)
+    assert pick_config(torch.bfloat16, torch.float8_e4m3fn, 2, True,
+                       fp8_mma=True) == pick_config(torch.bfloat16, torch.float8_e4m3fn, 2, True)
+    # on this machine (no CUDA) it says why not, so the launcher never picks it here
+    q = torch.zeros(1, 4, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 16, 2, 128, dtype=torch.float8_e4m3fn)
+    assert "CUDA GPU" in usable(q, cache, 2, 16)
 
 
 def _launch_recorder(real, jit_calls: list, launched: list):

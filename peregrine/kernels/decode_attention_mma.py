@@ -1,0 +1,301 @@
+"""The paged decode split kernel for FP8 caches on tensor cores, with every operand in registers.
+
+One warp per (sequence, kv head, split) program, written in Gluon (Triton's explicit-layout
+dialect) because the point is where each byte sits: the K and V tiles are loaded as 32-bit words
+of four FP8 values straight into the lanes and registers that the 16x8x16 tensor-core MMA reads
+them from, so no tile passes through shared memory and no byte is moved between lanes.
+
+    scores  S (16 q rows, 16 tokens)  = Q (16, D) . K^T (D, 16)      q heads padded to 16 rows
+    output  O^T (D, 8 q heads)        = V^T (D, 16) . P^T (16, 8)    P^T is S's registers as is
+
+What makes the loads land in operand registers: a dot product does not care in which order its
+d terms are summed, and the output's d order is undone when it is stored. So each operand's "d"
+is a permutation of the cache's d chosen to fit the MMA's register fragments:
+  - K (the B operand of S): lane 4g + c holds token g of each 8-token column block and the
+    k indices 2c, 2c+1, 2c+8, 2c+9 of each 16-wide step. Mapping step s, half r, pair i to the
+    cache's d = c*D/4 + 4s + 2r + i gives each lane D/4 contiguous bytes of one token row (two
+    16-byte loads at D = 128), and q is loaded once in the same permuted order.
+  - V (the A operand of O^T): lane 4g + c holds tokens 2c, 2c+1 (and +8) and rows g, g+8 of each
+    16-row step. Mapping row 16m + 8r + g to d = g*D/8 + 2m + r gives each lane D/8 contiguous
+    bytes of four token rows. The MMA wants the two tokens' values of one d in one register,
+    so a pair of words (tokens 2c and 2c+1) becomes four such registers by two byte permutes
+    (prmt) and four packed conversions.
+  - P^T (the B operand of O^T) is S's accumulator registers unchanged: a lane holds S[g][2c+i]
+    and S[g][8+2c+i], which are exactly B's [k = 2c+i (+8)][n = g] (rows >= 8 are dropped, so a
+    kv head may have at most 8 q heads).
+FP8 -> fp16 is exact (cvt.rn.f16x2.e4m3x2, sm_89+); products accumulate in fp32; p is rounded to
+fp16 for the P.V MMA, as in the tensor-core variants of decode_attention. The kernel writes the
+same partial outputs and log-sum-exps as decode_attention's split kernel, whose merge kernel
+finishes the job. Gluon kernels do not run on the Triton interpreter: this one runs on CUDA
+GPUs only (usable() says where), and GPU tests check it against the reference.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from peregrine.kernels._utils import FP8_DTYPES, has_fp8_convert
+
+HEAD_DIMS = (64, 128, 256)
+MAX_GROUP = 8  # q heads per kv head: P^T keeps S's first 8 rows
+BLOCK_N = 16  # tokens per tile; a tile lies inside one cache block
+
+
+def usable(q: torch.Tensor, cache: torch.Tensor, group: int, block_size: int) -> str | None:
+    """None where the kernel can run these shapes; else why not (for an error message)."""
+    if not has_fp8_convert(q.device):
+        return "a CUDA GPU with FP8 conversions (sm_89 or later)"
+    if cache.dtype not in FP8_DTYPES:
+        return f"an FP8 cache, got {cache.dtype}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"a 16-bit query, got {q.dtype}"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"a head dim in {HEAD_DIMS}, got {q.shape[-1]}"
+    if not 1 <= group <= MAX_GROUP:
+        return f"at most {MAX_GROUP} q heads per kv head, got {group}"
+    if block_size % BLOCK_N:
+        return f"a cache block size that is a multiple of {BLOCK_N}, got {block_size}"
+    return None
+
+
+@gluon.constexpr_function
+def _log2(x):
+    return int(x).bit_length() - 1
+
+
+@gluon.constexpr_function
+def _k_layout(block_n, head_dim):
+    """K bytes as (token, word, byte), (BN, D/4, 4): lane 4g + c holds tokens 8j + g and words
+    c*D/16 .. c*D/16 + D/16 - 1; a thread's registers run over bytes, then words, then j."""
+    w = head_dim // 16
+    reg = ([[0, 0, 1], [0, 0, 2]] + [[0, 1 << b, 0] for b in range(_log2(w))]
+           + [[8 << b, 0, 0] for b in range(_log2(block_n // 8))])
+    lane = [[0, w, 0], [0, 2 * w, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+    return gl.DistributedLinearLayout(reg, lane, [], [], [block_n, head_dim // 4, 4])
+
+
+@gluon.constexpr_function
+def _v_layout(block_n, head_dim):
+    """V bytes as (token, word, byte): lane 4g + c holds tokens 16t + 8r + 2c + i and words
+    g*D/32 .. g*D/32 + D/32 - 1; registers run over i first (the token pair one MMA register
+    holds), then bytes, words, r, t."""
+    w = head_dim // 32
+    reg = ([[1, 0, 0], [0, 0, 1], [0, 0, 2]] + [[0, 1 << b, 0] for b in range(_log2(w))]
+           + [[8, 0, 0]] + [[16 << b, 0, 0] for b in range(_log2(block_n // 16))])
+    lane = [[2, 0, 0], [4, 0, 0], [0, w, 0], [0, 2 * w, 0], [0, 4 * w, 0]]
+    return gl.DistributedLinearLayout(reg, lane, [], [], [block_n, head_dim // 4, 4])
+
+
+@gluon.constexpr_function
+def _v_load_layout(block_n, head_dim):
+    """V words (BN, D/4): the words of _v_layout, a lane's contiguous words first in its
+    registers so that they load as one vector."""
+    w = head_dim // 32
+    reg = ([[0, 1 << b] for b in range(_log2(w))] + [[1, 0], [8, 0]]
+           + [[16 << b, 0] for b in range(_log2(block_n // 16))])
+    lane = [[2, 0], [4, 0], [0, w], [0, 2 * w], [0, 4 * w]]
+    return gl.DistributedLinearLayout(reg, lane, [], [], [block_n, head_dim // 4])
+
+
+@gluon.jit
+def _wait_for_previous(PDL: gl.constexpr):
+    """The programmatic-dependent-launch wait (see _utils.pdl_wait)."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def _k_words_to_f16(w4, E5M2: gl.constexpr):
+    """(BN, D/4, 4) copies of each K word -> its bytes 0..3 as fp16 (two packed conversions)."""
+    if E5M2:
+        out = gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+            "cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }",
+            "=r,=r,r,r,r,r", [w4], dtype=gl.float16, is_pure=True, pack=4)
+    else:
+        out = gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r,r,r,r", [w4], dtype=gl.float16, is_pure=True, pack=4)
+    return out
+
+
+@gluon.jit
+def _v_words_to_f16(w8, E5M2: gl.constexpr):
+    """Copies of the words a, b of tokens 2c, 2c+1 (a, b, a, b, ...) -> fp16 registers holding
+    (a0, b0), (a1, b1), (a2, b2), (a3, b3): two byte permutes, four packed conversions."""
+    if E5M2:
+        out = gl.inline_asm_elementwise(
+            "{ .reg .b32 p, q; .reg .b16 p0, p1, q0, q1; "
+            "prmt.b32 p, $4, $5, 0x5140; prmt.b32 q, $4, $5, 0x7362; "
+            "mov.b32 {p0, p1}, p; mov.b32 {q0, q1}, q; "
+            "cvt.rn.f16x2.e5m2x2 $0, p0; cvt.rn.f16x2.e5m2x2 $1, p1; "
+            "cvt.rn.f16x2.e5m2x2 $2, q0; cvt.rn.f16x2.e5m2x2 $3, q1; }",
+            "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [w8], dtype=gl.float16, is_pure=True, pack=8)
+    else:
+        out = gl.inline_asm_elementwise(
+            "{ .reg .b32 p, q; .reg .b16 p0, p1, q0, q1; "
+            "prmt.b32 p, $4, $5, 0x5140; prmt.b32 q, $4, $5, 0x7362; "
+            "mov.b32 {p0, p1}, p; mov.b32 {q0, q1}, q; "
+            "cvt.rn.f16x2.e4m3x2 $0, p0; cvt.rn.f16x2.e4m3x2 $1, p1; "
+            "cvt.rn.f16x2.e4m3x2 $2, q0; cvt.rn.f16x2.e4m3x2 $3, q1; }",
+            "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [w8], dtype=gl.float16, is_pure=True, pack=8)
+    return out
+
+
+@gluon.jit
+def _load_tile(k_words_ptr, v_words_ptr, bt_row, n0, end, k_lane, v_lane, v_tok,
+               stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, BLOCK_SIZE: gl.constexpr):
+    """The raw K and V words of the tile at token n0 (one cache block holds it). Past the end:
+    V is zeros (an unwritten slot may hold NaN bits), K is read from the block anyway (block
+    0 past the table's end) and its scores are masked by the caller."""
+    blk = gl.load(bt_row + n0 // BLOCK_SIZE, mask=n0 < end, other=0).to(gl.int64)
+    slot = n0 % BLOCK_SIZE
+    k = gl.load(k_words_ptr + (blk * stride_kc_b + slot * stride_kc_s) + k_lane)
+    v = gl.load(v_words_ptr + (blk * stride_vc_b + slot * stride_vc_s) + v_lane,
+                mask=(n0 + v_tok < end)[:, None], other=0)
+    return k, v
+
+
+# NOTE: ints that change with the batch are not specialised on (see decode_attention).
+@gluon.jit(do_not_specialize=["min_split_len", "window", "stride_bt", "stride_mo_b",
+                              "stride_mo_h", "stride_ml_b", "stride_ml_h"])
+def decode_split_mma_kernel(
+    q_ptr, k_words_ptr, v_words_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+    scale_log2, min_split_len, window,
+    stride_qb, stride_qh,
+    stride_kc_b, stride_kc_s, stride_kc_h,
+    stride_vc_b, stride_vc_s, stride_vc_h,
+    stride_bt,
+    stride_mo_b, stride_mo_h, stride_mo_s,
+    stride_ml_b, stride_ml_h,
+    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr, HAS_WINDOW: gl.constexpr, HEADS_FIRST: gl.constexpr,
+    KV_E5M2: gl.constexpr, PREFETCH: gl.constexpr, PDL: gl.constexpr,
+):
+    """decode_attention's split stage for FP8 caches read as int32 words (strides in words),
+    one warp a program; the same grid, arguments and outputs as its "fma" variant. PREFETCH:
+    the next tile's words are loaded before the current tile is computed."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
+                                                  instr_shape=[16, 8])
+    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    K4: gl.constexpr = _k_layout(BLOCK_N, HEAD_DIM)
+    KW: gl.constexpr = gl.SliceLayout(2, K4)
+    V4: gl.constexpr = _v_layout(BLOCK_N, HEAD_DIM)
+    VW: gl.constexpr = gl.SliceLayout(2, V4)
+    VL: gl.constexpr = _v_load_layout(BLOCK_N, HEAD_DIM)
+    Q_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])
+    STEPS: gl.constexpr = HEAD_DIM // 16
+    WORDS: gl.constexpr = HEAD_DIM // 4
+
+    _wait_for_previous(PDL)
+    if HEADS_FIRST:
+        kvh = gl.program_id(0)
+        b = gl.program_id(1)
+    else:
+        b = gl.program_id(0)
+        kvh = gl.program_id(1)
+    split = gl.program_id(2)
+    seq_len = gl.load(seq_lens_ptr + b)
+    # the split rule of decode_attention._seq_split_len
+    split_len = gl.maximum(gl.cdiv(gl.cdiv(seq_len, gl.num_programs(2)), BLOCK_N) * BLOCK_N,
+                           min_split_len)
+    start = split * split_len
+    if start >= seq_len:  # NOTE: splits past the context exit; the merge derives how many ran
+        return
+    end = gl.minimum(start + split_len, seq_len)
+    if HAS_WINDOW:
+        start = gl.maximum(start, seq_len - window)
+    lo = start  # the first key attended to; tiles start on a multiple of BLOCK_N
+    start = start - start % BLOCK_N
+    b64 = b.to(gl.int64)
+    bt_row = block_table_ptr + b64 * stride_bt
+
+    # q (16 rows, the GROUP real ones first) in K's permuted order: column 16s + 8r + 2c + i
+    # holds d = c*D/4 + 4s + 2r + i. A bf16 query beyond the fp16 range is clamped.
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, Q_L))
+    col = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, Q_L))
+    dq = (((col >> 1) & 3) * (HEAD_DIM // 4) + (col >> 4) * 4 + ((col >> 3) & 1) * 2
+          + (col & 1))
+    q = gl.load(q_ptr + b64 * stride_qb + (kvh * GROUP + rows)[:, None] * stride_qh
+                + dq[None, :], mask=(rows < GROUP)[:, None], other=0.0)
+    q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
+    q_op = gl.convert_layout(q, A_OP)
+
+    # each lane's word offsets inside a tile: the same for every tile
+    tk = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, KW))
+    wk = gl.arange(0, WORDS, layout=gl.SliceLayout(0, KW))
+    k_lane = (tk * stride_kc_s + kvh * stride_kc_h)[:, None] + wk[None, :]
+    tv = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, VL))
+    wv = gl.arange(0, WORDS, layout=gl.SliceLayout(0, VL))
+    v_lane = (tv * stride_vc_s + kvh * stride_vc_h)[:, None] + wv[None, :]
+
+    # NOTE: -1e30 (not -inf) keeps rows that saw no key free of NaN.
+    m_i = gl.full([16], -1.0e30, gl.float32, layout=gl.SliceLayout(1, MMA))  # log2 units
+    l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
+    acc = gl.zeros([HEAD_DIM, 8], gl.float32, layout=MMA)  # O^T in V's permuted d order
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
+
+    if PREFETCH:  # the next tile's words are loaded before the current one is computed
+        k_next, v_next = _load_tile(k_words_ptr, v_words_ptr, bt_row, start, end, k_lane,
+                                    v_lane, tv, stride_kc_b, stride_kc_s, stride_vc_b,
+                                    stride_vc_s, BLOCK_SIZE)
+    for n0 in range(start, end, BLOCK_N):
+        if PREFETCH:
+            k_cur = k_next
+            v_cur = v_next
+            k_next, v_next = _load_tile(k_words_ptr, v_words_ptr, bt_row, n0 + BLOCK_N, end,
+                                        k_lane, v_lane, tv, stride_kc_b, stride_kc_s,
+                                        stride_vc_b, stride_vc_s, BLOCK_SIZE)
+        else:
+            k_cur, v_cur = _load_tile(k_words_ptr, v_words_ptr, bt_row, n0, end, k_lane, v_lane,
+                                      tv, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
+                                      BLOCK_SIZE)
+        k4 = gl.expand_dims(gl.convert_layout(k_cur, KW), 2).broadcast_to([BLOCK_N, WORDS, 4])
+        k16 = gl.reshape(_k_words_to_f16(k4, KV_E5M2), [BLOCK_N, 4, STEPS, 2, 2])  # (n,c,s,r,i)
+        k16 = gl.reshape(gl.permute(k16, [0, 2, 3, 1, 4]), [BLOCK_N, HEAD_DIM])  # (n, s r c i)
+        k_op = gl.convert_layout(gl.permute(k16, [1, 0]), B_OP)  # register renaming only
+        s = mma_v2(q_op, k_op, gl.zeros([16, BLOCK_N], gl.float32, layout=MMA)) * scale_log2
+        tok = n0 + offs_n
+        valid = tok < end
+        if HAS_WINDOW:
+            valid = valid & (tok >= lo)
+        s = gl.where(valid[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        # P^T: S's first 8 rows, transposed; the same registers
+        p8, _ = gl.split(gl.permute(gl.reshape(p.to(gl.float16), [2, 8, BLOCK_N]), [1, 2, 0]))
+        p_op = gl.convert_layout(gl.permute(p8, [1, 0]), B_OP)
+        alpha8, _ = gl.split(gl.permute(gl.reshape(alpha, [2, 8]), [1, 0]))
+        alpha8 = gl.convert_layout(alpha8, gl.SliceLayout(0, MMA))  # a few lane shuffles
+        v4 = gl.expand_dims(gl.convert_layout(v_cur, VW), 2).broadcast_to([BLOCK_N, WORDS, 4])
+        v16 = gl.reshape(_v_words_to_f16(v4, KV_E5M2), [BLOCK_N, 8, STEPS, 2])  # (n, g, m, r)
+        v16 = gl.reshape(gl.permute(v16, [0, 2, 3, 1]), [BLOCK_N, HEAD_DIM])  # (n, m r g)
+        v_op = gl.convert_layout(gl.permute(v16, [1, 0]), A_OP)  # register renaming only
+        acc = mma_v2(v_op, p_op, acc * alpha8[None, :])
+
+    m8, _ = gl.split(gl.permute(gl.reshape(m_i, [2, 8]), [1, 0]))
+    l8, _ = gl.split(gl.permute(gl.reshape(l_i, [2, 8]), [1, 0]))
+    m8 = gl.convert_layout(m8, gl.SliceLayout(0, MMA))
+    l8 = gl.convert_layout(l8, gl.SliceLayout(0, MMA))
+    heads = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    row = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, MMA))
+    d_out = (row & 7) * (HEAD_DIM // 8) + (row >> 4) * 2 + ((row >> 3) & 1)  # 16m + 8r + g
+    if HAS_WINDOW:  # a split wholly before the window: zero output and weight
+        out = acc / gl.where(l8 > 0, l8, 1.0)[None, :]
+        lse = gl.where(l8 > 0, m8 + gl.log2(l8), float("-inf"))
+    else:
+        out = acc / l8[None, :]
+        lse = m8 + gl.log2(l8)
+    hq = kvh * GROUP + heads
+    mo = (mid_o_ptr + b64 * stride_mo_b + hq[None, :] * stride_mo_h + split * stride_mo_s
+          + d_out[:, None])
+    gl.store(mo, out, mask=(heads < GROUP)[None, :])
+    gl.store(mid_lse_ptr + b64 * stride_ml_b + hq * stride_ml_h + split, lse, mask=heads < GROUP)

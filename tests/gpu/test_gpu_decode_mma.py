@@ -1,0 +1,127 @@
+"""The tensor-core FP8 decode kernel (decode_attention_mma) against the fp32 reference on the
+dequantized cache, over the shapes it accepts; and where it refuses (CUDA, sm_89+)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_cases import ATTN_TOL, DEV, attn_error, decode_lens, paged_inputs
+from peregrine.kernels.decode_attention import paged_decode_attention
+from peregrine.kernels.decode_attention_mma import usable
+from peregrine.kernels.decode_configs import pick_config
+from peregrine.kernels.reference import dequantize_kv_ref, quantize_kv_ref
+
+pytestmark = pytest.mark.gpu
+
+K_SCALE, V_SCALE = 0.021, 0.017  # not powers of two: a scale folded twice or not at all shows
+
+
+def _check(hq: int, hkv: int, head_dim: int, cache_dtype: torch.dtype, *, batch: int = 12,
+           ctx: int = 3000, dtype: torch.dtype = torch.bfloat16, block_size: int = 16,
+           window: int | None = None, empty_row: int | None = None, **kw) -> None:
+    q, kc, vc, bt, sl, _ = paged_inputs(decode_lens(batch, ctx), [1] * batch, hq, hkv, head_dim,
+                                        dtype, block_size=block_size)
+    if empty_row is not None:
+        sl[empty_row] = 0
+    kq, vq = quantize_kv_ref(kc, cache_dtype, K_SCALE), quantize_kv_ref(vc, cache_dtype, V_SCALE)
+    kd, vd = dequantize_kv_ref(kq, K_SCALE), dequantize_kv_ref(vq, V_SCALE)
+    scale = head_dim ** -0.5
+    out = paged_decode_attention(q, kq, vq, bt, sl, scale, window=window, k_scale=K_SCALE,
+                                 v_scale=V_SCALE, variant="mma_fp8", **kw)  # (B, Hq, D)
+    assert out.dtype == dtype and bool(torch.isfinite(out).all())
+    if empty_row is not None:
+        assert bool((out[empty_row] == 0).all())
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+    err = attn_error(out, q, kd.to(dtype), vd.to(dtype), bt, sl, qsl, scale, window)
+    assert err <= ATTN_TOL[torch.bfloat16], err
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8), (64, 8), (8, 8), (14, 2)],
+                         ids=["2q", "4q", "8q", "1q", "7q"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_mma_fp8_matches_reference(head_dim: int, hq: int, hkv: int,
+                                   cache_dtype: torch.dtype) -> None:
+    """Every head dim and group size it takes (7 q heads: rows it pads), a padding sequence."""
+    _check(hq, hkv, head_dim, cache_dtype, empty_row=5)
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
+@pytest.mark.parametrize("window", [None, 1, 300, 1024])
+@pytest.mark.parametrize("split_len", [None, 16, 512])
+def test_mma_fp8_splits_and_windows(split_len: int | None, window: int | None,
+                                    prefetch: bool) -> None:
+    """One-tile splits, long ones, the launcher's own; window edges inside tiles and splits
+    wholly before the window; the next tile loaded ahead or not."""
+    _check(32, 8, 128, torch.float8_e4m3fn, window=window, split_len=split_len,
+           prefetch=prefetch)
+
+
+@pytest.mark.parametrize("ctx", [1, 15, 16, 17, 33])
+def test_mma_fp8_short_contexts(ctx: int) -> None:
+    """Contexts that end inside, at and just past a tile, one token included."""
+    _check(16, 8, 128, torch.float8_e4m3fn, batch=5, ctx=ctx)
+
+
+def test_mma_fp8_fp16_query_larger_blocks_heads_first_off() -> None:
+    _check(32, 8, 128, torch.float8_e4m3fn, dtype=torch.float16, block_size=64,
+           heads_first=False)
+
+
+def test_mma_fp8_cuda_graph_replays_with_new_lengths() -> None:
+    batch, hq, hkv, head_dim, width = 8, 16, 8, 128, 128
+    q, kc, vc, bt, sl, _ = paged_inputs([width * 16] * batch, [1] * batch, hq, hkv, head_dim,
+                                        torch.bfloat16, width=width)
+    kq = quantize_kv_ref(kc, torch.float8_e4m3fn, K_SCALE)
+    vq = quantize_kv_ref(vc, torch.float8_e4m3fn, V_SCALE)
+    kd, vd = dequantize_kv_ref(kq, K_SCALE), dequantize_kv_ref(vq, V_SCALE)
+    scale = head_dim ** -0.5
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+    out = torch.empty_like(q)
+    kw = dict(out=out, k_scale=K_SCALE, v_scale=V_SCALE, variant="mma_fp8")
+    paged_decode_attention(q, kq, vq, bt, sl, scale, **kw)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention(q, kq, vq, bt, sl, scale, **kw)
+    for _ in range(3):
+        sl.copy_(torch.randint(0, width * 16 + 1, (batch,), device=DEV, dtype=torch.int32))
+        sl[0] = 0
+        bt.copy_(bt[torch.randperm(batch, device=DEV)])
+        q.normal_()
+        graph.replay()
+        assert bool((out[0] == 0).all())
+        assert attn_error(out, q, kd, vd, bt, sl, qsl, scale) <= ATTN_TOL[torch.bfloat16]
+
+
+def test_mma_fp8_is_the_default_for_fp8_caches_here() -> None:
+    q = torch.zeros(1, 16, 128, dtype=torch.bfloat16, device=DEV)
+    cache = torch.zeros(1, 16, 8, 128, dtype=torch.float8_e4m3fn, device=DEV)
+    assert usable(q, cache, 2, 16) is None
+    cfg = pick_config(q.dtype, cache.dtype, 2, True, fp8_mma=True)
+    assert cfg.variant == "mma_fp8"
+
+
+@pytest.mark.parametrize("case", ["bf16-cache", "fp32-query", "head-dim-96", "group-16",
+                                  "block-8", "block-n-32", "warps-4"])
+def test_mma_fp8_refuses_what_it_cannot_run(case: str) -> None:
+    hq, hkv, d, dtype, cache_dtype, bs, kw = 16, 8, 128, torch.bfloat16, torch.float8_e4m3fn, 16, {}
+    if case == "bf16-cache":
+        cache_dtype = torch.bfloat16
+    elif case == "fp32-query":
+        dtype = torch.float32
+    elif case == "head-dim-96":
+        d = 96
+    elif case == "group-16":
+        hq, hkv = 32, 2
+    elif case == "block-8":
+        bs = 8
+    elif case == "block-n-32":
+        kw = dict(block_n=32)
+    else:
+        kw = dict(num_warps=4)
+    q, kc, vc, bt, sl, _ = paged_inputs([100], [1], hq, hkv, d, dtype, block_size=bs)
+    with pytest.raises(ValueError, match="mma_fp8"):
+        paged_decode_attention(q, kc.to(cache_dtype), vc.to(cache_dtype), bt, sl, 1.0,
+                               variant="mma_fp8", **kw)
