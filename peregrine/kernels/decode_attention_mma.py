@@ -66,23 +66,32 @@ def _log2(x):
 
 
 @gluon.constexpr_function
+def _v_chunk(head_dim):
+    """Bytes of a V token row one lane reads in one piece (16, or D/8 when that is less)."""
+    return min(16, head_dim // 8)
+
+
+@gluon.constexpr_function
 def _k_layout(block_n, head_dim):
-    """K bytes as (token, word, byte), (BN, D/4, 4): lane 4g + c holds tokens 8j + g and words
-    c*D/16 .. c*D/16 + D/16 - 1; a thread's registers run over bytes, then words, then j."""
-    w = head_dim // 16
-    reg = ([[0, 0, 1], [0, 0, 2]] + [[0, 1 << b, 0] for b in range(_log2(w))]
+    """K bytes as (token, word, byte), (BN, D/4, 4): lane 4g + c holds tokens 8j + g and, of
+    every 64-byte piece of their rows, bytes 16c .. 16c + 15; a thread's registers run over
+    bytes, words, pieces, then j. (One load instruction reads whole 64-byte spans of 8 rows.)"""
+    reg = ([[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0]]
+           + [[0, 16 << b, 0] for b in range(_log2(head_dim // 64))]
            + [[8 << b, 0, 0] for b in range(_log2(block_n // 8))])
-    lane = [[0, w, 0], [0, 2 * w, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+    lane = [[0, 4, 0], [0, 8, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
     return gl.DistributedLinearLayout(reg, lane, [], [], [block_n, head_dim // 4, 4])
 
 
 @gluon.constexpr_function
 def _v_layout(block_n, head_dim):
-    """V bytes as (token, word, byte): lane 4g + c holds tokens 16t + 8r + 2c + i and words
-    g*D/32 .. g*D/32 + D/32 - 1; registers run over i first (the token pair one MMA register
-    holds), then bytes, words, r, t."""
-    w = head_dim // 32
+    """V bytes as (token, word, byte): lane 4g + c holds tokens 16t + 8r + 2c + i and, of every
+    8 * chunk-byte piece of their rows, bytes chunk*g .. chunk*g + chunk - 1 (_v_chunk);
+    registers run over i first (the token pair one MMA register holds), then bytes, words,
+    pieces, r, t."""
+    w = _v_chunk(head_dim) // 4
     reg = ([[1, 0, 0], [0, 0, 1], [0, 0, 2]] + [[0, 1 << b, 0] for b in range(_log2(w))]
+           + [[0, (8 * w) << b, 0] for b in range(_log2(head_dim // 32 // w))]
            + [[8, 0, 0]] + [[16 << b, 0, 0] for b in range(_log2(block_n // 16))])
     lane = [[2, 0, 0], [4, 0, 0], [0, w, 0], [0, 2 * w, 0], [0, 4 * w, 0]]
     return gl.DistributedLinearLayout(reg, lane, [], [], [block_n, head_dim // 4, 4])
@@ -92,9 +101,10 @@ def _v_layout(block_n, head_dim):
 def _v_load_layout(block_n, head_dim):
     """V words (BN, D/4): the words of _v_layout, a lane's contiguous words first in its
     registers so that they load as one vector."""
-    w = head_dim // 32
-    reg = ([[0, 1 << b] for b in range(_log2(w))] + [[1, 0], [8, 0]]
-           + [[16 << b, 0] for b in range(_log2(block_n // 16))])
+    w = _v_chunk(head_dim) // 4
+    reg = ([[0, 1 << b] for b in range(_log2(w))]
+           + [[0, (8 * w) << b] for b in range(_log2(head_dim // 32 // w))]
+           + [[1, 0], [8, 0]] + [[16 << b, 0] for b in range(_log2(block_n // 16))])
     lane = [[2, 0], [4, 0], [0, w], [0, 2 * w], [0, 4 * w]]
     return gl.DistributedLinearLayout(reg, lane, [], [], [block_n, head_dim // 4])
 
@@ -189,8 +199,9 @@ def decode_split_mma_kernel(
     VW: gl.constexpr = gl.SliceLayout(2, V4)
     VL: gl.constexpr = _v_load_layout(BLOCK_N, HEAD_DIM)
     Q_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, 1], [1, 0])
-    STEPS: gl.constexpr = HEAD_DIM // 16
     WORDS: gl.constexpr = HEAD_DIM // 4
+    CHUNK: gl.constexpr = _v_chunk(HEAD_DIM)
+    PIECES: gl.constexpr = HEAD_DIM // (8 * CHUNK)
 
     _wait_for_previous(PDL)
     if HEADS_FIRST:
@@ -216,11 +227,12 @@ def decode_split_mma_kernel(
     bt_row = block_table_ptr + b64 * stride_bt
 
     # q (16 rows, the GROUP real ones first) in K's permuted order: column 16s + 8r + 2c + i
-    # holds d = c*D/4 + 4s + 2r + i. A bf16 query beyond the fp16 range is clamped.
+    # holds d = 64p + 16c + 4w + 2r + i with s = 4p + w. A bf16 query beyond the fp16 range is
+    # clamped.
     rows = gl.arange(0, 16, layout=gl.SliceLayout(1, Q_L))
     col = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, Q_L))
-    dq = (((col >> 1) & 3) * (HEAD_DIM // 4) + (col >> 4) * 4 + ((col >> 3) & 1) * 2
-          + (col & 1))
+    dq = ((col >> 6) * 64 + ((col >> 1) & 3) * 16 + ((col >> 4) & 3) * 4
+          + ((col >> 3) & 1) * 2 + (col & 1))
     q = gl.load(q_ptr + b64 * stride_qb + (kvh * GROUP + rows)[:, None] * stride_qh
                 + dq[None, :], mask=(rows < GROUP)[:, None], other=0.0)
     q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0).to(gl.float16)
@@ -256,8 +268,10 @@ def decode_split_mma_kernel(
                                       tv, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
                                       BLOCK_SIZE)
         k4 = gl.expand_dims(gl.convert_layout(k_cur, KW), 2).broadcast_to([BLOCK_N, WORDS, 4])
-        k16 = gl.reshape(_k_words_to_f16(k4, KV_E5M2), [BLOCK_N, 4, STEPS, 2, 2])  # (n,c,s,r,i)
-        k16 = gl.reshape(gl.permute(k16, [0, 2, 3, 1, 4]), [BLOCK_N, HEAD_DIM])  # (n, s r c i)
+        k16 = gl.reshape(_k_words_to_f16(k4, KV_E5M2),
+                         [BLOCK_N, HEAD_DIM // 64, 4, 4, 2, 2])  # (n, p, c, w, r, i)
+        k16 = gl.reshape(gl.permute(k16, [0, 1, 3, 4, 2, 5]),
+                         [BLOCK_N, HEAD_DIM])  # (n, 16s + 8r + 2c + i), s = 4p + w
         k_op = gl.convert_layout(gl.permute(k16, [1, 0]), B_OP)  # register renaming only
         s = mma_v2(q_op, k_op, gl.zeros([16, BLOCK_N], gl.float32, layout=MMA)) * scale_log2
         tok = n0 + offs_n
@@ -276,8 +290,10 @@ def decode_split_mma_kernel(
         alpha8, _ = gl.split(gl.permute(gl.reshape(alpha, [2, 8]), [1, 0]))
         alpha8 = gl.convert_layout(alpha8, gl.SliceLayout(0, MMA))  # a few lane shuffles
         v4 = gl.expand_dims(gl.convert_layout(v_cur, VW), 2).broadcast_to([BLOCK_N, WORDS, 4])
-        v16 = gl.reshape(_v_words_to_f16(v4, KV_E5M2), [BLOCK_N, 8, STEPS, 2])  # (n, g, m, r)
-        v16 = gl.reshape(gl.permute(v16, [0, 2, 3, 1]), [BLOCK_N, HEAD_DIM])  # (n, m r g)
+        v16 = gl.reshape(_v_words_to_f16(v4, KV_E5M2),
+                         [BLOCK_N, PIECES, 8, CHUNK // 2, 2])  # (n, piece, g, m', r)
+        v16 = gl.reshape(gl.permute(v16, [0, 1, 3, 4, 2]),
+                         [BLOCK_N, HEAD_DIM])  # (n, 16m + 8r + g), m = piece * CHUNK/2 + m'
         v_op = gl.convert_layout(gl.permute(v16, [1, 0]), A_OP)  # register renaming only
         acc = mma_v2(v_op, p_op, acc * alpha8[None, :])
 
@@ -287,7 +303,8 @@ def decode_split_mma_kernel(
     l8 = gl.convert_layout(l8, gl.SliceLayout(0, MMA))
     heads = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     row = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, MMA))
-    d_out = (row & 7) * (HEAD_DIM // 8) + (row >> 4) * 2 + ((row >> 3) & 1)  # 16m + 8r + g
+    e = (row >> 4) * 2 + ((row >> 3) & 1)  # row 16m + 8r + g: byte e = 2m + r of lane g
+    d_out = (e // CHUNK) * (8 * CHUNK) + (row & 7) * CHUNK + e % CHUNK
     if HAS_WINDOW:  # a split wholly before the window: zero output and weight
         out = acc / gl.where(l8 > 0, l8, 1.0)[None, :]
         lse = gl.where(l8 > 0, m8 + gl.log2(l8), float("-inf"))
