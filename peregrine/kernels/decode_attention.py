@@ -7,6 +7,7 @@ The grid and every launch argument depend only on tensor shapes, never on seq_le
 """
 from __future__ import annotations
 
+import functools
 import math
 import torch
 import triton
@@ -29,6 +30,16 @@ _MIN_SPLIT_LEN = 256  # tokens; shorter splits cost more in the merge than they 
 # with int4 weights, 219.5 against 216.9 in bf16.
 _SMALL_BATCH_MIN_SPLIT_LEN = 64
 _MAX_SPLITS = 64
+# Whether the "mma_fp8" kernel writes the output itself when a sequence has one split.
+DIRECT_ONE_SPLIT = True
+
+
+@functools.lru_cache(maxsize=None)
+def _direct_v_scale_index() -> int:
+    """Where v_scale sits among the "mma_fp8" kernel's parameters (a reused launch's list)."""
+    import inspect
+    from peregrine.kernels.decode_attention_mma import decode_split_mma_kernel
+    return list(inspect.signature(decode_split_mma_kernel.fn).parameters).index("v_scale")
 
 
 @triton.jit
@@ -680,15 +691,19 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                heads_first, kv_heads_per_program)
         hit = launches.get(key)
         if hit is not None:
-            (split, split_args), (merge, merge_args), as_words = hit
+            (split, split_args), merge_launch, as_words = hit
             k_arg, v_arg = ((k_cache.view(torch.int32), v_cache.view(torch.int32)) if as_words
                             else (k_cache, v_cache))
             split_args[1], split_args[2] = k_arg, v_arg
             split_args[7] = scale * k_scale * math.log2(math.e)
-            merge_args[6] = v_scale
+            if merge_launch is None:  # the split kernel wrote the output (see DIRECT below)
+                split_args[_direct_v_scale_index()] = v_scale
+            else:
+                merge_launch[1][6] = v_scale
             try:
                 split(*split_args)
-                merge(*merge_args)
+                if merge_launch is not None:
+                    merge_launch[0](*merge_launch[1])
                 return out
             except TypeError:
                 # NOTE: a Triton whose compiled launcher takes other arguments refuses them
@@ -800,13 +815,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         KV_E5M2=k_cache.dtype == torch.float8_e5m2,
         HEADS_FIRST=heads_first, ROWS=rows, HEADS=per_program,
     )
-    if variant == "mma_fp8":  # the same grid and arguments; its own constexprs
+    # NOTE: with one split per sequence the "mma_fp8" kernel writes the output itself (V scale
+    # applied, an empty sequence's rows zeroed) and no merge runs.
+    direct = variant == "mma_fp8" and num_splits == 1 and DIRECT_ONE_SPLIT
+    if variant == "mma_fp8":  # the same grid and leading arguments; its own constexprs
         from peregrine.kernels.decode_attention_mma import decode_split_mma_kernel
         split_kernel = decode_split_mma_kernel
+        split_args += (out, v_scale, out.stride(0), out.stride(1))
         split_kwargs = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_N=block_n,
                             BLOCK_SIZE=block_size, HAS_WINDOW=window is not None,
                             HEADS_FIRST=heads_first, KV_E5M2=split_kwargs["KV_E5M2"],
-                            PREFETCH=split_kwargs["PREFETCH"])
+                            PREFETCH=split_kwargs["PREFETCH"],
+                            STAGES=num_stages or cfg.num_stages, DIRECT=direct)
     pdl = pdl_args(q)
     launch_pdl = {"launch_pdl": True} if pdl["PDL"] else {}
     split_kwargs["PDL"] = pdl["PDL"]
@@ -826,12 +846,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     reuse = key is not None and may_reuse_launches(q)
     if not reuse:
         split_kernel[grid](*split_args, **split_kwargs, **split_options)
-        _decode_merge_kernel[(batch, num_q_heads)](*merge_args, **merge_kwargs, **merge_options)
+        if not direct:
+            _decode_merge_kernel[(batch, num_q_heads)](*merge_args, **merge_kwargs,
+                                                       **merge_options)
         return out
     split = reusable_launch(split_kernel, grid, split_args, split_kwargs, split_options)
-    merge = reusable_launch(_decode_merge_kernel, (batch, num_q_heads), merge_args, merge_kwargs,
-                            merge_options)
-    if split is not None and merge is not None:
+    merge = None if direct else reusable_launch(_decode_merge_kernel, (batch, num_q_heads),
+                                                merge_args, merge_kwargs, merge_options)
+    if split is not None and (direct or merge is not None):
         launches[key] = (split, merge, variant in ("fma_fp8", "mma_fp8"))
     return out
 

@@ -1,9 +1,11 @@
 """The paged decode split kernel for FP8 caches on tensor cores, with every operand in registers.
 
 One warp per (sequence, kv head, split) program, written in Gluon (Triton's explicit-layout
-dialect) because the point is where each byte sits: the K and V tiles are loaded as 32-bit words
-of four FP8 values straight into the lanes and registers that the 16x8x16 tensor-core MMA reads
-them from, so no tile passes through shared memory and no byte is moved between lanes.
+dialect) because the point is where each byte sits: the K and V tiles are read as 32-bit words
+of four FP8 values by the very lanes, into the very registers, that the 16x8x16 tensor-core MMA
+reads them from, so no byte moves between lanes. By default the words travel through a few
+shared-memory stages first (cp.async, each lane copying and then reading back its own words),
+so that tiles in flight hold no registers; they can also be loaded straight into registers.
 
     scores  S (16 q rows, 16 tokens)  = Q (16, D) . K^T (D, 16)      q heads padded to 16 rows
     output  O^T (D, 8 q heads)        = V^T (D, 16) . P^T (16, 8)    P^T is S's registers as is
@@ -34,7 +36,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from peregrine.kernels._utils import FP8_DTYPES, has_fp8_convert
 
@@ -157,17 +159,37 @@ def _v_words_to_f16(w8, E5M2: gl.constexpr):
 
 
 @gluon.jit
-def _load_tile(k_words_ptr, v_words_ptr, bt_row, n0, end, k_lane, v_lane, v_tok,
+def _block_of(bt_row, n0, end, BLOCK_SIZE: gl.constexpr):
+    """The cache block holding the tile at token n0; for a tile past the end, the last tile's
+    (whose K rows, just read, come from L2 again instead of from memory)."""
+    return gl.load(bt_row + gl.minimum(n0, end - 1) // BLOCK_SIZE).to(gl.int64)
+
+
+@gluon.jit
+def _load_tile(k_words_ptr, v_words_ptr, blk, n0, end, k_lane, v_lane, v_tok,
                stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, BLOCK_SIZE: gl.constexpr):
-    """The raw K and V words of the tile at token n0 (one cache block holds it). Past the end:
-    V is zeros (an unwritten slot may hold NaN bits), K is read from the block anyway (block
-    0 past the table's end) and its scores are masked by the caller."""
-    blk = gl.load(bt_row + n0 // BLOCK_SIZE, mask=n0 < end, other=0).to(gl.int64)
+    """The raw K and V words of the tile at token n0, in cache block blk. V past the end is
+    zeros (an unwritten slot may hold NaN bits, and nothing is read); K is read anyway (see
+    _block_of) and its scores are masked by the caller."""
     slot = n0 % BLOCK_SIZE
     k = gl.load(k_words_ptr + (blk * stride_kc_b + slot * stride_kc_s) + k_lane)
     v = gl.load(v_words_ptr + (blk * stride_vc_b + slot * stride_vc_s) + v_lane,
                 mask=(n0 + v_tok < end)[:, None], other=0)
     return k, v
+
+
+@gluon.jit
+def _copy_tile(k_stage, v_stage, k_words_ptr, v_words_ptr, blk, n0, end, k_lane, v_lane, v_tok,
+               stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s, BLOCK_SIZE: gl.constexpr):
+    """_load_tile's words copied into shared memory stages without passing through registers
+    (cp.async: V past the end is zero-filled), as one commit group."""
+    slot = n0 % BLOCK_SIZE
+    async_copy.async_copy_global_to_shared(
+        k_stage, k_words_ptr + (blk * stride_kc_b + slot * stride_kc_s) + k_lane)
+    async_copy.async_copy_global_to_shared(
+        v_stage, v_words_ptr + (blk * stride_vc_b + slot * stride_vc_s) + v_lane,
+        mask=(n0 + v_tok < end)[:, None])
+    async_copy.commit_group()
 
 
 # NOTE: ints that change with the batch are not specialised on (see decode_attention).
@@ -182,13 +204,19 @@ def decode_split_mma_kernel(
     stride_bt,
     stride_mo_b, stride_mo_h, stride_mo_s,
     stride_ml_b, stride_ml_h,
+    o_ptr, v_scale, stride_ob, stride_oh,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_SIZE: gl.constexpr, HAS_WINDOW: gl.constexpr, HEADS_FIRST: gl.constexpr,
-    KV_E5M2: gl.constexpr, PREFETCH: gl.constexpr, PDL: gl.constexpr,
+    KV_E5M2: gl.constexpr, PREFETCH: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
+    PDL: gl.constexpr,
 ):
     """decode_attention's split stage for FP8 caches read as int32 words (strides in words),
-    one warp a program; the same grid, arguments and outputs as its "fma" variant. PREFETCH:
-    the next tile's words are loaded before the current tile is computed."""
+    one warp a program; the same grid, arguments and outputs as its "fma" variant. STAGES > 1:
+    tiles are copied into that many shared-memory stages, STAGES - 1 tiles ahead of the one
+    computed, without holding registers while in flight; else PREFETCH: the next tile's words
+    are loaded into registers before the current tile is computed. DIRECT (one split a
+    sequence): the output itself is written to o_ptr, times v_scale, in o_ptr's dtype, and an
+    empty sequence's rows are zeros; the merge does not run."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1],
                                                   instr_shape=[16, 8])
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
@@ -216,14 +244,24 @@ def decode_split_mma_kernel(
     split_len = gl.maximum(gl.cdiv(gl.cdiv(seq_len, gl.num_programs(2)), BLOCK_N) * BLOCK_N,
                            min_split_len)
     start = split * split_len
+    heads = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    row = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, MMA))
+    e = (row >> 4) * 2 + ((row >> 3) & 1)  # row 16m + 8r + g: byte e = 2m + r of lane g
+    d_out = (e // CHUNK) * (8 * CHUNK) + (row & 7) * CHUNK + e % CHUNK
+    hq = kvh * GROUP + heads
+    b64 = b.to(gl.int64)
+    if DIRECT:
+        o_rows = o_ptr + b64 * stride_ob + hq[None, :] * stride_oh + d_out[:, None]
     if start >= seq_len:  # NOTE: splits past the context exit; the merge derives how many ran
+        if DIRECT:  # an empty (padding) sequence
+            gl.store(o_rows, gl.zeros([HEAD_DIM, 8], gl.float32, layout=MMA).to(
+                o_ptr.dtype.element_ty), mask=(heads < GROUP)[None, :])
         return
     end = gl.minimum(start + split_len, seq_len)
     if HAS_WINDOW:
         start = gl.maximum(start, seq_len - window)
     lo = start  # the first key attended to; tiles start on a multiple of BLOCK_N
     start = start - start % BLOCK_N
-    b64 = b.to(gl.int64)
     bt_row = block_table_ptr + b64 * stride_bt
 
     # q (16 rows, the GROUP real ones first) in K's permuted order: column 16s + 8r + 2c + i
@@ -252,21 +290,50 @@ def decode_split_mma_kernel(
     acc = gl.zeros([HEAD_DIM, 8], gl.float32, layout=MMA)  # O^T in V's permuted d order
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
 
-    if PREFETCH:  # the next tile's words are loaded before the current one is computed
-        k_next, v_next = _load_tile(k_words_ptr, v_words_ptr, bt_row, start, end, k_lane,
+    # NOTE: a tile's block id is loaded one tile before its words, and (PREFETCH, STAGES) its
+    # words before they are used: no load waits on a load issued in the same iteration.
+    blk_next = _block_of(bt_row, start, end, BLOCK_SIZE)
+    if STAGES > 1:
+        SMEM: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+        k_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, WORDS], SMEM)
+        v_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, WORDS], SMEM)
+        for j in gl.static_range(STAGES - 1):
+            _copy_tile(k_smem.index(j), v_smem.index(j), k_words_ptr, v_words_ptr, blk_next,
+                       start + j * BLOCK_N, end, k_lane, v_lane, tv, stride_kc_b, stride_kc_s,
+                       stride_vc_b, stride_vc_s, BLOCK_SIZE)
+            blk_next = _block_of(bt_row, start + (j + 1) * BLOCK_N, end, BLOCK_SIZE)
+    elif PREFETCH:
+        k_next, v_next = _load_tile(k_words_ptr, v_words_ptr, blk_next, start, end, k_lane,
                                     v_lane, tv, stride_kc_b, stride_kc_s, stride_vc_b,
                                     stride_vc_s, BLOCK_SIZE)
+        blk_next = _block_of(bt_row, start + BLOCK_N, end, BLOCK_SIZE)
     for n0 in range(start, end, BLOCK_N):
-        if PREFETCH:
+        if STAGES > 1:
+            tile = (n0 - start) // BLOCK_N
+            ahead = n0 + (STAGES - 1) * BLOCK_N
+            stage = (tile + STAGES - 1) % STAGES
+            _copy_tile(k_smem.index(stage), v_smem.index(stage), k_words_ptr, v_words_ptr,
+                       blk_next, ahead, end, k_lane, v_lane, tv, stride_kc_b, stride_kc_s,
+                       stride_vc_b, stride_vc_s, BLOCK_SIZE)
+            blk_next = _block_of(bt_row, ahead + BLOCK_N, end, BLOCK_SIZE)
+            async_copy.wait_group(STAGES - 1)  # this tile's copies have landed
+            gl.thread_barrier()  # ... and every lane's are visible
+            # NOTE: the stage overwritten next iteration is this one: its words are in
+            # registers before any later instruction of this (single) warp issues.
+            k_cur = k_smem.index(tile % STAGES).load(KW)
+            v_cur = v_smem.index(tile % STAGES).load(VL)
+        elif PREFETCH:
             k_cur = k_next
             v_cur = v_next
-            k_next, v_next = _load_tile(k_words_ptr, v_words_ptr, bt_row, n0 + BLOCK_N, end,
+            k_next, v_next = _load_tile(k_words_ptr, v_words_ptr, blk_next, n0 + BLOCK_N, end,
                                         k_lane, v_lane, tv, stride_kc_b, stride_kc_s,
                                         stride_vc_b, stride_vc_s, BLOCK_SIZE)
+            blk_next = _block_of(bt_row, n0 + 2 * BLOCK_N, end, BLOCK_SIZE)
         else:
-            k_cur, v_cur = _load_tile(k_words_ptr, v_words_ptr, bt_row, n0, end, k_lane, v_lane,
-                                      tv, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
-                                      BLOCK_SIZE)
+            k_cur, v_cur = _load_tile(k_words_ptr, v_words_ptr, blk_next, n0, end, k_lane,
+                                      v_lane, tv, stride_kc_b, stride_kc_s, stride_vc_b,
+                                      stride_vc_s, BLOCK_SIZE)
+            blk_next = _block_of(bt_row, n0 + BLOCK_N, end, BLOCK_SIZE)
         k4 = gl.expand_dims(gl.convert_layout(k_cur, KW), 2).broadcast_to([BLOCK_N, WORDS, 4])
         k16 = gl.reshape(_k_words_to_f16(k4, KV_E5M2),
                          [BLOCK_N, HEAD_DIM // 64, 4, 4, 2, 2])  # (n, p, c, w, r, i)
@@ -301,17 +368,16 @@ def decode_split_mma_kernel(
     l8, _ = gl.split(gl.permute(gl.reshape(l_i, [2, 8]), [1, 0]))
     m8 = gl.convert_layout(m8, gl.SliceLayout(0, MMA))
     l8 = gl.convert_layout(l8, gl.SliceLayout(0, MMA))
-    heads = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    row = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, MMA))
-    e = (row >> 4) * 2 + ((row >> 3) & 1)  # row 16m + 8r + g: byte e = 2m + r of lane g
-    d_out = (e // CHUNK) * (8 * CHUNK) + (row & 7) * CHUNK + e % CHUNK
+    if DIRECT:
+        gl.store(o_rows, (acc * (v_scale / l8)[None, :]).to(o_ptr.dtype.element_ty),
+                 mask=(heads < GROUP)[None, :])
+        return
     if HAS_WINDOW:  # a split wholly before the window: zero output and weight
         out = acc / gl.where(l8 > 0, l8, 1.0)[None, :]
         lse = gl.where(l8 > 0, m8 + gl.log2(l8), float("-inf"))
     else:
         out = acc / l8[None, :]
         lse = m8 + gl.log2(l8)
-    hq = kvh * GROUP + heads
     mo = (mid_o_ptr + b64 * stride_mo_b + hq[None, :] * stride_mo_h + split * stride_mo_s
           + d_out[:, None])
     gl.store(mo, out, mask=(heads < GROUP)[None, :])

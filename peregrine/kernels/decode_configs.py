@@ -73,8 +73,12 @@ _CONFIGS = {
     # FP8 cache, larger groups: Llama-3-8B 367 us (was 486)
     "cuda-fp8-cache": DecodeConfig("dot", 64, 2, 2, False, PROGRAMS_PER_SM, True, True, False),
     # FP8 cache where decode_attention_mma's kernel runs (sm_89+, up to 8 q heads per kv head):
-    # one warp a program, K and V straight into tensor-core operand registers.
-    "cuda-fp8-cache-mma": DecodeConfig("mma_fp8", 16, 1, 1, True, 16, False, True, False,
+    # one warp a program, tiles copied into 2 shared-memory stages, 8 programs per SM (one split
+    # a sequence from 132 sequences up, written without the merge). Over W1's decode phase
+    # (decode_splits_bench.py, H200): 2.051 s of attention; 2.165 s with 3 stages and 16
+    # programs per SM, 2.348 s with the next tile in registers instead of shared memory, 2.117 s
+    # with the merge kept at one split.
+    "cuda-fp8-cache-mma": DecodeConfig("mma_fp8", 16, 1, 2, False, 8, False, True, False,
                                        heads_first=True),
 }
 # Whether FP8 caches use "cuda-fp8-cache-mma" where it runs.

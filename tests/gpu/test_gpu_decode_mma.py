@@ -47,15 +47,21 @@ def test_mma_fp8_matches_reference(head_dim: int, hq: int, hkv: int,
     _check(hq, hkv, head_dim, cache_dtype, empty_row=5)
 
 
-@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
+# (next tile loaded into registers ahead, shared-memory stages)
+PIPELINES = [(True, 1), (False, 1), (False, 2), (False, 3), (False, 4)]
+
+
+@pytest.mark.parametrize("prefetch,stages", PIPELINES,
+                         ids=[f"{'prefetch-' if p else ''}stages{s}" for p, s in PIPELINES])
 @pytest.mark.parametrize("window", [None, 1, 300, 1024])
 @pytest.mark.parametrize("split_len", [None, 16, 512])
 def test_mma_fp8_splits_and_windows(split_len: int | None, window: int | None,
-                                    prefetch: bool) -> None:
+                                    prefetch: bool, stages: int) -> None:
     """One-tile splits, long ones, the launcher's own; window edges inside tiles and splits
-    wholly before the window; the next tile loaded ahead or not."""
+    wholly before the window; tiles loaded ahead into registers, into shared-memory stages,
+    or not at all."""
     _check(32, 8, 128, torch.float8_e4m3fn, window=window, split_len=split_len,
-           prefetch=prefetch)
+           prefetch=prefetch, num_stages=stages)
 
 
 @pytest.mark.parametrize("ctx", [1, 15, 16, 17, 33])
@@ -64,9 +70,10 @@ def test_mma_fp8_short_contexts(ctx: int) -> None:
     _check(16, 8, 128, torch.float8_e4m3fn, batch=5, ctx=ctx)
 
 
-def test_mma_fp8_fp16_query_larger_blocks_heads_first_off() -> None:
+@pytest.mark.parametrize("stages", [1, 3])
+def test_mma_fp8_fp16_query_larger_blocks_heads_first_off(stages: int) -> None:
     _check(32, 8, 128, torch.float8_e4m3fn, dtype=torch.float16, block_size=64,
-           heads_first=False)
+           heads_first=False, num_stages=stages)
 
 
 def test_mma_fp8_cuda_graph_replays_with_new_lengths() -> None:
@@ -125,3 +132,38 @@ def test_mma_fp8_refuses_what_it_cannot_run(case: str) -> None:
     with pytest.raises(ValueError, match="mma_fp8"):
         paged_decode_attention(q, kc.to(cache_dtype), vc.to(cache_dtype), bt, sl, 1.0,
                                variant="mma_fp8", **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("window", [None, 300])
+def test_mma_fp8_one_split_writes_the_output_itself(window: int | None,
+                                                    dtype: torch.dtype) -> None:
+    """One split a sequence: no merge, the V scale applied and a padding row zeroed here."""
+    _check(32, 8, 128, torch.float8_e4m3fn, dtype=dtype, window=window, empty_row=2,
+           num_splits=1)
+    _check(16, 8, 128, torch.float8_e5m2, dtype=dtype, window=window, num_splits=1)
+
+
+@pytest.mark.parametrize("num_splits", [1, None])
+def test_mma_fp8_launches_reused_across_layers(num_splits: int | None) -> None:
+    """The second and later layers of a step launch the compiled kernels again with their own
+    caches and scales (with and without the merge)."""
+    batch, hq, hkv, head_dim = 12, 16, 8, 128
+    q, kc, vc, bt, sl, _ = paged_inputs(decode_lens(batch, 2000), [1] * batch, hq, hkv,
+                                        head_dim, torch.bfloat16)
+    sl[4] = 0
+    scale = head_dim ** -0.5
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+    out = torch.empty_like(q)
+    launches: dict = {}
+    for layer, (ks, vs) in enumerate([(K_SCALE, V_SCALE), (0.05, 0.3), (0.013, 0.02)]):
+        kcl, vcl = kc * (1 + layer), vc.flip(0)
+        kq = quantize_kv_ref(kcl, torch.float8_e4m3fn, ks)
+        vq = quantize_kv_ref(vcl, torch.float8_e4m3fn, vs)
+        paged_decode_attention(q, kq, vq, bt, sl, scale, out=out, k_scale=ks, v_scale=vs,
+                               num_splits=num_splits, launches=launches)
+        assert len(launches) == 1
+        assert bool((out[4] == 0).all())
+        kd, vd = dequantize_kv_ref(kq, ks), dequantize_kv_ref(vq, vs)
+        err = attn_error(out, q, kd.to(q.dtype), vd.to(q.dtype), bt, sl, qsl, scale)
+        assert err <= ATTN_TOL[torch.bfloat16] * (1 + vd.abs().max().item()), (layer, err)
