@@ -119,43 +119,38 @@ def _wait_for_previous(PDL: gl.constexpr):
                                   is_pure=False, pack=1)
 
 
+@gluon.constexpr_function
+def _k_cvt_asm(e5m2):
+    """PTX: a word's bytes 0, 1 and 2, 3 as two fp16 pairs."""
+    f = "e5m2x2" if e5m2 else "e4m3x2"
+    return ("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+            f"cvt.rn.f16x2.{f} $0, lo; cvt.rn.f16x2.{f} $1, hi; }}")
+
+
+@gluon.constexpr_function
+def _v_cvt_asm(e5m2):
+    """PTX: words a, b ($4, $5) as the fp16 pairs (a0, b0), (a1, b1), (a2, b2), (a3, b3)."""
+    f = "e5m2x2" if e5m2 else "e4m3x2"
+    return ("{ .reg .b32 p, q; .reg .b16 p0, p1, q0, q1; "
+            "prmt.b32 p, $4, $5, 0x5140; prmt.b32 q, $4, $5, 0x7362; "
+            "mov.b32 {p0, p1}, p; mov.b32 {q0, q1}, q; "
+            f"cvt.rn.f16x2.{f} $0, p0; cvt.rn.f16x2.{f} $1, p1; "
+            f"cvt.rn.f16x2.{f} $2, q0; cvt.rn.f16x2.{f} $3, q1; }}")
+
+
 @gluon.jit
 def _k_words_to_f16(w4, E5M2: gl.constexpr):
     """(BN, D/4, 4) copies of each K word -> its bytes 0..3 as fp16 (two packed conversions)."""
-    if E5M2:
-        out = gl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-            "cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }",
-            "=r,=r,r,r,r,r", [w4], dtype=gl.float16, is_pure=True, pack=4)
-    else:
-        out = gl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-            "=r,=r,r,r,r,r", [w4], dtype=gl.float16, is_pure=True, pack=4)
-    return out
+    return gl.inline_asm_elementwise(_k_cvt_asm(E5M2), "=r,=r,r,r,r,r", [w4], dtype=gl.float16,
+                                     is_pure=True, pack=4)
 
 
 @gluon.jit
 def _v_words_to_f16(w8, E5M2: gl.constexpr):
     """Copies of the words a, b of tokens 2c, 2c+1 (a, b, a, b, ...) -> fp16 registers holding
     (a0, b0), (a1, b1), (a2, b2), (a3, b3): two byte permutes, four packed conversions."""
-    if E5M2:
-        out = gl.inline_asm_elementwise(
-            "{ .reg .b32 p, q; .reg .b16 p0, p1, q0, q1; "
-            "prmt.b32 p, $4, $5, 0x5140; prmt.b32 q, $4, $5, 0x7362; "
-            "mov.b32 {p0, p1}, p; mov.b32 {q0, q1}, q; "
-            "cvt.rn.f16x2.e5m2x2 $0, p0; cvt.rn.f16x2.e5m2x2 $1, p1; "
-            "cvt.rn.f16x2.e5m2x2 $2, q0; cvt.rn.f16x2.e5m2x2 $3, q1; }",
-            "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [w8], dtype=gl.float16, is_pure=True, pack=8)
-    else:
-        out = gl.inline_asm_elementwise(
-            "{ .reg .b32 p, q; .reg .b16 p0, p1, q0, q1; "
-            "prmt.b32 p, $4, $5, 0x5140; prmt.b32 q, $4, $5, 0x7362; "
-            "mov.b32 {p0, p1}, p; mov.b32 {q0, q1}, q; "
-            "cvt.rn.f16x2.e4m3x2 $0, p0; cvt.rn.f16x2.e4m3x2 $1, p1; "
-            "cvt.rn.f16x2.e4m3x2 $2, q0; cvt.rn.f16x2.e4m3x2 $3, q1; }",
-            "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [w8], dtype=gl.float16, is_pure=True, pack=8)
-    return out
+    return gl.inline_asm_elementwise(_v_cvt_asm(E5M2), "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [w8],
+                                     dtype=gl.float16, is_pure=True, pack=8)
 
 
 @gluon.jit

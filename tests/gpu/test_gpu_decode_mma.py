@@ -1,5 +1,6 @@
 """The tensor-core FP8 decode kernel (decode_attention_mma) against the fp32 reference on the
-dequantized cache, over the shapes it accepts; and where it refuses (CUDA, sm_89+)."""
+dequantized cache, over the shapes it accepts; and where it refuses (CUDA, sm_89+). Its CUDA-graph
+replays are checked with every variant's in test_gpu_attention_kernels.py."""
 from __future__ import annotations
 
 import pytest
@@ -74,32 +75,6 @@ def test_mma_fp8_short_contexts(ctx: int) -> None:
 def test_mma_fp8_fp16_query_larger_blocks_heads_first_off(stages: int) -> None:
     _check(32, 8, 128, torch.float8_e4m3fn, dtype=torch.float16, block_size=64,
            heads_first=False, num_stages=stages)
-
-
-def test_mma_fp8_cuda_graph_replays_with_new_lengths() -> None:
-    batch, hq, hkv, head_dim, width = 8, 16, 8, 128, 128
-    q, kc, vc, bt, sl, _ = paged_inputs([width * 16] * batch, [1] * batch, hq, hkv, head_dim,
-                                        torch.bfloat16, width=width)
-    kq = quantize_kv_ref(kc, torch.float8_e4m3fn, K_SCALE)
-    vq = quantize_kv_ref(vc, torch.float8_e4m3fn, V_SCALE)
-    kd, vd = dequantize_kv_ref(kq, K_SCALE), dequantize_kv_ref(vq, V_SCALE)
-    scale = head_dim ** -0.5
-    qsl = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
-    out = torch.empty_like(q)
-    kw = dict(out=out, k_scale=K_SCALE, v_scale=V_SCALE, variant="mma_fp8")
-    paged_decode_attention(q, kq, vq, bt, sl, scale, **kw)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        paged_decode_attention(q, kq, vq, bt, sl, scale, **kw)
-    for _ in range(3):
-        sl.copy_(torch.randint(0, width * 16 + 1, (batch,), device=DEV, dtype=torch.int32))
-        sl[0] = 0
-        bt.copy_(bt[torch.randperm(batch, device=DEV)])
-        q.normal_()
-        graph.replay()
-        assert bool((out[0] == 0).all())
-        assert attn_error(out, q, kd, vd, bt, sl, qsl, scale) <= ATTN_TOL[torch.bfloat16]
 
 
 def test_mma_fp8_is_the_default_for_fp8_caches_here() -> None:
