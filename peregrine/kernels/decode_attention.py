@@ -895,8 +895,9 @@ def precompile(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: i
     cache = torch.zeros(1, block_size, num_kv_heads, head_dim, dtype=cache_dtype or dtype,
                         device=device)
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
-    block_n = pick_config(dtype, cache.dtype, num_q_heads // num_kv_heads, is_gpu(q),
-                          max_shared_memory(q.device)).block_n
+    group = num_q_heads // num_kv_heads
+    block_n = pick_config(dtype, cache.dtype, group, is_gpu(q), max_shared_memory(q.device),
+                          fp8_mma=mma_fp8_unusable(q, cache, group, block_size) is None).block_n
     splits = 1
     while splits <= limit:  # splits of block_n tokens over a table of splits * block_n
         table = torch.zeros(1, -(-splits * block_n // block_size), dtype=torch.int32,

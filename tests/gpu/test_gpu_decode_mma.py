@@ -142,3 +142,25 @@ def test_mma_fp8_launches_reused_across_layers(num_splits: int | None) -> None:
         kd, vd = dequantize_kv_ref(kq, ks), dequantize_kv_ref(vq, vs)
         err = attn_error(out, q, kd.to(q.dtype), vd.to(q.dtype), bt, sl, qsl, scale)
         assert err <= ATTN_TOL[torch.bfloat16] * (1 + vd.abs().max().item()), (layer, err)
+
+
+def _compiled(fn) -> int:
+    return sum(len(c[0]) for c in fn.device_caches.values())
+
+
+@pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8)], ids=["qwen3-0.6b", "llama-3-8b"])
+def test_precompile_covers_every_decode_batch_of_an_fp8_cache(hq: int, hkv: int) -> None:
+    """After precompile(), decodes of one split (the output written here) and of several (the
+    merge) at any batch compile nothing more."""
+    from peregrine.kernels.decode_attention import _decode_merge_kernel, precompile
+    from peregrine.kernels.decode_attention_mma import decode_split_mma_kernel
+    precompile(hq, hkv, 128, 16, torch.bfloat16, DEV, cache_dtype=torch.float8_e4m3fn,
+               max_context=2048)
+    before = _compiled(decode_split_mma_kernel), _compiled(_decode_merge_kernel)
+    for batch in (1, 7, 64, 200, 256):
+        q, kc, vc, bt, sl, _ = paged_inputs(decode_lens(batch, 2000), [1] * batch, hq, hkv, 128,
+                                            torch.bfloat16, width=128)
+        out = paged_decode_attention(q, kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn),
+                                     bt, sl, 128 ** -0.5)
+        assert bool(torch.isfinite(out).all())
+    assert (_compiled(decode_split_mma_kernel), _compiled(_decode_merge_kernel)) == before
