@@ -18,6 +18,7 @@ from peregrine.kernels._utils import (FP8_DTYPES, check_block_size, check_q_and_
                                       is_gpu, kv_dot_dtype, max_shared_memory, next_pow2,
                                       may_reuse_launches, num_sms, pdl_args, pdl_wait,
                                       reusable_launch)
+from peregrine.kernels.decode_attention_mma import BATCH_VARYING_ARGS
 from peregrine.kernels.decode_attention_mma import BLOCK_N as MMA_BLOCK_N
 from peregrine.kernels.decode_attention_mma import usable as mma_fp8_unusable
 from peregrine.kernels.decode_configs import PROGRAMS_PER_SM, pick_config
@@ -378,10 +379,9 @@ def _split_fma_heads(q_ptr, k_cache_ptr, v_cache_ptr, bt_row, mid_o_ptr, mid_lse
     tl.store(mid_lse_ptr + b64 * stride_ml_b + heads * stride_ml_h + split, lse, mask=g_mask)
 
 
-# NOTE: ints that change with the batch are not specialised on (==1, %16): each new value would
-# compile a variant on the request path. The merge's BLOCK_S variants are compiled by precompile().
-@triton.jit(do_not_specialize=["min_split_len", "window", "stride_bt", "stride_mo_b",
-                               "stride_mo_h", "stride_ml_b", "stride_ml_h"])
+# NOTE: ints that change with the batch are not specialised on (BATCH_VARYING_ARGS). The merge's
+# BLOCK_S variants are compiled by precompile().
+@triton.jit(do_not_specialize=BATCH_VARYING_ARGS)
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     scale_log2, min_split_len, window,

@@ -187,9 +187,13 @@ def _copy_tile(k_stage, v_stage, k_words_ptr, v_words_ptr, blk, n0, end, k_lane,
     async_copy.commit_group()
 
 
-# NOTE: ints that change with the batch are not specialised on (see decode_attention).
-@gluon.jit(do_not_specialize=["min_split_len", "window", "stride_bt", "stride_mo_b",
-                              "stride_mo_h", "stride_ml_b", "stride_ml_h"])
+# The split kernels' int arguments that change with the batch: not specialised on (==1, %16),
+# since each new value would compile a variant on the request path.
+BATCH_VARYING_ARGS = ["min_split_len", "window", "stride_bt", "stride_mo_b", "stride_mo_h",
+                      "stride_ml_b", "stride_ml_h"]
+
+
+@gluon.jit(do_not_specialize=BATCH_VARYING_ARGS)
 def decode_split_mma_kernel(
     q_ptr, k_words_ptr, v_words_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     scale_log2, min_split_len, window,
