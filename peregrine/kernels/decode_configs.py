@@ -76,8 +76,8 @@ _CONFIGS = {
     # one warp a program, tiles copied into 2 shared-memory stages, 8 programs per SM (one split
     # a sequence from 132 sequences up, written without the merge). Over W1's decode phase
     # (decode_splits_bench.py, H200): 2.051 s of attention; 2.165 s with 3 stages and 16
-    # programs per SM, 2.348 s with the next tile in registers instead of shared memory, 2.117 s
-    # with the merge kept at one split.
+    # programs per SM, 2.348 s with the next tile in registers instead of shared memory; with 3
+    # stages and 8 programs per SM, 2.075 s and 2.117 s with the merge kept at one split.
     "cuda-fp8-cache-mma": DecodeConfig("mma_fp8", 16, 1, 2, False, 8, False, True, False,
                                        heads_first=True),
 }
