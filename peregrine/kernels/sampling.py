@@ -23,6 +23,7 @@ _U_SHIFT = tl.constexpr(32 - noise.U_BITS)
 _U_SCALE = tl.constexpr(2.0 ** -noise.U_BITS)
 _MAX_BLOCK = 1024
 _PROGRAMS_PER_SM = 8  # enough loads in flight to stream the logits at full bandwidth
+_NUM_WARPS = 4
 
 
 @triton.jit
@@ -139,7 +140,7 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
         logits, temperature, seeds.to(torch.int64).contiguous(), steps.to(torch.int64).contiguous(),
         token_hash.contiguous(), thr if thr is not None else temperature, part_val, part_idx,
         vocab, chunk, num_chunks, logits.stride(0),
-        HAS_THR=thr is not None, PRECISE=is_gpu(logits), BLOCK=block, num_warps=4,
+        HAS_THR=thr is not None, PRECISE=is_gpu(logits), BLOCK=block, num_warps=_NUM_WARPS,
     )
     if num_chunks == 1:
         return part_idx.view(batch)

@@ -42,12 +42,27 @@ class VocabParallelEmbedding(nn.Module):
         param.data[n:].zero_()
 
 
+# NOTE: on CUDA, one rank and a 16-bit head, the GEMM writes float32 logits itself (its float32
+# sums rounded once) instead of writing 16-bit logits that a second pass converts: at W1's
+# batches that pass was ~70 us a decode step. False: the two-pass form (benchmarks compare them).
+FP32_OUT_GEMM = True
+
+
 class ParallelLMHead(VocabParallelEmbedding):
     """Computes float32 logits over the whole vocabulary (gathered across ranks)."""
+
+    def _fp32_out(self, hidden: torch.Tensor) -> bool:
+        return (FP32_OUT_GEMM and hidden.is_cuda and tp_size() == 1 and hidden.dim() == 2
+                and hidden.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == hidden.dtype)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
                        ) -> torch.Tensor:
         """(N, V) float32 logits of hidden (N, hidden); into out (N, V) float32 when given."""
+        if self._fp32_out(hidden):
+            weight_t = self.weight[: self.vocab_size].t()  # (hidden, V) view
+            if out is None:
+                return torch.mm(hidden, weight_t, out_dtype=torch.float32)  # (N, V)
+            return torch.mm(hidden, weight_t, out_dtype=torch.float32, out=out)
         logits = F.linear(hidden, self.weight)  # (N, rows)
         if tp_size() > 1:
             logits = tp_all_gather(logits, dim=-1)

@@ -58,3 +58,28 @@ def test_store_kv_writes_exactly_the_reference_slots() -> None:
     ref.store_kv_ref(kv[:, 0], kv[:, 1], kc_ref, vc_ref, slots)
     assert torch.equal(kc, kc_ref)
     assert torch.equal(vc, vc_ref)
+
+
+@pytest.mark.parametrize("rows", [1, 143, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lm_head_float32_out_gemm_is_the_exact_sum_rounded_once(rows: int, dtype: torch.dtype,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from peregrine.layers import embedding
+    vocab, hidden = 151936, 1024
+    head = embedding.ParallelLMHead(vocab, hidden, dtype=dtype).to(DEV)
+    head.weight.data.normal_(0, hidden ** -0.5)
+    x = torch.randn(rows, hidden, device=DEV).to(dtype)  # (N, H)
+    exact = x.double() @ head.weight.double().t()  # (N, V)
+    assert head._fp32_out(x)
+    fresh = head.compute_logits(x)  # (N, V)
+    shared = torch.full((rows + 3, vocab), float("nan"), device=DEV)
+    into = head.compute_logits(x, out=shared[:rows])
+    assert into.data_ptr() == shared.data_ptr() and torch.isnan(shared[rows:]).all()
+    assert fresh.dtype == torch.float32 and torch.equal(fresh, shared[:rows])
+    monkeypatch.setattr(embedding, "FP32_OUT_GEMM", False)
+    two_pass = head.compute_logits(x)  # 16-bit logits, converted
+    # float32 sums rounded once: within float32 accumulation error of the exact product, and at
+    # least as close to it as the 16-bit logits are; the two forms differ by 16-bit rounding only.
+    err, err_two = (fresh.double() - exact).abs().max(), (two_pass.double() - exact).abs().max()
+    assert err <= 1e-4 * exact.abs().max() and err <= err_two
+    assert (fresh - two_pass).abs().max() <= exact.abs().max() * 2 ** -7
