@@ -95,10 +95,12 @@ def sampler_rows(rows: list[int]) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,143,256")
+    ap.add_argument("--lm-head-rows", default=None, help="LM head rows when not --rows")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    rows = [int(r) for r in args.rows.split(",")]
-    result = dict(lm_head=lm_head_rows(rows), sampler=sampler_rows(rows))
+    rows = [int(r) for r in args.rows.split(",") if r]
+    head_rows = [int(r) for r in args.lm_head_rows.split(",")] if args.lm_head_rows else rows
+    result = dict(lm_head=lm_head_rows(head_rows), sampler=sampler_rows(rows) if rows else [])
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

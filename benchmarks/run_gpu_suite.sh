@@ -4,7 +4,7 @@
 #   steps: tests (all GPU tests) kernels sampler engine enginefp32 kernelbench layerbench splitsbench
 #          samplerbench w2 w2hf w1 w1prof w1trace w1hf serve ttft pacing pacetrace coldstart asyncprobe poolcost
 #          w5 (int4 AWQ layout, batch 1) w8a8 gemvbench stagegraphs w8a8lat w6 w1fp8 w5prof
-#          streamprobe w5ablate
+#          streamprobe w5ablate logitsbench
 # Logs, JUnit XML (tests) and JSON results go under $OUT (default /tmp/out).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -26,6 +26,7 @@ for s in $steps; do
     layerbench)   run layerbench 120 python benchmarks/layer_kernels_bench.py "$OUT/layer_kernels.json" ;;
     splitsbench)  run splitsbench 240 python benchmarks/decode_splits_bench.py --out "$OUT/decode_splits.json" ;;
     samplerbench) run samplerbench 120 python benchmarks/gpu_sampler.py ;;
+    logitsbench)  run logitsbench 150 python benchmarks/logits_bench.py --out "$OUT/logits.json" ;;
     w2)      run w2 150 python -m peregrine.entrypoints.cli bench latency --model "$CFG/llama-3-8b.json" --output-json "$OUT/w2.json" ;;
     w2hf)    run w2hf 300 python -m peregrine.entrypoints.cli bench latency --model "$CFG/llama-3-8b.json" --iters 1 --compare-transformers --output-json "$OUT/w2hf.json" ;;
     w1)      run w1 200 python -m peregrine.entrypoints.cli bench throughput --model "$CFG/qwen3-0.6b.json" --output-json "$OUT/w1.json" ;;
