@@ -232,7 +232,8 @@ def engine_model(llm: Any) -> torch.nn.Module:
 def score_generation(path: Path, ref_path: Path, act_dtype: torch.dtype, group: int | None = None,
                      max_tokens: int = 6, dtype: str = "float32",
                      decode_unrounded: bool = False,
-                     exact_reference: bool = False) -> dict[str, list[float]]:
+                     exact_reference: bool = False,
+                     prompts: list[list[int]] | None = None) -> dict[str, list[float]]:
     """Greedy generation from the quantized checkpoint at `path` (in `dtype`, prefix caching,
     chunked prefill in 16-token steps; the second prompt reuses the first one's prefix blocks),
     then the same tokens teacher-forced through the reference twin, plainly and with its linear
@@ -240,11 +241,13 @@ def score_generation(path: Path, ref_path: Path, act_dtype: torch.dtype, group: 
     decode steps of one row multiply x as it is, the CUDA GEMV path). Returns the generated
     tokens' logprobs under each: {"quantized": [...], "reference": [...],
     "reference_rounded": [...]}; with exact_reference also "reference_rounded_fp32", the rounded
-    reference run in float32 (what a `dtype` run of the same model is off by, measured)."""
+    reference run in float32 (what a `dtype` run of the same model is off by, measured).
+    prompts: token-id prompts to use instead of the default two (which need 305 token ids)."""
     from peregrine.entrypoints.llm import LLM
     from peregrine.sampling_params import SamplingParams
-    prefix = [(7 * i + 3) % 500 + 4 for i in range(40)]
-    prompts = [prefix + [11, 12, 13], prefix + [300, 301, 302, 303, 304]]
+    if prompts is None:
+        prefix = [(7 * i + 3) % 500 + 4 for i in range(40)]
+        prompts = [prefix + [11, 12, 13], prefix + [300, 301, 302, 303, 304]]
     common = dict(dtype=dtype, skip_tokenizer_init=True, max_model_len=128, seed=0)
     llm = LLM(str(path), enable_prefix_caching=True, enable_chunked_prefill=True,
               max_num_batched_tokens=16, **common)

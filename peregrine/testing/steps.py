@@ -25,3 +25,19 @@ def one_prefill(cfg: ModelConfig, n: int, num_blocks: int = 4,
         seq_lens=seq, block_table=torch.arange(num_blocks, dtype=torch.int32)[None],
         slot_mapping=torch.arange(n), query_start_loc_cpu=qsl, seq_lens_cpu=seq)
     return caches, meta
+
+
+def prefill_logits(path: str, tokens: list[int], **engine_args) -> torch.Tensor:
+    """(len(tokens), V) float32 logits of one prefill of `tokens` through the model at `path`
+    (float32, CPU, torch attention backend; tensor-parallel when a gloo group is set)."""
+    from peregrine.attention import get_attention_backend
+    from peregrine.config import EngineArgs
+    from peregrine.worker.loader import load_model
+    engine_args = {"skip_tokenizer_init": True, **engine_args}  # token ids only
+    cfg = EngineArgs(model=path, dtype="float32", device="cpu",
+                     **engine_args).create_engine_config().model
+    model = load_model(cfg, get_attention_backend("torch"), torch.device("cpu"))
+    caches, meta = one_prefill(cfg, len(tokens))
+    with torch.inference_mode():
+        hidden = model(torch.tensor(tokens), torch.arange(len(tokens)), caches, meta)
+        return model.compute_logits(hidden)

@@ -13,7 +13,7 @@ from peregrine.layers.quantization import get_quantization_config
 from peregrine.testing.checkpoints import tiny_checkpoint
 from peregrine.testing.gloo import run_on_gloo_ranks
 from peregrine.testing.quant_pack import write_quantized_checkpoint
-from peregrine.testing.steps import one_prefill
+from peregrine.testing.steps import prefill_logits
 
 TOKENS = [5, 17, 99, 230, 41, 8, 77, 301, 12, 64, 150, 9]
 
@@ -37,14 +37,7 @@ CASES = {
 
 def _logits(path: str) -> torch.Tensor:
     """Logits of one prefill through the torch backend (tensor-parallel when a group is set)."""
-    from peregrine.attention import get_attention_backend
-    from peregrine.worker.loader import load_model
-    cfg = EngineArgs(model=path, dtype="float32", device="cpu").create_engine_config().model
-    model = load_model(cfg, get_attention_backend("torch"), torch.device("cpu"))
-    caches, meta = one_prefill(cfg, len(TOKENS))
-    with torch.inference_mode():
-        return model.compute_logits(model(torch.tensor(TOKENS), torch.arange(len(TOKENS)),
-                                          caches, meta))
+    return prefill_logits(path, TOKENS)
 
 
 def _write(tmp_path: Path, arch: str, case: str) -> tuple[Path, Path]:

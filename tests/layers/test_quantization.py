@@ -14,7 +14,7 @@ from peregrine.config import EngineArgs
 from peregrine.layers.quantization import UnquantizedLinearMethod, quantization_methods
 from peregrine.testing.checkpoints import tiny_checkpoint
 from peregrine.testing.gloo import run_on_gloo_ranks
-from peregrine.testing.steps import one_prefill
+from peregrine.testing.steps import prefill_logits
 
 TOKENS = [5, 17, 99, 230, 41, 8, 77, 301, 12, 64, 150, 9]
 WORLD = 2
@@ -22,16 +22,7 @@ WORLD = 2
 
 def _logits(path: str, **engine_args) -> torch.Tensor:
     """Logits of one prefill through the torch backend (tensor-parallel when a group is set)."""
-    from peregrine.attention import get_attention_backend
-    from peregrine.worker.loader import load_model
-
-    cfg = EngineArgs(model=path, dtype="float32", device="cpu",
-                     **engine_args).create_engine_config().model
-    model = load_model(cfg, get_attention_backend("torch"), torch.device("cpu"))
-    caches, meta = one_prefill(cfg, len(TOKENS))
-    with torch.inference_mode():
-        hidden = model(torch.tensor(TOKENS), torch.arange(len(TOKENS)), caches, meta)
-        return model.compute_logits(hidden)
+    return prefill_logits(path, TOKENS, **engine_args)
 
 
 def _quantized(tmp_path: Path, arch: str, method: str, skip: tuple[str, ...] = ()) -> Path:
