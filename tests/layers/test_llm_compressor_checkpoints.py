@@ -41,7 +41,7 @@ def _scheme(case: Path) -> dict:
 
 
 WEIGHT_ONLY = ["llama/w4a16-asym-g32", "llama/w4a16-sym-channel", "llama/w8a16-sym-g32",
-               "qwen3/w4a16-asym-g32"]
+               "llama/w4a16-gptq-g32", "qwen3/w4a16-asym-g32"]
 
 
 @pytest.mark.parametrize("name", WEIGHT_ONLY)
@@ -76,17 +76,21 @@ def test_weight_only_checkpoint_generates_transformers_greedy_tokens(tmp_path: P
     assert got == want
 
 
-@pytest.mark.parametrize("name, act_dtype", [("llama/int8-w8a8", torch.int8),
-                                             ("llama/fp8-dynamic-kv", fp8_pack.FP8_DTYPE)])
+@pytest.mark.parametrize("name, act_dtype, group", [
+    ("llama/int8-w8a8", torch.int8, None),
+    ("llama/fp8-dynamic-kv", fp8_pack.FP8_DTYPE, None),
+    ("llama/fp8-block32", fp8_pack.FP8_DTYPE, 32),  # 32 x 32 weight blocks, inputs per 32
+])
 def test_w8a8_checkpoint_matches_the_decompressed_model_with_rounded_inputs(
-        tmp_path: Path, name: str, act_dtype: torch.dtype) -> None:
-    """Weights as decompressed; each linear layer's input rounded per token like the scheme's
-    dynamic activations (the reference twin's hooks): the same logprobs within float32 noise."""
+        tmp_path: Path, name: str, act_dtype: torch.dtype, group: int | None) -> None:
+    """Weights as decompressed; each linear layer's input rounded per token (or per group of
+    inputs) like the scheme's dynamic activations (the reference twin's hooks): the same
+    logprobs within float32 noise."""
     case = FIXTURES / name
-    group = _scheme(case)["config_groups"]["group_0"]
-    assert group["input_activations"]["dynamic"] and group["input_activations"]["strategy"] == "token"
+    inputs = _scheme(case)["config_groups"]["group_0"]["input_activations"]
+    assert inputs["dynamic"] and inputs["group_size"] == group
     scores = fp8_pack.score_generation(case, _dense_twin(case, tmp_path / "dense"), act_dtype,
-                                       prompts=PROMPTS)
+                                       group, prompts=PROMPTS)
     got = torch.tensor(scores["quantized"])
     torch.testing.assert_close(got, torch.tensor(scores["reference_rounded"]), rtol=0,
                                atol=1e-4)
