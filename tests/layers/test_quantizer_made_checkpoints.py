@@ -1,6 +1,8 @@
-"""Checkpoints written by llm-compressor itself (tests/fixtures/llm_compressor, made by its
-make_fixtures.py with the versions in versions.json): Peregrine reads each one as the
-compressed-tensors library decompresses it, and reads the KV-cache scales it calibrated."""
+"""Checkpoints written by the quantizers themselves, committed under tests/fixtures (each
+folder's make_fixtures.py and versions.json say how and with what): llm-compressor's
+compressed-tensors checkpoints, read as the compressed-tensors library decompresses them, with
+the KV-cache scales it calibrated; AutoAWQ's, read as AutoAWQ unpacks it.
+"""
 from __future__ import annotations
 
 import json
@@ -15,15 +17,16 @@ from peregrine.testing import fp8_pack
 from peregrine.testing.steps import prefill_logits
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llm_compressor"
-VOCAB = 128  # the fixtures' tiny vocabulary
+AWQ = Path(__file__).resolve().parents[1] / "fixtures" / "autoawq" / "llama-awq-g32"
+VOCAB = 128  # the llm-compressor fixtures' tiny vocabulary
 TOKENS = [5, 17, 99, 23, 41, 8, 77, 101, 12, 64, 120, 9]
 PREFIX = [(7 * i + 3) % (VOCAB - 4) + 4 for i in range(40)]
 PROMPTS = [PREFIX + [11, 12, 13], PREFIX + [100, 101, 102, 103, 104]]
 
 
 def _dense_twin(case: Path, dst: Path) -> Path:
-    """The fixture's model with the weights compressed-tensors decompressed (<case>.dense.
-    safetensors) in place of its quantized modules, as a plain float32 checkpoint at dst."""
+    """The fixture's model with the weights its quantizer's library decompressed (<case>.dense.
+    safetensors) in place of its quantized modules, as a plain checkpoint at dst."""
     config = json.loads((case / "config.json").read_text())
     del config["quantization_config"]
     dense = load_file(str(case.parent / f"{case.name}.dense.safetensors"))
@@ -44,23 +47,30 @@ WEIGHT_ONLY = ["llama/w4a16-asym-g32", "llama/w4a16-sym-channel", "llama/w8a16-s
                "llama/w4a16-gptq-g32", "qwen3/w4a16-asym-g32"]
 
 
-@pytest.mark.parametrize("name", WEIGHT_ONLY)
+@pytest.mark.parametrize("name", WEIGHT_ONLY + ["autoawq"])
 def test_weight_only_checkpoint_gives_the_decompressed_models_logits(tmp_path: Path,
                                                                      name: str) -> None:
-    case = FIXTURES / name
-    assert _scheme(case)["format"] == "pack-quantized"
+    case = AWQ if name == "autoawq" else FIXTURES / name
+    scheme = _scheme(case)
+    if name == "autoawq":
+        assert (scheme["quant_method"], scheme["version"]) == ("awq", "gemm")
+    else:
+        assert (scheme["quant_method"], scheme["format"]) == ("compressed-tensors",
+                                                              "pack-quantized")
     got = prefill_logits(str(case), TOKENS)
     want = prefill_logits(str(_dense_twin(case, tmp_path / "dense")), TOKENS)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_weight_only_checkpoint_generates_transformers_greedy_tokens(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["llama/w4a16-asym-g32", "autoawq"])
+def test_weight_only_checkpoint_generates_transformers_greedy_tokens(tmp_path: Path,
+                                                                     name: str) -> None:
     """Through the engine (prefix caching, chunked prefill): greedy tokens equal transformers'
     on the decompressed model, float32."""
     from transformers import AutoModelForCausalLM
 
     from peregrine import LLM, SamplingParams
-    case = FIXTURES / "llama" / "w4a16-asym-g32"
+    case = AWQ if name == "autoawq" else FIXTURES / name
     dense = _dense_twin(case, tmp_path / "dense")
     llm = LLM(str(case), dtype="float32", device="cpu", skip_tokenizer_init=True,
               max_model_len=128, enable_prefix_caching=True, max_num_batched_tokens=16)
