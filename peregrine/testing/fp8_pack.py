@@ -14,6 +14,8 @@ input scales are calibrated (max |input| / qmax) by running that reference on `c
 """
 from __future__ import annotations
 
+import functools
+
 import json
 import shutil
 from pathlib import Path
@@ -206,22 +208,35 @@ def write_compressed_tensors(src: Path, dst: Path, scheme: str, *,
 
 
 def round_linear_inputs(model: torch.nn.Module, dtype: torch.dtype,
-                        group: int | None = None, rows: int | None = None) -> list[Any]:
+                        group: int | None = None, rows: int | None = None,
+                        static: dict[str, float] | None = None) -> list[Any]:
     """Forward pre-hooks on every linear layer of a float model that round its input the way a
-    W8A8 layer does (dynamic, per token or per group of inputs), only its first `rows` rows when
-    given; returns the hook handles. The model must run eagerly (no CUDA graph replays it)."""
+    W8A8 layer does (dynamic, per token or per group of inputs; with `static`, by each layer's
+    fixed per-tensor scale, keyed by its module name), only its first `rows` rows when given;
+    returns the hook handles. The model must run eagerly (no CUDA graph replays it)."""
     from peregrine.kernels.fp8_quant import per_token_group_quant_ref
     from peregrine.layers.linear import LinearBase
+    qmax = FP8_MAX if dtype == FP8_DTYPE else INT8_MAX
 
-    def hook(module: LinearBase, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+    def hook(module: LinearBase, args: tuple[torch.Tensor, ...], name: str
+             ) -> tuple[torch.Tensor]:
         x = args[0]  # (T, K)
-        q, s = per_token_group_quant_ref(x, dtype, group)  # (T, K), (T, K / group)
-        k = x.shape[1]
-        r = (q.float() * s.repeat_interleave(group or k, 1)[:, :k]).to(x.dtype)
+        if static is not None:
+            q = (x.float() / static[name]).clamp(-qmax, qmax)
+            if dtype == torch.int8:  # to nearest, halves away from zero
+                q = torch.sign(q) * torch.floor(q.abs() + 0.5)
+            r = (q.to(dtype).float() * static[name]).to(x.dtype)
+        else:
+            q, s = per_token_group_quant_ref(x, dtype, group)  # (T, K), (T, K / group)
+            k = x.shape[1]
+            r = (q.float() * s.repeat_interleave(group or k, 1)[:, :k]).to(x.dtype)
         return (r if rows is None else torch.cat([r[:rows], x[rows:]]),)
 
-    return [m.register_forward_pre_hook(hook) for m in model.modules()
-            if isinstance(m, LinearBase)]
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, LinearBase)]
+    missing = [n for n, _ in linears if static is not None and n not in static]
+    if missing:
+        raise KeyError(f"no static input scale for {missing}")
+    return [m.register_forward_pre_hook(functools.partial(hook, name=n)) for n, m in linears]
 
 
 def engine_model(llm: Any) -> torch.nn.Module:
@@ -233,7 +248,8 @@ def score_generation(path: Path, ref_path: Path, act_dtype: torch.dtype, group: 
                      max_tokens: int = 6, dtype: str = "float32",
                      decode_unrounded: bool = False,
                      exact_reference: bool = False,
-                     prompts: list[list[int]] | None = None) -> dict[str, list[float]]:
+                     prompts: list[list[int]] | None = None,
+                     static: dict[str, float] | None = None) -> dict[str, list[float]]:
     """Greedy generation from the quantized checkpoint at `path` (in `dtype`, prefix caching,
     chunked prefill in 16-token steps; the second prompt reuses the first one's prefix blocks),
     then the same tokens teacher-forced through the reference twin, plainly and with its linear
@@ -242,7 +258,8 @@ def score_generation(path: Path, ref_path: Path, act_dtype: torch.dtype, group: 
     tokens' logprobs under each: {"quantized": [...], "reference": [...],
     "reference_rounded": [...]}; with exact_reference also "reference_rounded_fp32", the rounded
     reference run in float32 (what a `dtype` run of the same model is off by, measured).
-    prompts: token-id prompts to use instead of the default two (which need 305 token ids)."""
+    prompts: token-id prompts to use instead of the default two (which need 305 token ids);
+    static: per-tensor input scales by module name (round_linear_inputs) for static schemes."""
     from peregrine.entrypoints.llm import LLM
     from peregrine.sampling_params import SamplingParams
     if prompts is None:
@@ -273,7 +290,7 @@ def score_generation(path: Path, ref_path: Path, act_dtype: torch.dtype, group: 
         scores[key] = []
         for p, o in zip(prompts, outs):
             rows = len(p) if decode_unrounded else None
-            hooks = round_linear_inputs(engine_model(ref), act_dtype, group, rows) \
+            hooks = round_linear_inputs(engine_model(ref), act_dtype, group, rows, static) \
                 if rounded else []
             plp = ref.generate([p + list(o.token_ids)], forced, use_tqdm=False)[0].prompt_logprobs
             scores[key] += [plp[len(p) + i][t].logprob for i, t in enumerate(o.token_ids)]

@@ -107,6 +107,42 @@ def test_w8a8_checkpoint_matches_the_decompressed_model_with_rounded_inputs(
     assert (got - torch.tensor(scores["reference"])).abs().max() > 1e-5  # inputs were rounded
 
 
+_MERGED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+           "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+def _static_input_scales(case: Path) -> dict[str, float]:
+    """Each of the engine's linear layers' per-tensor input scale, by module name: the largest
+    of its merged projections' calibrated scales."""
+    scales: dict[str, float] = {}
+    with safe_open(str(case / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            if name.endswith(".input_scale"):
+                parts = name[len("model."):-len(".input_scale")].split(".")
+                parts[-1] = _MERGED.get(parts[-1], parts[-1])
+                key = ".".join(parts)
+                scales[key] = max(scales.get(key, 0.0), float(f.get_tensor(name).reshape(())))
+    return scales
+
+
+def test_static_fp8_checkpoint_matches_the_decompressed_model_with_inputs_rounded_by_its_scales(
+        tmp_path: Path) -> None:
+    """llm-compressor's FP8 scheme: per-tensor weight scales and calibrated per-tensor input
+    scales (q, k and v share theirs: one input). Each layer's input rounded to FP8 with its
+    scale on the decompressed model gives the checkpoint's logprobs within float32 noise."""
+    case = FIXTURES / "llama" / "fp8-static"
+    inputs = _scheme(case)["config_groups"]["group_0"]["input_activations"]
+    assert not inputs["dynamic"] and inputs["strategy"] == "tensor"
+    static = _static_input_scales(case)
+    assert len(static) == 8 and all(0 < s < 1 for s in static.values())
+    scores = fp8_pack.score_generation(case, _dense_twin(case, tmp_path / "dense"),
+                                       fp8_pack.FP8_DTYPE, prompts=PROMPTS, static=static)
+    got = torch.tensor(scores["quantized"])
+    torch.testing.assert_close(got, torch.tensor(scores["reference_rounded"]), rtol=0,
+                               atol=1e-4)
+    assert (got - torch.tensor(scores["reference"])).abs().max() > 1e-5  # inputs were rounded
+
+
 def _stored_kv_scales(case: Path) -> list[tuple[float, float]]:
     with safe_open(str(case / "model.safetensors"), "pt") as f:
         layers = sorted({int(n.split(".")[2]) for n in f.keys() if n.endswith(".k_scale")})
