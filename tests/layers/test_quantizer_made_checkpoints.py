@@ -125,6 +125,26 @@ def _static_input_scales(case: Path) -> dict[str, float]:
     return scales
 
 
+def test_smoothquant_checkpoint_matches_the_decompressed_model_up_to_a_rounding_flip(
+        tmp_path: Path) -> None:
+    """SmoothQuant folded into the RMSNorm weights, then INT8 W8A8: the same comparison as
+    above, except that one int8 rounding may land the other way (the engine's integer matmul
+    and the reference's float one differ in the last float32 bit, and on these prompts one
+    attention output element sits on a rounding boundary; one step there moves that position's
+    logprob by ~0.2). Every other position agrees within float32 noise, and all stay within
+    int8 rounding's reach of the unrounded model."""
+    case = FIXTURES / "llama" / "smoothquant-int8-w8a8"
+    dense = _dense_twin(case, tmp_path / "dense")
+    norm = "model.layers.0.input_layernorm.weight"
+    plain = load_file(str(FIXTURES / "llama" / "int8-w8a8" / "model.safetensors"))[norm]
+    assert (load_file(str(dense / "model.safetensors"))[norm] - plain).abs().max() > 0.1
+    scores = fp8_pack.score_generation(case, dense, torch.int8, prompts=PROMPTS)
+    got = torch.tensor(scores["quantized"])
+    close = (got - torch.tensor(scores["reference_rounded"])).abs() <= 1e-4
+    assert int(close.sum()) >= len(got) - 1, scores
+    assert (got - torch.tensor(scores["reference"])).abs().max() < 1.0
+
+
 def test_static_fp8_checkpoint_matches_the_decompressed_model_with_inputs_rounded_by_its_scales(
         tmp_path: Path) -> None:
     """llm-compressor's FP8 scheme: per-tensor weight scales and calibrated per-tensor input
