@@ -214,18 +214,15 @@ def round_linear_inputs(model: torch.nn.Module, dtype: torch.dtype,
     W8A8 layer does (dynamic, per token or per group of inputs; with `static`, by each layer's
     fixed per-tensor scale, keyed by its module name), only its first `rows` rows when given;
     returns the hook handles. The model must run eagerly (no CUDA graph replays it)."""
-    from peregrine.kernels.fp8_quant import per_token_group_quant_ref
+    from peregrine.kernels.fp8_quant import per_token_group_quant_ref, quantize_with_scale
     from peregrine.layers.linear import LinearBase
-    qmax = FP8_MAX if dtype == FP8_DTYPE else INT8_MAX
 
     def hook(module: LinearBase, args: tuple[torch.Tensor, ...], name: str
              ) -> tuple[torch.Tensor]:
         x = args[0]  # (T, K)
         if static is not None:
-            q = (x.float() / static[name]).clamp(-qmax, qmax)
-            if dtype == torch.int8:  # to nearest, halves away from zero
-                q = torch.sign(q) * torch.floor(q.abs() + 0.5)
-            r = (q.to(dtype).float() * static[name]).to(x.dtype)
+            scale = torch.tensor(static[name])
+            r = (quantize_with_scale(x, scale, dtype).float() * scale).to(x.dtype)
         else:
             q, s = per_token_group_quant_ref(x, dtype, group)  # (T, K), (T, K / group)
             k = x.shape[1]
