@@ -346,15 +346,24 @@ _W8_WAVES = _WAVES
 # 64.7 us a layer against 69.1 (gate/up 29.1 against 33.3, 96% of HBM), two rows 77.4
 # against 83.5; FP8 W8A8 batch-1 decode 366 against 360 tok/s.
 _W8_FORM = 1
+# One row with per-channel scales: where 16-column tiles alone launch this many programs per SM
+# and the default tile would split K, no split (16 x 512 tiles, 8 warps): the split-K epilogue
+# (a ticket, then the last program's pass over the partials) is a visible share of a short GEMV.
+# Llama-3-8B's qkv (6144 x 4096, 2.9 programs per SM) on an H200: 8.5 against 10.3 us a call,
+# FP8 W8A8 batch-1 decode +0.9%. Only where a program then reads at most _W8_NARROW_K_ITERS
+# blocks: Llama-2-70B's qkv and o (K 8192, 16 blocks) lost 3.4% that way. 0 turns it off.
+_W8_NARROW_WAVES = 2.5
+_W8_NARROW_K_ITERS = 8
 
 
 def w8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None,
                    device: torch.device) -> GemvConfig:
     """Tiles of 32 output channels x 256 weight bytes along K (less when block scales are that
-    narrow), K split to fill the SMs. Compiled for sm_90 (FP8, form 1): 4 warps at 1 / 2 rows
-    take 58 / 90 registers and about 3.8 / 5.6 instructions per weight value in the K loop
-    (4.3 / 6.6 with form 0's per-block shuffles); 8 warps at 4 / 8 rows 80 / 99 registers and
-    11.9 / 21.8 per value (form 0)."""
+    narrow), K split to fill the SMs; one row of a projection wide enough for 16-column tiles to
+    fill the SMs, and short enough along K, is not split (_W8_NARROW_WAVES). The default tile
+    compiled for sm_90 (FP8, form 1): 4 warps at 1 / 2 rows take 58 / 90 registers and about
+    3.8 / 5.6 instructions per weight value in the K loop (4.3 / 6.6 with form 0's per-block
+    shuffles); 8 warps at 4 / 8 rows 80 / 99 registers and 11.9 / 21.8 per value (form 0)."""
     block_k = _W8_BLOCK_K
     if block is not None:
         while block_k > 16 and block[1] % block_k:
@@ -362,6 +371,11 @@ def w8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None,
     block_n = _W8_BLOCK_N
     tiles = triton.cdiv(n, block_n)
     split, k_iters = choose_split(tiles, triton.cdiv(k, block_k), device, _W8_WAVES)
+    sms = num_sms(device) if device.type == "cuda" else 8
+    if (m == 1 and block is None and split > 1 and _W8_NARROW_WAVES
+            and triton.cdiv(n, 16) >= _W8_NARROW_WAVES * sms
+            and triton.cdiv(k, 512) <= _W8_NARROW_K_ITERS):
+        return GemvConfig(16, 512, 1, triton.cdiv(k, 512), 8)
     return GemvConfig(block_n, block_k, split, k_iters, 4 if m <= 2 else 8)
 
 

@@ -173,3 +173,31 @@ def test_engine_decode_steps_take_weight_only_math(tmp_path, monkeypatch, scheme
     assert any(taken) and not all(taken)  # decode steps took the GEMV, prompt chunks did not
     q, ref = torch.tensor(scores["quantized"]), torch.tensor(scores["reference_rounded"])
     assert (q - ref).abs().max() < 0.2 and (q - ref).abs().mean() < 0.06, (q - ref).tolist()
+
+
+def test_one_row_of_a_wide_projection_is_not_split(monkeypatch) -> None:
+    """One row with per-channel scales: where 16-column tiles fill the SMs and the default would
+    split K, the config is 16 x 512 tiles, no split, 8 warps; everything else keeps the default
+    tile (two rows, block scales, projections too narrow or too long along K, or a default that
+    does not split)."""
+    import peregrine.kernels.gemv as g
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(g, "num_sms", lambda device: 132)
+    assert g.w8_gemv_config(1, 6144, 4096, None, cuda) == GemvConfig(16, 512, 1, 8, 8)
+    for m, n, k, block in ((2, 6144, 4096, None), (1, 6144, 4096, (128, 128)),
+                           (1, 4096, 4096, None), (1, 28672, 4096, None),
+                           (1, 10240, 8192, None)):
+        cfg = g.w8_gemv_config(m, n, k, block, cuda)
+        assert cfg.block_n == 32 and cfg.num_warps == 4, (m, n, k, block)
+    assert g.w8_gemv_config(1, 28672, 4096, None, cuda).split_k == 1
+    monkeypatch.setattr(g, "_W8_NARROW_WAVES", 0)
+    assert g.w8_gemv_config(1, 6144, 4096, None, cuda).block_n == 32
+
+
+def test_the_unsplit_wide_tile_matches_dequantized_matmul() -> None:
+    """The unsplit tile's K block is wider than this weight's K: the rest is masked."""
+    wq, ws = _weight(FP8_DTYPE)
+    x = _x(1)
+    cfg = GemvConfig(block_n=16, block_k=512, split_k=1, k_iters=1, num_warps=8)
+    want = x @ (wq.float() * ws.t()).t()
+    torch.testing.assert_close(w8_gemv(x, wq, ws, config=cfg), want, rtol=1e-5, atol=1e-5)
