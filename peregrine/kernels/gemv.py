@@ -61,12 +61,17 @@ def counters(device: torch.device, tiles: int) -> torch.Tensor:
     return buf
 
 
+def _sms(device: torch.device) -> int:
+    """The SMs the launch rules count on: the GPU's, or 8 on the CPU (the interpreter)."""
+    return num_sms(device) if device.type == "cuda" else 8
+
+
 def choose_split(tiles: int, k_blocks: int, device: torch.device,
                  waves: float = _WAVES, max_k_iters: int | None = None) -> tuple[int, int]:
     """(split_k, k_iters): the fewest power-of-two K splits that launch `waves` programs per
     SM and leave each at most `max_k_iters` K blocks, then trimmed so that no split is left
     without a K block."""
-    target = waves * (num_sms(device) if device.type == "cuda" else 8)
+    target = waves * _sms(device)
     split = 1
     while ((tiles * split < target or (max_k_iters and triton.cdiv(k_blocks, split)
                                          > max_k_iters))
@@ -371,9 +376,8 @@ def w8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None,
     block_n = _W8_BLOCK_N
     tiles = triton.cdiv(n, block_n)
     split, k_iters = choose_split(tiles, triton.cdiv(k, block_k), device, _W8_WAVES)
-    sms = num_sms(device) if device.type == "cuda" else 8
     if (m == 1 and block is None and split > 1 and _W8_NARROW_WAVES
-            and triton.cdiv(n, 16) >= _W8_NARROW_WAVES * sms
+            and triton.cdiv(n, 16) >= _W8_NARROW_WAVES * _sms(device)
             and triton.cdiv(k, 512) <= _W8_NARROW_K_ITERS):
         return GemvConfig(16, 512, 1, triton.cdiv(k, 512), 8)
     return GemvConfig(block_n, block_k, split, k_iters, 4 if m <= 2 else 8)

@@ -15,7 +15,6 @@ input scales are calibrated (max |input| / qmax) by running that reference on `c
 from __future__ import annotations
 
 import functools
-
 import json
 import shutil
 from pathlib import Path
