@@ -183,7 +183,7 @@ _MMA_BLOCK_N = 128
 _MMA_BLOCK_K = 128
 VARIANTS = ("fma", "fma_prefetch", "mma", "inplace", "inplace_prefetch", "half2",
             "half2_prefetch", "half2_prefetch_x", "half2_pair", "half2_prefetch2", "half2_async",
-            "half2_staged")
+            "half2_staged", "tc")
 _ASYNC_STAGES = 4
 _ASYNC_BLOCK_N = 128
 _ASYNC_WAVES = 2.0
@@ -205,6 +205,17 @@ _INPLACE_WAVES = 3.5
 # us at qkv / o / down against 9.0 / 6.8 / 14.3). It is not a default.
 _STAGED_BLOCK_N = 512
 _STAGED_WAVES = 1.5
+# The tensor-core variant (wna16_gemv_tc.py): programs of _TC_WARPS warps of 16 * _TC_V channels,
+# K split (into whole groups of 128 inputs) until at least _TC_WAVES programs run per SM.
+_TC_V = 4
+_TC_WARPS = 4
+_TC_WAVES = 3.0
+# Whether a down projection's one gate-and-up row takes the tensor-core variant gated (SiLU-and-
+# mul computed by every lane as it reads its inputs) when that variant is the one-row choice;
+# else the activation kernel runs first.
+_TC_GATED = True
+# The variants that take a gate-and-up row and compute SiLU-and-mul as they read it.
+_GATED_VARIANTS = (*_HALF2_AHEAD, "tc")
 
 
 def _block_k(bits: int) -> int:
@@ -257,6 +268,30 @@ def half2_supported(w: WNA16Layout, block_k: int | None = None) -> bool:
             and (w.group_size % bk == 0 or w.group_size == w.in_features))
 
 
+def tc_supported(w: WNA16Layout, x: torch.Tensor) -> bool:
+    """Whether the tensor-core variant serves one row x of this layout: 4 bits without
+    act-order, groups of a multiple of 128 inputs, N a multiple of 8, 16-bit x, 16-byte aligned
+    tensors, a CUDA GPU (sm_80+)."""
+    tensors = (x, w.qweight, w.scales) + ((w.zeros,) if w.zeros is not None else ())
+    return (w.bits == 4 and w.g_idx is None and w.in_features % 128 == 0
+            and w.group_size % 128 == 0 and w.out_features % 8 == 0
+            and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
+            and _is_sm80_or_later(x.device.index if x.device.index is not None
+                                  else torch.cuda.current_device())
+            and all(t.data_ptr() % 16 == 0 for t in tensors))
+
+
+def tc_config(w: WNA16Layout, device: torch.device) -> GemvConfig:
+    """The tensor-core variant's launch: block_n = the program's channels (_TC_WARPS warps of
+    16 * _TC_V), block_k 128 (one chunk), the K split a divisor of the chunks."""
+    block_n = 16 * _TC_V * _TC_WARPS
+    chunks = w.in_features // 128
+    split, _ = choose_split(triton.cdiv(w.out_features, block_n), chunks, device, _TC_WAVES)
+    while chunks % split:
+        split -= 1
+    return GemvConfig(block_n, 128, split, chunks // split, _TC_WARPS)
+
+
 def inplace_supported(w: WNA16Layout, block_k: int | None = None) -> bool:
     """Whether the in-place variant serves this layout: 4 or 8 bits, no act-order, K blocks of
     whole words inside one group."""
@@ -296,6 +331,11 @@ def mma_supported(w: WNA16Layout, dtype: torch.dtype, device: torch.device,
 
 
 @functools.lru_cache(maxsize=8)
+def _is_sm80_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+@functools.lru_cache(maxsize=8)
 def _is_sm90_or_later(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
@@ -328,6 +368,12 @@ def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
                          f"(6-bit ones but for half2_staged) without act-order, K blocks inside "
                          f"one group; got {x.shape[0]} rows, {w.bits} bits, group "
                          f"{w.group_size}")
+    if variant == "tc" and not (x.shape[0] == 1 and tc_supported(w, x)):
+        raise ValueError(f"wna16_gemv: the tc variant takes one row of 16-bit x and 4-bit "
+                         f"weights in groups of a multiple of 128 inputs without act-order, N a "
+                         f"multiple of 8, 16-byte aligned tensors, on a CUDA GPU (sm_80+); got "
+                         f"{x.shape[0]} rows, {x.dtype}, {w.bits} bits, group {w.group_size}, "
+                         f"N {w.out_features}")
     if variant in ("inplace", "inplace_prefetch") and not inplace_supported(w, block_k):
         raise ValueError(f"wna16_gemv: the inplace variant takes 4 / 8-bit weights without "
                          f"act-order and K blocks inside one group; got {w.bits} bits, group "
@@ -345,7 +391,7 @@ def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
     if (rows == 1 and w.bits == 4 and x.dtype in (torch.bfloat16, torch.float16)
             and inplace_supported(w, block_k)):
         chosen = _one_row_variant()
-        if chosen == "mma" and not ok:
+        if (chosen == "mma" and not ok) or (chosen == "tc" and not tc_supported(w, x)):
             chosen = None
         return chosen or "half2_prefetch"
     # One row of 6-bit weights: the packed-half form too (the high bits OR-ed into the pairs).
@@ -399,7 +445,8 @@ def gated_supported(w: WNA16Layout, h: torch.Tensor) -> bool:
     rows = h.numel() // max(h.shape[-1], 1)
     if rows != 1 or h.dtype not in (torch.bfloat16, torch.float16):
         return False
-    return _variant(w, h.reshape(1, -1), None, None) in _HALF2_AHEAD
+    kind = _variant(w, h.reshape(1, -1), None, None)
+    return kind in _HALF2_AHEAD or (kind == "tc" and _TC_GATED)
 
 
 def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None,
@@ -430,9 +477,11 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     m = a.shape[0]
     bm = block_m_for(m)
     kind = _variant(w, a, variant, config)
-    if gated and kind not in _HALF2_AHEAD:
-        raise ValueError(f"wna16_gemv: gated inputs take a packed-half variant read through "
-                         f"registers ({', '.join(_HALF2_AHEAD)}); got {kind}")
+    if gated and kind not in _GATED_VARIANTS:
+        raise ValueError(f"wna16_gemv: gated inputs take a variant read through registers "
+                         f"({', '.join(_GATED_VARIANTS)}); got {kind}")
+    if kind == "tc":
+        return _tc_launch(a, w, config or tc_config(w, x.device), gated).reshape(*lead, n)
     cfg = config or gemv_config(w, x.device, bm, kind)
     if cfg.block_k & (cfg.block_k - 1) or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"wna16_gemv: block_k {cfg.block_k} and block_n {cfg.block_n} must be "
@@ -503,6 +552,27 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_SPLIT=cfg.split_k > 1,
         PREFETCH=kind == "fma_prefetch", num_warps=cfg.num_warps, **pdl_args(a))
     return out.reshape(*lead, n)
+
+
+def _tc_launch(a: torch.Tensor, w: WNA16Layout, cfg: GemvConfig, gated: bool) -> torch.Tensor:
+    from peregrine.kernels.wna16_gemv_tc import wna16_gemv_tc_kernel
+    k, n = w.in_features, w.out_features
+    v = cfg.block_n // (16 * cfg.num_warps)
+    if v not in (1, 2, 4) or cfg.block_n != 16 * v * cfg.num_warps or cfg.block_k != 128:
+        raise ValueError(f"wna16_gemv: the tc variant takes block_n = 16 * (1, 2 or 4) * "
+                         f"num_warps and block_k 128; got {cfg.block_n}, {cfg.num_warps} warps, "
+                         f"block_k {cfg.block_k}")
+    if cfg.split_k * cfg.k_iters * 128 != k:
+        raise ValueError(f"wna16_gemv: {cfg.split_k} splits x {cfg.k_iters} chunks of 128 are "
+                         f"not the {k} inputs")
+    tiles = triton.cdiv(n, cfg.block_n)
+    out, part, lock = launch_buffers(a, n, tiles, cfg.split_k)
+    wna16_gemv_tc_kernel[(tiles, cfg.split_k)](
+        a, w.qweight, w.scales, w.zeros if w.zeros is not None else w.scales, part, lock, out,
+        n, k, cfg.split_k, cfg.k_iters, GROUP=w.group_size, HAS_ZP=w.zeros is not None,
+        GATED=gated, V=v, WARPS=cfg.num_warps, HAS_SPLIT=cfg.split_k > 1,
+        BF16=a.dtype == torch.bfloat16, num_warps=cfg.num_warps, **pdl_args(a))
+    return out
 
 
 def precompile_wna16_gemv(w: WNA16Layout, dtype: torch.dtype) -> None:

@@ -253,9 +253,37 @@ def test_staged_variant_within_fp16_sums(shape: str, bits: int, zp: bool, dtype:
     assert _exact_err(wna16_gemv(xu, w, variant="half2_staged"), xu, w) <= 3.0
 
 
+@pytest.mark.parametrize("bits, zp, dtype, group",
+                         [c for c in EXACT_CASES if c[0] == 4 and c[3] % 128 == 0],
+                         ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_tc_variant_within_an_output_ulp(shape: str, bits: int, zp: bool, dtype: torch.dtype,
+                                         group: int) -> None:
+    """The tensor-core variant (one row, 4 bits) at every Llama-3-8B shape, at its default
+    launch and at every tile width, warp count and K split it can take: float32 sums of the
+    exact integers, scaled once a group, so within one output ulp of the exact result; the
+    same bits every launch, also for large inputs and a column count that leaves a partial
+    tile."""
+    from peregrine.kernels.gemv import GemvConfig
+    k, n = SHAPES[shape]
+    w = _layout(k, n, bits, zp, dtype=dtype, group=group or k)
+    x = torch.randn(1, k, device=DEV, dtype=dtype)
+    got = wna16_gemv(x, w, variant="tc")
+    assert got.dtype == dtype and got.shape == (1, n)
+    assert _exact_err(got, x, w) <= 1.0
+    assert torch.equal(wna16_gemv(x, w, variant="tc"), got)
+    for v, warps, split in ((1, 4, 1), (2, 2, 4), (4, 8, 2), (4, 1, 8)):
+        cfg = GemvConfig(16 * v * warps, 128, split, k // 128 // split, warps)
+        assert _exact_err(wna16_gemv(x, w, cfg, variant="tc"), x, w) <= 1.0
+    big = x * (4096 if dtype == torch.bfloat16 else 16)
+    assert _exact_err(wna16_gemv(big, w, variant="tc"), big, w) <= 1.0
+    ragged = _layout(k, n - 40, bits, zp, dtype=dtype, group=group or k)
+    assert _exact_err(wna16_gemv(x, ragged, variant="tc"), x, ragged) <= 1.0
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("variant", [None, "half2", "half2_prefetch2", "half2_async",
-                                     "half2_staged"])
+                                     "half2_staged", "tc"])
 def test_gated_down_projection_is_the_activation_kernel_then_the_gemv(
         variant: str | None, dtype: torch.dtype) -> None:
     """Llama-3-8B's down projection of one gate-and-up row: silu(gate) * up computed inside the

@@ -8,6 +8,8 @@ reference and refuses what it cannot read; so are the in-place variant and its p
 default where they read the layout."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -437,11 +439,30 @@ def test_staged_variant_stages_more_rows_than_one_pass() -> None:
 def test_gated_inputs_are_refused_where_no_variant_takes_them() -> None:
     w = _layout(4, 128, zp=True)
     h = _x(1, k=2 * K).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="gated inputs take a packed-half variant"):
+    with pytest.raises(ValueError, match="gated inputs take a variant read through registers"):
         wna16_gemv(h, w, variant="inplace", gated=True)
     with pytest.raises(ValueError, match=r"twice that"):
         wna16_gemv(_x(1).to(torch.bfloat16), w, variant="half2", gated=True)
     assert not wna16_gemv_module.gated_supported(_layout(8, 128, zp=True), h)  # 8 bits
+
+
+def test_tc_variant_is_refused_off_the_gpu_and_its_splits_cover_k_in_whole_groups(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tensor-core variant is Gluon (CUDA only): asked for by name on the CPU it is refused
+    with the reason; picked through PEREGRINE_WNA16_GEMV it falls back to the default. Its K
+    split always divides the groups of 128 inputs, whatever the tile count asks for."""
+    w = _layout(4, 128, zp=True, dtype=torch.bfloat16)
+    x = _x(1).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="tc variant takes one row of 16-bit x"):
+        wna16_gemv(x, w, variant="tc")
+    monkeypatch.setenv("PEREGRINE_WNA16_GEMV", "tc")
+    assert wna16_gemv_module._variant(w, x, None, None) == "half2_prefetch"
+    cpu = torch.device("cpu")
+    for k, n in ((4096, 6144), (14336, 4096), (5120, 128), (384, 64), (128, 8)):
+        fake = SimpleNamespace(in_features=k, out_features=n)
+        cfg = wna16_gemv_module.tc_config(fake, cpu)
+        assert cfg.split_k * cfg.k_iters * 128 == k and cfg.block_k == 128
+        assert cfg.block_n == 16 * wna16_gemv_module._TC_V * cfg.num_warps
 
 
 def test_half2_variant_reads_unaligned_bf16_rows_one_value_at_a_time() -> None:
