@@ -32,11 +32,15 @@ def _err_ulps(got: torch.Tensor, want: torch.Tensor) -> float:
 def main() -> None:
     from peregrine.kernels.activation import silu_and_mul
     from peregrine.kernels.gemv import GemvConfig
+    import peregrine.kernels.wna16_gemv as gemv_module
     from peregrine.kernels.wna16_gemv import tc_config, wna16_gemv
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--grid", action="store_true", help="time every launch config too")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--grid-v", default="1,2,4", help="tile widths V the grid takes")
+    p.add_argument("--grid-warps", default="1,2,4,8", help="warps per program the grid takes")
+    p.add_argument("--aheads", default="2", help="steps ahead the grid takes (2-4)")
     ns = p.parse_args()
     dev = torch.device("cuda")
     rows: list[dict] = []
@@ -86,22 +90,25 @@ def main() -> None:
         if ns.grid:
             chunks = k // 128
             best = None
-            for v in (1, 2, 4):
-                for warps in (1, 2, 4, 8):
-                    tiles = -(-n // (16 * v * warps))
-                    for split in (1, 2, 4, 8, 16, 32):
-                        if chunks % split or not 256 <= tiles * warps * split <= 8192:
-                            continue
-                        c = GemvConfig(16 * v * warps, 128, split, chunks // split, warps)
-                        us = run(f"tc V{v} w{warps} s{split}",
-                                 lambda w_, c=c: wna16_gemv(x, w_, c, variant="tc"))
-                        if us is not None and (best is None or us < best[0]):
-                            best = (us, v, warps, split)
+            for ahead in (int(a) for a in ns.aheads.split(",")):
+                gemv_module._TC_AHEAD = ahead
+                for v in (int(a) for a in ns.grid_v.split(",")):
+                    for warps in (int(a) for a in ns.grid_warps.split(",")):
+                        tiles = -(-n // (16 * v * warps))
+                        for split in (1, 2, 4, 8, 16, 32):
+                            if chunks % split or not 256 <= tiles * warps * split <= 8192:
+                                continue
+                            c = GemvConfig(16 * v * warps, 128, split, chunks // split, warps)
+                            us = run(f"tc V{v} w{warps} s{split} a{ahead}",
+                                     lambda w_, c=c: wna16_gemv(x, w_, c, variant="tc"))
+                            if us is not None and (best is None or us < best[0]):
+                                best = (us, v, warps, split, ahead)
+            gemv_module._TC_AHEAD = 2
             if best:
                 print(f"{proj:8s} best tc: {best[0]:.2f} us at V {best[1]} warps {best[2]} "
-                      f"split {best[3]}", flush=True)
+                      f"split {best[3]} ahead {best[4]}", flush=True)
                 rows.append(dict(proj=proj, method="tc best", us=best[0], V=best[1],
-                                 warps=best[2], split=best[3]))
+                                 warps=best[2], split=best[3], ahead=best[4]))
         del ws, w
         torch.cuda.empty_cache()
     print("one layer (down gated where it runs):",
