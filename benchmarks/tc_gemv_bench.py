@@ -40,7 +40,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--grid-v", default="1,2,4", help="tile widths V the grid takes")
     p.add_argument("--grid-warps", default="1,2,4,8", help="warps per program the grid takes")
-    p.add_argument("--aheads", default="2", help="steps ahead the grid takes (2-4)")
+    p.add_argument("--aheads", default="4:4",
+                   help="(weights, inputs) steps ahead the grid takes, as W:X pairs (2, 4, 6, 8)")
     ns = p.parse_args()
     dev = torch.device("cuda")
     rows: list[dict] = []
@@ -88,10 +89,11 @@ def main() -> None:
         print(f"{proj:8s} tc default: V {cfg.block_n // 16 // cfg.num_warps} warps "
               f"{cfg.num_warps} split {cfg.split_k}", flush=True)
         if ns.grid:
+            defaults = gemv_module._TC_AHEAD, gemv_module._TC_X_AHEAD
             chunks = k // 128
             best = None
-            for ahead in (int(a) for a in ns.aheads.split(",")):
-                gemv_module._TC_AHEAD = ahead
+            for ahead in ns.aheads.split(","):
+                gemv_module._TC_AHEAD, gemv_module._TC_X_AHEAD = map(int, ahead.split(":"))
                 for v in (int(a) for a in ns.grid_v.split(",")):
                     for warps in (int(a) for a in ns.grid_warps.split(",")):
                         tiles = -(-n // (16 * v * warps))
@@ -103,7 +105,7 @@ def main() -> None:
                                      lambda w_, c=c: wna16_gemv(x, w_, c, variant="tc"))
                             if us is not None and (best is None or us < best[0]):
                                 best = (us, v, warps, split, ahead)
-            gemv_module._TC_AHEAD = 2
+            gemv_module._TC_AHEAD, gemv_module._TC_X_AHEAD = defaults
             if best:
                 print(f"{proj:8s} best tc: {best[0]:.2f} us at V {best[1]} warps {best[2]} "
                       f"split {best[3]} ahead {best[4]}", flush=True)

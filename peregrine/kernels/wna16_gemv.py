@@ -207,11 +207,12 @@ _STAGED_BLOCK_N = 512
 _STAGED_WAVES = 1.5
 # The tensor-core variant (wna16_gemv_tc.py): programs of _TC_WARPS warps of 16 * _TC_V channels,
 # K split (into whole groups of 128 inputs) until at least _TC_WAVES programs run per SM, the
-# weights _TC_AHEAD steps (32 inputs each) ahead of the MMAs.
+# weights _TC_AHEAD steps (32 inputs each) and the inputs _TC_X_AHEAD steps ahead of the MMAs.
 _TC_V = 2
 _TC_WARPS = 1
 _TC_WAVES = 15.0
-_TC_AHEAD = 2
+_TC_AHEAD = 4
+_TC_X_AHEAD = 4
 # Whether a down projection's one gate-and-up row takes the tensor-core variant gated (SiLU-and-
 # mul computed by every lane as it reads its inputs) when that variant is the one-row choice;
 # else the activation kernel runs first.
@@ -573,7 +574,8 @@ def _tc_launch(a: torch.Tensor, w: WNA16Layout, cfg: GemvConfig, gated: bool) ->
         a, w.qweight, w.scales, w.zeros if w.zeros is not None else w.scales, part, lock, out,
         n, k, cfg.split_k, cfg.k_iters, GROUP=w.group_size, HAS_ZP=w.zeros is not None,
         GATED=gated, V=v, WARPS=cfg.num_warps, HAS_SPLIT=cfg.split_k > 1,
-        BF16=a.dtype == torch.bfloat16, AHEAD=_TC_AHEAD, num_warps=cfg.num_warps, **pdl_args(a))
+        BF16=a.dtype == torch.bfloat16, AHEAD=_TC_AHEAD, X_AHEAD=_TC_X_AHEAD,
+        num_warps=cfg.num_warps, **pdl_args(a))
     return out
 
 

@@ -25,7 +25,7 @@ that a lane's words land in the registers the MMA reads:
 A lane reads 2V adjacent channels of its word row: V for the tile's rows g, V for rows g + 8,
 so a warp covers 16V channels (V M-tiles) and a program WARPS warps side by side; each warp
 runs the program's whole K range (CHUNKS groups of 128 inputs), the weights AHEAD steps ahead
-of the MMAs (2-4). Split-K partials are combined as in gemv.py (the last program of a column tile
+of the MMAs and x X_AHEAD steps ahead (2, 4, 6 or 8 each). Split-K partials are combined as in gemv.py (the last program of a column tile
 adds them in split order: deterministic). Gluon kernels do not run on the Triton interpreter:
 CUDA only (sm_80+: the bf16 MMA), checked on the GPU against the exact product.
 """
@@ -309,13 +309,74 @@ def _store(ptr, n_lane, y, ok, V: gl.constexpr, OUT_16: gl.constexpr):
             gl.store(ptr + (n_lane + 7), y[7], mask=ok)
 
 
+@gluon.jit
+def _push(q, item, N: gl.constexpr):
+    """The queue q (a tuple of N) without its first item, item appended."""
+    if N == 2:
+        return q[1], item
+    elif N == 4:
+        return q[1], q[2], q[3], item
+    elif N == 6:
+        return q[1], q[2], q[3], q[4], q[5], item
+    else:
+        return q[1], q[2], q[3], q[4], q[5], q[6], q[7], item
+
+
+@gluon.jit
+def _ld_queue(wq, wq_step, last, N: gl.constexpr, V: gl.constexpr):
+    """Steps 0..N-1's words (2, 4, 6 or 8 steps; past the last step the last again)."""
+    q0 = _ld_step(wq, V)
+    q1 = _ld_step(wq + gl.minimum(1, last) * wq_step, V)
+    if N == 2:
+        r = (q0, q1)
+    else:
+        q2 = _ld_step(wq + gl.minimum(2, last) * wq_step, V)
+        q3 = _ld_step(wq + gl.minimum(3, last) * wq_step, V)
+        if N == 4:
+            r = (q0, q1, q2, q3)
+        else:
+            q4 = _ld_step(wq + gl.minimum(4, last) * wq_step, V)
+            q5 = _ld_step(wq + gl.minimum(5, last) * wq_step, V)
+            if N == 6:
+                r = (q0, q1, q2, q3, q4, q5)
+            else:
+                q6 = _ld_step(wq + gl.minimum(6, last) * wq_step, V)
+                q7 = _ld_step(wq + gl.minimum(7, last) * wq_step, V)
+                r = (q0, q1, q2, q3, q4, q5, q6, q7)
+    return r
+
+
+@gluon.jit
+def _ld_x_queue(xa, K2, last, N: gl.constexpr, GATED: gl.constexpr, BF16: gl.constexpr):
+    """Steps 0..N-1's B pairs, as _ld_queue."""
+    q0 = _ld_x(xa, K2, GATED, BF16)
+    q1 = _ld_x(xa + gl.minimum(1, last) * 64, K2, GATED, BF16)
+    if N == 2:
+        r = (q0, q1)
+    else:
+        q2 = _ld_x(xa + gl.minimum(2, last) * 64, K2, GATED, BF16)
+        q3 = _ld_x(xa + gl.minimum(3, last) * 64, K2, GATED, BF16)
+        if N == 4:
+            r = (q0, q1, q2, q3)
+        else:
+            q4 = _ld_x(xa + gl.minimum(4, last) * 64, K2, GATED, BF16)
+            q5 = _ld_x(xa + gl.minimum(5, last) * 64, K2, GATED, BF16)
+            if N == 6:
+                r = (q0, q1, q2, q3, q4, q5)
+            else:
+                q6 = _ld_x(xa + gl.minimum(6, last) * 64, K2, GATED, BF16)
+                q7 = _ld_x(xa + gl.minimum(7, last) * 64, K2, GATED, BF16)
+                r = (q0, q1, q2, q3, q4, q5, q6, q7)
+    return r
+
+
 @gluon.jit(do_not_specialize=["SPLIT_K", "CHUNKS"])
 def wna16_gemv_tc_kernel(
     a_ptr, q_ptr, s_ptr, z_ptr, part_ptr, lock_ptr, c_ptr,
     N, K, SPLIT_K, CHUNKS,
     GROUP: gl.constexpr, HAS_ZP: gl.constexpr, GATED: gl.constexpr, V: gl.constexpr,
     WARPS: gl.constexpr, HAS_SPLIT: gl.constexpr, BF16: gl.constexpr, PDL: gl.constexpr,
-    AHEAD: gl.constexpr = 2,
+    AHEAD: gl.constexpr = 2, X_AHEAD: gl.constexpr = 2,
 ):
     """y (N,) of one row x (K,) (GATED: h (2K,)) and 4-bit weights in wna16.py's layout (K/8,
     N) words, (K/GROUP, N) scales and zero points. Program (tile, split) covers WARPS * 16V
@@ -347,24 +408,10 @@ def wna16_gemv_tc_kernel(
     last = CHUNKS * STEPS_PER_GROUP - 1
 
     # the first AHEAD steps' weights and the first group's scales (constant) before the wait
-    w_a = _ld_step(wq, V)
-    w_b = _ld_step(wq + gl.minimum(1, last) * wq_step, V)
-    w_d = w_b
-    w_e = w_b
-    if AHEAD >= 3:
-        w_d = _ld_step(wq + gl.minimum(2, last) * wq_step, V)
-    if AHEAD == 4:
-        w_e = _ld_step(wq + gl.minimum(3, last) * wq_step, V)
+    wq_q = _ld_queue(wq, wq_step, last, AHEAD, V)
     sz_n = _ld_group(sa, za, V, HAS_ZP)
     _pdl_wait(PDL)
-    x_a = _ld_x(xa, K2, GATED, BF16)
-    x_b = _ld_x(xa + gl.minimum(1, last) * 64, K2, GATED, BF16)
-    x_d = x_b
-    x_e = x_b
-    if AHEAD >= 3:
-        x_d = _ld_x(xa + gl.minimum(2, last) * 64, K2, GATED, BF16)
-    if AHEAD == 4:
-        x_e = _ld_x(xa + gl.minimum(3, last) * 64, K2, GATED, BF16)
+    x_q = _ld_x_queue(xa, K2, last, X_AHEAD, GATED, BF16)
     zero = gl.zeros([T], gl.float32, layout=L)
     ones = gl.full([T], 0x3F803F80 if BF16 else 0x3C003C00, gl.int32, layout=L)  # 1.0 pairs
     y = (zero, zero, zero, zero, zero, zero, zero, zero)
@@ -377,30 +424,15 @@ def wna16_gemv_tc_kernel(
         acc = (c4, c4, c4, c4)
         cx = c4
         for s in gl.static_range(STEPS_PER_GROUP):
-            # NOTE: a queue of AHEAD steps in registers: the oldest is computed, the step
-            # AHEAD on is loaded (past the last one the last again, from L2).
-            w_c = w_a
-            x_c = x_a
-            w_a = w_b
-            x_a = x_b
+            # NOTE: queues of AHEAD steps' words and X_AHEAD steps' inputs in registers: the
+            # oldest is computed, the step AHEAD (X_AHEAD) on is loaded (past the last one the
+            # last again, from L2).
             nxt = gl.minimum(c * STEPS_PER_GROUP + s + AHEAD, last)
-            w_n = _ld_step(wq + nxt * wq_step, V)
-            x_n = _ld_x(xa + nxt * 64, K2, GATED, BF16)
-            if AHEAD == 2:
-                w_b = w_n
-                x_b = x_n
-            elif AHEAD == 3:
-                w_b = w_d
-                x_b = x_d
-                w_d = w_n
-                x_d = x_n
-            else:
-                w_b = w_d
-                x_b = x_d
-                w_d = w_e
-                x_d = x_e
-                w_e = w_n
-                x_e = x_n
+            x_nxt = gl.minimum(c * STEPS_PER_GROUP + s + X_AHEAD, last)
+            w_c = wq_q[0]
+            x_c = x_q[0]
+            wq_q = _push(wq_q, _ld_step(wq + nxt * wq_step, V), AHEAD)
+            x_q = _push(x_q, _ld_x(xa + x_nxt * 64, K2, GATED, BF16), X_AHEAD)
             acc, cx = _step(acc, cx, ones, w_c, x_c, V, BF16)
         y = _group_done(y, acc, cx, sz, V, HAS_ZP, BF16)
     _pdl_release(PDL)
