@@ -18,12 +18,13 @@ from gpu_cases import DEV, rel_err
 from peregrine.kernels.fp8_quant import FP8_DTYPE, block_dequantize, per_token_group_quant_ref
 from peregrine.kernels.gemv import GEMV_MAX_M, W8_GEMV_MAX_M, precompile_w8_gemv, w8_gemv
 from peregrine.kernels.wna16_gemm import wna16_gemm
-from peregrine.kernels.wna16_gemv import (_wna16_gemv_fma_kernel, gemv_config, mma_supported,
-                                          precompile_wna16_gemv, wna16_gemv)
+from peregrine.kernels.wna16_gemv import (_wna16_gemv_fma_kernel, gated_supported, gemv_config,
+                                          mma_supported, precompile_wna16_gemv, wna16_gemv)
 from peregrine.kernels.wna16_gemv_half2 import _wna16_gemv_half2_kernel
 from peregrine.kernels.wna16_gemv_staged import _wna16_gemv_staged_kernel
 from peregrine.kernels.wna16_gemv_inplace import _wna16_gemv_inplace_kernel
 from peregrine.kernels.wna16_gemv_mma import _wna16_gemv_mma_kernel
+from peregrine.kernels.wna16_gemv_tc import wna16_gemv_tc_kernel
 from peregrine.layers.quantization.fp8 import Fp8BlockMethod, apply_fp8_linear, fp8_gemm_supported
 from peregrine.layers.quantization.int8 import apply_int8_linear
 from peregrine.layers.quantization.wna16 import WNA16LinearMethod, WNA16Layout
@@ -123,7 +124,7 @@ def test_split_k_is_deterministic_and_graph_capturable() -> None:
 def _gemv_compiles() -> int:
     return sum(_compiled(f) for f in (_wna16_gemv_fma_kernel, _wna16_gemv_mma_kernel,
                                       _wna16_gemv_inplace_kernel, _wna16_gemv_half2_kernel,
-                                      _wna16_gemv_staged_kernel))
+                                      _wna16_gemv_staged_kernel, wna16_gemv_tc_kernel))
 
 
 @pytest.mark.parametrize("bits", [4, 6, 8])  # 8-bit: in place up to 2 rows, fma above
@@ -134,9 +135,13 @@ def test_nothing_compiles_after_load_time_precompile(bits: int) -> None:
     before = _gemv_compiles()
     for m in range(1, GEMV_MAX_M + 1):
         wna16_gemv(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), w)
-    if bits in (4, 6):  # a down projection's one-row form, SiLU-and-mul inside
-        wna16_gemv(torch.randn(1, 2 * k, device=DEV, dtype=torch.bfloat16), w, gated=True)
+    h = torch.randn(1, 2 * k, device=DEV, dtype=torch.bfloat16)
+    if gated_supported(w, h):  # a down projection's one-row form, SiLU-and-mul inside
+        wna16_gemv(h, w, gated=True)
+    assert bits != 6 or gated_supported(w, h)
     assert _gemv_compiles() == before
+    if bits == 4:  # one row takes the tensor-core variant, compiled at load
+        assert _compiled(wna16_gemv_tc_kernel) > 0
 
 
 def _exact_err(got: torch.Tensor, x: torch.Tensor, w: WNA16Layout) -> float:
@@ -279,6 +284,13 @@ def test_tc_variant_within_an_output_ulp(shape: str, bits: int, zp: bool, dtype:
     assert _exact_err(wna16_gemv(big, w, variant="tc"), big, w) <= 1.0
     ragged = _layout(k, n - 40, bits, zp, dtype=dtype, group=group or k)
     assert _exact_err(wna16_gemv(x, ragged, variant="tc"), x, ragged) <= 1.0
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = wna16_gemv(x, w, variant="tc")
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(out, wna16_gemv(x, w, variant="tc"))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -287,13 +299,15 @@ def test_tc_variant_within_an_output_ulp(shape: str, bits: int, zp: bool, dtype:
 def test_gated_down_projection_is_the_activation_kernel_then_the_gemv(
         variant: str | None, dtype: torch.dtype) -> None:
     """Llama-3-8B's down projection of one gate-and-up row: silu(gate) * up computed inside the
-    GEMV gives the activation kernel's output fed to the same GEMV, bit for bit."""
+    GEMV gives the activation kernel's output fed to the same GEMV, bit for bit. The default
+    one-row variant (tensor cores) does not fuse it: there every lane would compute it, which
+    costs more than the activation kernel, so the layer runs that kernel first."""
     from peregrine.kernels.activation import silu_and_mul
     from peregrine.kernels.wna16_gemv import gated_supported
     k, n = SHAPES["down"]
     w = _layout(k, n, 4, True, dtype=dtype)
     h = torch.randn(1, 2 * k, device=DEV, dtype=dtype) * 3
-    assert gated_supported(w, h)
+    assert not gated_supported(w, h)
     got = wna16_gemv(h, w, variant=variant, gated=True)
     assert torch.equal(got, wna16_gemv(silu_and_mul(h), w, variant=variant))
 
