@@ -165,6 +165,11 @@ def _dependent_launch(index: int) -> dict:
     return _NO_PDL
 
 
+# Whether the short kernels that come right before a GEMV (RMSNorm, the decode merge,
+# SiLU-and-mul) let it be scheduled at their start, so that its programs read their first
+# weights while the short kernel runs (the tensor-core GEMV issues them before its wait).
+RELEASE_BEFORE_GEMV = False
+
 _NO_PDL = {"PDL": False}
 _PDL = {"PDL": True, "launch_pdl": True}
 

@@ -5,7 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import pdl_args, pdl_wait
+from peregrine.kernels import _utils
+from peregrine.kernels._utils import pdl_args, pdl_release, pdl_wait
 
 
 @triton.jit
@@ -16,7 +17,8 @@ def silu_mul(gate, up):
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter,
-                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr, RELEASE: tl.constexpr = False):
+    pdl_release(RELEASE)
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
@@ -38,7 +40,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x2.shape[0], inter, dtype=x.dtype, device=x.device)  # (N, I)
     block = 1024
     if x2.shape[0] > 0 and inter > 0:
+        pdl = pdl_args(x2)
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
             x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4,
-            **pdl_args(x2))
+            RELEASE=pdl["PDL"] and _utils.RELEASE_BEFORE_GEMV, **pdl)
     return out.view(*x.shape[:-1], inter)

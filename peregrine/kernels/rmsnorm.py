@@ -5,7 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import next_pow2, pdl_args, pdl_wait
+from peregrine.kernels import _utils
+from peregrine.kernels._utils import next_pow2, pdl_args, pdl_release, pdl_wait
 
 
 @triton.jit
@@ -13,7 +14,9 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, eps,
     stride_x, stride_res, stride_out, stride_new_res,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+    RELEASE: tl.constexpr = False,
 ):
+    pdl_release(RELEASE)
     offs = tl.arange(0, BLOCK)  # (BLOCK,)
     mask = offs < HIDDEN
     # NOTE: the weight is constant, so it is read before waiting for the kernel before (a
@@ -57,11 +60,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         new_res = torch.empty_like(out) if residual_out is None \
             else _out_rows(residual_out, x.shape)  # (N, H)
     if x2.shape[0] > 0:
+        pdl = pdl_args(x2)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out, new_res, eps,
             x2.stride(0), res2.stride(0), out.stride(0), new_res.stride(0),
             HIDDEN=hidden, BLOCK=next_pow2(hidden), HAS_RESIDUAL=residual is not None,
-            num_warps=min(16, max(1, next_pow2(hidden) // 256)), **pdl_args(x2),
+            num_warps=min(16, max(1, next_pow2(hidden) // 256)),
+            RELEASE=pdl["PDL"] and _utils.RELEASE_BEFORE_GEMV, **pdl,
         )
     out = out.view(x.shape)
     if residual is None:
