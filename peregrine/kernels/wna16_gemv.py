@@ -213,9 +213,6 @@ _TC_WARPS = 1
 _TC_WAVES = 15.0
 _TC_AHEAD = 4
 _TC_X_AHEAD = 4
-# Whether the tensor-core variant issues its first weight loads before it waits for the kernel
-# before (a wait predicated on them; else the compiler hoists the wait above every load).
-_TC_EARLY = False
 # Whether a down projection's one gate-and-up row takes the tensor-core variant gated (SiLU-and-
 # mul computed by every lane as it reads its inputs) when that variant is the one-row choice;
 # else the activation kernel runs first.
@@ -580,7 +577,7 @@ def _tc_launch(a: torch.Tensor, w: WNA16Layout, cfg: GemvConfig, gated: bool) ->
         a, w.qweight, w.scales, w.zeros if w.zeros is not None else w.scales, part, lock, out,
         n, k, cfg.split_k, cfg.k_iters, GROUP=w.group_size, HAS_ZP=w.zeros is not None,
         GATED=gated, V=v, WARPS=cfg.num_warps, HAS_SPLIT=cfg.split_k > 1,
-        BF16=a.dtype == torch.bfloat16, AHEAD=_TC_AHEAD, X_AHEAD=_TC_X_AHEAD, EARLY=_TC_EARLY,
+        BF16=a.dtype == torch.bfloat16, AHEAD=_TC_AHEAD, X_AHEAD=_TC_X_AHEAD,
         num_warps=cfg.num_warps, **pdl_args(a))
     return out
 

@@ -86,17 +86,6 @@ def _pdl_wait(PDL: gl.constexpr):
 
 
 @gluon.jit
-def _pdl_wait_after(PDL: gl.constexpr, a, b):
-    """_pdl_wait, issued once the loads of a and b have returned: the wait, predicated on them
-    both ways, cannot be hoisted above those loads by the compiler."""
-    if PDL:
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $1, $2; @p griddepcontrol.wait; "
-            "@!p griddepcontrol.wait; }", "=r,r,r", [a, b], dtype=gl.int32, is_pure=False,
-            pack=1)
-
-
-@gluon.jit
 def _pdl_release(PDL: gl.constexpr):
     if PDL:
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
@@ -387,7 +376,7 @@ def wna16_gemv_tc_kernel(
     N, K, SPLIT_K, CHUNKS,
     GROUP: gl.constexpr, HAS_ZP: gl.constexpr, GATED: gl.constexpr, V: gl.constexpr,
     WARPS: gl.constexpr, HAS_SPLIT: gl.constexpr, BF16: gl.constexpr, PDL: gl.constexpr,
-    AHEAD: gl.constexpr = 2, X_AHEAD: gl.constexpr = 2, EARLY: gl.constexpr = False,
+    AHEAD: gl.constexpr = 2, X_AHEAD: gl.constexpr = 2,
 ):
     """y (N,) of one row x (K,) (GATED: h (2K,)) and 4-bit weights in wna16.py's layout (K/8,
     N) words, (K/GROUP, N) scales and zero points. Program (tile, split) covers WARPS * 16V
@@ -421,10 +410,7 @@ def wna16_gemv_tc_kernel(
     # the first AHEAD steps' weights and the first group's scales (constant) before the wait
     wq_q = _ld_queue(wq, wq_step, last, AHEAD, V)
     sz_n = _ld_group(sa, za, V, HAS_ZP)
-    if EARLY:
-        _pdl_wait_after(PDL, wq_q[0][0], wq_q[AHEAD - 1][0])
-    else:
-        _pdl_wait(PDL)
+    _pdl_wait(PDL)
     x_q = _ld_x_queue(xa, K2, last, X_AHEAD, GATED, BF16)
     zero = gl.zeros([T], gl.float32, layout=L)
     ones = gl.full([T], 0x3F803F80 if BF16 else 0x3C003C00, gl.int32, layout=L)  # 1.0 pairs
