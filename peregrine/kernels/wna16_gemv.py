@@ -1,8 +1,15 @@
 """Split-K GEMV for weight-only int weights in layers/quantization/wna16.py's layout, for decode
 batches of at most GEMV_MAX_ROWS rows: y (M, N) = x (M, K) @ dequant(W) (K, N). Variants, chosen
-by wna16_gemv's `variant` argument; without one, half2_prefetch at one row of 4-bit weights and
-16-bit x, inplace or inplace_prefetch where they read the layout (4-bit weights; 8-bit up to 2
-rows; see _variant for which), else fma:
+by wna16_gemv's `variant` argument; without one, tc at one row of 4-bit weights and 16-bit x on
+a CUDA GPU where its shapes allow (else half2_prefetch there), inplace or inplace_prefetch where
+they read the layout (4-bit weights; 8-bit up to 2 rows; see _variant for which), else fma:
+
+tc (4 bits, one row, groups of a multiple of 128 inputs, sm_80+; wna16_gemv_tc.py, Gluon): the
+16x8x16 tensor-core MMA with every operand in registers, each lane reading its words and inputs
+straight into the registers the MMA takes them from; ~16 instructions a word against ~30 for
+half2_prefetch. One warp of 32 channels a program, the K split to fill ~15 programs per SM, the
+weights and inputs four 32-input steps ahead. A gated down projection is not fused by default
+(every lane would compute SiLU-and-mul; _TC_GATED).
 
 half2 (4 bits, one row, K blocks inside one group; wna16_gemv_half2.py): two values per
 instruction in fp16 pairs (dequantization and the products), the word's sum in float32;
