@@ -216,6 +216,10 @@ _STAGED_WAVES = 1.5
 # K split (into whole groups of 128 inputs) until at least _TC_WAVES programs run per SM, the
 # weights _TC_AHEAD steps (32 inputs each) and the inputs _TC_X_AHEAD steps ahead of the MMAs.
 _TC_V = 2
+# Rows the variant takes (B's 8 columns) and, of those, the most that the default sends to it
+# (more rows than one: measured at one row only so far).
+_TC_MAX_ROWS = 8
+_TC_ROWS = 1
 _TC_WARPS = 1
 _TC_WAVES = 15.0
 _TC_AHEAD = 4
@@ -279,11 +283,13 @@ def half2_supported(w: WNA16Layout, block_k: int | None = None) -> bool:
 
 
 def tc_supported(w: WNA16Layout, x: torch.Tensor) -> bool:
-    """Whether the tensor-core variant serves one row x of this layout: 4 bits without
-    act-order, groups of a multiple of 128 inputs, N a multiple of 8, 16-bit x, 16-byte aligned
-    tensors, a CUDA GPU (sm_80+)."""
+    """Whether the tensor-core variant serves the rows x (M, K) of this layout: at most
+    _TC_MAX_ROWS rows 16-byte aligned, 4 bits without act-order, groups of a multiple of 128
+    inputs, N a multiple of 8, 16-bit x, 16-byte aligned weights, a CUDA GPU (sm_80+)."""
     tensors = (x, w.qweight, w.scales) + ((w.zeros,) if w.zeros is not None else ())
-    return (w.bits == 4 and w.g_idx is None and w.in_features % 128 == 0
+    return (x.dim() == 2 and x.shape[0] <= _TC_MAX_ROWS and x.stride(-1) == 1
+            and (x.shape[0] == 1 or x.stride(0) % 8 == 0)
+            and w.bits == 4 and w.g_idx is None and w.in_features % 128 == 0
             and w.group_size % 128 == 0 and w.out_features % 8 == 0
             and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
             and _is_sm80_or_later(x.device.index if x.device.index is not None
@@ -378,12 +384,12 @@ def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
                          f"(6-bit ones but for half2_staged) without act-order, K blocks inside "
                          f"one group; got {x.shape[0]} rows, {w.bits} bits, group "
                          f"{w.group_size}")
-    if variant == "tc" and not (x.shape[0] == 1 and tc_supported(w, x)):
-        raise ValueError(f"wna16_gemv: the tc variant takes one row of 16-bit x and 4-bit "
-                         f"weights in groups of a multiple of 128 inputs without act-order, N a "
-                         f"multiple of 8, 16-byte aligned tensors, on a CUDA GPU (sm_80+); got "
-                         f"{x.shape[0]} rows, {x.dtype}, {w.bits} bits, group {w.group_size}, "
-                         f"N {w.out_features}")
+    if variant == "tc" and not tc_supported(w, x):
+        raise ValueError(f"wna16_gemv: the tc variant takes at most {_TC_MAX_ROWS} rows of "
+                         f"16-bit x and 4-bit weights in groups of a multiple of 128 inputs "
+                         f"without act-order, N a multiple of 8, 16-byte aligned tensors, on a "
+                         f"CUDA GPU (sm_80+); got {x.shape[0]} rows, {x.dtype}, {w.bits} bits, "
+                         f"group {w.group_size}, N {w.out_features}")
     if variant in ("inplace", "inplace_prefetch") and not inplace_supported(w, block_k):
         raise ValueError(f"wna16_gemv: the inplace variant takes 4 / 8-bit weights without "
                          f"act-order and K blocks inside one group; got {w.bits} bits, group "
@@ -407,6 +413,8 @@ def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
         if chosen is None and tc_supported(w, x):
             chosen = "tc"
         return chosen or "half2_prefetch"
+    if 1 < rows <= _TC_ROWS and w.bits == 4 and tc_supported(w, x):
+        return "tc"
     # One row of 6-bit weights: the packed-half form too (the high bits OR-ed into the pairs).
     if (rows == 1 and w.bits == 6 and x.dtype in (torch.bfloat16, torch.float16)
             and half2_supported(w, block_k)):
@@ -580,9 +588,11 @@ def _tc_launch(a: torch.Tensor, w: WNA16Layout, cfg: GemvConfig, gated: bool) ->
                          f"not the {k} inputs")
     tiles = triton.cdiv(n, cfg.block_n)
     out, part, lock = launch_buffers(a, n, tiles, cfg.split_k)
+    m = a.shape[0]
     wna16_gemv_tc_kernel[(tiles, cfg.split_k)](
         a, w.qweight, w.scales, w.zeros if w.zeros is not None else w.scales, part, lock, out,
-        n, k, cfg.split_k, cfg.k_iters, GROUP=w.group_size, HAS_ZP=w.zeros is not None,
+        m, n, k, a.stride(0), cfg.split_k, cfg.k_iters, ROWS=1 if m == 1 else _TC_MAX_ROWS,
+        GROUP=w.group_size, HAS_ZP=w.zeros is not None,
         GATED=gated, V=v, WARPS=cfg.num_warps, HAS_SPLIT=cfg.split_k > 1,
         BF16=a.dtype == torch.bfloat16, AHEAD=_TC_AHEAD, X_AHEAD=_TC_X_AHEAD,
         num_warps=cfg.num_warps, **pdl_args(a))

@@ -15,12 +15,13 @@ that a lane's words land in the registers the MMA reads:
   OR-ed into the mantissa of 128 for bf16, 1024 for fp16: exactly magic + q). A dot product
   does not care in which order its inputs are summed, so the MMA's input order is a permutation
   of K chosen to fit: inputs 8r + {0, 4, 1, 5} and 8r + {2, 6, 3, 7} of word row r.
-- B (x): every column is the same row x, so each lane reads the 8 inputs of its word row
-  (16 bytes) and two byte permutes make the same pairs. All of C's columns are then equal;
-  a lane keeps two of its four sums (rows g and g + 8).
+- B (x): column g is x's row g (up to 8 rows; at one row every column is the same row), so
+  each lane reads its row's 8 inputs of its word row (16 bytes) and two byte permutes make the
+  same pairs. Lane 4g + t's four sums are then rows g and g + 8 (two channels) of columns 2t
+  and 2t + 1 (two rows of x).
 - The magic offset and the zero point come out once a group: the MMA sums
   sum_k (magic + q_k) x_k, a second MMA with all-ones weights sums sum_k x_k = X, and
-  y += scale * (acc - (magic + zero) * X) once per 128 inputs (float32).
+  y += scale * (acc - (magic + zero) * X) once per 128 inputs (float32), X per row of x.
 
 A lane reads 2V adjacent channels of its word row: V for the tile's rows g, V for rows g + 8,
 so a warp covers 16V channels (V M-tiles) and a program WARPS warps side by side; each warp
@@ -263,22 +264,25 @@ def _fix(y, a, x_sum, s_words, z_words, j: gl.constexpr, HAS_ZP: gl.constexpr,
 
 
 @gluon.jit
-def _group_done(y, acc, cx, sz, V: gl.constexpr, HAS_ZP: gl.constexpr, BF16: gl.constexpr):
-    """y (8 float32 sums) plus a group's scaled sums, the magic + zero point taken out."""
+def _group_done(y, acc, cx, sz, R: gl.constexpr, V: gl.constexpr, HAS_ZP: gl.constexpr,
+                BF16: gl.constexpr):
+    """y (8 float32 sums of x's row 2t + R: channels of rows g of M-tiles 0..3, then rows g + 8)
+    plus a group's scaled sums, the magic + zero point taken out: C's register R (column 2t + R)
+    of rows g, register 2 + R of rows g + 8, and the input sum's register R."""
     MAGIC: gl.constexpr = 128.0 if BF16 else 1024.0
     s_w, z_w = sz
-    xs = cx[0]
-    y0 = _fix(y[0], acc[0][0], xs, s_w, z_w, 0, HAS_ZP, BF16, MAGIC)
-    y4 = _fix(y[4], acc[0][2], xs, s_w, z_w, V, HAS_ZP, BF16, MAGIC)
+    xs = cx[R]
+    y0 = _fix(y[0], acc[0][R], xs, s_w, z_w, 0, HAS_ZP, BF16, MAGIC)
+    y4 = _fix(y[4], acc[0][2 + R], xs, s_w, z_w, V, HAS_ZP, BF16, MAGIC)
     y1, y2, y3, y5, y6, y7 = y[1], y[2], y[3], y[5], y[6], y[7]
     if V >= 2:
-        y1 = _fix(y[1], acc[1][0], xs, s_w, z_w, 1, HAS_ZP, BF16, MAGIC)
-        y5 = _fix(y[5], acc[1][2], xs, s_w, z_w, V + 1, HAS_ZP, BF16, MAGIC)
+        y1 = _fix(y[1], acc[1][R], xs, s_w, z_w, 1, HAS_ZP, BF16, MAGIC)
+        y5 = _fix(y[5], acc[1][2 + R], xs, s_w, z_w, V + 1, HAS_ZP, BF16, MAGIC)
     if V == 4:
-        y2 = _fix(y[2], acc[2][0], xs, s_w, z_w, 2, HAS_ZP, BF16, MAGIC)
-        y3 = _fix(y[3], acc[3][0], xs, s_w, z_w, 3, HAS_ZP, BF16, MAGIC)
-        y6 = _fix(y[6], acc[2][2], xs, s_w, z_w, 6, HAS_ZP, BF16, MAGIC)
-        y7 = _fix(y[7], acc[3][2], xs, s_w, z_w, 7, HAS_ZP, BF16, MAGIC)
+        y2 = _fix(y[2], acc[2][R], xs, s_w, z_w, 2, HAS_ZP, BF16, MAGIC)
+        y3 = _fix(y[3], acc[3][R], xs, s_w, z_w, 3, HAS_ZP, BF16, MAGIC)
+        y6 = _fix(y[6], acc[2][2 + R], xs, s_w, z_w, 6, HAS_ZP, BF16, MAGIC)
+        y7 = _fix(y[7], acc[3][2 + R], xs, s_w, z_w, 7, HAS_ZP, BF16, MAGIC)
     return y0, y1, y2, y3, y4, y5, y6, y7
 
 
@@ -370,18 +374,21 @@ def _ld_x_queue(xa, K2, last, N: gl.constexpr, GATED: gl.constexpr, BF16: gl.con
     return r
 
 
-@gluon.jit(do_not_specialize=["SPLIT_K", "CHUNKS"])
+@gluon.jit(do_not_specialize=["M", "stride_am", "SPLIT_K", "CHUNKS"])
 def wna16_gemv_tc_kernel(
     a_ptr, q_ptr, s_ptr, z_ptr, part_ptr, lock_ptr, c_ptr,
-    N, K, SPLIT_K, CHUNKS,
+    M, N, K, stride_am, SPLIT_K, CHUNKS,
     GROUP: gl.constexpr, HAS_ZP: gl.constexpr, GATED: gl.constexpr, V: gl.constexpr,
     WARPS: gl.constexpr, HAS_SPLIT: gl.constexpr, BF16: gl.constexpr, PDL: gl.constexpr,
-    AHEAD: gl.constexpr = 2, X_AHEAD: gl.constexpr = 2,
+    AHEAD: gl.constexpr = 2, X_AHEAD: gl.constexpr = 2, ROWS: gl.constexpr = 1,
 ):
-    """y (N,) of one row x (K,) (GATED: h (2K,)) and 4-bit weights in wna16.py's layout (K/8,
-    N) words, (K/GROUP, N) scales and zero points. Program (tile, split) covers WARPS * 16V
-    channels and the CHUNKS groups of 128 inputs from split * CHUNKS * 128; N is a multiple
-    of 2V (the lane's channels are all there or all past N)."""
+    """y (M, N) of M <= ROWS <= 8 rows x (M, K) (GATED: h (M, 2K)), rows stride_am apart, and
+    4-bit weights in wna16.py's layout (K/8, N) words, (K/GROUP, N) scales and zero points; the
+    output and the partials (split, M, N) are contiguous. B's column g is x's row g (the last row
+    again past M); lane 4g + t then holds C's columns 2t and 2t + 1: rows 2t and 2t + 1's sums.
+    Program (tile, split) covers WARPS * 16V channels and the CHUNKS groups of 128 inputs from
+    split * CHUNKS * 128; N is a multiple of 2V (the lane's channels are all there or all past
+    N)."""
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     idx = gl.arange(0, T, layout=L)
@@ -398,7 +405,9 @@ def wna16_gemv_tc_kernel(
     q_base = q_ptr.to(gl.int64)
     wq = q_base + (word0.to(gl.int64) * N + n_ld) * 4
     wq_step = (16 * N).to(gl.int64)  # 4 word rows
-    xa = a_ptr.to(gl.int64) + word0.to(gl.int64) * 16
+    xa = a_ptr.to(gl.int64) + word0.to(gl.int64) * 16  # ROWS == 1: every column is row 0
+    if ROWS > 1:  # B's column g: x's row g, the last row again past M
+        xa += gl.minimum(g, M - 1).to(gl.int64) * stride_am * 2
     K2 = K * 2
     grp0 = (split * CHUNKS * 128) // GROUP
     sa = s_ptr.to(gl.int64) + ((grp0 * N).to(gl.int64) + n_ld) * 2
@@ -414,7 +423,8 @@ def wna16_gemv_tc_kernel(
     x_q = _ld_x_queue(xa, K2, last, X_AHEAD, GATED, BF16)
     zero = gl.zeros([T], gl.float32, layout=L)
     ones = gl.full([T], 0x3F803F80 if BF16 else 0x3C003C00, gl.int32, layout=L)  # 1.0 pairs
-    y = (zero, zero, zero, zero, zero, zero, zero, zero)
+    y = (zero, zero, zero, zero, zero, zero, zero, zero)  # rows 2t
+    y_odd = y  # rows 2t + 1 (ROWS > 1)
     for c in range(CHUNKS):
         sz = sz_n
         # the next group's scales (this one's again at the end)
@@ -434,11 +444,25 @@ def wna16_gemv_tc_kernel(
             wq_q = _push(wq_q, _ld_step(wq + nxt * wq_step, V), AHEAD)
             x_q = _push(x_q, _ld_x(xa + x_nxt * 64, K2, GATED, BF16), X_AHEAD)
             acc, cx = _step(acc, cx, ones, w_c, x_c, V, BF16)
-        y = _group_done(y, acc, cx, sz, V, HAS_ZP, BF16)
+        y = _group_done(y, acc, cx, sz, 0, V, HAS_ZP, BF16)
+        if ROWS > 1:
+            y_odd = _group_done(y_odd, acc, cx, sz, 1, V, HAS_ZP, BF16)
     _pdl_release(PDL)
-    first = n_ok & (t == 0)  # lanes 4g + t hold the same sums; t == 0 stores them
+    if ROWS == 1:  # every lane 4g + t holds row 0's sums: t == 0 stores them
+        n_rows = 1
+        row = 0
+        ok_even = n_ok & (t == 0)
+        ok_odd = ok_even
+    else:  # lane 4g + t holds rows 2t and 2t + 1
+        n_rows = M
+        row = 2 * t
+        ok_even = n_ok & (row < M)
+        ok_odd = n_ok & (row + 1 < M)
     if HAS_SPLIT:
-        _store(part_ptr + split.to(gl.int64) * N, n_lane, y, first, V, False)
+        base = part_ptr + (split * n_rows).to(gl.int64) * N
+        _store(base + row * N, n_lane, y, ok_even, V, False)
+        if ROWS > 1:
+            _store(base + (row + 1).to(gl.int64) * N, n_lane, y_odd, ok_odd, V, False)
         # NOTE: every thread's partial stores are issued before the ticket (barrier), and the
         # ticket is a gpu-scope acq_rel atomic, so the last program sees all partials (read
         # from L2, never a stale L1 line).
@@ -450,21 +474,24 @@ def wna16_gemv_tc_kernel(
             LC: gl.constexpr = gl.BlockedLayout([PER], [32], [WARPS], [0])
             offs_n = pid_n * TILE + gl.arange(0, TILE, layout=LC)
             n_mask = offs_n < N
-            total = gl.zeros([TILE], gl.float32, layout=LC)
-            for s0 in range(0, SPLIT_K, 4):  # four partials' loads in flight, added in order
-                q0 = gl.load(part_ptr + (s0 * N + offs_n), mask=n_mask, other=0.0,
-                             cache_modifier=".cg")
-                q1 = gl.load(part_ptr + ((s0 + 1) * N + offs_n),
-                             mask=n_mask & (s0 + 1 < SPLIT_K), other=0.0, cache_modifier=".cg")
-                q2 = gl.load(part_ptr + ((s0 + 2) * N + offs_n),
-                             mask=n_mask & (s0 + 2 < SPLIT_K), other=0.0, cache_modifier=".cg")
-                q3 = gl.load(part_ptr + ((s0 + 3) * N + offs_n),
-                             mask=n_mask & (s0 + 3 < SPLIT_K), other=0.0, cache_modifier=".cg")
-                total += q0
-                total += q1
-                total += q2
-                total += q3
-            gl.store(c_ptr + offs_n, total.to(c_ptr.dtype.element_ty), mask=n_mask)
+            for m in range(n_rows):
+                total = gl.zeros([TILE], gl.float32, layout=LC)
+                for s0 in range(0, SPLIT_K, 4):  # four partials' loads in flight, in order
+                    r0 = (s0 * n_rows + m) * N + offs_n
+                    q0 = gl.load(part_ptr + r0, mask=n_mask, other=0.0, cache_modifier=".cg")
+                    q1 = gl.load(part_ptr + (r0 + n_rows * N), mask=n_mask & (s0 + 1 < SPLIT_K),
+                                 other=0.0, cache_modifier=".cg")
+                    q2 = gl.load(part_ptr + (r0 + 2 * n_rows * N),
+                                 mask=n_mask & (s0 + 2 < SPLIT_K), other=0.0, cache_modifier=".cg")
+                    q3 = gl.load(part_ptr + (r0 + 3 * n_rows * N),
+                                 mask=n_mask & (s0 + 3 < SPLIT_K), other=0.0, cache_modifier=".cg")
+                    total += q0
+                    total += q1
+                    total += q2
+                    total += q3
+                gl.store(c_ptr + m * N + offs_n, total.to(c_ptr.dtype.element_ty), mask=n_mask)
             gl.atomic_xchg(lock_ptr + pid_n, 0)
     else:
-        _store(c_ptr, n_lane, y, first, V, True)
+        _store(c_ptr + row * N, n_lane, y, ok_even, V, True)
+        if ROWS > 1:
+            _store(c_ptr + (row + 1).to(gl.int64) * N, n_lane, y_odd, ok_odd, V, True)

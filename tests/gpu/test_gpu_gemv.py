@@ -293,6 +293,28 @@ def test_tc_variant_within_an_output_ulp(shape: str, bits: int, zp: bool, dtype:
     assert torch.equal(out, wna16_gemv(x, w, variant="tc"))
 
 
+@pytest.mark.parametrize("m", (2, 3, 5, 8))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_tc_variant_takes_up_to_8_rows(shape: str, dtype: torch.dtype, m: int) -> None:
+    """B's 8 columns are x's rows: 2 to 8 rows within one output ulp of the exact product at
+    every Llama-3-8B shape, one split and several, and the gated form (rows 2K apart) bit for
+    bit against the activation kernel then the GEMV."""
+    from peregrine.kernels.activation import silu_and_mul
+    from peregrine.kernels.gemv import GemvConfig
+    k, n = SHAPES[shape]
+    w = _layout(k, n, 4, True, dtype=dtype)
+    x = torch.randn(m, k, device=DEV, dtype=dtype)
+    got = wna16_gemv(x, w, variant="tc")
+    assert got.shape == (m, n) and _exact_err(got, x, w) <= 1.0
+    one = GemvConfig(32, 128, 1, k // 128, 1)
+    assert _exact_err(wna16_gemv(x, w, one, variant="tc"), x, w) <= 1.0
+    if shape == "down":
+        h = torch.randn(m, 2 * k, device=DEV, dtype=dtype) * 3
+        assert torch.equal(wna16_gemv(h, w, variant="tc", gated=True),
+                           wna16_gemv(silu_and_mul(h), w, variant="tc"))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("variant", [None, "half2", "half2_prefetch2", "half2_async",
                                      "half2_staged", "tc"])

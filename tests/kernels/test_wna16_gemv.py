@@ -453,7 +453,7 @@ def test_tc_variant_is_refused_off_the_gpu_and_its_splits_cover_k_in_whole_group
     split always divides the groups of 128 inputs, whatever the tile count asks for."""
     w = _layout(4, 128, zp=True, dtype=torch.bfloat16)
     x = _x(1).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="tc variant takes one row of 16-bit x"):
+    with pytest.raises(ValueError, match="tc variant takes at most 8 rows of 16-bit x"):
         wna16_gemv(x, w, variant="tc")
     monkeypatch.setenv("PEREGRINE_WNA16_GEMV", "tc")
     assert wna16_gemv_module._variant(w, x, None, None) == "half2_prefetch"
