@@ -284,12 +284,13 @@ def half2_supported(w: WNA16Layout, block_k: int | None = None) -> bool:
 
 def tc_supported(w: WNA16Layout, x: torch.Tensor) -> bool:
     """Whether the tensor-core variant serves the rows x (M, K) of this layout: at most
-    _TC_MAX_ROWS rows 16-byte aligned, 4 bits without act-order, groups of a multiple of 128
-    inputs, N a multiple of 8, 16-bit x, 16-byte aligned weights, a CUDA GPU (sm_80+)."""
-    tensors = (x, w.qweight, w.scales) + ((w.zeros,) if w.zeros is not None else ())
+    _TC_MAX_ROWS rows 16-byte aligned, 4 or 6 bits without act-order, groups of a multiple of
+    128 inputs, N a multiple of 8, 16-bit x, 16-byte aligned weights, a CUDA GPU (sm_80+)."""
+    tensors = (x, w.qweight, w.scales) + tuple(t for t in (w.zeros, w.qweight_hi)
+                                               if t is not None)
     return (x.dim() == 2 and x.shape[0] <= _TC_MAX_ROWS and x.stride(-1) == 1
             and (x.shape[0] == 1 or x.stride(0) % 8 == 0)
-            and w.bits == 4 and w.g_idx is None and w.in_features % 128 == 0
+            and w.bits in (4, 6) and w.g_idx is None and w.in_features % 128 == 0
             and w.group_size % 128 == 0 and w.out_features % 8 == 0
             and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
             and _is_sm80_or_later(x.device.index if x.device.index is not None
@@ -413,12 +414,13 @@ def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
         if chosen is None and tc_supported(w, x):
             chosen = "tc"
         return chosen or "half2_prefetch"
-    if 1 < rows <= _TC_ROWS and w.bits == 4 and tc_supported(w, x):
+    if 1 < rows <= _TC_ROWS and tc_supported(w, x):
         return "tc"
     # One row of 6-bit weights: the packed-half form too (the high bits OR-ed into the pairs).
     if (rows == 1 and w.bits == 6 and x.dtype in (torch.bfloat16, torch.float16)
             and half2_supported(w, block_k)):
-        return "half2_prefetch"
+        chosen = _one_row_variant()
+        return "tc" if chosen == "tc" and tc_supported(w, x) else "half2_prefetch"
     if not inplace_supported(w, block_k) or (w.bits == 8 and rows > 2):
         return "fma"
     if (w.bits == 4 and rows > 2) or (w.bits == 8 and rows == 1):
@@ -590,9 +592,10 @@ def _tc_launch(a: torch.Tensor, w: WNA16Layout, cfg: GemvConfig, gated: bool) ->
     out, part, lock = launch_buffers(a, n, tiles, cfg.split_k)
     m = a.shape[0]
     wna16_gemv_tc_kernel[(tiles, cfg.split_k)](
-        a, w.qweight, w.scales, w.zeros if w.zeros is not None else w.scales, part, lock, out,
+        a, w.qweight, w.qweight_hi if w.qweight_hi is not None else w.qweight, w.scales,
+        w.zeros if w.zeros is not None else w.scales, part, lock, out,
         m, n, k, a.stride(0), cfg.split_k, cfg.k_iters, ROWS=1 if m == 1 else _TC_MAX_ROWS,
-        GROUP=w.group_size, HAS_ZP=w.zeros is not None,
+        GROUP=w.group_size, HAS_ZP=w.zeros is not None, BITS=w.bits,
         GATED=gated, V=v, WARPS=cfg.num_warps, HAS_SPLIT=cfg.split_k > 1,
         BF16=a.dtype == torch.bfloat16, AHEAD=_TC_AHEAD, X_AHEAD=_TC_X_AHEAD,
         num_warps=cfg.num_warps, **pdl_args(a))

@@ -23,6 +23,10 @@ that a lane's words land in the registers the MMA reads:
   sum_k (magic + q_k) x_k, a second MMA with all-ones weights sums sum_k x_k = X, and
   y += scale * (acc - (magic + zero) * X) once per 128 inputs (float32), X per row of x.
 
+6-bit weights (the layout's second plane holds each value's two high bits, 16 values a word):
+a lane also reads the second plane's words of its channels, and each pair takes its high bits
+with one shift and one lop3 more (a byte permute a word spreads the word row's half first).
+
 A lane reads 2V adjacent channels of its word row: V for the tile's rows g, V for rows g + 8,
 so a warp covers 16V channels (V M-tiles) and a program WARPS warps side by side; each warp
 runs the program's whole K range (CHUNKS groups of 128 inputs), the weights AHEAD steps ahead
@@ -54,6 +58,36 @@ def _tile_asm(bf16: bool) -> str:
     return "\n".join(lines)
 
 
+def _tile6_asm(bf16: bool) -> str:
+    """PTX: 6-bit values, the low nibbles in words $4 (rows g) and $5 (rows g + 8), the high
+    two bits in the second plane's words $6 and $7, whose half for this word row the byte
+    selector $8 picks; otherwise as _tile_asm (B pairs $9..$12, sums $13..$16; out $0..$3).
+    A pair (p, p + 4) takes its high bits from bits 2p and 16 + 2p of the picked half spread
+    by prmt (values 0-3 in byte 0, 4-7 in byte 2), shifted to bits 4 and 20."""
+    magic = "0x43004300" if bf16 else "0x64006400"
+    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{'bf16.bf16' if bf16 else 'f16.f16'}.f32"
+    lines = ["{", ".reg .b32 l0, l1, l2, l3, h0, h1, h2, h3, t, u, cl, ch, z;", "mov.b32 z, 0;",
+             "prmt.b32 cl, $6, z, $8;", "prmt.b32 ch, $7, z, $8;"]
+    for src, top, dst in (("$4", "cl", "l"), ("$5", "ch", "h")):
+        for j in range(4):
+            if j:
+                lines.append(f"shr.u32 t, {src}, {4 * j};")
+            lines.append(f"lop3.b32 {dst}{j}, {'t' if j else src}, 0x000F000F, {magic}, 0xEA;")
+            shift = 4 - 2 * j
+            if shift > 0:
+                lines.append(f"shl.b32 u, {top}, {shift};")
+            elif shift < 0:
+                lines.append(f"shr.u32 u, {top}, {-shift};")
+            lines.append(f"lop3.b32 {dst}{j}, {'u' if shift else top}, 0x00300030, {dst}{j}, "
+                         "0xEA;")
+    lines.append(f"{mma} {{$0, $1, $2, $3}}, {{l0, h0, l1, h1}}, {{$9, $10}}, "
+                 "{$13, $14, $15, $16};")
+    lines.append(f"{mma} {{$0, $1, $2, $3}}, {{l2, h2, l3, h3}}, {{$11, $12}}, "
+                 "{$0, $1, $2, $3};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
 def _sum_asm(bf16: bool) -> str:
     """PTX: the step's input sum onto C's registers $9..$12 with all-ones weights ($4, four
     copies of 1.0 pairs) and B pairs $5..$8; out $0..$3."""
@@ -66,6 +100,8 @@ def _sum_asm(bf16: bool) -> str:
 
 _TILE_BF16 = gl.constexpr(_tile_asm(True))
 _TILE_F16 = gl.constexpr(_tile_asm(False))
+_TILE6_BF16 = gl.constexpr(_tile6_asm(True))
+_TILE6_F16 = gl.constexpr(_tile6_asm(False))
 _SUM_BF16 = gl.constexpr(_sum_asm(True))
 _SUM_F16 = gl.constexpr(_sum_asm(False))
 # x's words (x0 x1), (x2 x3), (x4 x5), (x6 x7) -> the B pairs (x0 x4), (x1 x5), (x2 x6), (x3 x7)
@@ -208,18 +244,45 @@ def _tile(lo, hi, b, c, BF16: gl.constexpr):
 
 
 @gluon.jit
-def _step(acc, cx, ones, w, b, V: gl.constexpr, BF16: gl.constexpr):
+def _tile6(lo, hi, plo, phi, sel, b, c, BF16: gl.constexpr):
+    """_tile for 6-bit values: plo, phi the second plane's words, sel the lane's half."""
+    if BF16:
+        r = gl.inline_asm_elementwise(
+            _TILE6_BF16, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,r,f,f,f,f",
+            [lo, hi, plo, phi, sel, b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3]],
+            dtype=(gl.float32,) * 4, is_pure=True, pack=1)
+    else:
+        r = gl.inline_asm_elementwise(
+            _TILE6_F16, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,r,f,f,f,f",
+            [lo, hi, plo, phi, sel, b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3]],
+            dtype=(gl.float32,) * 4, is_pure=True, pack=1)
+    return r[0], r[1], r[2], r[3]
+
+
+@gluon.jit
+def _tiles(w, i: gl.constexpr, b, c, sel, BITS: gl.constexpr, BF16: gl.constexpr):
+    """M-tile i's step: its words (rows g: slot i, rows g + 8: slot 4 + i) of the step's item w
+    (4 bits: the 8 slots; 6 bits: (the slots, the second plane's slots))."""
+    if BITS == 6:
+        r = _tile6(w[0][i], w[0][4 + i], w[1][i], w[1][4 + i], sel, b, c, BF16)
+    else:
+        r = _tile(w[i], w[4 + i], b, c, BF16)
+    return r
+
+
+@gluon.jit
+def _step(acc, cx, ones, w, b, sel, V: gl.constexpr, BF16: gl.constexpr, BITS: gl.constexpr):
     """One step's MMAs: acc (V M-tiles' C registers, 4 each; a tuple of 4) and cx (the input
     sum's) onto the words w (8: rows g of M-tiles 0..3, then rows g + 8) and B pairs b (4)."""
-    a0 = _tile(w[0], w[4], b, acc[0], BF16)
+    a0 = _tiles(w, 0, b, acc[0], sel, BITS, BF16)
     a1 = acc[1]
     a2 = acc[2]
     a3 = acc[3]
     if V >= 2:
-        a1 = _tile(w[1], w[5], b, acc[1], BF16)
+        a1 = _tiles(w, 1, b, acc[1], sel, BITS, BF16)
     if V == 4:
-        a2 = _tile(w[2], w[6], b, acc[2], BF16)
-        a3 = _tile(w[3], w[7], b, acc[3], BF16)
+        a2 = _tiles(w, 2, b, acc[2], sel, BITS, BF16)
+        a3 = _tiles(w, 3, b, acc[3], sel, BITS, BF16)
     if BF16:
         r = gl.inline_asm_elementwise(_SUM_BF16, "=f,=f,=f,=f,r,r,r,r,r,f,f,f,f",
                                       [ones, b[0], b[1], b[2], b[3], cx[0], cx[1], cx[2], cx[3]],
@@ -254,35 +317,36 @@ def _channel(words, j: gl.constexpr, BF16: gl.constexpr):
 
 @gluon.jit
 def _fix(y, a, x_sum, s_words, z_words, j: gl.constexpr, HAS_ZP: gl.constexpr,
-         BF16: gl.constexpr, MAGIC: gl.constexpr):
+         BF16: gl.constexpr, MAGIC: gl.constexpr, HALF: gl.constexpr):
     s = _channel(s_words, j, BF16)
     if HAS_ZP:
         zc = _channel(z_words, j, BF16) + MAGIC
     else:
-        zc = MAGIC + 8.0
+        zc = MAGIC + HALF
     return y + s * (a - zc * x_sum)
 
 
 @gluon.jit
 def _group_done(y, acc, cx, sz, R: gl.constexpr, V: gl.constexpr, HAS_ZP: gl.constexpr,
-                BF16: gl.constexpr):
+                BF16: gl.constexpr, BITS: gl.constexpr):
     """y (8 float32 sums of x's row 2t + R: channels of rows g of M-tiles 0..3, then rows g + 8)
     plus a group's scaled sums, the magic + zero point taken out: C's register R (column 2t + R)
     of rows g, register 2 + R of rows g + 8, and the input sum's register R."""
     MAGIC: gl.constexpr = 128.0 if BF16 else 1024.0
+    HALF: gl.constexpr = 32.0 if BITS == 6 else 8.0  # the zero point without one
     s_w, z_w = sz
     xs = cx[R]
-    y0 = _fix(y[0], acc[0][R], xs, s_w, z_w, 0, HAS_ZP, BF16, MAGIC)
-    y4 = _fix(y[4], acc[0][2 + R], xs, s_w, z_w, V, HAS_ZP, BF16, MAGIC)
+    y0 = _fix(y[0], acc[0][R], xs, s_w, z_w, 0, HAS_ZP, BF16, MAGIC, HALF)
+    y4 = _fix(y[4], acc[0][2 + R], xs, s_w, z_w, V, HAS_ZP, BF16, MAGIC, HALF)
     y1, y2, y3, y5, y6, y7 = y[1], y[2], y[3], y[5], y[6], y[7]
     if V >= 2:
-        y1 = _fix(y[1], acc[1][R], xs, s_w, z_w, 1, HAS_ZP, BF16, MAGIC)
-        y5 = _fix(y[5], acc[1][2 + R], xs, s_w, z_w, V + 1, HAS_ZP, BF16, MAGIC)
+        y1 = _fix(y[1], acc[1][R], xs, s_w, z_w, 1, HAS_ZP, BF16, MAGIC, HALF)
+        y5 = _fix(y[5], acc[1][2 + R], xs, s_w, z_w, V + 1, HAS_ZP, BF16, MAGIC, HALF)
     if V == 4:
-        y2 = _fix(y[2], acc[2][R], xs, s_w, z_w, 2, HAS_ZP, BF16, MAGIC)
-        y3 = _fix(y[3], acc[3][R], xs, s_w, z_w, 3, HAS_ZP, BF16, MAGIC)
-        y6 = _fix(y[6], acc[2][2 + R], xs, s_w, z_w, 6, HAS_ZP, BF16, MAGIC)
-        y7 = _fix(y[7], acc[3][2 + R], xs, s_w, z_w, 7, HAS_ZP, BF16, MAGIC)
+        y2 = _fix(y[2], acc[2][R], xs, s_w, z_w, 2, HAS_ZP, BF16, MAGIC, HALF)
+        y3 = _fix(y[3], acc[3][R], xs, s_w, z_w, 3, HAS_ZP, BF16, MAGIC, HALF)
+        y6 = _fix(y[6], acc[2][2 + R], xs, s_w, z_w, 6, HAS_ZP, BF16, MAGIC, HALF)
+        y7 = _fix(y[7], acc[3][2 + R], xs, s_w, z_w, 7, HAS_ZP, BF16, MAGIC, HALF)
     return y0, y1, y2, y3, y4, y5, y6, y7
 
 
@@ -327,25 +391,43 @@ def _push(q, item, N: gl.constexpr):
 
 
 @gluon.jit
-def _ld_queue(wq, wq_step, last, N: gl.constexpr, V: gl.constexpr):
-    """Steps 0..N-1's words (2, 4, 6 or 8 steps; past the last step the last again)."""
-    q0 = _ld_step(wq, V)
-    q1 = _ld_step(wq + gl.minimum(1, last) * wq_step, V)
+def _ld_item(wq, hq, V: gl.constexpr, BITS: gl.constexpr):
+    """A step's words (6 bits: and the second plane's, as a pair of tuples)."""
+    if BITS == 6:
+        r = (_ld_step(wq, V), _ld_step(hq, V))
+    else:
+        r = _ld_step(wq, V)
+    return r
+
+
+@gluon.jit
+def _ld_queue(wq, wq_step, hq, hq_step, last, N: gl.constexpr, V: gl.constexpr,
+              BITS: gl.constexpr):
+    """Steps 0..N-1's items (2, 4, 6 or 8 steps; past the last step the last again)."""
+    q0 = _ld_item(wq, hq, V, BITS)
+    i1 = gl.minimum(1, last)
+    q1 = _ld_item(wq + i1 * wq_step, hq + i1 * hq_step, V, BITS)
     if N == 2:
         r = (q0, q1)
     else:
-        q2 = _ld_step(wq + gl.minimum(2, last) * wq_step, V)
-        q3 = _ld_step(wq + gl.minimum(3, last) * wq_step, V)
+        i2 = gl.minimum(2, last)
+        i3 = gl.minimum(3, last)
+        q2 = _ld_item(wq + i2 * wq_step, hq + i2 * hq_step, V, BITS)
+        q3 = _ld_item(wq + i3 * wq_step, hq + i3 * hq_step, V, BITS)
         if N == 4:
             r = (q0, q1, q2, q3)
         else:
-            q4 = _ld_step(wq + gl.minimum(4, last) * wq_step, V)
-            q5 = _ld_step(wq + gl.minimum(5, last) * wq_step, V)
+            i4 = gl.minimum(4, last)
+            i5 = gl.minimum(5, last)
+            q4 = _ld_item(wq + i4 * wq_step, hq + i4 * hq_step, V, BITS)
+            q5 = _ld_item(wq + i5 * wq_step, hq + i5 * hq_step, V, BITS)
             if N == 6:
                 r = (q0, q1, q2, q3, q4, q5)
             else:
-                q6 = _ld_step(wq + gl.minimum(6, last) * wq_step, V)
-                q7 = _ld_step(wq + gl.minimum(7, last) * wq_step, V)
+                i6 = gl.minimum(6, last)
+                i7 = gl.minimum(7, last)
+                q6 = _ld_item(wq + i6 * wq_step, hq + i6 * hq_step, V, BITS)
+                q7 = _ld_item(wq + i7 * wq_step, hq + i7 * hq_step, V, BITS)
                 r = (q0, q1, q2, q3, q4, q5, q6, q7)
     return r
 
@@ -376,14 +458,16 @@ def _ld_x_queue(xa, K2, last, N: gl.constexpr, GATED: gl.constexpr, BF16: gl.con
 
 @gluon.jit(do_not_specialize=["M", "stride_am", "SPLIT_K", "CHUNKS"])
 def wna16_gemv_tc_kernel(
-    a_ptr, q_ptr, s_ptr, z_ptr, part_ptr, lock_ptr, c_ptr,
+    a_ptr, q_ptr, qhi_ptr, s_ptr, z_ptr, part_ptr, lock_ptr, c_ptr,
     M, N, K, stride_am, SPLIT_K, CHUNKS,
     GROUP: gl.constexpr, HAS_ZP: gl.constexpr, GATED: gl.constexpr, V: gl.constexpr,
     WARPS: gl.constexpr, HAS_SPLIT: gl.constexpr, BF16: gl.constexpr, PDL: gl.constexpr,
     AHEAD: gl.constexpr = 2, X_AHEAD: gl.constexpr = 2, ROWS: gl.constexpr = 1,
+    BITS: gl.constexpr = 4,
 ):
     """y (M, N) of M <= ROWS <= 8 rows x (M, K) (GATED: h (M, 2K)), rows stride_am apart, and
-    4-bit weights in wna16.py's layout (K/8, N) words, (K/GROUP, N) scales and zero points; the
+    4-bit (or 6-bit: and the second plane's (K/16, N) words at qhi_ptr) weights in wna16.py's
+    layout (K/8, N) words, (K/GROUP, N) scales and zero points; the
     output and the partials (split, M, N) are contiguous. B's column g is x's row g (the last row
     again past M); lane 4g + t then holds C's columns 2t and 2t + 1: rows 2t and 2t + 1's sums.
     Program (tile, split) covers WARPS * 16V channels and the CHUNKS groups of 128 inputs from
@@ -405,6 +489,10 @@ def wna16_gemv_tc_kernel(
     q_base = q_ptr.to(gl.int64)
     wq = q_base + (word0.to(gl.int64) * N + n_ld) * 4
     wq_step = (16 * N).to(gl.int64)  # 4 word rows
+    # 6 bits: the second plane's word row word // 2 (2 a step), its half word % 2 == t % 2
+    hq = qhi_ptr.to(gl.int64) + ((word0 // 2).to(gl.int64) * N + n_ld) * 4
+    hq_step = (8 * N).to(gl.int64)
+    sel = gl.where(t % 2 == 0, 0x4140, 0x4342)
     xa = a_ptr.to(gl.int64) + word0.to(gl.int64) * 16  # ROWS == 1: every column is row 0
     if ROWS > 1:  # B's column g: x's row g, the last row again past M
         xa += gl.minimum(g, M - 1).to(gl.int64) * stride_am * 2
@@ -417,7 +505,7 @@ def wna16_gemv_tc_kernel(
     last = CHUNKS * STEPS_PER_GROUP - 1
 
     # the first AHEAD steps' weights and the first group's scales (constant) before the wait
-    wq_q = _ld_queue(wq, wq_step, last, AHEAD, V)
+    wq_q = _ld_queue(wq, wq_step, hq, hq_step, last, AHEAD, V, BITS)
     sz_n = _ld_group(sa, za, V, HAS_ZP)
     _pdl_wait(PDL)
     x_q = _ld_x_queue(xa, K2, last, X_AHEAD, GATED, BF16)
@@ -441,12 +529,12 @@ def wna16_gemv_tc_kernel(
             x_nxt = gl.minimum(c * STEPS_PER_GROUP + s + X_AHEAD, last)
             w_c = wq_q[0]
             x_c = x_q[0]
-            wq_q = _push(wq_q, _ld_step(wq + nxt * wq_step, V), AHEAD)
+            wq_q = _push(wq_q, _ld_item(wq + nxt * wq_step, hq + nxt * hq_step, V, BITS), AHEAD)
             x_q = _push(x_q, _ld_x(xa + x_nxt * 64, K2, GATED, BF16), X_AHEAD)
-            acc, cx = _step(acc, cx, ones, w_c, x_c, V, BF16)
-        y = _group_done(y, acc, cx, sz, 0, V, HAS_ZP, BF16)
+            acc, cx = _step(acc, cx, ones, w_c, x_c, sel, V, BF16, BITS)
+        y = _group_done(y, acc, cx, sz, 0, V, HAS_ZP, BF16, BITS)
         if ROWS > 1:
-            y_odd = _group_done(y_odd, acc, cx, sz, 1, V, HAS_ZP, BF16)
+            y_odd = _group_done(y_odd, acc, cx, sz, 1, V, HAS_ZP, BF16, BITS)
     _pdl_release(PDL)
     if ROWS == 1:  # every lane 4g + t holds row 0's sums: t == 0 stores them
         n_rows = 1

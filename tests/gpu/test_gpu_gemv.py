@@ -259,12 +259,13 @@ def test_staged_variant_within_fp16_sums(shape: str, bits: int, zp: bool, dtype:
 
 
 @pytest.mark.parametrize("bits, zp, dtype, group",
-                         [c for c in EXACT_CASES if c[0] == 4 and c[3] % 128 == 0],
+                         [c for c in EXACT_CASES if c[0] == 4 and c[3] % 128 == 0]
+                         + [(6, True, torch.bfloat16, 128), (6, False, torch.float16, 128)],
                          ids=lambda v: str(v).replace("torch.", ""))
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_tc_variant_within_an_output_ulp(shape: str, bits: int, zp: bool, dtype: torch.dtype,
                                          group: int) -> None:
-    """The tensor-core variant (one row, 4 bits) at every Llama-3-8B shape, at its default
+    """The tensor-core variant (one row, 4 or 6 bits) at every Llama-3-8B shape, at its default
     launch and at every tile width, warp count and K split it can take: float32 sums of the
     exact integers, scaled once a group, so within one output ulp of the exact result; the
     same bits every launch, also for large inputs and a column count that leaves a partial

@@ -82,6 +82,10 @@ def run_warp(asm: str, operands: list[dict[int, int]], kind: str) -> list[dict[i
                 regs[dst] = _lop3(*src)
             elif op == "shr.u32":
                 regs[dst] = src[0] >> src[1]
+            elif op == "shl.b32":
+                regs[dst] = (src[0] << src[1]) & MASK
+            elif op == "mov.b32":
+                regs[dst] = src[0]
             elif op == "prmt.b32":
                 regs[dst] = _prmt(*src)
             else:
@@ -99,8 +103,11 @@ def _warp_gemv(x: torch.Tensor, w: WNA16Layout, rows: int) -> torch.Tensor:
     32 channels, every group of K) for x (M, K), ROWS = 1 (every column row 0) or more."""
     kind = KIND[x.dtype]
     magic = 128.0 if kind == "bf16" else 1024.0
+    six = w.bits == 6
     tile, pairs, sums = ((tc._TILE_BF16, tc._PAIRS, tc._SUM_BF16) if kind == "bf16"
                          else (tc._TILE_F16, tc._PAIRS, tc._SUM_F16))
+    if six:
+        tile = tc._TILE6_BF16 if kind == "bf16" else tc._TILE6_F16
     ones = 0x3F803F80 if kind == "bf16" else 0x3C003C00
     V, (m, k) = 2, x.shape
     q = w.qweight
@@ -125,7 +132,15 @@ def _warp_gemv(x: torch.Tensor, w: WNA16Layout, rows: int) -> torch.Tensor:
                 for lane in range(32):
                     g, t = lane // 4, lane % 4
                     r = 16 * c + 4 * s + t
-                    ops.append({4: int(q[r, 4 * g + i]), 5: int(q[r, 4 * g + V + i]),
+                    lo, hi = 4 * g + i, 4 * g + V + i
+                    if six:  # the second plane's words and the lane's half of them
+                        hq = w.qweight_hi
+                        ops.append({4: int(q[r, lo]), 5: int(q[r, hi]), 6: int(hq[r // 2, lo]),
+                                    7: int(hq[r // 2, hi]), 8: 0x4342 if t % 2 else 0x4140,
+                                    **{9 + j: b[lane][j] for j in range(4)},
+                                    **{13 + j: acc[lane][i][j] for j in range(4)}})
+                        continue
+                    ops.append({4: int(q[r, lo]), 5: int(q[r, hi]),
                                 **{6 + j: b[lane][j] for j in range(4)},
                                 **{10 + j: acc[lane][i][j] for j in range(4)}})
                 for lane, out in enumerate(run_warp(tile.value, ops, kind)):
@@ -145,23 +160,25 @@ def _warp_gemv(x: torch.Tensor, w: WNA16Layout, rows: int) -> torch.Tensor:
                     for ch, reg in ((4 * g + i, r_), (4 * g + V + i, 2 + r_)):
                         sc = w.scales[grp, ch].float()
                         zc = (w.zeros[grp, ch].float() if w.zeros is not None
-                              else torch.tensor(8.0)) + magic
+                              else torch.tensor(32.0 if six else 8.0)) + magic
                         a = torch.tensor(_f32(acc[lane][i][reg]), dtype=torch.float32)
                         y[row, ch] += (sc * (a - zc * xs)).item()
     return y
 
 
-@pytest.mark.parametrize("rows, m, dtype, zp", [(1, 1, torch.bfloat16, True),
-                                                (1, 1, torch.float16, False),
-                                                (8, 3, torch.bfloat16, True)])
-def test_one_warp_gives_the_exact_product(rows: int, m: int, dtype: torch.dtype,
-                                          zp: bool) -> None:
+@pytest.mark.parametrize("rows, m, dtype, zp, bits", [(1, 1, torch.bfloat16, True, 4),
+                                                      (1, 1, torch.float16, False, 4),
+                                                      (8, 3, torch.bfloat16, True, 4),
+                                                      (1, 1, torch.bfloat16, False, 6),
+                                                      (8, 5, torch.float16, True, 6)])
+def test_one_warp_gives_the_exact_product(rows: int, m: int, dtype: torch.dtype, zp: bool,
+                                          bits: int) -> None:
     gen = torch.Generator().manual_seed(7)
     k, n = 256, 32
-    qv = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
+    qv = torch.randint(0, 1 << bits, (k, n), generator=gen, dtype=torch.int32)
     scales = torch.rand(k // 128, n, generator=gen) * 0.01 + 0.002
-    zeros = torch.randint(0, 16, (k // 128, n), generator=gen).float() if zp else None
-    w = WNA16Layout.build(qv, scales, zeros, None, 4, dtype)
+    zeros = torch.randint(0, 1 << bits, (k // 128, n), generator=gen).float() if zp else None
+    w = WNA16Layout.build(qv, scales, zeros, None, bits, dtype)
     x = torch.randn(m, k, generator=gen).to(dtype)
     got = _warp_gemv(x, w, rows)
     want = x.double() @ w.dequantize(torch.float64).t()
