@@ -40,6 +40,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--grid-v", default="1,2,4", help="tile widths V the grid takes")
     p.add_argument("--grid-warps", default="1,2,4,8", help="warps per program the grid takes")
+    p.add_argument("--rows", default="",
+                   help="more row counts (2-8) to time tc against the default variant at")
+    p.add_argument("--bits", type=int, default=4, help="4 or 6")
     p.add_argument("--aheads", default="4:4",
                    help="(weights, inputs) steps ahead the grid takes, as W:X pairs (2, 4, 6, 8)")
     ns = p.parse_args()
@@ -47,7 +50,7 @@ def main() -> None:
     rows: list[dict] = []
     layer = {"half2_prefetch": 0.0, "tc": 0.0}
     for proj, (k, n) in SHAPES["8b"].items():
-        w = _wna16(k, n, 4, True, dev)
+        w = _wna16(k, n, ns.bits, True, dev)
         copies = max(2, min(64, -(-L2_FLUSH_BYTES // _nbytes(*w.tensors().values()))))
         ws = [w] + [_clone_layout(w) for _ in range(copies - 1)]
         gated = proj == "down"
@@ -83,6 +86,22 @@ def main() -> None:
                     silu_and_mul(h), w_, variant=v))
             if us is not None:
                 layer[variant] += us
+        for m in (int(r) for r in ns.rows.split(",") if r):
+            xm = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            want_m = xm.float() @ w.dequantize(torch.float32).t()
+            for variant in (None, "tc"):
+                tag = f"{variant or 'default'} rows {m}"
+                try:
+                    us = graph_replay_ms([lambda w_=w_: wna16_gemv(xm, w_, variant=variant)
+                                          for w_ in ws], ns.iters) * 1e3 / len(ws)
+                    err = _err_ulps(wna16_gemv(xm, w, variant=variant), want_m)
+                except Exception as e:  # a variant that does not run here: say so, go on
+                    torch.cuda.synchronize()
+                    print(f"{proj:8s} {tag:34s} ERROR {type(e).__name__}: {str(e)[:300]}",
+                          flush=True)
+                    continue
+                rows.append(dict(proj=proj, K=k, N=n, M=m, method=tag, us=us, err_ulps=err))
+                print(f"{proj:8s} {tag:34s} {us:8.2f} us  err {err:.2f} ulp", flush=True)
         cfg = tc_config(w, dev)
         rows.append(dict(proj=proj, method="tc default config", V=cfg.block_n // 16 //
                          cfg.num_warps, warps=cfg.num_warps, split=cfg.split_k))
