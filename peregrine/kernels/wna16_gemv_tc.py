@@ -34,6 +34,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from peregrine.kernels._gluon import pdl_release, pdl_wait
+
 
 def _tile_asm(bf16: bool) -> str:
     """PTX: words $4 (rows g) and $5 (rows g + 8) as magic + q pairs, the two MMAs of a step
@@ -76,20 +78,6 @@ _LD1_NA = gl.constexpr("ld.global.nc.L1::no_allocate.b32 $0, [$1];")
 _LD4 = gl.constexpr("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];")
 _LD2 = gl.constexpr("ld.global.v2.b32 {$0, $1}, [$2];")
 _LD1 = gl.constexpr("ld.global.b32 $0, [$1];")
-
-
-@gluon.jit
-def _pdl_wait(PDL: gl.constexpr):
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-
-@gluon.jit
-def _pdl_release(PDL: gl.constexpr):
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
-                                  dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -410,7 +398,7 @@ def wna16_gemv_tc_kernel(
     # the first AHEAD steps' weights and the first group's scales (constant) before the wait
     wq_q = _ld_queue(wq, wq_step, last, AHEAD, V)
     sz_n = _ld_group(sa, za, V, HAS_ZP)
-    _pdl_wait(PDL)
+    pdl_wait(PDL)
     x_q = _ld_x_queue(xa, K2, last, X_AHEAD, GATED, BF16)
     zero = gl.zeros([T], gl.float32, layout=L)
     ones = gl.full([T], 0x3F803F80 if BF16 else 0x3C003C00, gl.int32, layout=L)  # 1.0 pairs
@@ -435,7 +423,7 @@ def wna16_gemv_tc_kernel(
             x_q = _push(x_q, _ld_x(xa + x_nxt * 64, K2, GATED, BF16), X_AHEAD)
             acc, cx = _step(acc, cx, ones, w_c, x_c, V, BF16)
         y = _group_done(y, acc, cx, sz, V, HAS_ZP, BF16)
-    _pdl_release(PDL)
+    pdl_release(PDL)
     first = n_ok & (t == 0)  # lanes 4g + t hold the same sums; t == 0 stores them
     if HAS_SPLIT:
         _store(part_ptr + split.to(gl.int64) * N, n_lane, y, first, V, False)
