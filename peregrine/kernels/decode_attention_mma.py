@@ -38,6 +38,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from peregrine.kernels._gluon import pdl_wait
 from peregrine.kernels._utils import FP8_DTYPES, has_fp8_convert
 
 HEAD_DIMS = (64, 128, 256)
@@ -109,14 +110,6 @@ def _v_load_layout(block_n, head_dim):
            + [[1, 0], [8, 0]] + [[16 << b, 0] for b in range(_log2(block_n // 16))])
     lane = [[2, 0], [4, 0], [0, w], [0, 2 * w], [0, 4 * w]]
     return gl.DistributedLinearLayout(reg, lane, [], [], [block_n, head_dim // 4])
-
-
-@gluon.jit
-def _wait_for_previous(PDL: gl.constexpr):
-    """The programmatic-dependent-launch wait (see _utils.pdl_wait)."""
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
 
 
 @gluon.constexpr_function
@@ -230,7 +223,7 @@ def decode_split_mma_kernel(
     CHUNK: gl.constexpr = _v_chunk(HEAD_DIM)
     PIECES: gl.constexpr = HEAD_DIM // (8 * CHUNK)
 
-    _wait_for_previous(PDL)
+    pdl_wait(PDL)
     if HEADS_FIRST:
         kvh = gl.program_id(0)
         b = gl.program_id(1)

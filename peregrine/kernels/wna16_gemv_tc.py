@@ -39,6 +39,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from peregrine.kernels._gluon import pdl_release, pdl_wait
+
 
 def _tile_asm(bf16: bool) -> str:
     """PTX: words $4 (rows g) and $5 (rows g + 8) as magic + q pairs, the two MMAs of a step
@@ -113,20 +115,6 @@ _LD1_NA = gl.constexpr("ld.global.nc.L1::no_allocate.b32 $0, [$1];")
 _LD4 = gl.constexpr("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];")
 _LD2 = gl.constexpr("ld.global.v2.b32 {$0, $1}, [$2];")
 _LD1 = gl.constexpr("ld.global.b32 $0, [$1];")
-
-
-@gluon.jit
-def _pdl_wait(PDL: gl.constexpr):
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-
-@gluon.jit
-def _pdl_release(PDL: gl.constexpr):
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
-                                  dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -507,7 +495,7 @@ def wna16_gemv_tc_kernel(
     # the first AHEAD steps' weights and the first group's scales (constant) before the wait
     wq_q = _ld_queue(wq, wq_step, hq, hq_step, last, AHEAD, V, BITS)
     sz_n = _ld_group(sa, za, V, HAS_ZP)
-    _pdl_wait(PDL)
+    pdl_wait(PDL)
     x_q = _ld_x_queue(xa, K2, last, X_AHEAD, GATED, BF16)
     zero = gl.zeros([T], gl.float32, layout=L)
     ones = gl.full([T], 0x3F803F80 if BF16 else 0x3C003C00, gl.int32, layout=L)  # 1.0 pairs
@@ -535,7 +523,7 @@ def wna16_gemv_tc_kernel(
         y = _group_done(y, acc, cx, sz, 0, V, HAS_ZP, BF16, BITS)
         if ROWS > 1:
             y_odd = _group_done(y_odd, acc, cx, sz, 1, V, HAS_ZP, BF16, BITS)
-    _pdl_release(PDL)
+    pdl_release(PDL)
     if ROWS == 1:  # every lane 4g + t holds row 0's sums: t == 0 stores them
         n_rows = 1
         row = 0
