@@ -170,11 +170,19 @@ def _dependent_launch(index: int) -> dict:
 # row the GEMV's programs are then resident and launched when the short kernel ends (on an H200,
 # Llama-3-8B int4 batch-1 decode 460.4 tok/s against 444.4 / 445.1, FP8 W8A8 377.1 against
 # 369.1). Their one or few programs are already running, so the waiting ones take no SM slot
-# they need.
+# they need. Only at batches a GEMV serves (RELEASE_MAX_ROWS: the GEMVs' largest row cut-off,
+# gemv.GEMV_MAX_M); larger ones are followed by GEMMs and keep the release at exit.
 RELEASE_BEFORE_GEMV = True
+RELEASE_MAX_ROWS = 4
 
 _NO_PDL = {"PDL": False}
 _PDL = {"PDL": True, "launch_pdl": True}
+
+
+def release_before_gemv(pdl: dict, rows: int) -> bool:
+    """The RELEASE constexpr of a short kernel of `rows` rows that may come before a GEMV
+    (RMSNorm, the decode merge, SiLU-and-mul), launched with the `pdl` arguments."""
+    return pdl["PDL"] and RELEASE_BEFORE_GEMV and rows <= RELEASE_MAX_ROWS
 
 
 def pdl_args(x: torch.Tensor) -> dict:

@@ -5,8 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels import _utils
-from peregrine.kernels._utils import pdl_args, pdl_release, pdl_wait
+from peregrine.kernels._utils import pdl_args, pdl_release, pdl_wait, release_before_gemv
 
 
 @triton.jit
@@ -43,5 +42,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         pdl = pdl_args(x2)
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
             x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4,
-            RELEASE=pdl["PDL"] and _utils.RELEASE_BEFORE_GEMV, **pdl)
+            RELEASE=release_before_gemv(pdl, x2.shape[0]), **pdl)
     return out.view(*x.shape[:-1], inter)

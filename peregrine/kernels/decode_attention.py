@@ -13,12 +13,11 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels import _utils
 from peregrine.kernels._utils import (FP8_DTYPES, check_block_size, check_q_and_caches,
                                       check_window_and_out, dot_precision, has_fp8_convert,
                                       is_gpu, kv_dot_dtype, max_shared_memory, next_pow2,
                                       may_reuse_launches, num_sms, pdl_args, pdl_release,
-                                      pdl_wait, reusable_launch)
+                                      pdl_wait, release_before_gemv, reusable_launch)
 from peregrine.kernels.decode_attention_mma import BATCH_VARYING_ARGS
 from peregrine.kernels.decode_attention_mma import BLOCK_N as MMA_BLOCK_N
 from peregrine.kernels.decode_attention_mma import usable as mma_fp8_unusable
@@ -842,7 +841,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     )
     merge_kwargs = dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits), BLOCK_N=block_n,
-        PDL=pdl["PDL"], RELEASE=pdl["PDL"] and _utils.RELEASE_BEFORE_GEMV,
+        PDL=pdl["PDL"], RELEASE=release_before_gemv(pdl, batch),
     )
     merge_options = dict(num_warps=4, **launch_pdl)
     reuse = key is not None and may_reuse_launches(q)

@@ -5,8 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels import _utils
-from peregrine.kernels._utils import next_pow2, pdl_args, pdl_release, pdl_wait
+from peregrine.kernels._utils import (next_pow2, pdl_args, pdl_release, pdl_wait,
+                                      release_before_gemv)
 
 
 @triton.jit
@@ -66,7 +66,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x2.stride(0), res2.stride(0), out.stride(0), new_res.stride(0),
             HIDDEN=hidden, BLOCK=next_pow2(hidden), HAS_RESIDUAL=residual is not None,
             num_warps=min(16, max(1, next_pow2(hidden) // 256)),
-            RELEASE=pdl["PDL"] and _utils.RELEASE_BEFORE_GEMV, **pdl,
+            RELEASE=release_before_gemv(pdl, x2.shape[0]), **pdl,
         )
     out = out.view(x.shape)
     if residual is None:

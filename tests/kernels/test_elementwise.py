@@ -98,3 +98,18 @@ def test_silu_and_mul_matches_reference(dtype: torch.dtype) -> None:
 def test_silu_and_mul_reference_is_gate_then_up() -> None:
     x = torch.randn(4, 10)
     torch.testing.assert_close(silu_and_mul_ref(x), torch.nn.functional.silu(x[:, :5]) * x[:, 5:])
+
+
+def test_short_kernels_release_the_next_one_early_only_at_batches_a_gemv_serves() -> None:
+    """RMSNorm, the decode merge and SiLU-and-mul let the next kernel be scheduled at their
+    start only with dependent launches and at row counts some GEMV takes (its cut-offs): above
+    them GEMMs follow, which keep the release at exit."""
+    from peregrine.kernels import _utils
+    from peregrine.kernels.gemv import GEMV_MAX_M, W8_GEMV_MAX_M
+    pdl, plain = {"PDL": True, "launch_pdl": True}, {"PDL": False}
+    assert _utils.RELEASE_MAX_ROWS == max(GEMV_MAX_M, W8_GEMV_MAX_M)
+    assert all(_utils.release_before_gemv(pdl, rows)
+               for rows in range(1, _utils.RELEASE_MAX_ROWS + 1))
+    assert not _utils.release_before_gemv(pdl, _utils.RELEASE_MAX_ROWS + 1)
+    assert not _utils.release_before_gemv(plain, 1)
+    assert _utils.pdl_args(torch.zeros(1)) == plain  # the CPU: plain launches, no release
