@@ -30,9 +30,11 @@ with one shift and one lop3 more (a byte permute a word spreads the word row's h
 A lane reads 2V adjacent channels of its word row: V for the tile's rows g, V for rows g + 8,
 so a warp covers 16V channels (V M-tiles) and a program WARPS warps side by side; each warp
 runs the program's whole K range (CHUNKS groups of 128 inputs), the weights AHEAD steps ahead
-of the MMAs and x X_AHEAD steps ahead (2, 4, 6 or 8 each). Split-K partials are combined as in gemv.py (the last program of a column tile
-adds them in split order: deterministic). Gluon kernels do not run on the Triton interpreter:
-CUDA only (sm_80+: the bf16 MMA), checked on the GPU against the exact product.
+of the MMAs and x X_AHEAD steps ahead (2, 4, 6 or 8 each). Split-K partials are combined as in
+gemv.py (the last program of a column tile adds them in split order: deterministic). Gluon
+kernels do not run on the Triton interpreter: CUDA only (sm_80+: the bf16 MMA), checked on the
+GPU against the exact product, and its PTX and lane mapping on the CPU by an emulator
+(tests/kernels/test_wna16_gemv_tc_ptx.py).
 """
 from __future__ import annotations
 
@@ -113,14 +115,13 @@ _LD4_NA = gl.constexpr("ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$
 _LD2_NA = gl.constexpr("ld.global.nc.L1::no_allocate.v2.b32 {$0, $1}, [$2];")
 _LD1_NA = gl.constexpr("ld.global.nc.L1::no_allocate.b32 $0, [$1];")
 _LD4 = gl.constexpr("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];")
-_LD2 = gl.constexpr("ld.global.v2.b32 {$0, $1}, [$2];")
-_LD1 = gl.constexpr("ld.global.b32 $0, [$1];")
 
 
 @gluon.jit
 def _ld_words(addr, NW: gl.constexpr, STREAM: gl.constexpr):
     """NW (4, 2 or 1) 32-bit words from the byte address addr (int64, NW*4-aligned), as a tuple
-    of 4 (the missing ones repeat the first). STREAM: weights read once (no L1 line)."""
+    of 4 (the missing ones repeat the first). STREAM: weights read once (no L1 line); else (x,
+    16 bytes) an L1-cached load."""
     if NW == 4:
         if STREAM:
             r = gl.inline_asm_elementwise(_LD4_NA, "=r,=r,=r,=r,l", [addr],
@@ -130,20 +131,12 @@ def _ld_words(addr, NW: gl.constexpr, STREAM: gl.constexpr):
                                           dtype=(gl.int32,) * 4, is_pure=False, pack=1)
         return r[0], r[1], r[2], r[3]
     elif NW == 2:
-        if STREAM:
-            r = gl.inline_asm_elementwise(_LD2_NA, "=r,=r,l", [addr], dtype=(gl.int32,) * 2,
-                                          is_pure=False, pack=1)
-        else:
-            r = gl.inline_asm_elementwise(_LD2, "=r,=r,l", [addr], dtype=(gl.int32,) * 2,
-                                          is_pure=False, pack=1)
+        r = gl.inline_asm_elementwise(_LD2_NA, "=r,=r,l", [addr], dtype=(gl.int32,) * 2,
+                                      is_pure=False, pack=1)
         return r[0], r[1], r[0], r[0]
     else:
-        if STREAM:
-            r = gl.inline_asm_elementwise(_LD1_NA, "=r,l", [addr], dtype=gl.int32,
-                                          is_pure=False, pack=1)
-        else:
-            r = gl.inline_asm_elementwise(_LD1, "=r,l", [addr], dtype=gl.int32,
-                                          is_pure=False, pack=1)
+        r = gl.inline_asm_elementwise(_LD1_NA, "=r,l", [addr], dtype=gl.int32, is_pure=False,
+                                      pack=1)
         return r, r, r, r
 
 
