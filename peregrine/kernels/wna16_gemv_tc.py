@@ -388,7 +388,8 @@ def wna16_gemv_tc_kernel(
     STEPS_PER_GROUP: gl.constexpr = 4
     last = CHUNKS * STEPS_PER_GROUP - 1
 
-    # the first AHEAD steps' weights and the first group's scales (constant) before the wait
+    # the first AHEAD steps' weights and the first group's scales (constant) are issued before
+    # the wait in the source; ptxas places the wait above these read-only (.nc) loads
     wq_q = _ld_queue(wq, wq_step, last, AHEAD, V)
     sz_n = _ld_group(sa, za, V, HAS_ZP)
     pdl_wait(PDL)
