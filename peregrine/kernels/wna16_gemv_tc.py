@@ -501,9 +501,9 @@ def wna16_gemv_tc_kernel(
     STEPS_PER_GROUP: gl.constexpr = 4
     last = CHUNKS * STEPS_PER_GROUP - 1
 
-    # the first AHEAD steps' weights and the first group's scales (constant) before the wait
-    # NOTE: NC False: the prologue's loads through the coherent path, which ptxas keeps above
-    # the wait; the loop's loads stay .nc.
+    # the first AHEAD steps' weights and the first group's scales (constant) are issued before
+    # the wait in the source; ptxas places the wait above read-only (.nc) loads but keeps
+    # coherent ones (NC False, the loop's loads stay .nc) above it
     wq_q = _ld_queue(wq, wq_step, hq, hq_step, last, AHEAD, V, BITS, NC)
     sz_n = _ld_group(sa, za, V, HAS_ZP, NC)
     pdl_wait(PDL)
