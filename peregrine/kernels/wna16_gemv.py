@@ -224,9 +224,6 @@ _TC_WARPS = 1
 _TC_WAVES = 15.0
 _TC_AHEAD = 4
 _TC_X_AHEAD = 4
-# Whether the first steps' weights load through the read-only path (.nc), which ptxas sinks
-# below the dependent-launch wait; False: the coherent path, which it leaves above it.
-_TC_NC = True
 # Whether a down projection's one gate-and-up row takes the tensor-core variant gated (SiLU-and-
 # mul computed by every lane as it reads its inputs) when that variant is the one-row choice;
 # else the activation kernel runs first.
@@ -600,7 +597,7 @@ def _tc_launch(a: torch.Tensor, w: WNA16Layout, cfg: GemvConfig, gated: bool) ->
         m, n, k, a.stride(0), cfg.split_k, cfg.k_iters, ROWS=1 if m == 1 else _TC_MAX_ROWS,
         GROUP=w.group_size, HAS_ZP=w.zeros is not None, BITS=w.bits,
         GATED=gated, V=v, WARPS=cfg.num_warps, HAS_SPLIT=cfg.split_k > 1,
-        BF16=a.dtype == torch.bfloat16, AHEAD=_TC_AHEAD, X_AHEAD=_TC_X_AHEAD, NC=_TC_NC,
+        BF16=a.dtype == torch.bfloat16, AHEAD=_TC_AHEAD, X_AHEAD=_TC_X_AHEAD,
         num_warps=cfg.num_warps, **pdl_args(a))
     return out
 

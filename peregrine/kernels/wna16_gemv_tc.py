@@ -115,23 +115,15 @@ _LD4_NA = gl.constexpr("ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$
 _LD2_NA = gl.constexpr("ld.global.nc.L1::no_allocate.v2.b32 {$0, $1}, [$2];")
 _LD1_NA = gl.constexpr("ld.global.nc.L1::no_allocate.b32 $0, [$1];")
 _LD4 = gl.constexpr("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];")
-# The same streaming loads through the coherent path (not .nc): ptxas then keeps the first
-# steps' loads above the dependent-launch wait (with .nc it sinks them below it).
-_LD4_C = gl.constexpr("ld.global.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];")
-_LD2_C = gl.constexpr("ld.global.L1::no_allocate.v2.b32 {$0, $1}, [$2];")
-_LD1_C = gl.constexpr("ld.global.L1::no_allocate.b32 $0, [$1];")
 
 
 @gluon.jit
-def _ld_words(addr, NW: gl.constexpr, STREAM: gl.constexpr, NC: gl.constexpr = True):
+def _ld_words(addr, NW: gl.constexpr, STREAM: gl.constexpr):
     """NW (4, 2 or 1) 32-bit words from the byte address addr (int64, NW*4-aligned), as a tuple
     of 4 (the missing ones repeat the first). STREAM: weights read once (no L1 line); else (x,
     16 bytes) an L1-cached load."""
     if NW == 4:
-        if STREAM and not NC:
-            r = gl.inline_asm_elementwise(_LD4_C, "=r,=r,=r,=r,l", [addr],
-                                          dtype=(gl.int32,) * 4, is_pure=False, pack=1)
-        elif STREAM:
+        if STREAM:
             r = gl.inline_asm_elementwise(_LD4_NA, "=r,=r,=r,=r,l", [addr],
                                           dtype=(gl.int32,) * 4, is_pure=False, pack=1)
         else:
@@ -139,35 +131,27 @@ def _ld_words(addr, NW: gl.constexpr, STREAM: gl.constexpr, NC: gl.constexpr = T
                                           dtype=(gl.int32,) * 4, is_pure=False, pack=1)
         return r[0], r[1], r[2], r[3]
     elif NW == 2:
-        if NC:
-            r = gl.inline_asm_elementwise(_LD2_NA, "=r,=r,l", [addr], dtype=(gl.int32,) * 2,
-                                          is_pure=False, pack=1)
-        else:
-            r = gl.inline_asm_elementwise(_LD2_C, "=r,=r,l", [addr], dtype=(gl.int32,) * 2,
-                                          is_pure=False, pack=1)
+        r = gl.inline_asm_elementwise(_LD2_NA, "=r,=r,l", [addr], dtype=(gl.int32,) * 2,
+                                      is_pure=False, pack=1)
         return r[0], r[1], r[0], r[0]
     else:
-        if NC:
-            r = gl.inline_asm_elementwise(_LD1_NA, "=r,l", [addr], dtype=gl.int32,
-                                          is_pure=False, pack=1)
-        else:
-            r = gl.inline_asm_elementwise(_LD1_C, "=r,l", [addr], dtype=gl.int32,
-                                          is_pure=False, pack=1)
+        r = gl.inline_asm_elementwise(_LD1_NA, "=r,l", [addr], dtype=gl.int32, is_pure=False,
+                                      pack=1)
         return r, r, r, r
 
 
 @gluon.jit
-def _ld_step(wq, V: gl.constexpr, NC: gl.constexpr = True):
+def _ld_step(wq, V: gl.constexpr):
     """A step's 2V words of the lane (a tuple of 8: V for rows g, then V for rows g + 8)."""
     if V == 4:
-        a = _ld_words(wq, 4, True, NC)
-        b = _ld_words(wq + 16, 4, True, NC)
+        a = _ld_words(wq, 4, True)
+        b = _ld_words(wq + 16, 4, True)
         return a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]
     elif V == 2:
-        a = _ld_words(wq, 4, True, NC)
+        a = _ld_words(wq, 4, True)
         return a[0], a[1], a[0], a[0], a[2], a[3], a[0], a[0]
     else:
-        a = _ld_words(wq, 2, True, NC)
+        a = _ld_words(wq, 2, True)
         return a[0], a[0], a[0], a[0], a[1], a[0], a[0], a[0]
 
 
@@ -292,12 +276,12 @@ def _step(acc, cx, ones, w, b, sel, V: gl.constexpr, BF16: gl.constexpr, BITS: g
 
 
 @gluon.jit
-def _ld_group(sa, za, V: gl.constexpr, HAS_ZP: gl.constexpr, NC: gl.constexpr = True):
+def _ld_group(sa, za, V: gl.constexpr, HAS_ZP: gl.constexpr):
     """The lane's 2V scales (and zero points) of a group as 16-bit pairs (a tuple of 4)."""
     NW: gl.constexpr = V  # 2V 16-bit values
-    s = _ld_words(sa, NW, True, NC)
+    s = _ld_words(sa, NW, True)
     if HAS_ZP:
-        z = _ld_words(za, NW, True, NC)
+        z = _ld_words(za, NW, True)
     else:
         z = s
     return s, z
@@ -388,43 +372,43 @@ def _push(q, item, N: gl.constexpr):
 
 
 @gluon.jit
-def _ld_item(wq, hq, V: gl.constexpr, BITS: gl.constexpr, NC: gl.constexpr = True):
+def _ld_item(wq, hq, V: gl.constexpr, BITS: gl.constexpr):
     """A step's words (6 bits: and the second plane's, as a pair of tuples)."""
     if BITS == 6:
-        r = (_ld_step(wq, V, NC), _ld_step(hq, V, NC))
+        r = (_ld_step(wq, V), _ld_step(hq, V))
     else:
-        r = _ld_step(wq, V, NC)
+        r = _ld_step(wq, V)
     return r
 
 
 @gluon.jit
 def _ld_queue(wq, wq_step, hq, hq_step, last, N: gl.constexpr, V: gl.constexpr,
-              BITS: gl.constexpr, NC: gl.constexpr = True):
+              BITS: gl.constexpr):
     """Steps 0..N-1's items (2, 4, 6 or 8 steps; past the last step the last again)."""
-    q0 = _ld_item(wq, hq, V, BITS, NC)
+    q0 = _ld_item(wq, hq, V, BITS)
     i1 = gl.minimum(1, last)
-    q1 = _ld_item(wq + i1 * wq_step, hq + i1 * hq_step, V, BITS, NC)
+    q1 = _ld_item(wq + i1 * wq_step, hq + i1 * hq_step, V, BITS)
     if N == 2:
         r = (q0, q1)
     else:
         i2 = gl.minimum(2, last)
         i3 = gl.minimum(3, last)
-        q2 = _ld_item(wq + i2 * wq_step, hq + i2 * hq_step, V, BITS, NC)
-        q3 = _ld_item(wq + i3 * wq_step, hq + i3 * hq_step, V, BITS, NC)
+        q2 = _ld_item(wq + i2 * wq_step, hq + i2 * hq_step, V, BITS)
+        q3 = _ld_item(wq + i3 * wq_step, hq + i3 * hq_step, V, BITS)
         if N == 4:
             r = (q0, q1, q2, q3)
         else:
             i4 = gl.minimum(4, last)
             i5 = gl.minimum(5, last)
-            q4 = _ld_item(wq + i4 * wq_step, hq + i4 * hq_step, V, BITS, NC)
-            q5 = _ld_item(wq + i5 * wq_step, hq + i5 * hq_step, V, BITS, NC)
+            q4 = _ld_item(wq + i4 * wq_step, hq + i4 * hq_step, V, BITS)
+            q5 = _ld_item(wq + i5 * wq_step, hq + i5 * hq_step, V, BITS)
             if N == 6:
                 r = (q0, q1, q2, q3, q4, q5)
             else:
                 i6 = gl.minimum(6, last)
                 i7 = gl.minimum(7, last)
-                q6 = _ld_item(wq + i6 * wq_step, hq + i6 * hq_step, V, BITS, NC)
-                q7 = _ld_item(wq + i7 * wq_step, hq + i7 * hq_step, V, BITS, NC)
+                q6 = _ld_item(wq + i6 * wq_step, hq + i6 * hq_step, V, BITS)
+                q7 = _ld_item(wq + i7 * wq_step, hq + i7 * hq_step, V, BITS)
                 r = (q0, q1, q2, q3, q4, q5, q6, q7)
     return r
 
@@ -460,7 +444,7 @@ def wna16_gemv_tc_kernel(
     GROUP: gl.constexpr, HAS_ZP: gl.constexpr, GATED: gl.constexpr, V: gl.constexpr,
     WARPS: gl.constexpr, HAS_SPLIT: gl.constexpr, BF16: gl.constexpr, PDL: gl.constexpr,
     AHEAD: gl.constexpr = 2, X_AHEAD: gl.constexpr = 2, ROWS: gl.constexpr = 1,
-    BITS: gl.constexpr = 4, NC: gl.constexpr = True,
+    BITS: gl.constexpr = 4,
 ):
     """y (M, N) of M <= ROWS <= 8 rows x (M, K) (GATED: h (M, 2K)), rows stride_am apart, and
     4-bit (or 6-bit: and the second plane's (K/16, N) words at qhi_ptr) weights in wna16.py's
@@ -502,10 +486,10 @@ def wna16_gemv_tc_kernel(
     last = CHUNKS * STEPS_PER_GROUP - 1
 
     # the first AHEAD steps' weights and the first group's scales (constant) are issued before
-    # the wait in the source; ptxas places the wait above read-only (.nc) loads but keeps
-    # coherent ones (NC False, the loop's loads stay .nc) above it
-    wq_q = _ld_queue(wq, wq_step, hq, hq_step, last, AHEAD, V, BITS, NC)
-    sz_n = _ld_group(sa, za, V, HAS_ZP, NC)
+    # the wait in the source; ptxas places the wait above these read-only (.nc) loads (loads
+    # through the coherent path stay above it, and measured slower: see the benchmarks)
+    wq_q = _ld_queue(wq, wq_step, hq, hq_step, last, AHEAD, V, BITS)
+    sz_n = _ld_group(sa, za, V, HAS_ZP)
     pdl_wait(PDL)
     x_q = _ld_x_queue(xa, K2, last, X_AHEAD, GATED, BF16)
     zero = gl.zeros([T], gl.float32, layout=L)
