@@ -171,9 +171,10 @@ def _dependent_launch(index: int) -> dict:
 # Llama-3-8B int4 batch-1 decode 460.4 tok/s against 444.4 / 445.1, FP8 W8A8 377.1 against
 # 369.1). Their one or few programs are already running, so the waiting ones take no SM slot
 # they need. Only at batches a GEMV serves (RELEASE_MAX_ROWS: the GEMVs' largest row cut-off,
-# gemv.GEMV_MAX_M); larger ones are followed by GEMMs and keep the release at exit.
+# gemv.GEMV_MAX_ROWS, which the int layout's tensor-core GEMV takes); larger ones are followed by
+# GEMMs and keep the release at exit.
 RELEASE_BEFORE_GEMV = True
-RELEASE_MAX_ROWS = 4
+RELEASE_MAX_ROWS = 8
 
 _NO_PDL = {"PDL": False}
 _PDL = {"PDL": True, "launch_pdl": True}

@@ -1,15 +1,16 @@
 """Split-K GEMV for weight-only int weights in layers/quantization/wna16.py's layout, for decode
 batches of at most GEMV_MAX_ROWS rows: y (M, N) = x (M, K) @ dequant(W) (K, N). Variants, chosen
-by wna16_gemv's `variant` argument; without one, tc at one row of 4-bit weights and 16-bit x on
-a CUDA GPU where its shapes allow (else half2_prefetch there), inplace or inplace_prefetch where
-they read the layout (4-bit weights; 8-bit up to 2 rows; see _variant for which), else fma:
+by wna16_gemv's `variant` argument; without one, tc for up to 8 rows of 4- or 6-bit weights and
+16-bit x on a CUDA GPU where its shapes allow (else half2_prefetch at one row), inplace or
+inplace_prefetch where they read the layout (4-bit weights; 8-bit up to 2 rows; see _variant for
+which), else fma:
 
-tc (4 bits, one row, groups of a multiple of 128 inputs, sm_80+; wna16_gemv_tc.py, Gluon): the
-16x8x16 tensor-core MMA with every operand in registers, each lane reading its words and inputs
-straight into the registers the MMA takes them from; ~16 instructions a word against ~30 for
-half2_prefetch. One warp of 32 channels a program, the K split to fill ~15 programs per SM, the
-weights and inputs four 32-input steps ahead. A gated down projection is not fused by default
-(every lane would compute SiLU-and-mul; _TC_GATED).
+tc (4 or 6 bits, 1-8 rows, groups of a multiple of 128 inputs, sm_80+; wna16_gemv_tc.py, Gluon):
+the 16x8x16 tensor-core MMA with every operand in registers, each lane reading its words and
+inputs straight into the registers the MMA takes them from (x's rows are B's columns); ~16
+instructions a 4-bit word against ~30 for half2_prefetch. One warp of 32 channels a program, the
+K split to fill ~15 programs per SM, the weights and inputs four 32-input steps ahead. A gated
+down projection is not fused by default (every lane would compute SiLU-and-mul; _TC_GATED).
 
 half2 (4 bits, one row, K blocks inside one group; wna16_gemv_half2.py): two values per
 instruction in fp16 pairs (dequantization and the products), the word's sum in float32;
@@ -216,10 +217,12 @@ _STAGED_WAVES = 1.5
 # K split (into whole groups of 128 inputs) until at least _TC_WAVES programs run per SM, the
 # weights _TC_AHEAD steps (32 inputs each) and the inputs _TC_X_AHEAD steps ahead of the MMAs.
 _TC_V = 2
-# Rows the variant takes (B's 8 columns) and, of those, the most that the default sends to it
-# (more rows than one: measured at one row only so far).
+# Rows the variant takes (B's 8 columns) and, of those, the most that the default sends to it.
+# On an H200 at Llama-3-8B's shapes (int4) it took 9.2 / 10.2 / 12.5 us at qkv for 2 / 4 / 8
+# rows against 13.5 / 18.3 / 50.4 for the default before it, and gate_up 24.2 us at 8 rows
+# against the GEMM's ~131: layouts it serves take the GEMV up to 8 rows (max_rows).
 _TC_MAX_ROWS = 8
-_TC_ROWS = 1
+_TC_ROWS = 8
 _TC_WARPS = 1
 _TC_WAVES = 15.0
 _TC_AHEAD = 4
@@ -282,20 +285,35 @@ def half2_supported(w: WNA16Layout, block_k: int | None = None) -> bool:
             and (w.group_size % bk == 0 or w.group_size == w.in_features))
 
 
-def tc_supported(w: WNA16Layout, x: torch.Tensor) -> bool:
-    """Whether the tensor-core variant serves the rows x (M, K) of this layout: at most
-    _TC_MAX_ROWS rows 16-byte aligned, 4 or 6 bits without act-order, groups of a multiple of
-    128 inputs, N a multiple of 8, 16-bit x, 16-byte aligned weights, a CUDA GPU (sm_80+)."""
-    tensors = (x, w.qweight, w.scales) + tuple(t for t in (w.zeros, w.qweight_hi)
-                                               if t is not None)
-    return (x.dim() == 2 and x.shape[0] <= _TC_MAX_ROWS and x.stride(-1) == 1
-            and (x.shape[0] == 1 or x.stride(0) % 8 == 0)
-            and w.bits in (4, 6) and w.g_idx is None and w.in_features % 128 == 0
+def _tc_layout_ok(w: WNA16Layout, dtype: torch.dtype) -> bool:
+    """The tensor-core variant's needs of the layout and the activation dtype: 4 or 6 bits
+    without act-order, groups of a multiple of 128 inputs, N a multiple of 8, 16-bit x,
+    16-byte aligned weights on a CUDA GPU (sm_80+)."""
+    tensors = (w.qweight, w.scales) + tuple(t for t in (w.zeros, w.qweight_hi) if t is not None)
+    dev = w.qweight.device
+    return (w.bits in (4, 6) and w.g_idx is None and w.in_features % 128 == 0
             and w.group_size % 128 == 0 and w.out_features % 8 == 0
-            and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
-            and _is_sm80_or_later(x.device.index if x.device.index is not None
+            and dtype in (torch.bfloat16, torch.float16) and w.qweight.is_cuda
+            and _is_sm80_or_later(dev.index if dev.index is not None
                                   else torch.cuda.current_device())
             and all(t.data_ptr() % 16 == 0 for t in tensors))
+
+
+def tc_supported(w: WNA16Layout, x: torch.Tensor) -> bool:
+    """Whether the tensor-core variant serves the rows x (M, K) of this layout: at most
+    _TC_MAX_ROWS rows 16-byte aligned on the layout's device, and the layout's needs
+    (_tc_layout_ok)."""
+    return (x.dim() == 2 and x.shape[0] <= _TC_MAX_ROWS and x.stride(-1) == 1
+            and (x.shape[0] == 1 or x.stride(0) % 8 == 0) and x.data_ptr() % 16 == 0
+            and x.device == w.qweight.device and _tc_layout_ok(w, x.dtype))
+
+
+def max_rows(w: WNA16Layout, dtype: torch.dtype) -> int:
+    """The most rows of dtype activations that take the GEMV rather than the GEMM: _TC_ROWS
+    where the tensor-core variant serves the layout, else GEMV_MAX_M."""
+    if _TC_ROWS > GEMV_MAX_M and _tc_layout_ok(w, dtype):
+        return min(_TC_ROWS, _TC_MAX_ROWS)
+    return GEMV_MAX_M
 
 
 def tc_config(w: WNA16Layout, device: torch.device) -> GemvConfig:
@@ -416,11 +434,13 @@ def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
         return chosen or "half2_prefetch"
     if 1 < rows <= _TC_ROWS and tc_supported(w, x):
         return "tc"
-    # One row of 6-bit weights: the packed-half form too (the high bits OR-ed into the pairs).
+    # One row of 6-bit weights: the tensor-core form where it runs (Llama-3-8B int6 RTN batch-1
+    # decode on an H200 362.3 tok/s against 344.1), else the packed-half one (the high bits
+    # OR-ed into the pairs).
     if (rows == 1 and w.bits == 6 and x.dtype in (torch.bfloat16, torch.float16)
             and half2_supported(w, block_k)):
         chosen = _one_row_variant()
-        return "tc" if chosen == "tc" and tc_supported(w, x) else "half2_prefetch"
+        return "tc" if chosen in (None, "tc") and tc_supported(w, x) else "half2_prefetch"
     if not inplace_supported(w, block_k) or (w.bits == 8 and rows > 2):
         return "fma"
     if (w.bits == 4 and rows > 2) or (w.bits == 8 and rows == 1):
@@ -606,7 +626,7 @@ def precompile_wna16_gemv(w: WNA16Layout, dtype: torch.dtype) -> None:
     """Compile this layer's GEMV for every row count it can serve (call at load time)."""
     if not (w.qweight.is_cuda and gemv_supported(w)):
         return
-    for rows in sorted({block_m_for(m) for m in range(1, GEMV_MAX_M + 1)}):
+    for rows in sorted({block_m_for(m) for m in range(1, max_rows(w, dtype) + 1)}):
         wna16_gemv(torch.zeros(rows, w.in_features, dtype=dtype, device=w.qweight.device), w)
     gate_up = torch.zeros(1, 2 * w.in_features, dtype=dtype, device=w.qweight.device)
     if gated_supported(w, gate_up):  # a down projection's one-row form (SiLU-and-mul inside)

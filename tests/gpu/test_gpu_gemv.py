@@ -1,12 +1,12 @@
 """The small-batch GEMVs compiled at Llama-3-8B shapes, through the quantization methods' dispatch
-(GEMV up to GEMV_MAX_M rows for the int layout and W8_GEMV_MAX_M for 8-bit weights, the GEMMs
-above): weight-only int (4, 6, 8 bits, zero points, groups, per channel, fp16), FP8 per channel
-and 128x128 blocks, int8 per channel, each against dequantize-then-matmul of x as it is at
-M <= GEMV_MAX_M; the int layout's tensor-core variant (4 / 8 bits, bf16 / fp16, every shape, 1 to
-8 rows, ragged shapes) and its in-place variant (4 / 8 bits, bf16 / fp16, every shape, ragged
-and unaligned) within one output ulp, and fma_prefetch equal to fma bit for bit; repeats
-(deterministic split-K), CUDA-graph replay, nothing compiled after load, 6-bit GEMM tiles that
-compile at every batch size."""
+(GEMV up to GEMV_MAX_M rows for the int layout, 8 where its tensor-core variant serves it, and
+W8_GEMV_MAX_M for 8-bit weights, the GEMMs above): weight-only int (4, 6, 8 bits, zero points,
+groups, per channel, fp16), FP8 per channel and 128x128 blocks, int8 per channel, each against
+dequantize-then-matmul of x as it is at M <= GEMV_MAX_M; the int layout's tensor-core variant
+(4 / 6 bits, bf16 / fp16, every shape, 1 to 8 rows, ragged shapes) and its in-place variant (4 /
+8 bits, bf16 / fp16, every shape, ragged and unaligned) within one output ulp, and fma_prefetch
+equal to fma bit for bit; repeats (deterministic split-K), CUDA-graph replay, nothing compiled
+after load, 6-bit GEMM tiles that compile at every batch size."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -19,7 +19,8 @@ from peregrine.kernels.fp8_quant import FP8_DTYPE, block_dequantize, per_token_g
 from peregrine.kernels.gemv import GEMV_MAX_M, W8_GEMV_MAX_M, precompile_w8_gemv, w8_gemv
 from peregrine.kernels.wna16_gemm import wna16_gemm
 from peregrine.kernels.wna16_gemv import (_wna16_gemv_fma_kernel, gated_supported, gemv_config,
-                                          mma_supported, precompile_wna16_gemv, wna16_gemv)
+                                          max_rows, mma_supported, precompile_wna16_gemv,
+                                          wna16_gemv)
 from peregrine.kernels.wna16_gemv_half2 import _wna16_gemv_half2_kernel
 from peregrine.kernels.wna16_gemv_staged import _wna16_gemv_staged_kernel
 from peregrine.kernels.wna16_gemv_inplace import _wna16_gemv_inplace_kernel
@@ -133,14 +134,15 @@ def test_nothing_compiles_after_load_time_precompile(bits: int) -> None:
     w = _layout(k, n, bits, zp=bits == 4)
     precompile_wna16_gemv(w, torch.bfloat16)
     before = _gemv_compiles()
-    for m in range(1, GEMV_MAX_M + 1):
+    rows = max_rows(w, torch.bfloat16)
+    assert rows == (8 if bits in (4, 6) else GEMV_MAX_M)  # the tensor-core GEMV takes 8
+    for m in range(1, rows + 1):
         wna16_gemv(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), w)
     h = torch.randn(1, 2 * k, device=DEV, dtype=torch.bfloat16)
     if gated_supported(w, h):  # a down projection's one-row form, SiLU-and-mul inside
         wna16_gemv(h, w, gated=True)
-    assert bits != 6 or gated_supported(w, h)
     assert _gemv_compiles() == before
-    if bits == 4:  # one row takes the tensor-core variant, compiled at load
+    if bits in (4, 6):  # 1 to 8 rows take the tensor-core variant, compiled at load
         assert _compiled(wna16_gemv_tc_kernel) > 0
 
 
@@ -387,7 +389,7 @@ def test_mma_applies_to_4_and_8_bits_with_16_bit_activations_on_sm90() -> None:
     assert mma_supported(w4, x.dtype, x.device) == (torch.cuda.get_device_capability() >= (9, 0))
     assert not mma_supported(w6, x.dtype, x.device)
     assert not mma_supported(w4, torch.float32, x.device)
-    assert torch.equal(wna16_gemv(x, w4), wna16_gemv(x, w4, variant="inplace"))  # the default
+    assert torch.equal(wna16_gemv(x, w4), wna16_gemv(x, w4, variant="tc"))  # the default
 
 
 @pytest.mark.parametrize("m", (1, 3, 8))
@@ -549,20 +551,21 @@ def test_dependent_launches_in_a_graph_give_plain_launches_bits(monkeypatch) -> 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_half2_variant_reads_6_bit_weights(shape: str, dtype: torch.dtype, zp: bool) -> None:
     """One row of 6-bit weights (RTN's layout: low nibbles in the 4-bit words, two high bits in
-    a second plane) through the packed-half GEMV, the default there: within the fp16 sums'
-    rounding of the exact result (as for 4 bits: q - zero < 64 and x * 2^-8 exact in fp16, four
-    products summed in fp16), its prefetching forms the same bits, gated inputs the activation
-    kernel's output fed to it bit for bit."""
+    a second plane) through the packed-half GEMV (the default where the tensor-core one does
+    not run): within the fp16 sums' rounding of the exact result (as for 4 bits: q - zero < 64
+    and x * 2^-8 exact in fp16, four products summed in fp16), its prefetching forms the same
+    bits, gated inputs the activation kernel's output fed to it bit for bit."""
     from peregrine.kernels.activation import silu_and_mul
     from peregrine.kernels.wna16_gemv import _variant
     k, n = SHAPES[shape]
     w = _layout(k, n, 6, zp, dtype=dtype)
     x = torch.randn(1, k, device=DEV, dtype=dtype)
-    assert _variant(w, x, None, None) == "half2_prefetch"
-    got = wna16_gemv(x, w)
+    assert _variant(w, x, None, None) == "tc"
+    got = wna16_gemv(x, w, variant="half2_prefetch")
     assert _exact_err(got, x, w) <= 2.0
     assert torch.equal(wna16_gemv(x, w, variant="half2"), got)
     assert torch.equal(wna16_gemv(x, w, variant="half2_prefetch2"), got)
     if shape == "down":
         h = torch.randn(1, 2 * k, device=DEV, dtype=dtype) * 3
-        assert torch.equal(wna16_gemv(h, w, gated=True), wna16_gemv(silu_and_mul(h), w))
+        assert torch.equal(wna16_gemv(h, w, variant="half2_prefetch", gated=True),
+                           wna16_gemv(silu_and_mul(h), w, variant="half2_prefetch"))

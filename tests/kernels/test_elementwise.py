@@ -105,9 +105,9 @@ def test_short_kernels_release_the_next_one_early_only_at_batches_a_gemv_serves(
     start only with dependent launches and at row counts some GEMV takes (its cut-offs): above
     them GEMMs follow, which keep the release at exit."""
     from peregrine.kernels import _utils
-    from peregrine.kernels.gemv import GEMV_MAX_M, W8_GEMV_MAX_M
+    from peregrine.kernels.gemv import GEMV_MAX_ROWS
     pdl, plain = {"PDL": True, "launch_pdl": True}, {"PDL": False}
-    assert _utils.RELEASE_MAX_ROWS == max(GEMV_MAX_M, W8_GEMV_MAX_M)
+    assert _utils.RELEASE_MAX_ROWS == GEMV_MAX_ROWS
     assert all(_utils.release_before_gemv(pdl, rows)
                for rows in range(1, _utils.RELEASE_MAX_ROWS + 1))
     assert not _utils.release_before_gemv(pdl, _utils.RELEASE_MAX_ROWS + 1)

@@ -465,6 +465,50 @@ def test_tc_variant_is_refused_off_the_gpu_and_its_splits_cover_k_in_whole_group
         assert cfg.block_n == 16 * wna16_gemv_module._TC_V * cfg.num_warps
 
 
+def test_layouts_the_tc_variant_serves_take_the_gemv_up_to_8_rows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row cut-off between the GEMV and the GEMM: 8 rows where the tensor-core variant reads
+    the layout at the activation dtype (checked as on a GPU), GEMV_MAX_M elsewhere (a CPU layout,
+    float32 activations, 8-bit weights); the layer sends its rows accordingly."""
+    import peregrine.layers.quantization.wna16 as wna16
+    from peregrine.kernels import wna16_gemm
+    from peregrine.kernels.gemv import GEMV_MAX_M
+    w4, w6, w8 = (_layout(b, 128, zp=True, dtype=torch.bfloat16) for b in (4, 6, 8))
+    assert wna16_gemv_module.max_rows(w4, torch.bfloat16) == GEMV_MAX_M  # CPU tensors
+    real = wna16_gemv_module._tc_layout_ok
+    monkeypatch.setattr(wna16_gemv_module, "_is_sm80_or_later", lambda index: True)
+    monkeypatch.setattr(wna16_gemv_module, "_tc_layout_ok",
+                        lambda w, dtype: real(SimpleNamespace(
+                            **{f: getattr(w, f) for f in ("bits", "g_idx", "in_features",
+                                                          "group_size", "out_features",
+                                                          "scales", "zeros", "qweight_hi")},
+                            qweight=SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0),
+                                                    data_ptr=w.qweight.data_ptr)), dtype))
+    assert wna16_gemv_module.max_rows(w4, torch.bfloat16) == 8
+    assert wna16_gemv_module.max_rows(w6, torch.float16) == 8
+    assert wna16_gemv_module.max_rows(w4, torch.float32) == GEMV_MAX_M
+    assert wna16_gemv_module.max_rows(w8, torch.bfloat16) == GEMV_MAX_M
+    assert wna16_gemv_module.max_rows(_layout(4, 64, zp=True, dtype=torch.bfloat16),
+                                      torch.bfloat16) == GEMV_MAX_M  # groups of 64
+    monkeypatch.setattr(wna16_gemv_module, "_TC_ROWS", 1)
+    assert wna16_gemv_module.max_rows(w4, torch.bfloat16) == GEMV_MAX_M
+    monkeypatch.undo()
+    # the layer: rows 1..8 to the GEMV and 9 to the GEMM where max_rows says 8
+    calls = []
+    monkeypatch.setattr(wna16, "_use_kernel", lambda x: True)
+    monkeypatch.setattr("peregrine.kernels.gemv.use_gemv",
+                        lambda x, max_m=GEMV_MAX_M: 0 < x.numel() // x.shape[-1] <= max_m)
+    monkeypatch.setattr(wna16_gemv_module, "max_rows", lambda w, dtype: 8)
+    monkeypatch.setattr(wna16_gemv_module, "wna16_gemv",
+                        lambda x, w: calls.append(("gemv", x.shape[0])) or x[:, :N])
+    monkeypatch.setattr(wna16_gemm, "wna16_gemm",
+                        lambda x, w: calls.append(("gemm", x.shape[0])) or x[:, :N])
+    layer = SimpleNamespace(wna16=w4)
+    for m in (1, 5, 8, 9):
+        wna16.WNA16LinearMethod.apply(None, layer, _x(m, torch.bfloat16))
+    assert calls == [("gemv", 1), ("gemv", 5), ("gemv", 8), ("gemm", 9)]
+
+
 def test_half2_variant_reads_unaligned_bf16_rows_one_value_at_a_time() -> None:
     w = _layout(4, 128, zp=False, dtype=torch.bfloat16, seed=35)
     buf = _x(1, torch.bfloat16, k=K + 1).reshape(-1)

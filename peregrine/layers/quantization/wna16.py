@@ -13,7 +13,7 @@ which repacks them into the one layout the fused Triton dequant-GEMM reads (kern
   act-order).
 
 w[k, n] = (q[k, n] - zero[g(k), n]) * scale[g(k), n]. On CUDA a batch of at most GEMV_MAX_M rows
-runs a split-K GEMV (kernels/wna16_gemv.py, compiled at load), larger ones the GEMM. Without
+(8 where the tensor-core GEMV serves the layout) runs a split-K GEMV (kernels/wna16_gemv.py, compiled at load), larger ones the GEMM. Without
 CUDA the layer dequantizes and calls F.linear, which is also the reference the kernels are tested
 against.
 """
@@ -179,8 +179,8 @@ class WNA16LinearMethod(QuantMethod):
         if _use_kernel(x):
             from peregrine.kernels.gemv import use_gemv
             from peregrine.kernels.wna16_gemm import wna16_gemm
-            from peregrine.kernels.wna16_gemv import gemv_supported, wna16_gemv
-            gemv = use_gemv(x) and gemv_supported(layout)
+            from peregrine.kernels.wna16_gemv import gemv_supported, max_rows, wna16_gemv
+            gemv = use_gemv(x, max_rows(layout, x.dtype)) and gemv_supported(layout)
             y = wna16_gemv(x, layout) if gemv else wna16_gemm(x, layout)  # (T, out_per_rank)
             return y if bias is None else y + bias
         return F.linear(x, layout.dequantize(x.dtype), bias)
