@@ -504,9 +504,10 @@ def wna16_gemv(x: torch.Tensor, w: WNA16Layout, config: GemvConfig | None = None
     "half2_staged" (the same sums with x staged once per program, the zero point outside the
     K loop), "fma" (float32 FMAs), "fma_prefetch" (the same, its loads
     pipelined two K blocks ahead) or "mma" (tensor cores; 4 / 8 bits, 16-bit x, sm_90+); None:
-    half2_prefetch at one row of 4-bit weights and 16-bit x, else one of the in-place forms for
-    4-bit weights and for 8-bit ones up to 2 rows where the layout allows (the prefetching one
-    at 3-4 rows of 4-bit and 1 row of 8-bit weights), else fma.
+    tc for up to 8 rows of 4- or 6-bit weights and 16-bit x where it runs (tc_supported), else
+    half2_prefetch at one row, else one of the in-place forms for 4-bit weights and for 8-bit
+    ones up to 2 rows where the layout allows (the prefetching one at 3-4 rows of 4-bit and 1
+    row of 8-bit weights), else fma.
     gated: x is a gate-and-up row h (1, 2K) and the GEMV's input silu(h[:K]) * h[K:], computed
     as it is read (rounded to h's dtype, as silu_and_mul would): a packed-half variant read
     through registers only."""
