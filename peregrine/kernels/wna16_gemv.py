@@ -405,7 +405,7 @@ def _variant(w: WNA16Layout, x: torch.Tensor, variant: str | None,
                          f"{w.group_size}")
     if variant == "tc" and not tc_supported(w, x):
         raise ValueError(f"wna16_gemv: the tc variant takes at most {_TC_MAX_ROWS} rows of "
-                         f"16-bit x and 4-bit weights in groups of a multiple of 128 inputs "
+                         f"16-bit x and 4- or 6-bit weights in groups of a multiple of 128 inputs "
                          f"without act-order, N a multiple of 8, 16-byte aligned tensors, on a "
                          f"CUDA GPU (sm_80+); got {x.shape[0]} rows, {x.dtype}, {w.bits} bits, "
                          f"group {w.group_size}, N {w.out_features}")

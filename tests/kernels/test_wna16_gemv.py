@@ -183,8 +183,9 @@ def test_mma_variant_ragged_n_and_k() -> None:
 def test_the_default_variant_and_every_variant_agrees() -> None:
     w = _layout(4, 128, zp=True, dtype=torch.bfloat16, seed=17)
     x = _x(4, torch.bfloat16, seed=18)
-    # 4-bit: packed halves at 1 row of 16-bit x, in place (prefetching at 3-4 rows); 8-bit: in place up to 2 rows (prefetching at
-    # 1), fma above; 6-bit: packed halves at 1 row, fma above; act-order: fma
+    # off the GPU (no tensor-core variant): 4-bit: packed halves at 1 row of 16-bit x, in place
+    # (prefetching at 3-4 rows); 8-bit: in place up to 2 rows (prefetching at 1), fma above;
+    # 6-bit: packed halves at 1 row, fma above; act-order: fma
     chosen = []
     real = wna16_gemv_module._variant
     with pytest.MonkeyPatch.context() as mp:

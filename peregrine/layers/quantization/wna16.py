@@ -13,9 +13,9 @@ which repacks them into the one layout the fused Triton dequant-GEMM reads (kern
   act-order).
 
 w[k, n] = (q[k, n] - zero[g(k), n]) * scale[g(k), n]. On CUDA a batch of at most GEMV_MAX_M rows
-(8 where the tensor-core GEMV serves the layout) runs a split-K GEMV (kernels/wna16_gemv.py, compiled at load), larger ones the GEMM. Without
-CUDA the layer dequantizes and calls F.linear, which is also the reference the kernels are tested
-against.
+(8 where the tensor-core GEMV serves the layout) runs a split-K GEMV (kernels/wna16_gemv.py,
+compiled at load), larger ones the GEMM. Without CUDA the layer dequantizes and calls F.linear,
+which is also the reference the kernels are tested against.
 """
 from __future__ import annotations
 
