@@ -78,7 +78,10 @@ def _wna16_gemm_kernel(
             else:
                 acc += tl.dot(a, wf.to(a.dtype))
         else:
-            grp = k0 // GROUP
+            # NOTE: a split's blocks past K (K_ITERS rounded up) add nothing (a and w are
+            # masked to 0) but still read a group row: clamp it to the last one, which exists,
+            # since the row past the scales may not be mapped memory.
+            grp = tl.minimum(k0, K - 1) // GROUP
             s = tl.load(s_ptr + grp * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)  # (BN,)
             if HAS_ZP:
                 z = tl.load(z_ptr + grp * N + offs_n, mask=n_mask, other=0.0)  # (BN,)

@@ -42,6 +42,24 @@ def test_split_k_sums_every_part(split: int) -> None:
 
 
 @pytest.mark.parametrize("zp", [False, True])
+def test_split_blocks_past_k_read_no_group_row_past_the_scales(zp: bool) -> None:
+    """3 splits of 2 blocks over K's 4 blocks: the last split's second block lies past K. Its
+    products are zero, and so must be what it reads: the scales (and zero points) here sit in a
+    larger buffer whose rows past them hold NaN, which a read of the row past the last group
+    would carry into the sums (0 * NaN)."""
+    w = _layout(128, 32, 4, 64, zp, act_order=False, seed=4)
+    for name in ("scales", "zeros") if zp else ("scales",):
+        t = getattr(w, name)
+        buf = torch.full((t.shape[0] + 2, t.shape[1]), float("nan"), dtype=t.dtype)
+        buf[:t.shape[0]] = t
+        setattr(w, name, buf[:t.shape[0]])
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(5))
+    cfg = GemmConfig(block_m=16, block_n=32, block_k=32, split_k=3, num_warps=4, num_stages=1)
+    want = x @ w.dequantize(torch.float32).t()
+    torch.testing.assert_close(wna16_gemm(x, w, cfg), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("zp", [False, True])
 def test_act_order_gathers_each_inputs_group(zp: bool) -> None:
     w = _layout(64, 32, 4, 16, zp, act_order=True, seed=4)
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(5))
