@@ -286,7 +286,8 @@ def main() -> int:
                per_layer=per_layer(results))
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps(doc, indent=2))
-    print(f"GEMV cut-offs M <= {GEMV_MAX_M} (int layout), {W8_GEMV_MAX_M} (8-bit); GB/s against a {HBM_GBPS:.0f} GB/s ceiling")
+    print(f"GEMV cut-offs M <= {GEMV_MAX_M} (int layout; 8 where the tensor-core GEMV reads it), "
+          f"{W8_GEMV_MAX_M} (8-bit); GB/s against a {HBM_GBPS:.0f} GB/s ceiling")
     print(f"{'model':5} {'proj':8} {'M':>3} {'method':28} {'us':>8} {'GB/s':>7} {'%HBM':>5}")
     for r in results:
         head = f"{r['model']:5} {r['proj']:8} {r['M']:3d} {r['method']:28}"

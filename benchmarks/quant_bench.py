@@ -58,7 +58,7 @@ def kernel_rows() -> list[dict]:
             cfg = choose_config(1, n, k, 128, False, _num_sms(dev.index), bits)
             rows.append(dict(shape=name, K=k, N=n, weights=label, kernel="GEMM", ms=ms,
                              GBps=moved / ms / 1e6, split_k=cfg.split_k))
-            # the path a decode step takes (layers/quantization/wna16.py: M <= GEMV_MAX_M)
+            # the path a decode step takes (layers/quantization/wna16.py: M <= max_rows)
             ms = _time_ms(lambda: wna16_gemv(x, w))
             rows.append(dict(shape=name, K=k, N=n, weights=label, kernel="GEMV", ms=ms,
                              GBps=moved / ms / 1e6,
