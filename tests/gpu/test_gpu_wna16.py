@@ -98,54 +98,97 @@ def test_awq_model_tokens_on_cuda_equal_the_cpu_dequantized_path(tmp_path) -> No
     assert outs["cuda"] == outs["cpu"]
 
 
-def test_awq_decode_batches_of_1_to_8_rows_pick_near_exact_top1_tokens(tmp_path) -> None:
-    """An AWQ model (group 128, fp16: its scales as the checkpoint stores them) decoding 8
-    sequences that finish one after another, so its linears see 8 rows down to 1 (the
-    tensor-core GEMV's range, in CUDA graphs and eager): the graphs give the eager engine's
-    tokens, and every token the engine picks is the exact top-1 of the float32 dequantized model
-    fed the same tokens, or within an fp16 near-tie of it (the rounding model of
-    test_gpu_engine.py at fp16's unit roundoff, to 6 sigma: on the CPU the fp16
-    dequantize-then-matmul path, which rounds every weight too, reaches 3.8 sigma on this model
-    with 4 of 176 tokens off the exact top-1)."""
-    import math
+LAYERS = 4
 
-    from peregrine import LLM, SamplingParams
-    from peregrine.kernels import wna16_gemv
+
+@pytest.fixture(scope="module")
+def fp16_awq(tmp_path_factory: pytest.TempPathFactory):
+    """(AWQ checkpoint, its float32 dequantized reference, prompts, params): 8 prompts that
+    finish one after another, so a decode step's linears see 8 rows down to 1 (the tensor-core
+    GEMV's range)."""
+    from peregrine import SamplingParams
     from peregrine.testing.checkpoints import build_tiny_checkpoint
     from peregrine.testing.quant_pack import write_quantized_checkpoint
-    layers = 4
-    src = build_tiny_checkpoint(tmp_path / "src", "llama", hidden_size=512, head_dim=128,
+    root = tmp_path_factory.mktemp("awq-fp16")
+    src = build_tiny_checkpoint(root / "src", "llama", hidden_size=512, head_dim=128,
                                 num_attention_heads=8, num_key_value_heads=2,
-                                intermediate_size=1024, num_hidden_layers=layers,
+                                intermediate_size=1024, num_hidden_layers=LAYERS,
                                 max_position_embeddings=1024)
-    path, ref = write_quantized_checkpoint(src, tmp_path / "awq", "awq", group_size=128)
+    path, ref = write_quantized_checkpoint(src, root / "awq", "awq", group_size=128)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(5, 500, (n,), generator=g).tolist()
                for n in (5, 17, 40, 64, 9, 100, 23, 31)]
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 4 * i, ignore_eos=True)
               for i in range(len(prompts))]
-    tokens = {}
-    for eager in (False, True):
-        llm = LLM(str(path), dtype="float16", max_model_len=256, enforce_eager=eager,
-                  num_gpu_blocks_override=256, seed=0)
+    return str(path), ref, prompts, params
+
+
+def _awq_tokens(path: str, prompts, params, **engine_args) -> tuple[list[list[int]], object]:
+    """The engine's greedy tokens (fp16) and stats; its linears take the GEMV up to 8 rows."""
+    from peregrine import LLM
+    from peregrine.kernels import wna16_gemv
+    engine_args.setdefault("num_gpu_blocks_override", 256)
+    llm = LLM(path, dtype="float16", max_model_len=256, seed=0, **engine_args)
+    try:
         linear = next(m for m in llm.engine.core_client.core.executor.worker.model_runner
                       .model.modules() if hasattr(m, "wna16"))
         assert wna16_gemv.max_rows(linear.wna16, torch.float16) == 8
-        tokens[eager] = [list(o.outputs[0].token_ids)
-                         for o in llm.generate(prompts, params, use_tqdm=False)]
+        tokens = [list(o.outputs[0].token_ids)
+                  for o in llm.generate(prompts, params, use_tqdm=False)]
+        return tokens, llm.engine.get_stats()
+    finally:
         del llm
         torch.cuda.empty_cache()
-    assert tokens[False] == tokens[True]
+
+
+def _near_exact_top1(ref, prompts, params, tokens: list[list[int]]) -> None:
+    """Every token picked is the exact top-1 of the float32 dequantized model fed the same
+    tokens, or within an fp16 near-tie of it: the rounding model of test_gpu_engine.py at fp16's
+    unit roundoff, to 6 sigma (on the CPU the fp16 dequantize-then-matmul path, which rounds
+    every weight too, reaches 3.8 sigma on this model with 4 of 176 tokens off the top-1)."""
+    import math
+
     from transformers import AutoModelForCausalLM
     exact = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).to(DEV).eval()
-    sigma = math.sqrt(2 * (13 * layers + 3) / 3) * 2.0 ** -11  # a logit pair's error / rms(z)
+    sigma = math.sqrt(2 * (13 * LAYERS + 3) / 3) * 2.0 ** -11  # a logit pair's error / rms(z)
     gaps = []
     with torch.no_grad():
-        for prompt, out in zip(prompts, tokens[False]):
+        for prompt, out in zip(prompts, tokens):
             seq = torch.tensor([prompt + out], device=DEV)
             rows = exact(seq).logits[0, len(prompt) - 1:-1].float()  # row i predicts out[i]
             picked = rows.gather(1, torch.tensor(out, device=DEV)[:, None])[:, 0]
             gaps += ((rows.max(-1).values - picked) / rows.pow(2).mean(-1).sqrt()).tolist()
+    del exact
+    torch.cuda.empty_cache()
     assert len(gaps) == sum(p.max_tokens for p in params)
     assert max(gaps) <= 6 * sigma, (max(gaps), 6 * sigma)
     assert sum(gap > 0 for gap in gaps) < len(gaps) / 10  # mostly the exact top-1 itself
+
+
+def test_awq_decode_batches_of_1_to_8_rows_pick_near_exact_top1_tokens(fp16_awq) -> None:
+    """An fp16 AWQ model (group 128; its scales as the checkpoint stores them) decoding 8 rows
+    down to 1 through the tensor-core GEMV: CUDA graphs give the eager engine's tokens, and
+    every token is near the exact top-1."""
+    path, ref, prompts, params = fp16_awq
+    graphs, _ = _awq_tokens(path, prompts, params)
+    eager, _ = _awq_tokens(path, prompts, params, enforce_eager=True)
+    assert graphs == eager
+    _near_exact_top1(ref, prompts, params, graphs)
+
+
+def test_awq_decode_with_chunked_prefill_preemption_and_prefix_hits_picks_near_exact_tokens(
+        fp16_awq) -> None:
+    """The same model and prompts plus two that extend earlier ones (prefix-cache hits; 10
+    sequences, so the first decode steps cross the GEMV's 8-row cut-off), with 32-token prefill
+    chunks and a KV pool too small for them all (recompute preemption), CUDA graphs on: every
+    token near the exact top-1 of the model fed the engine's own tokens."""
+    from peregrine import SamplingParams
+    path, ref, prompts, params = fp16_awq
+    prompts = prompts + [prompts[2] + [7, 8, 9], prompts[3] + [11] * 5]
+    params = params + [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                       for n in (12, 20)]
+    tokens, stats = _awq_tokens(path, prompts, params, num_gpu_blocks_override=24,
+                                max_num_batched_tokens=32, preemption_mode="recompute",
+                                enable_prefix_caching=True)
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    _near_exact_top1(ref, prompts, params, tokens)
