@@ -26,7 +26,8 @@ from peregrine.kernels.wna16_gemv_staged import _wna16_gemv_staged_kernel
 from peregrine.kernels.wna16_gemv_inplace import _wna16_gemv_inplace_kernel
 from peregrine.kernels.wna16_gemv_mma import _wna16_gemv_mma_kernel
 from peregrine.kernels.wna16_gemv_tc import wna16_gemv_tc_kernel
-from peregrine.layers.quantization.fp8 import Fp8BlockMethod, apply_fp8_linear, fp8_gemm_supported
+from peregrine.layers.quantization.fp8 import (Fp8BlockMethod, apply_fp8_linear, fp8_gemm_supported,
+                                               unrounded_rows)
 from peregrine.layers.quantization.int8 import apply_int8_linear
 from peregrine.layers.quantization.wna16 import WNA16LinearMethod, WNA16Layout
 from peregrine.testing import fp8_pack
@@ -415,7 +416,7 @@ def test_fp8_per_channel_across_the_cut_off(shape: str, m: int) -> None:
     wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=DEV) * 0.02, FP8_DTYPE)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     got = apply_fp8_linear(x, wq, ws.t().contiguous(), None, None)
-    if m <= W8_GEMV_MAX_M:  # weight-only: x as it is
+    if unrounded_rows(m, wq, ws.t()):  # weight-only: x as it is
         want = x.float() @ (wq.float() * ws).t()
     else:
         xq, xs = per_token_group_quant_ref(x, FP8_DTYPE)
@@ -569,3 +570,49 @@ def test_half2_variant_reads_6_bit_weights(shape: str, dtype: torch.dtype, zp: b
         h = torch.randn(1, 2 * k, device=DEV, dtype=dtype) * 3
         assert torch.equal(wna16_gemv(h, w, variant="half2_prefetch", gated=True),
                            wna16_gemv(silu_and_mul(h), w, variant="half2_prefetch"))
+
+
+def _fp8_exact_err(got: torch.Tensor, x: torch.Tensor, wq: torch.Tensor,
+                   ws: torch.Tensor) -> float:
+    """_exact_err for FP8 weights with per-channel scales."""
+    want = x.float() @ (wq.float() * ws.reshape(-1, 1).float()).t()  # (M, N)
+    unit = torch.maximum(want.abs(), want.pow(2).mean().sqrt()) * torch.finfo(x.dtype).eps
+    return ((got.float() - want).abs() / unit).max().item()
+
+
+@pytest.mark.parametrize("m", (1, 2, 3, 5, 8))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_fp8_tc_gemv_within_an_output_ulp(shape: str, dtype: torch.dtype, m: int) -> None:
+    """The FP8 tensor-core GEMV (1-8 rows, per-channel scales) within one output ulp of the exact
+    x @ (W * scale)^T at every Llama-3-8B shape, with its default split and unsplit; bf16
+    inputs beyond fp16's range stay finite and exact."""
+    from peregrine.kernels.gemv import GemvConfig
+    from peregrine.kernels.w8_gemv_tc import fp8_tc_supported, w8_gemv_tc
+    k, n = SHAPES[shape]
+    wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=DEV) * 0.02, FP8_DTYPE)
+    x = torch.randn(m, k, device=DEV, dtype=dtype)
+    assert fp8_tc_supported(x, wq, ws)
+    got = w8_gemv_tc(x, wq, ws)
+    assert got.shape == (m, n) and _fp8_exact_err(got, x, wq, ws) <= 1.0
+    one = GemvConfig(32, 64, 1, k // 64, 1)
+    assert _fp8_exact_err(w8_gemv_tc(x, wq, ws, one), x, wq, ws) <= 1.0
+    if dtype == torch.bfloat16 and shape == "o":
+        big = (x.float() * 1e5).to(dtype)
+        assert _fp8_exact_err(w8_gemv_tc(big, wq, ws), big, wq, ws) <= 1.0
+
+
+def test_fp8_tc_gemv_replays_in_a_graph_and_repeats_bit_for_bit() -> None:
+    from peregrine.kernels.w8_gemv_tc import w8_gemv_tc
+    k, n = SHAPES["qkv"]
+    wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=DEV) * 0.02, FP8_DTYPE)
+    x = torch.randn(4, k, device=DEV, dtype=torch.bfloat16)
+    first = w8_gemv_tc(x, wq, ws)
+    assert torch.equal(w8_gemv_tc(x, wq, ws), first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = w8_gemv_tc(x, wq, ws)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, w8_gemv_tc(x, wq, ws))

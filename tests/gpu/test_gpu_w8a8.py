@@ -1,7 +1,7 @@
 """W8A8 on CUDA at Llama-3-8B shapes: the Triton activation quantization, torch._scaled_mm
 (FP8, row-wise scales), torch._int_mm (INT8, padded small batches) and the block-scaled FP8
-Triton GEMM against float32 references on the same quantized values (batches of at most
-W8_GEMV_MAX_M rows: the weight-only GEMV against x as it is); then the engine."""
+Triton GEMM against float32 references on the same quantized values (small batches: the
+weight-only GEMVs against x as it is); then the engine."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,7 +14,8 @@ from peregrine.kernels.fp8_quant import (FP8_DTYPE, per_token_group_quant,
                                          per_token_group_quant_ref, w8a8_block_fp8_matmul,
                                          w8a8_block_matmul_ref)
 from peregrine.kernels.gemv import W8_GEMV_MAX_M
-from peregrine.layers.quantization.fp8 import apply_fp8_linear, fp8_gemm_supported
+from peregrine.layers.quantization.fp8 import (TC_GEMV_MAX_M, apply_fp8_linear,
+                                               fp8_gemm_supported, unrounded_rows)
 from peregrine.layers.quantization.int8 import apply_int8_linear
 from peregrine.testing import fp8_pack
 from peregrine.testing.checkpoints import tiny_checkpoint
@@ -55,7 +56,7 @@ def test_scaled_mm_matches_reference(k: int, n: int, m: int) -> None:
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     got = apply_fp8_linear(x, wq, ws.t().contiguous(), None, None)  # (M, N) bf16
     xq, xs = per_token_group_quant_ref(x, FP8_DTYPE)
-    if m <= W8_GEMV_MAX_M:  # small batches: the GEMV multiplies x as it is
+    if unrounded_rows(m, wq, ws.t()):  # small batches: the GEMVs multiply x as it is
         xq, xs = x.float(), torch.ones(m, 1, device=DEV)
     want = (xq.float() * xs) @ (wq.float() * ws).t()
     assert got.dtype == torch.bfloat16 and rel_err(got.float(), want) < GEMM_TOL
@@ -65,7 +66,8 @@ def test_scaled_mm_with_static_input_scale() -> None:
     _needs_fp8()
     k, n = 4096, 4096
     wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=DEV) * 0.02, FP8_DTYPE)
-    x = torch.randn(W8_GEMV_MAX_M + 5, k, device=DEV, dtype=torch.bfloat16)  # past the GEMV
+    rows = max(W8_GEMV_MAX_M, TC_GEMV_MAX_M) + 5  # past the GEMVs
+    x = torch.randn(rows, k, device=DEV, dtype=torch.bfloat16)
     scale = (x.abs().max().float() / 448).reshape(1, 1)
     got = apply_fp8_linear(x, wq, ws.t().contiguous(), scale, None)
     xq = (x.float() / scale).clamp(-448, 448).to(FP8_DTYPE).float() * scale
@@ -145,3 +147,71 @@ def test_engine_fp32_matches_rounded_reference(tmp_path: Path, scheme: str, grou
                                        dtype="float32", decode_unrounded=True)
     diff = (torch.tensor(scores["quantized"]) - torch.tensor(scores["reference_rounded"])).abs()
     assert diff.max() < 2e-3 and diff.mean() < 2e-4, diff.tolist()
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_fp8_decode_of_8_rows_down_to_1_multiplies_x_as_it_is(tmp_path: Path, monkeypatch,
+                                                              enforce_eager: bool) -> None:
+    """An fp16 FP8 model (per-channel weights, per-token activations; a small Llama whose
+    projections the tensor-core GEMV reads) decoding 8 sequences that finish one after another:
+    prompts, prefilled in one step, are rounded to FP8; every decode step of 8 rows down to 1
+    multiplies x as it is (the tensor-core GEMV above the 8-bit GEMV's rows). The generated
+    tokens' logprobs are as close to the float32 reference rounding only the prompts' rows as
+    an fp16 run of that reference is (the bound of the bf16 test above), with CUDA graphs and
+    eagerly; decode rows rounded to FP8 instead move them by the FP8 rounding itself."""
+    _needs_fp8()
+    import peregrine.kernels.w8_gemv_tc as tc
+    from peregrine import LLM, SamplingParams
+    from peregrine.layers.quantization import fp8
+    from peregrine.testing.checkpoints import build_tiny_checkpoint
+    if fp8.TC_GEMV_MAX_M < 8:
+        pytest.fail(f"the tensor-core GEMV is off above {fp8.TC_GEMV_MAX_M} rows")
+    src = build_tiny_checkpoint(tmp_path / "src", "llama", hidden_size=512, head_dim=128,
+                                num_attention_heads=8, num_key_value_heads=2,
+                                intermediate_size=1024, num_hidden_layers=4,
+                                max_position_embeddings=1024)
+    path = fp8_pack.write_compressed_tensors(src, tmp_path / "ct", "fp8_dynamic")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(5, 500, (n,), generator=g).tolist()
+               for n in (5, 17, 40, 64, 9, 100, 23, 31)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, logprobs=1, ignore_eos=True)
+              for i in range(len(prompts))]
+    served: list[int] = []
+    kernel = tc.w8_gemv_tc
+
+    def counted(x, *args, **kw):
+        served.append(x.shape[0])
+        return kernel(x, *args, **kw)
+
+    monkeypatch.setattr(tc, "w8_gemv_tc", counted)
+    llm = LLM(str(path), dtype="float16", max_model_len=256, seed=0, skip_tokenizer_init=True,
+              enforce_eager=enforce_eager, max_num_batched_tokens=512)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    del llm
+    torch.cuda.empty_cache()
+    # eagerly each step calls it; with graphs the capture did (padded batch sizes)
+    assert set(range(max(fp8.TC_GEMV_MIN_M, 3), 9)) & set(served), served
+    engine = torch.tensor([o.logprobs[i][t].logprob for o in outs
+                           for i, t in enumerate(o.token_ids)])
+    forced = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    ref_path = tmp_path / "ct-reference"
+    scores = {}
+    for dtype in ("float32", "float16"):
+        ref = LLM(str(ref_path), dtype=dtype, max_model_len=256, seed=0, enforce_eager=True,
+                  enable_prefix_caching=False, skip_tokenizer_init=True)
+        scores[dtype] = []
+        for p, o in zip(prompts, outs):
+            hooks = fp8_pack.round_linear_inputs(fp8_pack.engine_model(ref), FP8_DTYPE, None,
+                                                 len(p))
+            plp = ref.generate([p + list(o.token_ids)], forced, use_tqdm=False)[0].prompt_logprobs
+            scores[dtype] += [plp[len(p) + i][t].logprob for i, t in enumerate(o.token_ids)]
+            for h in hooks:
+                h.remove()
+        del ref
+        torch.cuda.empty_cache()
+    exact = torch.tensor(scores["float32"])
+    err = (engine - exact).abs()
+    fp16_err = (torch.tensor(scores["float16"]) - exact).abs()
+    assert len(err) == sum(p.max_tokens for p in params)
+    assert err.mean() <= 2 * fp16_err.mean() + 0.02, (err.tolist(), fp16_err.tolist())
+    assert err.max() <= 2 * fp16_err.max() + 0.1, (err.tolist(), fp16_err.tolist())

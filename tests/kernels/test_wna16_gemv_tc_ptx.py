@@ -64,7 +64,11 @@ def run_warp(asm: str, operands: list[dict[int, int]], kind: str) -> list[dict[i
     lanes = [{f"${k}": v & MASK for k, v in ops.items()} for ops in operands]
 
     def val(regs: dict[str, int], tok: str) -> int:
-        return regs[tok] if tok in regs else int(tok, 0) & MASK
+        if tok in regs:
+            return regs[tok]
+        if tok.startswith("0f"):  # a float32 immediate by its bits
+            return int(tok[2:], 16)
+        return int(tok, 0) & MASK
 
     for line in asm.replace("{\n", "\n").split(";"):
         line = line.strip().strip("}").strip()
@@ -76,8 +80,27 @@ def run_warp(asm: str, operands: list[dict[int, int]], kind: str) -> list[dict[i
             d, a, b, c = ([x.strip() for x in arg.strip("{}").split(",")] for arg in args)
             _mma(lanes, d, a, b, c, kind)
             continue
+        if op == "mov.b32" and args[0].startswith("{"):  # a 32-bit word into two 16-bit regs
+            lo, hi = (x.strip() for x in args[0].strip("{}").split(","))
+            for regs in lanes:
+                v = val(regs, args[1])
+                regs[lo], regs[hi] = v & 0xFFFF, v >> 16
+            continue
         for regs in lanes:
             dst, src = args[0], [val(regs, x) for x in args[1:]]
+            if op == "cvt.rn.f16x2.e4m3x2":  # two e4m3 bytes (low first) as an fp16 pair
+                regs[dst] = _fp8_pair(src[0])
+                continue
+            if op == "cvt.rn.f16x2.f32":  # d = (f16(a) high, f16(b) low), nearest even
+                regs[dst] = (_bits16(_f32(src[0]), "f16") << 16) | _bits16(_f32(src[1]), "f16")
+                continue
+            if op == "mul.f32":
+                regs[dst] = _bits32((torch.tensor(_f32(src[0]), dtype=torch.float32)
+                                     * torch.tensor(_f32(src[1]), dtype=torch.float32)).item())
+                continue
+            if op == "and.b32":
+                regs[dst] = src[0] & src[1]
+                continue
             if op == "lop3.b32":
                 regs[dst] = _lop3(*src)
             elif op == "shr.u32":
@@ -91,6 +114,13 @@ def run_warp(asm: str, operands: list[dict[int, int]], kind: str) -> list[dict[i
             else:
                 raise AssertionError(f"the emulator does not know {op!r}")
     return [{int(k[1:]): v for k, v in regs.items() if k.startswith("$")} for regs in lanes]
+
+
+def _fp8_pair(v: int) -> int:
+    """Two e4m3 bytes (the low one first) as fp16 bits (exact: fp16 holds every e4m3 value)."""
+    b = torch.tensor([v & 0xFF, (v >> 8) & 0xFF], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    h = b.to(torch.float16).view(torch.int16).tolist()
+    return (h[0] & 0xFFFF) | ((h[1] & 0xFFFF) << 16)
 
 
 def _words(t: torch.Tensor) -> list[int]:
