@@ -616,3 +616,27 @@ def test_fp8_tc_gemv_replays_in_a_graph_and_repeats_bit_for_bit() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, w8_gemv_tc(x, wq, ws))
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_fp8_decode_rows_compile_nothing_after_load(shape: str) -> None:
+    """The FP8 method's load-time precompile covers every decode row count: 1-8 rows through
+    apply_fp8_linear (the 8-bit GEMV, then the tensor-core GEMV) and the gated down form compile
+    no kernel afterwards."""
+    _needs_fp8()
+    from peregrine.kernels.gemv import _w8_gemv_kernel
+    from peregrine.kernels.w8_gemv_tc import precompile_w8_gemv_tc, w8_gemv_tc_kernel
+    from peregrine.layers.quantization.fp8 import TC_GEMV_MAX_M, apply_w8_silu_and_mul
+    k, n = SHAPES[shape]
+    wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=DEV) * 0.02, FP8_DTYPE)
+    ws = ws.t().contiguous()  # (1, N), as the method keeps it
+    precompile_w8_gemv(wq, ws, torch.bfloat16)
+    precompile_w8_gemv_tc(wq, ws, torch.bfloat16)
+    before = _compiled(_w8_gemv_kernel) + _compiled(w8_gemv_tc_kernel)
+    assert TC_GEMV_MAX_M == 8 and _compiled(w8_gemv_tc_kernel) > 0
+    for m in range(1, 9):
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        assert apply_fp8_linear(x, wq, ws, None, None).shape == (m, n)
+        h = torch.randn(m, 2 * k, device=DEV, dtype=torch.bfloat16)
+        apply_w8_silu_and_mul(h, wq, ws, None, None)
+    assert _compiled(_w8_gemv_kernel) + _compiled(w8_gemv_tc_kernel) == before
