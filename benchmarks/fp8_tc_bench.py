@@ -4,7 +4,8 @@ torch._scaled_mm above) and with it (the method's dispatch as configured),
 per Llama-3-8B projection and row count: µs per call (CUDA-graph replays over enough weight
 copies that nothing is served from L2) and the error against the exact x @ (W * scale)^T in
 output ulps (the _scaled_mm path rounds x to FP8, so its error is larger by design); --grid
-times launch configs (tile width V, warps, K split, loads ahead) at the --grid-rows row counts.
+times launch configs (tile width V, warps, K split, loads ahead) at the --grid-rows row counts;
+--block takes 128 x 128 block-scaled weights through Fp8BlockMethod instead.
 
     python benchmarks/fp8_tc_bench.py --out /tmp/out/fp8_tc.json [--rows 1,2,4,8] [--grid]
         [--grid-rows 1,8]
@@ -16,12 +17,17 @@ import json
 import sys
 from pathlib import Path
 
+from types import SimpleNamespace
+
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_timing import graph_replay_ms  # noqa: E402
 from benchmarks.gemv_bench import L2_FLUSH_BYTES, SHAPES  # noqa: E402
+
+
+BLOCK = (128, 128)
 
 
 def _err_ulps(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -32,7 +38,7 @@ def _err_ulps(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def main() -> None:
     import peregrine.kernels.w8_gemv_tc as tc
-    from peregrine.kernels.fp8_quant import FP8_DTYPE
+    from peregrine.kernels.fp8_quant import FP8_DTYPE, block_dequantize
     from peregrine.kernels.gemv import GemvConfig
     from peregrine.layers.quantization import fp8
     from peregrine.layers.quantization.fp8 import apply_fp8_linear
@@ -43,13 +49,24 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--grid", action="store_true", help="also time launch configs")
     p.add_argument("--grid-rows", default="1", help="the row counts the grid runs at")
+    p.add_argument("--block", action="store_true",
+                   help="128 x 128 block-scaled weights (Fp8BlockMethod's paths) instead")
     ns = p.parse_args()
     dev = torch.device("cuda")
+    block = BLOCK if ns.block else None
+    block_method = fp8.Fp8BlockMethod(BLOCK)
     tc_max0 = fp8.TC_GEMV_MAX_M
     out: list[dict] = []
     layer: dict[str, float] = {}
     for proj, (k, n) in SHAPES["8b"].items():
-        wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=dev) * 0.02, FP8_DTYPE)
+        w = torch.randn(n, k, device=dev) * 0.02
+        if ns.block:
+            wq, ws = fp8_pack.quantize_blocks(w, BLOCK)
+            deq = block_dequantize(wq, ws, BLOCK)
+        else:
+            wq, ws = fp8_pack.quantize_per_channel(w, FP8_DTYPE)
+            deq = wq.float() * ws.float()
+        del w
         copies = max(2, min(64, -(-L2_FLUSH_BYTES // wq.numel())))
         weights = [(wq, ws)] + [(wq.clone(), ws.clone()) for _ in range(copies - 1)]
 
@@ -70,23 +87,28 @@ def main() -> None:
 
         for m in (int(r) for r in ns.rows.split(",") if r):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            want = x.float() @ (wq.float() * ws.float()).t()
+            want = x.float() @ deq.t()
+
+            def method(w_, s_, x=x):
+                if ns.block:
+                    return block_method.apply(SimpleNamespace(weight=w_, weight_scale_inv=s_), x)
+                return apply_fp8_linear(x, w_, s_.reshape(1, n), None, None)
+
             for tag, tc_max in (("GEMV / _scaled_mm", 0), ("method", fp8.TC_GEMV_MAX_M)):
                 fp8.TC_GEMV_MAX_M = tc_max
-                us = run(tag, m, lambda w_, s_: apply_fp8_linear(x, w_, s_.reshape(1, n), None,
-                                                                 None), want)
+                us = run(tag, m, method, want)
                 if us is not None:
                     layer[f"{tag} M={m}"] = layer.get(f"{tag} M={m}", 0.0) + us
             fp8.TC_GEMV_MAX_M = tc_max0
-            us = run("tc", m, lambda w_, s_: tc.w8_gemv_tc(x, w_, s_), want)
+            us = run("tc", m, lambda w_, s_: tc.w8_gemv_tc(x, w_, s_, block=block), want)
             if us is not None:
                 layer[f"tc M={m}"] = layer.get(f"tc M={m}", 0.0) + us
         cfg = tc.fp8_tc_config(n, k, dev)
         print(f"{proj:8s} tc default: block_n {cfg.block_n} warps {cfg.num_warps} split "
               f"{cfg.split_k}", flush=True)
-        for m in (int(r) for r in ns.grid_rows.split(",") if r and ns.grid):
+        for m in (int(r) for r in ns.grid_rows.split(",") if r and ns.grid and not ns.block):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            want = x.float() @ (wq.float() * ws.float()).t()
+            want = x.float() @ deq.t()
             chunks = k // tc.CHUNK
             ahead0 = tc._AHEAD
             for ahead in (2, 4):
@@ -102,7 +124,7 @@ def main() -> None:
                             run(f"tc V{v} w{warps} s{split} a{ahead}", m,
                                 lambda w_, s_, c=c, x=x: tc.w8_gemv_tc(x, w_, s_, c), want)
             tc._AHEAD = ahead0
-        del weights
+        del weights, deq
         torch.cuda.empty_cache()
     best: dict[tuple[str, int], list[dict]] = {}
     for r in out:

@@ -1,7 +1,8 @@
 """The small-batch FP8 GEMV on tensor cores with every operand in registers (Gluon).
 
 y (M, N) = x (M, K) @ (W (N, K) * scale)^T for 1-8 rows of 16-bit x and FP8 e4m3 weights stored
-row-major with one scale per output channel (the layout the FP8 methods keep). Each lane of a
+row-major with one scale per output channel or one per block of channels and 64, 128 or 256
+inputs (the layouts the FP8 methods keep). Each lane of a
 warp plays its part of the 16x8x16 fp16 MMA, as in wna16_gemv_tc.py:
 
     C (16 channels, 8 columns) += A (16 channels, 16 inputs) . B (16 inputs, 8 columns)
@@ -17,7 +18,8 @@ warp plays its part of the 16x8x16 fp16 MMA, as in wna16_gemv_tc.py:
   +1) and (16t + 4j + 2, +3). bf16 x becomes fp16 scaled by 2^-8 (through float32: exact for
   |x| in [2^-6, 2^23], so no overflow where fp16 would overflow and a 2^-17 absolute error at
   most below), and the channel scale takes 2^8 back; fp16 x is read as it is.
-- The fp32 sums are multiplied by the channel's scale once, at the end.
+- The fp32 sums are multiplied by the channel's scale once, at the end; with block scales each
+  K block's sums are multiplied by its scale at the block's last step and added to a total.
 
 A lane holds 2V channels (V M-tiles of 16), so a warp covers 16V channels and a program WARPS
 warps side by side; each warp runs the program's whole K range (STEPS steps of 64 inputs) with
@@ -39,7 +41,7 @@ from triton.experimental.gluon import language as gl
 from peregrine.kernels._gluon import pdl_release, pdl_wait
 from peregrine.kernels._utils import pdl_args
 from peregrine.kernels.gemv import GemvConfig, _sms, launch_buffers
-from peregrine.kernels.wna16_gemv_tc import _ld_words, _push, _store
+from peregrine.kernels.wna16_gemv_tc import _ld_words, _push, _store_rows
 
 # Programs of _WARPS warps of 16 * _V channels with _AHEAD steps of loads in flight (offline,
 # sm_90: 157 registers a lane at 4 steps, so _RESIDENT_WARPS warps an SM), K split as much as
@@ -221,15 +223,50 @@ def _ld_scales(s_ptr, n_ld, V: gl.constexpr):
     return r
 
 
-@gluon.jit(do_not_specialize=["M", "stride_am", "SPLIT_K", "STEPS"])
+@gluon.jit
+def _fold4(tot, acc, sc):
+    return tot[0] + acc[0] * sc, tot[1] + acc[1] * sc, tot[2] + acc[2] * sc, tot[3] + acc[3] * sc
+
+
+@gluon.jit
+def _fold(tot, acc, sc, V: gl.constexpr):
+    """tot + acc * sc over the V M-tiles in use (a K block's sums times its scale)."""
+    t0 = _fold4(tot[0], acc[0], sc)
+    t1 = tot[1]
+    t2 = tot[2]
+    t3 = tot[3]
+    if V >= 2:
+        t1 = _fold4(tot[1], acc[1], sc)
+    if V == 4:
+        t2 = _fold4(tot[2], acc[2], sc)
+        t3 = _fold4(tot[3], acc[3], sc)
+    return t0, t1, t2, t3
+
+
+@gluon.jit
+def _ones(one, V: gl.constexpr):
+    """2V channel scales of 1 (block scales are applied in the K loop)."""
+    if V == 1:
+        r = (one, one)
+    elif V == 2:
+        r = (one, one, one, one)
+    else:
+        r = (one, one, one, one, one, one, one, one)
+    return r
+
+
+@gluon.jit(do_not_specialize=["M", "stride_am", "SPLIT_K", "STEPS", "SBN", "SKB"])
 def w8_gemv_tc_kernel(
     a_ptr, w_ptr, s_ptr, part_ptr, lock_ptr, c_ptr,
-    M, N, K, stride_am, SPLIT_K, STEPS,
+    M, N, K, stride_am, SPLIT_K, STEPS, SBN, SKB,
     V: gl.constexpr, WARPS: gl.constexpr, HAS_SPLIT: gl.constexpr, BF16: gl.constexpr,
     PDL: gl.constexpr, AHEAD: gl.constexpr = 4, ROWS: gl.constexpr = 1,
+    BLOCK_KS: gl.constexpr = 0,
 ):
     """y (M, N) of M <= ROWS <= 8 rows x (M, K), rows stride_am apart, and FP8 weights (N, K)
-    contiguous with float32 scales (N,); the output and the partials (split, M, N) contiguous.
+    contiguous with float32 scales: (N,) one a channel (BLOCK_KS 0), or (N / SBN, SKB) one a
+    block of SBN channels (a multiple of the program's) by BLOCK_KS steps (1, 2 or 4: 64, 128
+    or 256 inputs), row-major; the output and the partials (split, M, N) contiguous.
     Program (tile, split) covers WARPS * 16V channels and the STEPS steps (a multiple of 4) of
     64 inputs from split * STEPS * 64; N is a multiple of 2V (a lane's channels are all there or all past N).
     Lane 4g + t's channel i (i < 2V) is n_lane + i: M-tile i's row g for i < V, tile i - V's row
@@ -257,14 +294,22 @@ def w8_gemv_tc_kernel(
     # the first AHEAD steps' weights are issued before the wait in the source (ptxas may
     # place the wait above these read-only loads)
     w_q = _ld_queue(wa, w_step, xa, last, row_step, AHEAD, V, BF16, False)
-    s = _ld_scales(s_ptr, n_ld, V)
+    zero = gl.zeros([T], gl.float32, layout=L)
+    if BLOCK_KS > 0:  # the lane's block row of scales, from the program's first K block
+        s_row = s_ptr + (n_ld // SBN).to(gl.int64) * SKB + split * (STEPS // BLOCK_KS)
+        s = _ones(zero + 1.0, V)
+    else:
+        s = _ld_scales(s_ptr, n_ld, V)
     pdl_wait(PDL)
     x_q = _ld_queue(wa, w_step, xa, last, row_step, AHEAD, V, BF16, True)
-    zero = gl.zeros([T], gl.float32, layout=L)
     c4 = (zero, zero, zero, zero)
     acc = (c4, c4, c4, c4)
+    tot = acc
     for c in range(STEPS // 4):
         for j in gl.static_range(4):  # unrolled: the queues rotate without register moves
+            if BLOCK_KS > 0:
+                if j % BLOCK_KS == 0:  # a K block starts: its scale, used at its last step
+                    sc = gl.load(s_row + (c * 4 + j) // BLOCK_KS)
             # NOTE: AHEAD steps' words and B pairs in registers: the oldest is computed, the
             # step AHEAD on is loaded (past the last one the last again, from L2).
             nxt = gl.minimum(c * 4 + j + AHEAD, last)
@@ -273,6 +318,12 @@ def w8_gemv_tc_kernel(
             w_q = _push(w_q, _ld_item(wa, xa, nxt, w_step, row_step, V, BF16, False), AHEAD)
             x_q = _push(x_q, _ld_item(wa, xa, nxt, w_step, row_step, V, BF16, True), AHEAD)
             acc = _step(acc, w_c, x_c, V)
+            if BLOCK_KS > 0:
+                if j % BLOCK_KS == BLOCK_KS - 1:  # the block's sums, scaled, onto the total
+                    tot = _fold(tot, acc, sc, V)
+                    acc = (c4, c4, c4, c4)
+    if BLOCK_KS > 0:
+        acc = tot
     pdl_release(PDL)
     UNSCALE: gl.constexpr = 256.0 if BF16 else 1.0
     y = _scaled((zero, zero, zero, zero, zero, zero, zero, zero), acc, s, 0, V, UNSCALE)
@@ -280,53 +331,8 @@ def w8_gemv_tc_kernel(
     y_odd = y
     if ROWS > 1:  # rows 2t + 1
         y_odd = _scaled(y, acc, s, 1, V, UNSCALE)
-    if ROWS == 1:  # every lane 4g + t holds row 0's sums: t == 0 stores them
-        n_rows = 1
-        row = 0
-        ok_even = n_ok & (t == 0)
-        ok_odd = ok_even
-    else:  # lane 4g + t holds rows 2t and 2t + 1
-        n_rows = M
-        row = 2 * t
-        ok_even = n_ok & (row < M)
-        ok_odd = n_ok & (row + 1 < M)
-    if HAS_SPLIT:
-        base = part_ptr + (split * n_rows).to(gl.int64) * N
-        _store(base + row * N, n_lane, y, ok_even, V, False)
-        if ROWS > 1:
-            _store(base + (row + 1).to(gl.int64) * N, n_lane, y_odd, ok_odd, V, False)
-        # NOTE: every thread's partial stores are issued before the ticket (barrier), and the
-        # ticket is a gpu-scope acq_rel atomic, so the last program sees all partials (read
-        # from L2, never a stale L1 line).
-        gl.thread_barrier()
-        ticket = gl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT_K - 1:
-            TILE: gl.constexpr = WARPS * 16 * V
-            PER: gl.constexpr = (TILE + T - 1) // T
-            LC: gl.constexpr = gl.BlockedLayout([PER], [32], [WARPS], [0])
-            offs_n = pid_n * TILE + gl.arange(0, TILE, layout=LC)
-            n_mask = offs_n < N
-            for m in range(n_rows):
-                total = gl.zeros([TILE], gl.float32, layout=LC)
-                for s0 in range(0, SPLIT_K, 4):  # four partials' loads in flight, in order
-                    r0 = (s0 * n_rows + m) * N + offs_n
-                    q0 = gl.load(part_ptr + r0, mask=n_mask, other=0.0, cache_modifier=".cg")
-                    q1 = gl.load(part_ptr + (r0 + n_rows * N), mask=n_mask & (s0 + 1 < SPLIT_K),
-                                 other=0.0, cache_modifier=".cg")
-                    q2 = gl.load(part_ptr + (r0 + 2 * n_rows * N),
-                                 mask=n_mask & (s0 + 2 < SPLIT_K), other=0.0, cache_modifier=".cg")
-                    q3 = gl.load(part_ptr + (r0 + 3 * n_rows * N),
-                                 mask=n_mask & (s0 + 3 < SPLIT_K), other=0.0, cache_modifier=".cg")
-                    total += q0
-                    total += q1
-                    total += q2
-                    total += q3
-                gl.store(c_ptr + m * N + offs_n, total.to(c_ptr.dtype.element_ty), mask=n_mask)
-            gl.atomic_xchg(lock_ptr + pid_n, 0)
-    else:
-        _store(c_ptr + row * N, n_lane, y, ok_even, V, True)
-        if ROWS > 1:
-            _store(c_ptr + (row + 1).to(gl.int64) * N, n_lane, y_odd, ok_odd, V, True)
+    _store_rows(y, y_odd, n_lane, n_ok, t, M, N, split, pid_n, part_ptr, lock_ptr, c_ptr, SPLIT_K,
+                V, WARPS, ROWS, HAS_SPLIT)
 
 
 @functools.lru_cache(maxsize=8)
@@ -334,16 +340,29 @@ def _is_sm89_or_later(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
+def _block_ok(n: int, k: int, scale: torch.Tensor, block: tuple[int, int] | None) -> bool:
+    """Whether scale is what the kernel reads for this block shape: (N,) or (1, N) float32 per
+    channel without a block; with one, (N / bn, K / bk) float32 row-major, bk 64, 128 or 256
+    inputs, bn a multiple of a program's channels."""
+    if block is None:
+        return scale.numel() == n
+    bn, bk = block
+    return (bk in (64, 128, 256) and bn % (16 * _V * _WARPS) == 0
+            and scale.dtype == torch.float32 and scale.is_contiguous()
+            and tuple(scale.shape) == (triton.cdiv(n, bn), k // bk))
+
+
 def fp8_tc_weight_ok(weight: torch.Tensor, scale: torch.Tensor,
                      block: tuple[int, int] | None = None) -> bool:
     """Whether the kernel reads this weight: FP8 e4m3 (N, K) contiguous and 16-byte aligned, K a
-    multiple of 256 and N of 2 * _V, one scale per channel, on a CUDA GPU of sm_89 or later."""
+    multiple of 256 and N of 2 * _V, one scale per channel or per block (_block_ok), on a CUDA
+    GPU of sm_89 or later."""
     if weight.dim() != 2:
         return False
     n, k = weight.shape
     return (weight.dtype == torch.float8_e4m3fn and weight.is_contiguous() and weight.is_cuda
             and weight.data_ptr() % 16 == 0 and k % CHUNK == 0 and n % (2 * _V) == 0
-            and block is None and scale.numel() == n
+            and _block_ok(n, k, scale, block)
             and _is_sm89_or_later(weight.device.index if weight.device.index is not None
                                   else torch.cuda.current_device()))
 
@@ -372,15 +391,19 @@ def fp8_tc_config(n: int, k: int, device: torch.device) -> GemvConfig:
 
 
 def w8_gemv_tc(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-               config: GemvConfig | None = None) -> torch.Tensor:
-    """y (M, N) = x (M, K) @ (weight (N, K) * scale)^T in x's dtype on tensor cores, for the
-    inputs fp8_tc_supported accepts (else a ValueError naming them)."""
-    if not fp8_tc_supported(x, weight, scale):
+               config: GemvConfig | None = None,
+               block: tuple[int, int] | None = None) -> torch.Tensor:
+    """y (M, N) = x (M, K) @ (weight (N, K) * scale)^T in x's dtype on tensor cores, scale one
+    a channel or, with block (bn, bk), one a block (N / bn, K / bk), for the inputs
+    fp8_tc_supported accepts (else a ValueError naming them)."""
+    if not fp8_tc_supported(x, weight, scale, block):
         raise ValueError(f"w8_gemv_tc: takes 1-{MAX_ROWS} rows of 16-bit x and FP8 e4m3 weights "
-                         f"(N, K) contiguous, K a multiple of {CHUNK}, N of {2 * _V}, one scale "
-                         f"a channel, on a CUDA GPU (sm_89+); got x {tuple(x.shape)} {x.dtype} "
-                         f"on {x.device}, weight {tuple(weight.shape)} {weight.dtype}, "
-                         f"{scale.numel()} scales")
+                         f"(N, K) contiguous, K a multiple of {CHUNK}, N of {2 * _V}, float32 "
+                         f"scales one a channel or one a block of a multiple of "
+                         f"{16 * _V * _WARPS} channels by 64, 128 or 256 inputs, on a CUDA GPU "
+                         f"(sm_89+); got x {tuple(x.shape)} {x.dtype} on {x.device}, weight "
+                         f"{tuple(weight.shape)} {weight.dtype}, scales {tuple(scale.shape)} "
+                         f"{scale.dtype}, block {block}")
     n, k = weight.shape
     m = x.shape[0]
     cfg = config or fp8_tc_config(n, k, x.device)
@@ -392,20 +415,28 @@ def w8_gemv_tc(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if v not in (1, 2, 4) or v * 16 * cfg.num_warps != cfg.block_n or n % (2 * v):
         raise ValueError(f"w8_gemv_tc: block_n {cfg.block_n} is not 16 * V * warps with V in "
                          f"1, 2, 4 dividing N / 2 ({n})")
+    if block is not None and block[0] % cfg.block_n:
+        raise ValueError(f"w8_gemv_tc: block_n {cfg.block_n} does not divide the scale blocks' "
+                         f"{block[0]} channels")
     tiles = triton.cdiv(n, cfg.block_n)
     out, part, lock = launch_buffers(x, n, tiles, cfg.split_k)
-    s = scale.reshape(n).float().contiguous()
+    if block is None:
+        s, sbn, skb, block_ks = scale.reshape(n).float().contiguous(), 1, 1, 0
+    else:
+        s, sbn, skb, block_ks = scale, block[0], scale.shape[1], block[1] // STEP
     w8_gemv_tc_kernel[(tiles, cfg.split_k)](
-        x, weight, s, part, lock, out, m, n, k, x.stride(0), cfg.split_k, cfg.k_iters,
+        x, weight, s, part, lock, out, m, n, k, x.stride(0), cfg.split_k, cfg.k_iters, sbn, skb,
         V=v, WARPS=cfg.num_warps, HAS_SPLIT=cfg.split_k > 1, BF16=x.dtype == torch.bfloat16,
-        AHEAD=_AHEAD, ROWS=1 if m == 1 else MAX_ROWS, num_warps=cfg.num_warps, **pdl_args(x))
+        AHEAD=_AHEAD, ROWS=1 if m == 1 else MAX_ROWS, BLOCK_KS=block_ks,
+        num_warps=cfg.num_warps, **pdl_args(x))
     return out
 
 
-def precompile_w8_gemv_tc(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+def precompile_w8_gemv_tc(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                          block: tuple[int, int] | None = None) -> None:
     """Compile the kernel for this weight at one row and at several (call at load time)."""
-    if dtype not in (torch.bfloat16, torch.float16) or not fp8_tc_weight_ok(weight, scale):
+    if dtype not in (torch.bfloat16, torch.float16) or not fp8_tc_weight_ok(weight, scale, block):
         return
     for rows in (1, 2):  # ROWS 1 and MAX_ROWS
         w8_gemv_tc(torch.zeros(rows, weight.shape[1], dtype=dtype, device=weight.device), weight,
-                   scale)
+                   scale, block=block)

@@ -359,6 +359,63 @@ def _store(ptr, n_lane, y, ok, V: gl.constexpr, OUT_16: gl.constexpr):
 
 
 @gluon.jit
+def _store_rows(y, y_odd, n_lane, n_ok, t, M, N, split, pid_n, part_ptr, lock_ptr, c_ptr, SPLIT_K,
+                V: gl.constexpr, WARPS: gl.constexpr, ROWS: gl.constexpr,
+                HAS_SPLIT: gl.constexpr):
+    """The tensor-core GEMVs' epilogue: lane 4g + t's sums of rows 2t (y) and 2t + 1 (y_odd; at
+    ROWS 1 every lane holds row 0's and t == 0 stores them) into the output, or into this
+    split's partials, the last program of the column tile then adding them in split order."""
+    T: gl.constexpr = 32 * WARPS
+    if ROWS == 1:  # every lane 4g + t holds row 0's sums: t == 0 stores them
+        n_rows = 1
+        row = 0
+        ok_even = n_ok & (t == 0)
+        ok_odd = ok_even
+    else:  # lane 4g + t holds rows 2t and 2t + 1
+        n_rows = M
+        row = 2 * t
+        ok_even = n_ok & (row < M)
+        ok_odd = n_ok & (row + 1 < M)
+    if HAS_SPLIT:
+        base = part_ptr + (split * n_rows).to(gl.int64) * N
+        _store(base + row * N, n_lane, y, ok_even, V, False)
+        if ROWS > 1:
+            _store(base + (row + 1).to(gl.int64) * N, n_lane, y_odd, ok_odd, V, False)
+        # NOTE: every thread's partial stores are issued before the ticket (barrier), and the
+        # ticket is a gpu-scope acq_rel atomic, so the last program sees all partials (read
+        # from L2, never a stale L1 line).
+        gl.thread_barrier()
+        ticket = gl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            TILE: gl.constexpr = WARPS * 16 * V
+            PER: gl.constexpr = (TILE + T - 1) // T
+            LC: gl.constexpr = gl.BlockedLayout([PER], [32], [WARPS], [0])
+            offs_n = pid_n * TILE + gl.arange(0, TILE, layout=LC)
+            n_mask = offs_n < N
+            for m in range(n_rows):
+                total = gl.zeros([TILE], gl.float32, layout=LC)
+                for s0 in range(0, SPLIT_K, 4):  # four partials' loads in flight, in order
+                    r0 = (s0 * n_rows + m) * N + offs_n
+                    q0 = gl.load(part_ptr + r0, mask=n_mask, other=0.0, cache_modifier=".cg")
+                    q1 = gl.load(part_ptr + (r0 + n_rows * N), mask=n_mask & (s0 + 1 < SPLIT_K),
+                                 other=0.0, cache_modifier=".cg")
+                    q2 = gl.load(part_ptr + (r0 + 2 * n_rows * N),
+                                 mask=n_mask & (s0 + 2 < SPLIT_K), other=0.0, cache_modifier=".cg")
+                    q3 = gl.load(part_ptr + (r0 + 3 * n_rows * N),
+                                 mask=n_mask & (s0 + 3 < SPLIT_K), other=0.0, cache_modifier=".cg")
+                    total += q0
+                    total += q1
+                    total += q2
+                    total += q3
+                gl.store(c_ptr + m * N + offs_n, total.to(c_ptr.dtype.element_ty), mask=n_mask)
+            gl.atomic_xchg(lock_ptr + pid_n, 0)
+    else:
+        _store(c_ptr + row * N, n_lane, y, ok_even, V, True)
+        if ROWS > 1:
+            _store(c_ptr + (row + 1).to(gl.int64) * N, n_lane, y_odd, ok_odd, V, True)
+
+
+@gluon.jit
 def _push(q, item, N: gl.constexpr):
     """The queue q (a tuple of N) without its first item, item appended."""
     if N == 2:
@@ -519,50 +576,5 @@ def wna16_gemv_tc_kernel(
         if ROWS > 1:
             y_odd = _group_done(y_odd, acc, cx, sz, 1, V, HAS_ZP, BF16, BITS)
     pdl_release(PDL)
-    if ROWS == 1:  # every lane 4g + t holds row 0's sums: t == 0 stores them
-        n_rows = 1
-        row = 0
-        ok_even = n_ok & (t == 0)
-        ok_odd = ok_even
-    else:  # lane 4g + t holds rows 2t and 2t + 1
-        n_rows = M
-        row = 2 * t
-        ok_even = n_ok & (row < M)
-        ok_odd = n_ok & (row + 1 < M)
-    if HAS_SPLIT:
-        base = part_ptr + (split * n_rows).to(gl.int64) * N
-        _store(base + row * N, n_lane, y, ok_even, V, False)
-        if ROWS > 1:
-            _store(base + (row + 1).to(gl.int64) * N, n_lane, y_odd, ok_odd, V, False)
-        # NOTE: every thread's partial stores are issued before the ticket (barrier), and the
-        # ticket is a gpu-scope acq_rel atomic, so the last program sees all partials (read
-        # from L2, never a stale L1 line).
-        gl.thread_barrier()
-        ticket = gl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT_K - 1:
-            TILE: gl.constexpr = WARPS * 16 * V
-            PER: gl.constexpr = (TILE + T - 1) // T
-            LC: gl.constexpr = gl.BlockedLayout([PER], [32], [WARPS], [0])
-            offs_n = pid_n * TILE + gl.arange(0, TILE, layout=LC)
-            n_mask = offs_n < N
-            for m in range(n_rows):
-                total = gl.zeros([TILE], gl.float32, layout=LC)
-                for s0 in range(0, SPLIT_K, 4):  # four partials' loads in flight, in order
-                    r0 = (s0 * n_rows + m) * N + offs_n
-                    q0 = gl.load(part_ptr + r0, mask=n_mask, other=0.0, cache_modifier=".cg")
-                    q1 = gl.load(part_ptr + (r0 + n_rows * N), mask=n_mask & (s0 + 1 < SPLIT_K),
-                                 other=0.0, cache_modifier=".cg")
-                    q2 = gl.load(part_ptr + (r0 + 2 * n_rows * N),
-                                 mask=n_mask & (s0 + 2 < SPLIT_K), other=0.0, cache_modifier=".cg")
-                    q3 = gl.load(part_ptr + (r0 + 3 * n_rows * N),
-                                 mask=n_mask & (s0 + 3 < SPLIT_K), other=0.0, cache_modifier=".cg")
-                    total += q0
-                    total += q1
-                    total += q2
-                    total += q3
-                gl.store(c_ptr + m * N + offs_n, total.to(c_ptr.dtype.element_ty), mask=n_mask)
-            gl.atomic_xchg(lock_ptr + pid_n, 0)
-    else:
-        _store(c_ptr + row * N, n_lane, y, ok_even, V, True)
-        if ROWS > 1:
-            _store(c_ptr + (row + 1).to(gl.int64) * N, n_lane, y_odd, ok_odd, V, True)
+    _store_rows(y, y_odd, n_lane, n_ok, t, M, N, split, pid_n, part_ptr, lock_ptr, c_ptr, SPLIT_K,
+                V, WARPS, ROWS, HAS_SPLIT)

@@ -434,7 +434,7 @@ def test_fp8_block_scales_across_the_cut_off(shape: str, m: int) -> None:
     layer = SimpleNamespace(weight=wq, weight_scale_inv=ws)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     got = Fp8BlockMethod(block).apply(layer, x)
-    if m <= W8_GEMV_MAX_M:
+    if unrounded_rows(m, wq, ws, block):  # the GEMVs: x as it is
         want = x.float() @ block_dequantize(wq, ws, block).t()
     else:
         xq, xs = per_token_group_quant_ref(x, FP8_DTYPE, 128)
@@ -602,6 +602,27 @@ def test_fp8_tc_gemv_within_an_output_ulp(shape: str, dtype: torch.dtype, m: int
         assert _fp8_exact_err(w8_gemv_tc(big, wq, ws), big, wq, ws) <= 1.0
 
 
+@pytest.mark.parametrize("block", [(128, 128), (32, 64), (64, 256)], ids=str)
+@pytest.mark.parametrize("m", (1, 3, 8))
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_fp8_tc_gemv_with_block_scales_within_an_output_ulp(shape: str, m: int,
+                                                            block: tuple[int, int]) -> None:
+    """Block-scaled FP8 weights (each K block's sums times its scale): within one output ulp of
+    the exact x @ block_dequant(W)^T, with the default split and unsplit."""
+    from peregrine.kernels.gemv import GemvConfig
+    from peregrine.kernels.w8_gemv_tc import fp8_tc_supported, w8_gemv_tc
+    k, n = SHAPES[shape]
+    wq, ws = fp8_pack.quantize_blocks(torch.randn(n, k, device=DEV) * 0.02, block)
+    ws = ws * torch.rand_like(ws)  # scales unlike each other, so a wrong block shows
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    assert fp8_tc_supported(x, wq, ws, block) and not fp8_tc_supported(x, wq, ws)
+    want = x.float() @ block_dequantize(wq, ws, block).t()
+    unit = torch.maximum(want.abs(), want.pow(2).mean().sqrt()) * torch.finfo(x.dtype).eps
+    for cfg in (None, GemvConfig(32, 64, 1, k // 64, 1)):
+        got = w8_gemv_tc(x, wq, ws, cfg, block=block)
+        assert got.shape == (m, n) and ((got.float() - want).abs() / unit).max().item() <= 1.0
+
+
 def test_fp8_tc_gemv_replays_in_a_graph_and_repeats_bit_for_bit() -> None:
     from peregrine.kernels.w8_gemv_tc import w8_gemv_tc
     k, n = SHAPES["qkv"]
@@ -618,25 +639,36 @@ def test_fp8_tc_gemv_replays_in_a_graph_and_repeats_bit_for_bit() -> None:
     assert torch.equal(out, w8_gemv_tc(x, wq, ws))
 
 
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["channel", "block"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_fp8_decode_rows_compile_nothing_after_load(shape: str) -> None:
-    """The FP8 method's load-time precompile covers every decode row count: 1-8 rows through
-    apply_fp8_linear (the 8-bit GEMV, then the tensor-core GEMV) and the gated down form compile
-    no kernel afterwards."""
+def test_fp8_decode_rows_compile_nothing_after_load(shape: str, block) -> None:
+    """The FP8 methods' load-time precompile covers every decode row count: 1-8 rows (the 8-bit
+    GEMV, then the tensor-core GEMV) and the gated down form compile no kernel afterwards."""
     _needs_fp8()
     from peregrine.kernels.gemv import _w8_gemv_kernel
-    from peregrine.kernels.w8_gemv_tc import precompile_w8_gemv_tc, w8_gemv_tc_kernel
-    from peregrine.layers.quantization.fp8 import TC_GEMV_MAX_M, apply_w8_silu_and_mul
+    from peregrine.kernels.w8_gemv_tc import w8_gemv_tc_kernel
+    from peregrine.layers.quantization.fp8 import (TC_GEMV_MAX_M, Fp8W8A8Method,
+                                                   apply_w8_silu_and_mul)
     k, n = SHAPES[shape]
-    wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=DEV) * 0.02, FP8_DTYPE)
-    ws = ws.t().contiguous()  # (1, N), as the method keeps it
-    precompile_w8_gemv(wq, ws, torch.bfloat16)
-    precompile_w8_gemv_tc(wq, ws, torch.bfloat16)
+    w = torch.randn(n, k, device=DEV) * 0.02
+    if block is None:
+        wq, ws = fp8_pack.quantize_per_channel(w, FP8_DTYPE)
+        layer = SimpleNamespace(weight=wq, weight_scale=torch.nn.Parameter(ws),
+                                input_scale=None)
+        method = Fp8W8A8Method()
+        method.act_dtype = torch.bfloat16
+    else:
+        wq, ws = fp8_pack.quantize_blocks(w, block)
+        layer = SimpleNamespace(weight=wq, weight_scale_inv=ws)
+        method = Fp8BlockMethod(block)
+        method.act_dtype = torch.bfloat16
+    method.process_weights_after_loading(layer)  # precompiles
+    scale = layer.weight_scale if block is None else ws
     before = _compiled(_w8_gemv_kernel) + _compiled(w8_gemv_tc_kernel)
     assert TC_GEMV_MAX_M == 8 and _compiled(w8_gemv_tc_kernel) > 0
     for m in range(1, 9):
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-        assert apply_fp8_linear(x, wq, ws, None, None).shape == (m, n)
+        assert method.apply(layer, x).shape == (m, n)
         h = torch.randn(m, 2 * k, device=DEV, dtype=torch.bfloat16)
-        apply_w8_silu_and_mul(h, wq, ws, None, None)
+        apply_w8_silu_and_mul(h, wq, scale, block, None)
     assert _compiled(_w8_gemv_kernel) + _compiled(w8_gemv_tc_kernel) == before

@@ -150,10 +150,13 @@ def test_engine_fp32_matches_rounded_reference(tmp_path: Path, scheme: str, grou
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("scheme, group", [("fp8_dynamic", None), ("fp8_block", 128)])
 def test_fp8_decode_of_8_rows_down_to_1_multiplies_x_as_it_is(tmp_path: Path, monkeypatch,
+                                                              scheme: str, group: int | None,
                                                               enforce_eager: bool) -> None:
-    """An fp16 FP8 model (per-channel weights, per-token activations; a small Llama whose
-    projections the tensor-core GEMV reads) decoding 8 sequences that finish one after another:
+    """An fp16 FP8 model (per-channel weights and per-token activations, or 128 x 128 weight
+    blocks and activations per token and 128 inputs; a small Llama whose projections the
+    tensor-core GEMV reads) decoding 8 sequences that finish one after another:
     prompts, prefilled in one step, are rounded to FP8; every decode step of 8 rows down to 1
     multiplies x as it is (the tensor-core GEMV above the 8-bit GEMV's rows). The generated
     tokens' logprobs are as close to the float32 reference rounding only the prompts' rows as
@@ -170,7 +173,7 @@ def test_fp8_decode_of_8_rows_down_to_1_multiplies_x_as_it_is(tmp_path: Path, mo
                                 num_attention_heads=8, num_key_value_heads=2,
                                 intermediate_size=1024, num_hidden_layers=4,
                                 max_position_embeddings=1024)
-    path = fp8_pack.write_compressed_tensors(src, tmp_path / "ct", "fp8_dynamic")
+    path = fp8_pack.write_compressed_tensors(src, tmp_path / "ct", scheme, block=(128, 128))
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(5, 500, (n,), generator=g).tolist()
                for n in (5, 17, 40, 64, 9, 100, 23, 31)]
@@ -201,7 +204,7 @@ def test_fp8_decode_of_8_rows_down_to_1_multiplies_x_as_it_is(tmp_path: Path, mo
                   enable_prefix_caching=False, skip_tokenizer_init=True)
         scores[dtype] = []
         for p, o in zip(prompts, outs):
-            hooks = fp8_pack.round_linear_inputs(fp8_pack.engine_model(ref), FP8_DTYPE, None,
+            hooks = fp8_pack.round_linear_inputs(fp8_pack.engine_model(ref), FP8_DTYPE, group,
                                                  len(p))
             plp = ref.generate([p + list(o.token_ids)], forced, use_tqdm=False)[0].prompt_logprobs
             scores[dtype] += [plp[len(p) + i][t].logprob for i, t in enumerate(o.token_ids)]

@@ -115,12 +115,32 @@ def test_the_launch_rules() -> None:
     """K splits into whole chunks of 256 inputs (4 steps, the unrolled loop); inputs the kernel
     does not take are refused with the reason."""
     cpu = torch.device("cpu")
-    for n, k in ((6144, 4096), (4096, 14336), (28672, 4096), (64, 256)):
+    room = tc._RESIDENT_WARPS // tc._WARPS * 8  # programs in one wave on the CPU's 8 "SMs"
+    for n, k in ((6144, 4096), (4096, 14336), (28672, 4096), (64, 256), (256, 2048)):
         cfg = tc.fp8_tc_config(n, k, cpu)
         assert cfg.split_k * cfg.k_iters * tc.STEP == k and cfg.k_iters % 4 == 0
         assert cfg.block_n == 16 * tc._V * cfg.num_warps
+        tiles, chunks = -(-n // cfg.block_n), k // tc.CHUNK
+        fits = [s for s in range(1, chunks + 1) if chunks % s == 0 and tiles * s <= room]
+        assert cfg.split_k == max(fits, default=1)  # the largest split of one wave
+    assert tc.fp8_tc_config(256, 2048, cpu).split_k == 8  # 8 tiles x 8 splits <= 96
     w = torch.zeros(64, 256, dtype=torch.float8_e4m3fn)
     x = torch.zeros(1, 256, dtype=torch.bfloat16)
     assert not tc.fp8_tc_supported(x, w, torch.ones(64))  # a CPU tensor
     with pytest.raises(ValueError, match="w8_gemv_tc: takes 1-8 rows of 16-bit x"):
         tc.w8_gemv_tc(x, w, torch.ones(64))
+
+
+def test_block_scales_the_kernel_reads() -> None:
+    """Block scales: float32 (N / bn, K / bk) row-major, bk 64, 128 or 256 inputs (whole steps of
+    a chunk), bn a multiple of a program's channels; anything else is not taken."""
+    n, k = 256, 1024
+    ok = torch.ones(2, 8)  # (256 / 128, 1024 / 128)
+    assert tc._block_ok(n, k, ok, (128, 128))
+    assert tc._block_ok(n, k, torch.ones(8, 4), (32, 256))
+    assert tc._block_ok(n, k, torch.ones(n), None)
+    assert not tc._block_ok(n, k, ok.double(), (128, 128))  # not float32
+    assert not tc._block_ok(n, k, ok.t().contiguous().t(), (128, 128))  # not row-major
+    assert not tc._block_ok(n, k, torch.ones(2, 4), (128, 256 + 128))  # bk not a step multiple
+    assert not tc._block_ok(n, k, torch.ones(16, 8), (16, 128))  # bn below a program's channels
+    assert not tc._block_ok(n, k, torch.ones(2, 4), (128, 128))  # the wrong shape

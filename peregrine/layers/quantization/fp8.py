@@ -7,9 +7,9 @@ row-wise scales (per-channel weights) or the block-scaled Triton GEMM (kernels/f
 elsewhere, the CPU included, the same quantized values are dequantized and multiplied in float32.
 Small batches on those GPUs (decode) instead compute x @ dequant(W) with x as it is: at most
 W8_GEMV_MAX_M rows by the 8-bit GEMV (kernels/gemv.py), and TC_GEMV_MIN_M..TC_GEMV_MAX_M rows of
-per-channel FP8 weights by the tensor-core GEMV (kernels/w8_gemv_tc.py), which takes the rows
-first. Weight-only math reads the same FP8 weight bytes, is more accurate than rounding x to
-FP8, and ignores a static input_scale. A down projection's rows that the 8-bit GEMV serves take
+FP8 weights with per-channel or block scales by the tensor-core GEMV (kernels/w8_gemv_tc.py),
+which takes the rows first. Weight-only math reads the same FP8 weight bytes, is more accurate
+than rounding x to FP8, and ignores a static input_scale. A down projection's rows that the 8-bit GEMV serves take
 the gate-and-up rows instead, SiLU-and-mul computed as the GEMV reads them (apply_silu_and_mul).
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def quantize_input(x: torch.Tensor, dtype: torch.dtype,
 
 
 # Rows of 16-bit x (TC_GEMV_MIN_M..TC_GEMV_MAX_M) that the FP8 tensor-core GEMV
-# (kernels/w8_gemv_tc.py) takes where it reads the weight (per-channel scales), x as it is;
+# (kernels/w8_gemv_tc.py) takes where it reads the weight and its scales, x as it is;
 # other rows take the 8-bit GEMV up to W8_GEMV_MAX_M, above it FP8 activations and
 # torch._scaled_mm. TC_GEMV_MAX_M = 0: off. Measured per Llama-3-8B layer (H200, bf16 x): 1 row,
 # 70 us against 63-65 for the 8-bit GEMV; 2 rows, 72 against 79; 8 rows, 80 against 135 for
@@ -63,22 +63,38 @@ TC_GEMV_MIN_M = 2
 TC_GEMV_MAX_M = 8
 
 
-def _tc_rows(rows: int, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+def _tc_rows(rows: int, weight: torch.Tensor, weight_scale: torch.Tensor,
+             block: tuple[int, int] | None = None) -> bool:
     from peregrine.kernels.w8_gemv_tc import fp8_tc_weight_ok
     return (TC_GEMV_MIN_M <= rows <= TC_GEMV_MAX_M
-            and fp8_tc_weight_ok(weight, weight_scale))
+            and fp8_tc_weight_ok(weight, weight_scale, block))
 
 
-def unrounded_rows(rows: int, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
-    """Whether apply_fp8_linear multiplies `rows` rows of 16-bit x on the GPU as they are (the
+def unrounded_rows(rows: int, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   block: tuple[int, int] | None = None) -> bool:
+    """Whether the FP8 layers multiply `rows` rows of 16-bit x on the GPU as they are (the
     8-bit GEMV or the tensor-core GEMV) rather than rounding them to FP8."""
-    return 0 < rows <= W8_GEMV_MAX_M or _tc_rows(rows, weight, weight_scale)
+    return 0 < rows <= W8_GEMV_MAX_M or _tc_rows(rows, weight, weight_scale, block)
 
 
-def _precompile_tc(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+def _precompile_tc(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                   block: tuple[int, int] | None = None) -> None:
     if TC_GEMV_MAX_M > 0 and weight.is_cuda:
         from peregrine.kernels.w8_gemv_tc import precompile_w8_gemv_tc
-        precompile_w8_gemv_tc(weight, scale, dtype)
+        precompile_w8_gemv_tc(weight, scale, dtype, block)
+
+
+def _tc_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               block: tuple[int, int] | None, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x @ dequant(weight)^T (+ bias) by the tensor-core GEMV where it serves x's rows, else
+    None."""
+    if not (x.dim() == 2 and x.is_cuda and _tc_rows(x.shape[0], weight, scale, block)):
+        return None
+    from peregrine.kernels.w8_gemv_tc import fp8_tc_supported, w8_gemv_tc
+    if not fp8_tc_supported(x, weight, scale, block):
+        return None
+    y = w8_gemv_tc(x, weight, scale, block=block)  # (M, N)
+    return y if bias is None else y + bias
 
 
 def apply_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -86,11 +102,9 @@ def apply_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
                      bias: torch.Tensor | None) -> torch.Tensor:
     """y (M, N) = quant(x) @ weight^T with weight (N, K) fp8 and weight_scale (1, N) fp32."""
     # decode: x @ dequant(W), x not rounded
-    if x.dim() == 2 and x.is_cuda and _tc_rows(x.shape[0], weight, weight_scale):
-        from peregrine.kernels.w8_gemv_tc import fp8_tc_supported, w8_gemv_tc
-        if fp8_tc_supported(x, weight, weight_scale):
-            y = w8_gemv_tc(x, weight, weight_scale)  # (M, N)
-            return y if bias is None else y + bias
+    y = _tc_linear(x, weight, weight_scale, None, bias)
+    if y is not None:
+        return y
     if use_gemv(x, W8_GEMV_MAX_M) and w8_gemv_ready(weight):
         y = w8_gemv(x, weight, weight_scale)  # (M, N)
         return y if bias is None else y + bias
@@ -115,7 +129,7 @@ def apply_w8_silu_and_mul(h: torch.Tensor, weight: torch.Tensor, scale: torch.Te
     for bit the unfused result); None where the GEMV does not serve h."""
     if not (use_gemv(h, W8_GEMV_MAX_M) and w8_gemv_ready(weight, block)):
         return None
-    if block is None and h.is_cuda and _tc_rows(h.numel() // h.shape[-1], weight, scale):
+    if h.is_cuda and _tc_rows(h.numel() // h.shape[-1], weight, scale, block):
         return None  # the activation kernel, then the tensor-core GEMV
     y = w8_gemv(h.reshape(-1, h.shape[-1]), weight, scale, block, gated=True)  # (M, N)
     return y if bias is None else y + bias
@@ -245,11 +259,15 @@ class Fp8BlockMethod(QuantMethod):
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         precompile_w8_gemv(layer.weight, getattr(layer, self.scale_name), self.act_dtype,
                            self.block)
+        _precompile_tc(layer.weight, getattr(layer, self.scale_name), self.act_dtype, self.block)
 
     def apply(self, layer: LinearBase, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
         scale = getattr(layer, self.scale_name)  # (N / bn, K / bk)
         # decode: x not rounded
+        y = _tc_linear(x, layer.weight, scale, self.block, bias)
+        if y is not None:
+            return y
         if use_gemv(x, W8_GEMV_MAX_M) and w8_gemv_ready(layer.weight, self.block):
             y = w8_gemv(x, layer.weight, scale, self.block)  # (M, N)
             return y if bias is None else y + bias
