@@ -53,21 +53,23 @@ def quantize_input(x: torch.Tensor, dtype: torch.dtype,
     return quantize_with_scale(x, input_scale, dtype), input_scale.expand(x.shape[0], 1)
 
 
-# Rows of 16-bit x (TC_GEMV_MIN_M..TC_GEMV_MAX_M) that the FP8 tensor-core GEMV
-# (kernels/w8_gemv_tc.py) takes where it reads the weight and its scales, x as it is;
-# other rows take the 8-bit GEMV up to W8_GEMV_MAX_M, above it FP8 activations and
-# torch._scaled_mm. TC_GEMV_MAX_M = 0: off. Measured per Llama-3-8B layer (H200, bf16 x): 1 row,
-# 70 us against 63-65 for the 8-bit GEMV; 2 rows, 72 against 79; 8 rows, 80 against 135 for
-# torch._scaled_mm (see the benchmarks).
+# Rows of 16-bit x (TC_GEMV_MIN_M..TC_GEMV_MAX_M, or from TC_GEMV_BLOCK_MIN_M with block
+# scales) that the FP8 tensor-core GEMV (kernels/w8_gemv_tc.py) takes where it reads the weight
+# and its scales, x as it is; other rows take the 8-bit GEMV up to W8_GEMV_MAX_M, above it FP8
+# activations and torch._scaled_mm or the block-scaled GEMM. TC_GEMV_MAX_M = 0: off. Measured
+# per Llama-3-8B layer (H200, bf16 x), per-channel scales: 1 row, 70 us against 63-65 for the
+# 8-bit GEMV; 2 rows, 72 against 79; 8 rows, 80 against 135 for torch._scaled_mm. 128 x 128
+# blocks: 1 row, 71 against 77-82 (see the benchmarks).
 TC_GEMV_MIN_M = 2
+TC_GEMV_BLOCK_MIN_M = 1
 TC_GEMV_MAX_M = 8
 
 
 def _tc_rows(rows: int, weight: torch.Tensor, weight_scale: torch.Tensor,
              block: tuple[int, int] | None = None) -> bool:
     from peregrine.kernels.w8_gemv_tc import fp8_tc_weight_ok
-    return (TC_GEMV_MIN_M <= rows <= TC_GEMV_MAX_M
-            and fp8_tc_weight_ok(weight, weight_scale, block))
+    lo = TC_GEMV_MIN_M if block is None else TC_GEMV_BLOCK_MIN_M
+    return lo <= rows <= TC_GEMV_MAX_M and fp8_tc_weight_ok(weight, weight_scale, block)
 
 
 def unrounded_rows(rows: int, weight: torch.Tensor, weight_scale: torch.Tensor,
