@@ -268,9 +268,9 @@ def w8_gemv_tc_kernel(
     block of SBN channels (a multiple of the program's) by BLOCK_KS steps (1, 2 or 4: 64, 128
     or 256 inputs), row-major; the output and the partials (split, M, N) contiguous.
     Program (tile, split) covers WARPS * 16V channels and the STEPS steps (a multiple of 4) of
-    64 inputs from split * STEPS * 64; N is a multiple of 2V (a lane's channels are all there or all past N).
-    Lane 4g + t's channel i (i < 2V) is n_lane + i: M-tile i's row g for i < V, tile i - V's row
-    g + 8 above (so _store of wna16_gemv_tc.py writes its sums)."""
+    64 inputs from split * STEPS * 64; N is a multiple of 2V (a lane's channels are all there
+    or all past N). Lane 4g + t's channel i (i < 2V) is n_lane + i: M-tile i's row g for i < V,
+    tile i - V's row g + 8 above (so _store_rows of wna16_gemv_tc.py writes its sums)."""
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     idx = gl.arange(0, T, layout=L)

@@ -5,12 +5,14 @@ Activations are quantized per token at run time (or with a static per-tensor `in
 On GPUs with FP8 tensor cores (compute capability 8.9+) the matmul is `torch._scaled_mm` with
 row-wise scales (per-channel weights) or the block-scaled Triton GEMM (kernels/fp8_quant.py);
 elsewhere, the CPU included, the same quantized values are dequantized and multiplied in float32.
-Small batches on those GPUs (decode) instead compute x @ dequant(W) with x as it is: at most
-W8_GEMV_MAX_M rows by the 8-bit GEMV (kernels/gemv.py), and TC_GEMV_MIN_M..TC_GEMV_MAX_M rows of
-FP8 weights with per-channel or block scales by the tensor-core GEMV (kernels/w8_gemv_tc.py),
-which takes the rows first. Weight-only math reads the same FP8 weight bytes, is more accurate
-than rounding x to FP8, and ignores a static input_scale. A down projection's rows that the 8-bit GEMV serves take
-the gate-and-up rows instead, SiLU-and-mul computed as the GEMV reads them (apply_silu_and_mul).
+Small batches on those GPUs (decode) instead compute x @ dequant(W) with x as it is: up to
+TC_GEMV_MAX_M rows of FP8 weights with per-channel or block scales by the tensor-core GEMV
+(kernels/w8_gemv_tc.py; per-channel scales from TC_GEMV_MIN_M rows, block scales from
+TC_GEMV_BLOCK_MIN_M), the rows below (at most W8_GEMV_MAX_M) and other weights by the 8-bit GEMV
+(kernels/gemv.py). Weight-only math reads the same FP8 weight bytes, is more accurate than
+rounding x to FP8, and ignores a static input_scale. A down projection's rows that the 8-bit
+GEMV serves take the gate-and-up rows instead, SiLU-and-mul computed as the GEMV reads them
+(apply_silu_and_mul).
 """
 from __future__ import annotations
 
