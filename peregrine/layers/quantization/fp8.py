@@ -69,9 +69,10 @@ TC_GEMV_MAX_M = 8
 
 def _tc_rows(rows: int, weight: torch.Tensor, weight_scale: torch.Tensor,
              block: tuple[int, int] | None = None) -> bool:
+    if not (TC_GEMV_MIN_M if block is None else TC_GEMV_BLOCK_MIN_M) <= rows <= TC_GEMV_MAX_M:
+        return False  # prefill chunks: nothing more to look at
     from peregrine.kernels.w8_gemv_tc import fp8_tc_weight_ok
-    lo = TC_GEMV_MIN_M if block is None else TC_GEMV_BLOCK_MIN_M
-    return lo <= rows <= TC_GEMV_MAX_M and fp8_tc_weight_ok(weight, weight_scale, block)
+    return fp8_tc_weight_ok(weight, weight_scale, block)
 
 
 def unrounded_rows(rows: int, weight: torch.Tensor, weight_scale: torch.Tensor,
