@@ -4,7 +4,7 @@
 #   steps: tests (all GPU tests) kernels sampler engine enginefp32 kernelbench layerbench splitsbench
 #          samplerbench w2 w2hf w1 w1prof w1trace w1hf serve ttft pacing pacetrace coldstart asyncprobe poolcost
 #          w5 (int4 AWQ layout, batch 1) w8a8 gemvbench stagegraphs w8a8lat w6 w1fp8 w5prof
-#          streamprobe w5ablate logitsbench
+#          streamprobe w5ablate logitsbench w8tc
 # Logs, JUnit XML (tests) and JSON results go under $OUT (default /tmp/out).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -67,6 +67,18 @@ for s in $steps; do
              for p in ${ABLATE_PARTS:-none norm attention rope_store gemv norm,attention,rope_store gemv,norm,attention,rope_store,lm_head}; do
                timeout 150 python benchmarks/ablate.py "$p" -- bench latency --model "$OUT/llama-3-8b-awq.json" --output-json "$OUT/w5_ablate_${p//,/+}.json" > "$OUT/w5_ablate_${p//,/+}.log" 2>&1
                python -c "import json,sys; print('w5 without', sys.argv[2], round(json.load(open(sys.argv[1]))['decode_tokens_per_s'], 1))" "$OUT/w5_ablate_${p//,/+}.json" "$p"
+             done ;;
+    # the 8-bit tensor-core GEMV: per call (per channel, 128 x 128 blocks), then N sequences
+    # decoding together with it off (TC_GEMV_MAX_M=0) and on, online FP8 and block FP8
+    w8tc)    run w8tc_calls 200 python benchmarks/fp8_tc_bench.py --out "$OUT/fp8_tc.json"
+             run w8tc_calls_block 200 python benchmarks/fp8_tc_bench.py --block --out "$OUT/fp8_tc_block.json"
+             python -c "import json,sys; c=json.load(open(sys.argv[1])); c['quantization_config']={'quant_method':'fp8','fmt':'e4m3','activation_scheme':'dynamic','weight_block_size':[128,128]}; json.dump(c,open(sys.argv[2],'w'))" "$CFG/llama-3-8b.json" "$OUT/llama-3-8b-fp8-block.json"
+             for model in "$CFG/llama-3-8b.json --quantization fp8" "$OUT/llama-3-8b-fp8-block.json"; do
+               for n in ${W8TC_SEQS:-2 4 8}; do for tc in 0 8; do
+                 rm -f "$OUT/w8tc.json"
+                 timeout 200 python benchmarks/with_constants.py peregrine.layers.quantization.fp8.TC_GEMV_MAX_M=$tc -- bench throughput --model $model --num-prompts "$n" --min-input 128 --max-input 128 --min-output 512 --max-output 512 --output-json "$OUT/w8tc.json" > "$OUT/w8tc_run.log" 2>&1
+                 python -c "import json,sys; print(sys.argv[2], round(json.load(open(sys.argv[1]))['output_tokens_per_s'], 1))" "$OUT/w8tc.json" "${model##*/} seqs=$n TC_GEMV_MAX_M=$tc"
+               done; done
              done ;;
     gemvbench) run gemvbench 300 python benchmarks/gemv_bench.py --models 8b --rows "${GEMV_ROWS:-1,2,4}" --variants "${GEMV_VARIANTS:-inplace,inplace_prefetch,half2,half2_prefetch,half2_prefetch2,half2_async}" --out "$OUT/gemv.json" ;;
     stagegraphs) gputest stagegraphs 180 tests/gpu/test_gpu_stage_graphs.py ;;
