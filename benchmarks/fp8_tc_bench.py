@@ -5,7 +5,8 @@ per Llama-3-8B projection and row count: µs per call (CUDA-graph replays over e
 copies that nothing is served from L2) and the error against the exact x @ (W * scale)^T in
 output ulps (the _scaled_mm path rounds x to FP8, so its error is larger by design); --grid
 times launch configs (tile width V, warps, K split, loads ahead) at the --grid-rows row counts;
---block takes 128 x 128 block-scaled weights through Fp8BlockMethod instead.
+--block takes 128 x 128 block-scaled weights through Fp8BlockMethod instead, --int8 int8 weights
+through the INT8 W8A8 method.
 
     python benchmarks/fp8_tc_bench.py --out /tmp/out/fp8_tc.json [--rows 1,2,4,8] [--grid]
         [--grid-rows 1,8]
@@ -42,6 +43,7 @@ def main() -> None:
     from peregrine.kernels.gemv import GemvConfig
     from peregrine.layers.quantization import fp8
     from peregrine.layers.quantization.fp8 import apply_fp8_linear
+    from peregrine.layers.quantization.int8 import apply_int8_linear
     from peregrine.testing import fp8_pack
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -51,6 +53,8 @@ def main() -> None:
     p.add_argument("--grid-rows", default="1", help="the row counts the grid runs at")
     p.add_argument("--block", action="store_true",
                    help="128 x 128 block-scaled weights (Fp8BlockMethod's paths) instead")
+    p.add_argument("--int8", action="store_true",
+                   help="int8 weights per channel (the INT8 W8A8 method's paths) instead")
     ns = p.parse_args()
     dev = torch.device("cuda")
     block = BLOCK if ns.block else None
@@ -64,7 +68,7 @@ def main() -> None:
             wq, ws = fp8_pack.quantize_blocks(w, BLOCK)
             deq = block_dequantize(wq, ws, BLOCK)
         else:
-            wq, ws = fp8_pack.quantize_per_channel(w, FP8_DTYPE)
+            wq, ws = fp8_pack.quantize_per_channel(w, torch.int8 if ns.int8 else FP8_DTYPE)
             deq = wq.float() * ws.float()
         del w
         copies = max(2, min(64, -(-L2_FLUSH_BYTES // wq.numel())))
@@ -92,6 +96,8 @@ def main() -> None:
             def method(w_, s_, x=x):
                 if ns.block:
                     return block_method.apply(SimpleNamespace(weight=w_, weight_scale_inv=s_), x)
+                if ns.int8:
+                    return apply_int8_linear(x, w_, s_.reshape(1, n), None, None)
                 return apply_fp8_linear(x, w_, s_.reshape(1, n), None, None)
 
             for tag, tc_max in (("GEMV / _scaled_mm", 0), ("method", fp8.TC_GEMV_MAX_M)):
@@ -106,7 +112,8 @@ def main() -> None:
         cfg = tc.fp8_tc_config(n, k, dev)
         print(f"{proj:8s} tc default: block_n {cfg.block_n} warps {cfg.num_warps} split "
               f"{cfg.split_k}", flush=True)
-        for m in (int(r) for r in ns.grid_rows.split(",") if r and ns.grid and not ns.block):
+        for m in (int(r) for r in ns.grid_rows.split(",")
+                  if r and ns.grid and not (ns.block or ns.int8)):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             want = x.float() @ deq.t()
             chunks = k // tc.CHUNK

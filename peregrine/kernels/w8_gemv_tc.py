@@ -1,9 +1,10 @@
-"""The small-batch FP8 GEMV on tensor cores with every operand in registers (Gluon).
+"""The small-batch 8-bit GEMV on tensor cores with every operand in registers (Gluon).
 
 y (M, N) = x (M, K) @ (W (N, K) * scale)^T for 1-8 rows of 16-bit x and FP8 e4m3 weights stored
 row-major with one scale per output channel or one per block of channels and 64, 128 or 256
-inputs (the layouts the FP8 methods keep). Each lane of a
-warp plays its part of the 16x8x16 fp16 MMA, as in wna16_gemv_tc.py:
+inputs (the layouts the FP8 methods keep), or int8 weights with one scale per channel (the INT8
+W8A8 method's). Each lane of a warp plays its part of the 16x8x16 fp16 MMA, as in
+wna16_gemv_tc.py:
 
     C (16 channels, 8 columns) += A (16 channels, 16 inputs) . B (16 inputs, 8 columns)
 
@@ -11,7 +12,8 @@ warp plays its part of the 16x8x16 fp16 MMA, as in wna16_gemv_tc.py:
   step covers 64 inputs: lane t reads 16 bytes of each of its rows at inputs 16t..16t+15, and
   the step's MMA j takes word j of them (inputs 16t + 4j..16t + 4j + 3): its low two bytes
   become the pair (2t, 2t+1) and its high two the pair (2t+8, 2t+9), each by one
-  cvt.rn.f16x2.e4m3x2 (exact: fp16 holds every e4m3 value). The MMA's input order is thus a
+  cvt.rn.f16x2.e4m3x2 (exact: fp16 holds every e4m3 value); int8 bytes by an xor, a prmt under
+  fp16's exponent of 1024 and a packed subtraction (exact too). The MMA's input order is thus a
   permutation of K (inputs 4j + 16t + {0, 1, 2, 3} over t), which the sum does not care about.
 - B (x): column g is x's row g (up to 8 rows; at one row every column is that row), so each
   lane reads its row's 16 inputs at 16t..16t+15 (32 bytes) and MMA j takes the pairs (16t + 4j,
@@ -23,9 +25,9 @@ warp plays its part of the 16x8x16 fp16 MMA, as in wna16_gemv_tc.py:
 
 A lane holds 2V channels (V M-tiles of 16), so a warp covers 16V channels and a program WARPS
 warps side by side; each warp runs the program's whole K range (STEPS steps of 64 inputs) with
-the weights and inputs AHEAD steps ahead of the MMAs (2 or 4). Split-K partials are
-combined as in gemv.py (the last program of a column tile adds them in split order:
-deterministic). CUDA only (sm_89+: the e4m3 conversion), checked on the GPU against
+the weights and inputs AHEAD steps ahead of the MMAs (2 or 4). Split-K partials are combined
+as in gemv.py (the last program of a column tile adds them in split order: deterministic).
+CUDA only (sm_89+ for the e4m3 conversion, sm_80+ for int8), checked on the GPU against
 x @ (W * scale)^T and its PTX and lane mapping on the CPU by an emulator
 (tests/kernels/test_w8_gemv_tc_ptx.py).
 """
@@ -58,16 +60,30 @@ STEP = 64  # inputs a step
 CHUNK = 4 * STEP  # the loop's unrolled unit: a program's K range is whole chunks
 
 
-def _tile_asm() -> str:
+def _tile_asm(int8: bool = False) -> str:
     """PTX: one M-tile's four MMAs of a step: the words of rows g ($4..$7) and g + 8 ($8..$11),
     word j's bytes (0, 1) and (2, 3) as fp16 pairs, B pairs $12..$19 (two a word), onto the sums
-    $20..$23 (C's registers); out $0..$3."""
+    $20..$23 (C's registers); out $0..$3. FP8 bytes by cvt; int8 bytes q (int8=True) flipped to
+    q + 128, placed under an fp16 exponent byte of 0x64 (1024 + q + 128) by prmt, 1152 taken off
+    by one packed subtraction a pair (all exact)."""
     mma = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
-    lines = ["{", ".reg .b16 glo, ghi, hlo, hhi;", ".reg .b32 a0, a1, a2, a3;"]
+    lines = ["{", ".reg .b16 glo, ghi, hlo, hhi;", ".reg .b32 a0, a1, a2, a3, ug, uh, e, k;"]
+    if int8:  # the exponent bytes; 1152 in both fp16 halves
+        lines += ["mov.b32 e, 0x64646464;", "mov.b32 k, 0x64806480;"]
     for j in range(4):
-        lines += [f"mov.b32 {{glo, ghi}}, ${4 + j};", f"mov.b32 {{hlo, hhi}}, ${8 + j};",
-                  "cvt.rn.f16x2.e4m3x2 a0, glo;", "cvt.rn.f16x2.e4m3x2 a1, hlo;",
-                  "cvt.rn.f16x2.e4m3x2 a2, ghi;", "cvt.rn.f16x2.e4m3x2 a3, hhi;"]
+        if int8:
+            lines += [f"lop3.b32 ug, ${4 + j}, 0x80808080, 0, 0x3C;",  # xor: q + 128 a byte
+                      f"lop3.b32 uh, ${8 + j}, 0x80808080, 0, 0x3C;",
+                      "prmt.b32 a0, ug, e, 0x4140;",  # bytes 0, 1 -> (2t, 2t+1)
+                      "prmt.b32 a1, uh, e, 0x4140;",
+                      "prmt.b32 a2, ug, e, 0x4342;",  # bytes 2, 3 -> (2t+8, 2t+9)
+                      "prmt.b32 a3, uh, e, 0x4342;",
+                      "sub.f16x2 a0, a0, k;", "sub.f16x2 a1, a1, k;",
+                      "sub.f16x2 a2, a2, k;", "sub.f16x2 a3, a3, k;"]
+        else:
+            lines += [f"mov.b32 {{glo, ghi}}, ${4 + j};", f"mov.b32 {{hlo, hhi}}, ${8 + j};",
+                      "cvt.rn.f16x2.e4m3x2 a0, glo;", "cvt.rn.f16x2.e4m3x2 a1, hlo;",
+                      "cvt.rn.f16x2.e4m3x2 a2, ghi;", "cvt.rn.f16x2.e4m3x2 a3, hhi;"]
         c = "{$20, $21, $22, $23}" if j == 0 else "{$0, $1, $2, $3}"
         lines.append(f"{mma} {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, "
                      f"{{${12 + 2 * j}, ${13 + 2 * j}}}, {c};")
@@ -88,6 +104,7 @@ def _x_asm() -> str:
 
 
 _TILE = gl.constexpr(_tile_asm())
+_TILE_I8 = gl.constexpr(_tile_asm(int8=True))
 _X_BF16 = gl.constexpr(_x_asm())
 
 
@@ -130,30 +147,37 @@ def _ld_step(wa, row_step, V: gl.constexpr):
 
 
 @gluon.jit
-def _tile(wg, wh, b, c):
+def _tile(wg, wh, b, c, INT8: gl.constexpr):
     """An M-tile's four MMAs of a step: C's registers c onto the words of rows g (wg) and g + 8
     (wh) and the step's 8 B pairs b."""
-    r = gl.inline_asm_elementwise(
-        _TILE, "=f,=f,=f,=f," + "r," * 16 + "f,f,f,f",
-        [wg[0], wg[1], wg[2], wg[3], wh[0], wh[1], wh[2], wh[3],
-         b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], c[0], c[1], c[2], c[3]],
-        dtype=(gl.float32,) * 4, is_pure=True, pack=1)
+    if INT8:
+        r = gl.inline_asm_elementwise(
+            _TILE_I8, "=f,=f,=f,=f," + "r," * 16 + "f,f,f,f",
+            [wg[0], wg[1], wg[2], wg[3], wh[0], wh[1], wh[2], wh[3],
+             b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], c[0], c[1], c[2], c[3]],
+            dtype=(gl.float32,) * 4, is_pure=True, pack=1)
+    else:
+        r = gl.inline_asm_elementwise(
+            _TILE, "=f,=f,=f,=f," + "r," * 16 + "f,f,f,f",
+            [wg[0], wg[1], wg[2], wg[3], wh[0], wh[1], wh[2], wh[3],
+             b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], c[0], c[1], c[2], c[3]],
+            dtype=(gl.float32,) * 4, is_pure=True, pack=1)
     return r[0], r[1], r[2], r[3]
 
 
 @gluon.jit
-def _step(acc, w, b, V: gl.constexpr):
+def _step(acc, w, b, V: gl.constexpr, INT8: gl.constexpr):
     """A step's MMAs: acc (4 M-tiles' C registers; V used) onto the words w (_ld_step: the lane's
     channel i holds tile i's row g for i < V, tile i - V's row g + 8 above) and B pairs b."""
-    a0 = _tile(w[0], w[V], b, acc[0])
+    a0 = _tile(w[0], w[V], b, acc[0], INT8)
     a1 = acc[1]
     a2 = acc[2]
     a3 = acc[3]
     if V >= 2:
-        a1 = _tile(w[1], w[V + 1], b, acc[1])
+        a1 = _tile(w[1], w[V + 1], b, acc[1], INT8)
     if V == 4:
-        a2 = _tile(w[2], w[6], b, acc[2])
-        a3 = _tile(w[3], w[7], b, acc[3])
+        a2 = _tile(w[2], w[6], b, acc[2], INT8)
+        a3 = _tile(w[3], w[7], b, acc[3], INT8)
     return a0, a1, a2, a3
 
 
@@ -261,10 +285,10 @@ def w8_gemv_tc_kernel(
     M, N, K, stride_am, SPLIT_K, STEPS, SBN, SKB,
     V: gl.constexpr, WARPS: gl.constexpr, HAS_SPLIT: gl.constexpr, BF16: gl.constexpr,
     PDL: gl.constexpr, AHEAD: gl.constexpr = 4, ROWS: gl.constexpr = 1,
-    BLOCK_KS: gl.constexpr = 0,
+    BLOCK_KS: gl.constexpr = 0, INT8: gl.constexpr = False,
 ):
-    """y (M, N) of M <= ROWS <= 8 rows x (M, K), rows stride_am apart, and FP8 weights (N, K)
-    contiguous with float32 scales: (N,) one a channel (BLOCK_KS 0), or (N / SBN, SKB) one a
+    """y (M, N) of M <= ROWS <= 8 rows x (M, K), rows stride_am apart, and FP8 (or, INT8, int8)
+    weights (N, K) contiguous with float32 scales: (N,) one a channel (BLOCK_KS 0), or (N / SBN, SKB) one a
     block of SBN channels (a multiple of the program's) by BLOCK_KS steps (1, 2 or 4: 64, 128
     or 256 inputs), row-major; the output and the partials (split, M, N) contiguous.
     Program (tile, split) covers WARPS * 16V channels and the STEPS steps (a multiple of 4) of
@@ -317,7 +341,7 @@ def w8_gemv_tc_kernel(
             x_c = x_q[0]
             w_q = _push(w_q, _ld_item(wa, xa, nxt, w_step, row_step, V, BF16, False), AHEAD)
             x_q = _push(x_q, _ld_item(wa, xa, nxt, w_step, row_step, V, BF16, True), AHEAD)
-            acc = _step(acc, w_c, x_c, V)
+            acc = _step(acc, w_c, x_c, V, INT8)
             if BLOCK_KS > 0:
                 if j % BLOCK_KS == BLOCK_KS - 1:  # the block's sums, scaled, onto the total
                     tot = _fold(tot, acc, sc, V)
@@ -336,8 +360,8 @@ def w8_gemv_tc_kernel(
 
 
 @functools.lru_cache(maxsize=8)
-def _is_sm89_or_later(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 9)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _block_ok(n: int, k: int, scale: torch.Tensor, block: tuple[int, int] | None) -> bool:
@@ -354,17 +378,18 @@ def _block_ok(n: int, k: int, scale: torch.Tensor, block: tuple[int, int] | None
 
 def fp8_tc_weight_ok(weight: torch.Tensor, scale: torch.Tensor,
                      block: tuple[int, int] | None = None) -> bool:
-    """Whether the kernel reads this weight: FP8 e4m3 (N, K) contiguous and 16-byte aligned, K a
-    multiple of 256 and N of 2 * _V, one scale per channel or per block (_block_ok), on a CUDA
-    GPU of sm_89 or later."""
-    if weight.dim() != 2:
+    """Whether the kernel reads this weight: FP8 e4m3 (sm_89 or later) or int8 (sm_80 or later)
+    (N, K) contiguous and 16-byte aligned on a CUDA GPU, K a multiple of 256 and N of 2 * _V,
+    one scale per channel or (FP8) per block (_block_ok)."""
+    if weight.dim() != 2 or not weight.is_cuda:
         return False
     n, k = weight.shape
-    return (weight.dtype == torch.float8_e4m3fn and weight.is_contiguous() and weight.is_cuda
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    return ((fp8 or (weight.dtype == torch.int8 and block is None)) and weight.is_contiguous()
             and weight.data_ptr() % 16 == 0 and k % CHUNK == 0 and n % (2 * _V) == 0
             and _block_ok(n, k, scale, block)
-            and _is_sm89_or_later(weight.device.index if weight.device.index is not None
-                                  else torch.cuda.current_device()))
+            and _capability(weight.device.index if weight.device.index is not None
+                            else torch.cuda.current_device()) >= ((8, 9) if fp8 else (8, 0)))
 
 
 def fp8_tc_supported(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -397,9 +422,9 @@ def w8_gemv_tc(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     a channel or, with block (bn, bk), one a block (N / bn, K / bk), for the inputs
     fp8_tc_supported accepts (else a ValueError naming them)."""
     if not fp8_tc_supported(x, weight, scale, block):
-        raise ValueError(f"w8_gemv_tc: takes 1-{MAX_ROWS} rows of 16-bit x and FP8 e4m3 weights "
-                         f"(N, K) contiguous, K a multiple of {CHUNK}, N of {2 * _V}, float32 "
-                         f"scales one a channel or one a block of a multiple of "
+        raise ValueError(f"w8_gemv_tc: takes 1-{MAX_ROWS} rows of 16-bit x and FP8 e4m3 or int8 "
+                         f"weights (N, K) contiguous, K a multiple of {CHUNK}, N of {2 * _V}, float32 "
+                         f"scales one a channel or (FP8) one a block of a multiple of "
                          f"{16 * _V * _WARPS} channels by 64, 128 or 256 inputs, on a CUDA GPU "
                          f"(sm_89+); got x {tuple(x.shape)} {x.dtype} on {x.device}, weight "
                          f"{tuple(weight.shape)} {weight.dtype}, scales {tuple(scale.shape)} "
@@ -428,7 +453,7 @@ def w8_gemv_tc(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         x, weight, s, part, lock, out, m, n, k, x.stride(0), cfg.split_k, cfg.k_iters, sbn, skb,
         V=v, WARPS=cfg.num_warps, HAS_SPLIT=cfg.split_k > 1, BF16=x.dtype == torch.bfloat16,
         AHEAD=_AHEAD, ROWS=1 if m == 1 else MAX_ROWS, BLOCK_KS=block_ks,
-        num_warps=cfg.num_warps, **pdl_args(x))
+        INT8=weight.dtype == torch.int8, num_warps=cfg.num_warps, **pdl_args(x))
     return out
 
 

@@ -623,6 +623,27 @@ def test_fp8_tc_gemv_with_block_scales_within_an_output_ulp(shape: str, m: int,
         assert got.shape == (m, n) and ((got.float() - want).abs() / unit).max().item() <= 1.0
 
 
+@pytest.mark.parametrize("m", (1, 3, 8))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_int8_tc_gemv_within_an_output_ulp(shape: str, dtype: torch.dtype, m: int) -> None:
+    """int8 weights (per channel) through the same tensor-core GEMV: within one output ulp of
+    the exact x @ (W * scale)^T, split and unsplit; apply_int8_linear takes it at 1-8 rows."""
+    from peregrine.kernels.gemv import GemvConfig
+    from peregrine.kernels.w8_gemv_tc import fp8_tc_supported, w8_gemv_tc
+    from peregrine.layers.quantization.fp8 import TC_GEMV_INT8_MIN_M, TC_GEMV_MAX_M
+    k, n = SHAPES[shape]
+    wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=DEV) * 0.02, torch.int8)
+    x = torch.randn(m, k, device=DEV, dtype=dtype)
+    assert fp8_tc_supported(x, wq, ws)
+    for cfg in (None, GemvConfig(32, 64, 1, k // 64, 1)):
+        got = w8_gemv_tc(x, wq, ws, cfg)
+        assert got.shape == (m, n) and _fp8_exact_err(got, x, wq, ws) <= 1.0
+    if TC_GEMV_INT8_MIN_M <= m <= TC_GEMV_MAX_M:
+        assert torch.equal(apply_int8_linear(x, wq, ws.t().contiguous(), None, None),
+                           w8_gemv_tc(x, wq, ws))
+
+
 def test_fp8_tc_gemv_replays_in_a_graph_and_repeats_bit_for_bit() -> None:
     from peregrine.kernels.w8_gemv_tc import w8_gemv_tc
     k, n = SHAPES["qkv"]
@@ -639,23 +660,27 @@ def test_fp8_tc_gemv_replays_in_a_graph_and_repeats_bit_for_bit() -> None:
     assert torch.equal(out, w8_gemv_tc(x, wq, ws))
 
 
-@pytest.mark.parametrize("block", [None, (128, 128)], ids=["channel", "block"])
+@pytest.mark.parametrize("block", [None, (128, 128), "int8"], ids=["channel", "block", "int8"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_fp8_decode_rows_compile_nothing_after_load(shape: str, block) -> None:
-    """The FP8 methods' load-time precompile covers every decode row count: 1-8 rows (the 8-bit
-    GEMV, then the tensor-core GEMV) and the gated down form compile no kernel afterwards."""
+    """The 8-bit methods' load-time precompile covers every decode row count: 1-8 rows (the
+    8-bit GEMV, then the tensor-core GEMV) and the gated down form compile no kernel
+    afterwards (FP8 per channel and in blocks, int8)."""
     _needs_fp8()
     from peregrine.kernels.gemv import _w8_gemv_kernel
     from peregrine.kernels.w8_gemv_tc import w8_gemv_tc_kernel
     from peregrine.layers.quantization.fp8 import (TC_GEMV_MAX_M, Fp8W8A8Method,
                                                    apply_w8_silu_and_mul)
+    from peregrine.layers.quantization.int8 import Int8W8A8Method
     k, n = SHAPES[shape]
     w = torch.randn(n, k, device=DEV) * 0.02
-    if block is None:
-        wq, ws = fp8_pack.quantize_per_channel(w, FP8_DTYPE)
+    if block is None or block == "int8":
+        int8 = block == "int8"
+        block = None
+        wq, ws = fp8_pack.quantize_per_channel(w, torch.int8 if int8 else FP8_DTYPE)
         layer = SimpleNamespace(weight=wq, weight_scale=torch.nn.Parameter(ws),
                                 input_scale=None)
-        method = Fp8W8A8Method()
+        method = Int8W8A8Method() if int8 else Fp8W8A8Method()
         method.act_dtype = torch.bfloat16
     else:
         wq, ws = fp8_pack.quantize_blocks(w, block)

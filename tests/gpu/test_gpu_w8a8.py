@@ -82,7 +82,7 @@ def test_int_mm_matches_reference(k: int, n: int, m: int) -> None:
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     got = apply_int8_linear(x, wq, ws.t().contiguous(), None, None)
     xq, xs = per_token_group_quant_ref(x, torch.int8)
-    if m <= W8_GEMV_MAX_M:  # small batches: the GEMV multiplies x as it is
+    if unrounded_rows(m, wq, ws.t()):  # small batches: the GEMVs multiply x as it is
         xq, xs = x, torch.ones(m, 1, device=DEV)
     want = (xq.double() @ wq.double().t()).float() * xs * ws.t()  # exact integer sums
     assert rel_err(got.float(), want) < 2 ** -7
@@ -150,18 +150,19 @@ def test_engine_fp32_matches_rounded_reference(tmp_path: Path, scheme: str, grou
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
-@pytest.mark.parametrize("scheme, group", [("fp8_dynamic", None), ("fp8_block", 128)])
+@pytest.mark.parametrize("scheme, group", [("fp8_dynamic", None), ("fp8_block", 128),
+                                           ("int8_dynamic", None)])
 def test_fp8_decode_of_8_rows_down_to_1_multiplies_x_as_it_is(tmp_path: Path, monkeypatch,
                                                               scheme: str, group: int | None,
                                                               enforce_eager: bool) -> None:
     """An fp16 FP8 model (per-channel weights and per-token activations, or 128 x 128 weight
-    blocks and activations per token and 128 inputs; a small Llama whose projections the
-    tensor-core GEMV reads) decoding 8 sequences that finish one after another:
-    prompts, prefilled in one step, are rounded to FP8; every decode step of 8 rows down to 1
+    blocks and activations per token and 128 inputs; or an INT8 W8A8 one; a small Llama whose
+    projections the tensor-core GEMV reads) decoding 8 sequences that finish one after another:
+    prompts, prefilled in one step, are rounded to 8 bits; every decode step of 8 rows down to 1
     multiplies x as it is (the tensor-core GEMV above the 8-bit GEMV's rows). The generated
     tokens' logprobs are as close to the float32 reference rounding only the prompts' rows as
     an fp16 run of that reference is (the bound of the bf16 test above), with CUDA graphs and
-    eagerly; decode rows rounded to FP8 instead move them by the FP8 rounding itself."""
+    eagerly; decode rows rounded to 8 bits instead move them by that rounding itself."""
     _needs_fp8()
     import peregrine.kernels.w8_gemv_tc as tc
     from peregrine import LLM, SamplingParams
@@ -174,6 +175,7 @@ def test_fp8_decode_of_8_rows_down_to_1_multiplies_x_as_it_is(tmp_path: Path, mo
                                 intermediate_size=1024, num_hidden_layers=4,
                                 max_position_embeddings=1024)
     path = fp8_pack.write_compressed_tensors(src, tmp_path / "ct", scheme, block=(128, 128))
+    act = FP8_DTYPE if scheme.startswith("fp8") else torch.int8
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(5, 500, (n,), generator=g).tolist()
                for n in (5, 17, 40, 64, 9, 100, 23, 31)]
@@ -204,8 +206,7 @@ def test_fp8_decode_of_8_rows_down_to_1_multiplies_x_as_it_is(tmp_path: Path, mo
                   enable_prefix_caching=False, skip_tokenizer_init=True)
         scores[dtype] = []
         for p, o in zip(prompts, outs):
-            hooks = fp8_pack.round_linear_inputs(fp8_pack.engine_model(ref), FP8_DTYPE, group,
-                                                 len(p))
+            hooks = fp8_pack.round_linear_inputs(fp8_pack.engine_model(ref), act, group, len(p))
             plp = ref.generate([p + list(o.token_ids)], forced, use_tqdm=False)[0].prompt_logprobs
             scores[dtype] += [plp[len(p) + i][t].logprob for i, t in enumerate(o.token_ids)]
             for h in hooks:

@@ -12,7 +12,7 @@ import torch
 
 from peregrine.kernels import wna16_gemv_tc as tc
 from peregrine.layers.quantization.wna16 import WNA16Layout
-from test_wna16_dequant_ptx import MASK, _bits16, _bits32, _f32, _half, _lop3, _prmt
+from test_wna16_dequant_ptx import MASK, _bits16, _bits32, _f32, _half, _lop3, _prmt, _sub_x2
 
 KIND = {torch.bfloat16: "bf16", torch.float16: "f16"}
 
@@ -97,6 +97,9 @@ def run_warp(asm: str, operands: list[dict[int, int]], kind: str) -> list[dict[i
             if op == "mul.f32":
                 regs[dst] = _bits32((torch.tensor(_f32(src[0]), dtype=torch.float32)
                                      * torch.tensor(_f32(src[1]), dtype=torch.float32)).item())
+                continue
+            if op == "sub.f16x2":
+                regs[dst] = _sub_x2(src[0], src[1], "f16")
                 continue
             if op == "and.b32":
                 regs[dst] = src[0] & src[1]

@@ -4,10 +4,13 @@ per-channel (or per-tensor) scales, symmetric int8 activations quantized per tok
 
 On CUDA the matmul is `torch._int_mm` (int32 accumulation; it needs more than 16 rows, so small
 batches are padded) followed by the two scales; elsewhere the same int8 values are multiplied in
-float32, which is exact for the integer products at the sizes the tests use. Batches of at most
-W8_GEMV_MAX_M rows on CUDA compute x @ (weight * scale)^T with x as it is (kernels/gemv.py): the
-weight is read once, and x is not rounded to int8; a down projection's such rows take the
-gate-and-up rows instead, SiLU-and-mul computed inside the GEMV (W8A8Method, fp8.py).
+float32, which is exact for the integer products at the sizes the tests use. Small batches on
+CUDA compute x @ (weight * scale)^T with x as it is, as FP8 weights do (fp8.py): the tensor-core
+GEMV (kernels/w8_gemv_tc.py) at fp8.TC_GEMV_INT8_MIN_M..TC_GEMV_MAX_M rows (one row included:
+unlike FP8, the 8-bit GEMV's int8 conversion makes it the slower one there), the 8-bit GEMV
+(kernels/gemv.py) where that is off (at most W8_GEMV_MAX_M): the weight is read once, and x is
+not rounded to int8; a down projection's rows that the 8-bit GEMV serves take the gate-and-up
+rows instead, SiLU-and-mul computed inside the GEMV (W8A8Method, fp8.py).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from peregrine.kernels.gemv import W8_GEMV_MAX_M, use_gemv, w8_gemv, w8_gemv_ready
-from peregrine.layers.quantization.fp8 import W8A8Method, quantize_input
+from peregrine.layers.quantization.fp8 import W8A8Method, tc_linear, quantize_input
 
 if TYPE_CHECKING:
     from peregrine.layers.linear import LinearBase
@@ -35,6 +38,9 @@ def apply_int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
                       bias: torch.Tensor | None) -> torch.Tensor:
     """y (M, N) = quant(x) @ weight^T with weight (N, K) int8 and weight_scale (1, N) fp32."""
     # decode: x @ dequant(W), x not rounded
+    y = tc_linear(x, weight, weight_scale, None, bias)
+    if y is not None:
+        return y
     if use_gemv(x, W8_GEMV_MAX_M) and w8_gemv_ready(weight):
         y = w8_gemv(x, weight, weight_scale)  # (M, N)
         return y if bias is None else y + bias
