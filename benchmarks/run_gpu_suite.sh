@@ -68,12 +68,15 @@ for s in $steps; do
                timeout 150 python benchmarks/ablate.py "$p" -- bench latency --model "$OUT/llama-3-8b-awq.json" --output-json "$OUT/w5_ablate_${p//,/+}.json" > "$OUT/w5_ablate_${p//,/+}.log" 2>&1
                python -c "import json,sys; print('w5 without', sys.argv[2], round(json.load(open(sys.argv[1]))['decode_tokens_per_s'], 1))" "$OUT/w5_ablate_${p//,/+}.json" "$p"
              done ;;
-    # the 8-bit tensor-core GEMV: per call (per channel, 128 x 128 blocks), then N sequences
-    # decoding together with it off (TC_GEMV_MAX_M=0) and on, online FP8 and block FP8
+    # the 8-bit tensor-core GEMV: per call (FP8 per channel and in 128 x 128 blocks, int8), then
+    # N sequences decoding together with it off (TC_GEMV_MAX_M=0) and on: online FP8, block FP8,
+    # INT8
     w8tc)    run w8tc_calls 200 python benchmarks/fp8_tc_bench.py --out "$OUT/fp8_tc.json"
              run w8tc_calls_block 200 python benchmarks/fp8_tc_bench.py --block --out "$OUT/fp8_tc_block.json"
              python -c "import json,sys; c=json.load(open(sys.argv[1])); c['quantization_config']={'quant_method':'fp8','fmt':'e4m3','activation_scheme':'dynamic','weight_block_size':[128,128]}; json.dump(c,open(sys.argv[2],'w'))" "$CFG/llama-3-8b.json" "$OUT/llama-3-8b-fp8-block.json"
-             for model in "$CFG/llama-3-8b.json --quantization fp8" "$OUT/llama-3-8b-fp8-block.json"; do
+             run w8tc_calls_int8 200 python benchmarks/fp8_tc_bench.py --int8 --out "$OUT/int8_tc.json"
+             python -c "import json,sys; from peregrine.testing.fp8_pack import compressed_tensors_config as q; c=json.load(open(sys.argv[1])); c['quantization_config']=q('int8_dynamic'); json.dump(c,open(sys.argv[2],'w'))" "$CFG/llama-3-8b.json" "$OUT/llama-3-8b-int8.json"
+             for model in "$CFG/llama-3-8b.json --quantization fp8" "$OUT/llama-3-8b-fp8-block.json" "$OUT/llama-3-8b-int8.json"; do
                for n in ${W8TC_SEQS:-2 4 8}; do for tc in 0 8; do
                  rm -f "$OUT/w8tc.json"
                  timeout 200 python benchmarks/with_constants.py peregrine.layers.quantization.fp8.TC_GEMV_MAX_M=$tc -- bench throughput --model $model --num-prompts "$n" --min-input 128 --max-input 128 --min-output 512 --max-output 512 --output-json "$OUT/w8tc.json" > "$OUT/w8tc_run.log" 2>&1
