@@ -249,6 +249,35 @@ def _w8_sums(acc, FORM: tl.constexpr):
     return acc
 
 
+# Four int8 weights (one 32-bit register, the first lowest) to float32, exactly: an xor with
+# 0x80 makes each byte q + 128, a prmt puts it under float32's exponent byte 0x4B (the float
+# 2^23 + q + 128), one subtraction of 2^23 + 128 leaves q. Nine instructions for four values,
+# where a conversion instruction each runs at a quarter of the FMA rate.
+ASM_I8_F32 = tl.constexpr("""{
+.reg .b32 t;
+xor.b32 t, $4, 0x80808080;
+prmt.b32 $0, t, 0x4B000000, 0x7540;
+prmt.b32 $1, t, 0x4B000000, 0x7541;
+prmt.b32 $2, t, 0x4B000000, 0x7542;
+prmt.b32 $3, t, 0x4B000000, 0x7543;
+sub.f32 $0, $0, 0f4B000080;
+sub.f32 $1, $1, 0f4B000080;
+sub.f32 $2, $2, 0f4B000080;
+sub.f32 $3, $3, 0f4B000080;
+}""")
+
+
+@triton.jit
+def _w8_to_f32(w, INT8_ASM: tl.constexpr):
+    """The weight block as float32 (INT8_ASM: int8 weights through ASM_I8_F32, compiled only)."""
+    if INT8_ASM:
+        f = tl.inline_asm_elementwise(ASM_I8_F32, "=r,=r,=r,=r,r", [w], dtype=tl.float32,
+                                      is_pure=True, pack=4)
+    else:
+        f = w.to(tl.float32)
+    return f
+
+
 # NOTE: nothing that changes with the batch is specialised on: M, x's row stride; nor the K
 # loop's trip count and split, so layers of one kind share a compiled variant.
 @triton.jit(do_not_specialize=["M", "stride_am", "stride_cm", "K_ITERS", "SPLIT_K"])
@@ -258,10 +287,11 @@ def _w8_gemv_kernel(
     BLOCK_SCALE: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, FORM: tl.constexpr = 0,
-    GATED: tl.constexpr = False,
+    GATED: tl.constexpr = False, INT8_ASM: tl.constexpr = False,
 ):
     """FORM: how a K block's products are summed; GATED: x is silu(h[:K]) * h[K:] of the rows h
-    (M, 2K) at a_ptr, computed as they are read (_row_dot)."""
+    (M, 2K) at a_ptr, computed as they are read (_row_dot); INT8_ASM: int8 weights converted by
+    inline PTX (_w8_to_f32)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
@@ -291,7 +321,7 @@ def _w8_gemv_kernel(
         else:
             w, s = _w8_block(w_rows, s_ptr, offs_n, n_mask, k0, K, K, scale_cols, BLOCK_SCALE,
                              BN_SCALE, BK_SCALE, BLOCK_K)
-        w = w.to(tl.float32)  # (BN, BK)
+        w = _w8_to_f32(w, INT8_ASM)  # (BN, BK)
         if BLOCK_SCALE:
             w = w * s[:, None]
         acc0 += _row_dot(w, a_ptr, 0, M, stride_am, offs_k, k_mask, K, FORM, GATED)
@@ -454,6 +484,7 @@ def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         cfg.k_iters, cfg.split_k, scale_cols, BLOCK_SCALE=block is not None, BN_SCALE=bn_scale,
         BK_SCALE=bk_scale, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         HAS_SPLIT=cfg.split_k > 1, PREFETCH=prefetch, FORM=form, GATED=gated,
+        INT8_ASM=weight.dtype == torch.int8 and weight.is_cuda,
         num_warps=cfg.num_warps, **pdl_args(a))
     return out
 

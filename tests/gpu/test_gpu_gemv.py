@@ -442,14 +442,18 @@ def test_fp8_block_scales_across_the_cut_off(shape: str, m: int) -> None:
     assert rel_err(got.float(), want) < GEMM_TOL
 
 
+@pytest.mark.parametrize("wdtype", (FP8_DTYPE, torch.int8), ids=("fp8", "int8"))
 @pytest.mark.parametrize("form", (0, 1))
 @pytest.mark.parametrize("m", (1, 2, 4))
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_w8_gemv_forms_match_the_dequantized_matmul(shape: str, m: int, form: int) -> None:
-    # both K-loop forms (the block reduced every block; per-thread sums of 16 adjacent k)
-    _needs_fp8()
+def test_w8_gemv_forms_match_the_dequantized_matmul(shape: str, m: int, form: int,
+                                                    wdtype: torch.dtype) -> None:
+    # both K-loop forms (the block reduced every block; per-thread sums of 16 adjacent k); int8
+    # weights through the inline-PTX conversion
+    if wdtype == FP8_DTYPE:
+        _needs_fp8()
     k, n = SHAPES[shape]
-    wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=DEV) * 0.02, FP8_DTYPE)
+    wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=DEV) * 0.02, wdtype)
     x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
     got = w8_gemv(x, wq, ws.t().contiguous(), form=form)
     assert torch.equal(got, w8_gemv(x, wq, ws.t().contiguous(), form=form))
@@ -628,10 +632,10 @@ def test_fp8_tc_gemv_with_block_scales_within_an_output_ulp(shape: str, m: int,
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_int8_tc_gemv_within_an_output_ulp(shape: str, dtype: torch.dtype, m: int) -> None:
     """int8 weights (per channel) through the same tensor-core GEMV: within one output ulp of
-    the exact x @ (W * scale)^T, split and unsplit; apply_int8_linear takes it at 1-8 rows."""
+    the exact x @ (W * scale)^T, split and unsplit; apply_int8_linear takes it at 2-8 rows."""
     from peregrine.kernels.gemv import GemvConfig
     from peregrine.kernels.w8_gemv_tc import fp8_tc_supported, w8_gemv_tc
-    from peregrine.layers.quantization.fp8 import TC_GEMV_INT8_MIN_M, TC_GEMV_MAX_M
+    from peregrine.layers.quantization.fp8 import TC_GEMV_MAX_M, TC_GEMV_MIN_M
     k, n = SHAPES[shape]
     wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=DEV) * 0.02, torch.int8)
     x = torch.randn(m, k, device=DEV, dtype=dtype)
@@ -639,7 +643,7 @@ def test_int8_tc_gemv_within_an_output_ulp(shape: str, dtype: torch.dtype, m: in
     for cfg in (None, GemvConfig(32, 64, 1, k // 64, 1)):
         got = w8_gemv_tc(x, wq, ws, cfg)
         assert got.shape == (m, n) and _fp8_exact_err(got, x, wq, ws) <= 1.0
-    if TC_GEMV_INT8_MIN_M <= m <= TC_GEMV_MAX_M:
+    if TC_GEMV_MIN_M <= m <= TC_GEMV_MAX_M:
         assert torch.equal(apply_int8_linear(x, wq, ws.t().contiguous(), None, None),
                            w8_gemv_tc(x, wq, ws))
 

@@ -101,6 +101,13 @@ def run_warp(asm: str, operands: list[dict[int, int]], kind: str) -> list[dict[i
             if op == "sub.f16x2":
                 regs[dst] = _sub_x2(src[0], src[1], "f16")
                 continue
+            if op == "sub.f32":
+                regs[dst] = _bits32((torch.tensor(_f32(src[0]), dtype=torch.float32)
+                                     - torch.tensor(_f32(src[1]), dtype=torch.float32)).item())
+                continue
+            if op == "xor.b32":
+                regs[dst] = src[0] ^ src[1]
+                continue
             if op == "and.b32":
                 regs[dst] = src[0] & src[1]
                 continue

@@ -7,9 +7,9 @@ row-wise scales (per-channel weights) or the block-scaled Triton GEMM (kernels/f
 elsewhere, the CPU included, the same quantized values are dequantized and multiplied in float32.
 Small batches on those GPUs (decode) instead compute x @ dequant(W) with x as it is: up to
 TC_GEMV_MAX_M rows of FP8 weights with per-channel or block scales by the tensor-core GEMV
-(kernels/w8_gemv_tc.py; per-channel scales from TC_GEMV_MIN_M rows, block scales from
-TC_GEMV_BLOCK_MIN_M, int8 weights (int8.py) from TC_GEMV_INT8_MIN_M), the rows below (at most
-W8_GEMV_MAX_M) and other weights by the 8-bit GEMV (kernels/gemv.py). Weight-only math reads
+(kernels/w8_gemv_tc.py; per-channel scales, FP8 or int8 (int8.py), from TC_GEMV_MIN_M rows,
+block scales from TC_GEMV_BLOCK_MIN_M), the rows below (at most W8_GEMV_MAX_M) and other
+weights by the 8-bit GEMV (kernels/gemv.py). Weight-only math reads
 the same FP8 weight bytes, is more accurate than rounding x to FP8, and ignores a static
 input_scale. A down projection's rows that the 8-bit
 GEMV serves take the gate-and-up rows instead, SiLU-and-mul computed as the GEMV reads them
@@ -62,21 +62,16 @@ def quantize_input(x: torch.Tensor, dtype: torch.dtype,
 # activations and torch._scaled_mm or the block-scaled GEMM. TC_GEMV_MAX_M = 0: off. Measured
 # per Llama-3-8B layer (H200, bf16 x), per-channel scales: 1 row, 70 us against 63-65 for the
 # 8-bit GEMV; 2 rows, 72 against 79; 8 rows, 80 against 135 for torch._scaled_mm. 128 x 128
-# blocks: 1 row, 71 against 77-82; int8 per channel (TC_GEMV_INT8_MIN_M): 1 row, 72 against 82
-# (see the benchmarks).
+# blocks: 1 row, 71 against 77-82. int8 per channel: 1 row, 73 against 67; 2 rows, 75 against
+# 85 (see the benchmarks).
 TC_GEMV_MIN_M = 2
 TC_GEMV_BLOCK_MIN_M = 1
-TC_GEMV_INT8_MIN_M = 1
 TC_GEMV_MAX_M = 8
 
 
 def _tc_rows(rows: int, weight: torch.Tensor, weight_scale: torch.Tensor,
              block: tuple[int, int] | None = None) -> bool:
-    if block is not None:
-        low = TC_GEMV_BLOCK_MIN_M
-    else:
-        low = TC_GEMV_INT8_MIN_M if weight.dtype == torch.int8 else TC_GEMV_MIN_M
-    if not low <= rows <= TC_GEMV_MAX_M:
+    if not (TC_GEMV_MIN_M if block is None else TC_GEMV_BLOCK_MIN_M) <= rows <= TC_GEMV_MAX_M:
         return False  # prefill chunks: nothing more to look at
     from peregrine.kernels.w8_gemv_tc import fp8_tc_weight_ok
     return fp8_tc_weight_ok(weight, weight_scale, block)

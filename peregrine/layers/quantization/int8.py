@@ -6,11 +6,11 @@ On CUDA the matmul is `torch._int_mm` (int32 accumulation; it needs more than 16
 batches are padded) followed by the two scales; elsewhere the same int8 values are multiplied in
 float32, which is exact for the integer products at the sizes the tests use. Small batches on
 CUDA compute x @ (weight * scale)^T with x as it is, as FP8 weights do (fp8.py): the tensor-core
-GEMV (kernels/w8_gemv_tc.py) at fp8.TC_GEMV_INT8_MIN_M..TC_GEMV_MAX_M rows (one row included:
-unlike FP8, the 8-bit GEMV's int8 conversion makes it the slower one there), the 8-bit GEMV
-(kernels/gemv.py) where that is off (at most W8_GEMV_MAX_M): the weight is read once, and x is
-not rounded to int8; a down projection's rows that the 8-bit GEMV serves take the gate-and-up
-rows instead, SiLU-and-mul computed inside the GEMV (W8A8Method, fp8.py).
+GEMV (kernels/w8_gemv_tc.py) at fp8.TC_GEMV_MIN_M..TC_GEMV_MAX_M rows, the 8-bit GEMV
+(kernels/gemv.py, int8 bytes converted to float32 by inline PTX) at fewer (at most
+W8_GEMV_MAX_M): the weight is read once, and x is not rounded to int8; a down projection's rows
+that the 8-bit GEMV serves take the gate-and-up rows instead, SiLU-and-mul computed inside the
+GEMV (W8A8Method, fp8.py).
 """
 from __future__ import annotations
 
