@@ -68,21 +68,29 @@ def _warp_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, rows: int,
     return y
 
 
-def _case(m: int, dtype: torch.dtype, seed: int, k: int = 256):
+def _case(m: int, dtype: torch.dtype, seed: int, k: int = 256, int8: bool = False):
     gen = torch.Generator().manual_seed(seed)
-    w = (torch.randn(32, k, generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
-    w[0, :7] = torch.tensor([0.0, -0.0, 2.0 ** -9, -(2.0 ** -8), 448.0, -448.0, 2.0 ** -6])
+    if int8:
+        w = torch.randint(-128, 128, (32, k), generator=gen, dtype=torch.int8)
+        w[0, :4] = torch.tensor([-128, 127, 0, -1], dtype=torch.int8)
+    else:
+        w = (torch.randn(32, k, generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+        w[0, :7] = torch.tensor([0.0, -0.0, 2.0 ** -9, -(2.0 ** -8), 448.0, -448.0, 2.0 ** -6])
     scale = torch.rand(32, generator=gen) * 0.01 + 0.001
     x = torch.randn(m, k, generator=gen).to(dtype)
     want = x.double() @ (w.double() * scale.double()[:, None]).t()
     return x, w, scale, want
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["fp8", "int8"])
 @pytest.mark.parametrize("rows, m, dtype", [(1, 1, torch.bfloat16), (1, 1, torch.float16),
                                             (8, 3, torch.bfloat16), (8, 8, torch.float16)])
-def test_one_warp_gives_the_exact_product(rows: int, m: int, dtype: torch.dtype) -> None:
-    x, w, scale, want = _case(m, dtype, seed=11)
-    got = _warp_gemv(x, w, scale, rows)
+def test_one_warp_gives_the_exact_product(rows: int, m: int, dtype: torch.dtype,
+                                          int8: bool) -> None:
+    """FP8 weights, and int8 ones (bytes -> fp16 pairs by xor, prmt under 1024's exponent and a
+    packed subtraction of 1152: exact for every value, -128 and 127 included)."""
+    x, w, scale, want = _case(m, dtype, seed=21 if int8 else 11, int8=int8)
+    got = _warp_gemv(x, w, scale, rows, tile=tc._TILE_I8.value if int8 else tc._TILE.value)
     rms = want.pow(2).mean().sqrt().item()
     # NOTE: exact fp16 weights and inputs (bf16 x * 2^-8 is exact in fp16 above 2^-6, and the
     # error below it is at most 2^-17 absolute), float32 sums: far below a 16-bit output's ulp.
@@ -102,31 +110,9 @@ def test_large_bf16_inputs_do_not_overflow_fp16() -> None:
     assert (got - want).abs().max().item() <= 1e-4 * want.pow(2).mean().sqrt().item()
 
 
-def _int8_case(m: int, dtype: torch.dtype, seed: int, k: int = 256):
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randint(-128, 128, (32, k), generator=gen, dtype=torch.int8)
-    w[0, :4] = torch.tensor([-128, 127, 0, -1], dtype=torch.int8)
-    scale = torch.rand(32, generator=gen) * 0.01 + 0.001
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    want = x.double() @ (w.double() * scale.double()[:, None]).t()
-    return x, w, scale, want
-
-
-@pytest.mark.parametrize("rows, m, dtype", [(1, 1, torch.bfloat16), (1, 1, torch.float16),
-                                            (8, 5, torch.bfloat16), (8, 8, torch.float16)])
-def test_int8_weights_give_the_exact_product(rows: int, m: int, dtype: torch.dtype) -> None:
-    """int8 bytes -> fp16 pairs by xor, prmt under 1024's exponent and a packed subtraction of
-    1152: exact for every value (-128 and 127 included), so the sums are as for FP8."""
-    x, w, scale, want = _int8_case(m, dtype, seed=21)
-    got = _warp_gemv(x, w, scale, rows, tile=tc._TILE_I8.value)
-    rms = want.pow(2).mean().sqrt().item()
-    assert (got - want).abs().max().item() <= 1e-4 * rms
-    assert want.abs().max().item() > 0.1 * rms
-
-
 def test_an_int8_offset_off_by_one_is_caught() -> None:
     """The check above can fail: 1151 taken off instead of 1152 (every weight one too large)."""
-    x, w, scale, want = _int8_case(1, torch.float16, seed=22)
+    x, w, scale, want = _case(1, torch.float16, seed=22, int8=True)
     bad = tc._TILE_I8.value.replace("0x64806480", "0x647F647F")
     assert bad != tc._TILE_I8.value
     got = _warp_gemv(x, w, scale, 1, tile=bad)
