@@ -287,10 +287,11 @@ def w8_gemv_tc_kernel(
     PDL: gl.constexpr, AHEAD: gl.constexpr = 4, ROWS: gl.constexpr = 1,
     BLOCK_KS: gl.constexpr = 0, INT8: gl.constexpr = False,
 ):
-    """y (M, N) of M <= ROWS <= 8 rows x (M, K), rows stride_am apart, and FP8 (or, INT8, int8)
-    weights (N, K) contiguous with float32 scales: (N,) one a channel (BLOCK_KS 0), or (N / SBN, SKB) one a
-    block of SBN channels (a multiple of the program's) by BLOCK_KS steps (1, 2 or 4: 64, 128
-    or 256 inputs), row-major; the output and the partials (split, M, N) contiguous.
+    """y (M, N) of M <= ROWS <= 8 rows x (M, K), rows stride_am apart, and FP8 (INT8: int8)
+    weights (N, K) contiguous with float32 scales: (N,) one a channel (BLOCK_KS 0), or
+    (N / SBN, SKB) one a block of SBN channels (a multiple of the program's) by BLOCK_KS steps
+    (1, 2 or 4: 64, 128 or 256 inputs), row-major; the output and the partials (split, M, N)
+    contiguous.
     Program (tile, split) covers WARPS * 16V channels and the STEPS steps (a multiple of 4) of
     64 inputs from split * STEPS * 64; N is a multiple of 2V (a lane's channels are all there
     or all past N). Lane 4g + t's channel i (i < 2V) is n_lane + i: M-tile i's row g for i < V,
@@ -423,10 +424,10 @@ def w8_gemv_tc(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     fp8_tc_supported accepts (else a ValueError naming them)."""
     if not fp8_tc_supported(x, weight, scale, block):
         raise ValueError(f"w8_gemv_tc: takes 1-{MAX_ROWS} rows of 16-bit x and FP8 e4m3 or int8 "
-                         f"weights (N, K) contiguous, K a multiple of {CHUNK}, N of {2 * _V}, float32 "
-                         f"scales one a channel or (FP8) one a block of a multiple of "
+                         f"weights (N, K) contiguous, K a multiple of {CHUNK}, N of {2 * _V}, "
+                         f"float32 scales one a channel or (FP8) one a block of a multiple of "
                          f"{16 * _V * _WARPS} channels by 64, 128 or 256 inputs, on a CUDA GPU "
-                         f"(sm_89+); got x {tuple(x.shape)} {x.dtype} on {x.device}, weight "
+                         f"(sm_89+ for FP8, sm_80+ for int8); got x {tuple(x.shape)} {x.dtype} on {x.device}, weight "
                          f"{tuple(weight.shape)} {weight.dtype}, scales {tuple(scale.shape)} "
                          f"{scale.dtype}, block {block}")
     n, k = weight.shape

@@ -12,7 +12,8 @@ import torch
 
 from peregrine.kernels import wna16_gemv_tc as tc
 from peregrine.layers.quantization.wna16 import WNA16Layout
-from test_wna16_dequant_ptx import MASK, _bits16, _bits32, _f32, _half, _lop3, _prmt, _sub_x2
+from test_wna16_dequant_ptx import (MASK, _bits16, _bits32, _f32, _half, _lop3, _prmt,
+                                    _sub_x2)
 
 KIND = {torch.bfloat16: "bf16", torch.float16: "f16"}
 

@@ -9,11 +9,10 @@ Small batches on those GPUs (decode) instead compute x @ dequant(W) with x as it
 TC_GEMV_MAX_M rows of FP8 weights with per-channel or block scales by the tensor-core GEMV
 (kernels/w8_gemv_tc.py; per-channel scales, FP8 or int8 (int8.py), from TC_GEMV_MIN_M rows,
 block scales from TC_GEMV_BLOCK_MIN_M), the rows below (at most W8_GEMV_MAX_M) and other
-weights by the 8-bit GEMV (kernels/gemv.py). Weight-only math reads
-the same FP8 weight bytes, is more accurate than rounding x to FP8, and ignores a static
-input_scale. A down projection's rows that the 8-bit
-GEMV serves take the gate-and-up rows instead, SiLU-and-mul computed as the GEMV reads them
-(apply_silu_and_mul).
+weights by the 8-bit GEMV (kernels/gemv.py). Weight-only math reads the same 8-bit weight bytes,
+is more accurate than rounding x to 8 bits, and ignores a static input_scale. A down
+projection's rows that the 8-bit GEMV serves take the gate-and-up rows instead, SiLU-and-mul
+computed as the GEMV reads them (apply_silu_and_mul).
 """
 from __future__ import annotations
 
@@ -92,7 +91,7 @@ def _precompile_tc(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 
 
 def tc_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-               block: tuple[int, int] | None, bias: torch.Tensor | None) -> torch.Tensor | None:
+              block: tuple[int, int] | None, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x @ dequant(weight)^T (+ bias) by the tensor-core GEMV where it serves x's rows, else
     None."""
     if not (x.dim() == 2 and x.is_cuda and _tc_rows(x.shape[0], weight, scale, block)):

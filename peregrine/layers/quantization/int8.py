@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from peregrine.kernels.gemv import W8_GEMV_MAX_M, use_gemv, w8_gemv, w8_gemv_ready
-from peregrine.layers.quantization.fp8 import W8A8Method, tc_linear, quantize_input
+from peregrine.layers.quantization.fp8 import W8A8Method, quantize_input, tc_linear
 
 if TYPE_CHECKING:
     from peregrine.layers.linear import LinearBase
