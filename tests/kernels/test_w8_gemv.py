@@ -184,8 +184,9 @@ def test_one_row_of_a_wide_projection_is_not_split(monkeypatch) -> None:
     cuda = torch.device("cuda")
     monkeypatch.setattr(g, "num_sms", lambda device: 132)
     assert g.w8_gemv_config(1, 6144, 4096, None, cuda) == GemvConfig(16, 512, 1, 8, 8)
+    assert g.w8_gemv_config(1, 4096, 4096, None, cuda) == GemvConfig(16, 512, 1, 8, 8)
     for m, n, k, block in ((2, 6144, 4096, None), (1, 6144, 4096, (128, 128)),
-                           (1, 4096, 4096, None), (1, 28672, 4096, None),
+                           (1, 3584, 3584, None), (1, 28672, 4096, None),
                            (1, 10240, 8192, None)):
         cfg = g.w8_gemv_config(m, n, k, block, cuda)
         assert cfg.block_n == 32 and cfg.num_warps == 4, (m, n, k, block)
