@@ -180,6 +180,21 @@ _NO_PDL = {"PDL": False}
 _PDL = {"PDL": True, "launch_pdl": True}
 
 
+# Whether the norm/RoPE/K-V store kernel of a decode step (at the batches above) releases the
+# decode split kernel after it at its start, so that the split kernel's programs are resident
+# when it ends. Off: on an H200 at batch 1 it gave Llama-3-8B int4 467.2 / 467.1 tok/s against
+# 463.9 / 464.2 and FP8 W8A8 +0.7%, but bf16 214.4 / 214.8 against 220.6 / 220.6; and the split
+# kernel releasing at its start too (the merge and the output projection's GEMV then waiting
+# through attention) cost FP8 W8A8 6%.
+RELEASE_ROPE_STORE = False
+
+
+def release_rope_store(pdl: dict, rows: int) -> bool:
+    """The RELEASE constexpr of the norm/RoPE/K-V store kernel of `rows` tokens, launched with
+    the `pdl` arguments."""
+    return release_before_gemv(pdl, rows) and RELEASE_ROPE_STORE
+
+
 def release_before_gemv(pdl: dict, rows: int) -> bool:
     """The RELEASE constexpr of a short kernel of `rows` rows that may come before a GEMV
     (RMSNorm, the decode merge, SiLU-and-mul), launched with the `pdl` arguments."""

@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import check_block_size, is_gpu, next_pow2, pdl_args, pdl_wait
+from peregrine.kernels._utils import (check_block_size, is_gpu, next_pow2, pdl_args, pdl_release,
+                                      pdl_wait, release_rope_store)
 from peregrine.kernels.reference import FP8_DTYPES
 from peregrine.kernels.store_kv import _fp8_constants, _quantize
 
@@ -41,7 +42,9 @@ def _norm_rope_store_kernel(
     BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
     FP8_MAX: tl.constexpr, SOFT_FP8: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
     MAGIC: tl.constexpr, MIN_NORMAL: tl.constexpr, PDL: tl.constexpr,
+    RELEASE: tl.constexpr = False,
 ):
+    pdl_release(RELEASE)
     pdl_wait(PDL)
     # Grid (T, Q_GROUPS + KV groups): a program takes BLOCK_H q heads, or BLOCK_H k and v heads.
     t = tl.program_id(0).to(tl.int64)
@@ -161,6 +164,7 @@ def norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
     block_h = heads_per_program(head_dim, max(num_q_heads, num_kv_heads))
     q_groups = triton.cdiv(num_q_heads, block_h)
     has_norm = q_weight is not None
+    pdl = pdl_args(q)
     _norm_rope_store_kernel[(num_tokens, q_groups + triton.cdiv(num_kv_heads, block_h))](
         q, q_out, k, v, positions, cos_sin_cache, q_weight if has_norm else q,
         k_weight if has_norm else q, k_cache, v_cache, slot_mapping, eps,
@@ -172,6 +176,6 @@ def norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_GROUPS=q_groups,
         HALF=half, BLOCK_H=block_h, BLOCK_R=next_pow2(half), BLOCK_SIZE=k_cache.shape[1],
         HAS_NORM=has_norm, SOFT_FP8=soft, num_warps=2 if block_h * head_dim <= 512 else 4,
-        **consts, **pdl_args(q),
+        RELEASE=release_rope_store(pdl, num_tokens), **consts, **pdl,
     )
     return q_out

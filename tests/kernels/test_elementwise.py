@@ -113,3 +113,18 @@ def test_short_kernels_release_the_next_one_early_only_at_batches_a_gemv_serves(
     assert not _utils.release_before_gemv(pdl, _utils.RELEASE_MAX_ROWS + 1)
     assert not _utils.release_before_gemv(plain, 1)
     assert _utils.pdl_args(torch.zeros(1)) == plain  # the CPU: plain launches, no release
+
+
+def test_the_rope_store_kernel_releases_the_split_kernel_early_only_when_turned_on(
+        monkeypatch) -> None:
+    """Turned on, the norm/RoPE/K-V store kernel releases the decode split kernel at its start
+    under the short kernels' rule (dependent launches, decode batches a GEMV serves); off (the
+    default), never."""
+    from peregrine.kernels import _utils
+    pdl, plain = {"PDL": True, "launch_pdl": True}, {"PDL": False}
+    assert not _utils.release_rope_store(pdl, 1)
+    monkeypatch.setattr(_utils, "RELEASE_ROPE_STORE", True)
+    assert _utils.release_rope_store(pdl, 1) and _utils.release_rope_store(
+        pdl, _utils.RELEASE_MAX_ROWS)
+    assert not _utils.release_rope_store(pdl, _utils.RELEASE_MAX_ROWS + 1)
+    assert not _utils.release_rope_store(plain, 1)
