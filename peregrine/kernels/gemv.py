@@ -385,8 +385,8 @@ _W8_FORM = 1
 # and the default tile would split K, no split (16 x 512 tiles, 8 warps): the split-K epilogue
 # (a ticket, then the last program's pass over the partials) is a visible share of a short GEMV.
 # Llama-3-8B's qkv (6144 x 4096, 2.9 programs per SM) on an H200: 8.5 against 10.3 us a call,
-# FP8 W8A8 batch-1 decode +0.9%; its o (4096 x 4096, 1.94 per SM) too: +0.7% (378.8 against
-# 376.2 / 376.1 tok/s). Only where a program then reads at most _W8_NARROW_K_ITERS
+# FP8 W8A8 batch-1 decode +0.9%; its o (4096 x 4096, 1.94 per SM) too: 381.6 / 381.8 against
+# 379.3 / 379.5 tok/s. Only where a program then reads at most _W8_NARROW_K_ITERS
 # blocks: Llama-2-70B's qkv and o (K 8192, 16 blocks) lost 3.4% that way. 0 turns it off.
 _W8_NARROW_WAVES = 1.9
 _W8_NARROW_K_ITERS = 8
