@@ -182,17 +182,21 @@ _PDL = {"PDL": True, "launch_pdl": True}
 
 # Whether the norm/RoPE/K-V store kernel of a decode step (at the batches above) releases the
 # decode split kernel after it at its start, so that the split kernel's programs are resident
-# when it ends. Off: on an H200 at batch 1 it gave Llama-3-8B int4 467.2 / 467.1 tok/s against
-# 463.9 / 464.2 and FP8 W8A8 +0.7%, but bf16 214.4 / 214.8 against 220.6 / 220.6; and the split
-# kernel releasing at its start too (the merge and the output projection's GEMV then waiting
-# through attention) cost FP8 W8A8 6%.
-RELEASE_ROPE_STORE = False
+# when it ends: None follows the layer's projections (on where they are this project's GEMVs,
+# launched as dependents: the quantization methods' `dependent_launches`), True / False force it.
+# On an H200 at batch 1: Llama-3-8B int4 467.2 / 467.1 tok/s against 463.9 / 464.2 (467.9
+# against 464.7 in a later run), FP8 W8A8 384.8 against 382.3; but with bf16 weights (cuBLAS
+# projections) 214.4 / 214.8 against 220.6 / 220.6. The split kernel releasing at its start too
+# (the merge and the output projection's GEMV then waiting through attention) cost FP8 W8A8 6%.
+RELEASE_ROPE_STORE: bool | None = None
 
 
-def release_rope_store(pdl: dict, rows: int) -> bool:
+def release_rope_store(pdl: dict, rows: int, gemv_projections: bool = False) -> bool:
     """The RELEASE constexpr of the norm/RoPE/K-V store kernel of `rows` tokens, launched with
-    the `pdl` arguments."""
-    return release_before_gemv(pdl, rows) and RELEASE_ROPE_STORE
+    the `pdl` arguments, in a layer whose projections are (gemv_projections) or are not
+    dependent-launch GEMVs."""
+    release = gemv_projections if RELEASE_ROPE_STORE is None else RELEASE_ROPE_STORE
+    return release_before_gemv(pdl, rows) and release
 
 
 def release_before_gemv(pdl: dict, rows: int) -> bool:

@@ -111,11 +111,15 @@ def norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
                     cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
                     q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                    eps: float = 1e-6, q_out: torch.Tensor | None = None) -> torch.Tensor:
+                    eps: float = 1e-6, q_out: torch.Tensor | None = None,
+                    gemv_projections: bool = False) -> torch.Tensor:
     """RoPE q (T, Hq, D) in place (into q_out when given) and write RoPE'd k / k_scale and
     v / v_scale (T, Hkv, D) into k_cache / v_cache (num_blocks, block_size, Hkv, D) at
     slot_mapping (T,) (slots < 0 are skipped); with q_weight and k_weight (D,), q and k are
-    RMS-normalised per head first. k and v themselves are left as they are. Returns the new q."""
+    RMS-normalised per head first. k and v themselves are left as they are. Returns the new q.
+    gemv_projections: the layer's projections are GEMVs launched as dependents (its quantization
+    method's `dependent_launches`); at small decode batches this kernel then lets the decode
+    split kernel be scheduled at its start (_utils.release_rope_store)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape:
@@ -176,6 +180,6 @@ def norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_GROUPS=q_groups,
         HALF=half, BLOCK_H=block_h, BLOCK_R=next_pow2(half), BLOCK_SIZE=k_cache.shape[1],
         HAS_NORM=has_norm, SOFT_FP8=soft, num_warps=2 if block_h * head_dim <= 512 else 4,
-        RELEASE=release_rope_store(pdl, num_tokens), **consts, **pdl,
+        RELEASE=release_rope_store(pdl, num_tokens, gemv_projections), **consts, **pdl,
     )
     return q_out

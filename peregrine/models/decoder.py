@@ -105,9 +105,12 @@ class DecoderAttention(nn.Module):
         norm = self.qk_norm_params()
         q_weight, k_weight, eps = norm if norm is not None else (None, None, 1e-6)
         k_scale, v_scale = self.attn.cache_scales(kv_cache[0])
+        # NOTE: the output projection is what runs after attention; its method says whether
+        # the kernels of attention may be scheduled early (rope_store's release).
         return norm_rope_store(q, k, v, positions, self.rotary_emb.cos_sin_cache, kv_cache[0],
                                kv_cache[1], slot_mapping, k_scale, v_scale, q_weight, k_weight,
-                               eps, q_out)
+                               eps, q_out,
+                               gemv_projections=self.o_proj.quant_method.dependent_launches)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -1,12 +1,15 @@
 """The fused q/k norm + RoPE + K/V store kernel, compiled, at Qwen3-0.6B's and Llama-3-8B's
-shapes: equal to the torch references (bf16 and FP8 caches), and replayable in a CUDA graph."""
+shapes: equal to the torch references (bf16 and FP8 caches), replayable in a CUDA graph, and
+followed by decode attention that sees the K/V it stored also where it lets that kernel be
+scheduled at its start."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gpu_cases import DEV, ELEM_TOL, rel_err
+from gpu_cases import ATTN_TOL, DEV, ELEM_TOL, attn_error, paged_inputs, rel_err
 from peregrine.kernels import reference as ref
+from peregrine.kernels.decode_attention import paged_decode_attention
 from peregrine.kernels.rope_store import norm_rope_store
 
 pytestmark = pytest.mark.gpu
@@ -80,3 +83,45 @@ def test_norm_rope_store_replays_in_a_cuda_graph_with_new_inputs() -> None:
     assert rel_err(q, q_ref) <= ELEM_TOL
     assert rel_err(kc, kc_ref) <= ELEM_TOL
     assert torch.equal(vc, vc_ref)
+
+
+@pytest.mark.parametrize("lens", [[200], [57, 129, 16, 300]], ids=["batch1", "batch4"])
+@pytest.mark.parametrize("gemv_projections", [True, False], ids=["release", "no-release"])
+def test_decode_attention_after_the_store_sees_the_stored_token(lens, gemv_projections) -> None:
+    """Llama-3-8B's heads, decode rows: the store (releasing the split kernel at its start when
+    GEMVs follow) then paged decode attention, captured in a CUDA graph and replayed with new
+    K/V each time; the output is attention over the cache as the store left it."""
+    hq, hkv, d, _ = SHAPES["llama-3-8b"]
+    batch = len(lens)
+    _, kc, vc, table, seq_lens, qsl = paged_inputs(lens, [1] * batch, hq, hkv, d, DTYPE,
+                                                   width=32)
+    last = seq_lens.long() - 1  # this step's token: its position and slot
+    slots = table.long().gather(1, (last // BLOCK)[:, None])[:, 0] * BLOCK + last % BLOCK
+    qkv = torch.randn(batch, hq + 2 * hkv, d, device=DEV, dtype=DTYPE)
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    q_out, out = torch.empty(batch, hq, d, device=DEV, dtype=DTYPE), torch.empty(
+        batch, hq, d, device=DEV, dtype=DTYPE)
+    inv = 1.0 / 5e5 ** (torch.arange(0, d, 2, device=DEV).float() / d)
+    freqs = torch.outer(torch.arange(1024, device=DEV).float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # (1024, D)
+
+    def step():
+        norm_rope_store(q, k, v, last, cos_sin, kc, vc, slots, q_out=q_out,
+                        gemv_projections=gemv_projections)
+        paged_decode_attention(q_out, kc, vc, table, seq_lens, d ** -0.5, out=out)
+
+    step()  # compiles
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for i in range(6):
+        qkv.copy_(torch.randn_like(qkv) * 2)
+        kc_ref, vc_ref = kc.clone(), vc.clone()
+        q_ref = ref.norm_rope_store_ref(q.clone(), k, v, last, cos_sin, kc_ref, vc_ref, slots)
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(kc, kc_ref) <= ELEM_TOL and torch.equal(vc, vc_ref)
+        assert rel_err(q_out, q_ref) <= ELEM_TOL
+        err = attn_error(out, q_out, kc, vc, table, seq_lens, qsl, d ** -0.5)
+        assert err <= ATTN_TOL[DTYPE], f"replay {i}: {err}"

@@ -115,16 +115,38 @@ def test_short_kernels_release_the_next_one_early_only_at_batches_a_gemv_serves(
     assert _utils.pdl_args(torch.zeros(1)) == plain  # the CPU: plain launches, no release
 
 
-def test_the_rope_store_kernel_releases_the_split_kernel_early_only_when_turned_on(
+def test_the_rope_store_kernel_releases_the_split_kernel_early_where_gemvs_follow(
         monkeypatch) -> None:
-    """Turned on, the norm/RoPE/K-V store kernel releases the decode split kernel at its start
-    under the short kernels' rule (dependent launches, decode batches a GEMV serves); off (the
-    default), never."""
+    """By default the norm/RoPE/K-V store kernel releases the decode split kernel at its start
+    where the layer's projections are dependent-launch GEMVs, under the short kernels' rule
+    (dependent launches, decode batches a GEMV serves); RELEASE_ROPE_STORE forces it on or
+    off."""
     from peregrine.kernels import _utils
     pdl, plain = {"PDL": True, "launch_pdl": True}, {"PDL": False}
+    assert _utils.RELEASE_ROPE_STORE is None
     assert not _utils.release_rope_store(pdl, 1)
+    assert not _utils.release_rope_store(pdl, 1, gemv_projections=False)
+    assert _utils.release_rope_store(pdl, 1, gemv_projections=True)
+    assert _utils.release_rope_store(pdl, _utils.RELEASE_MAX_ROWS, gemv_projections=True)
+    assert not _utils.release_rope_store(pdl, _utils.RELEASE_MAX_ROWS + 1, gemv_projections=True)
+    assert not _utils.release_rope_store(plain, 1, gemv_projections=True)
     monkeypatch.setattr(_utils, "RELEASE_ROPE_STORE", True)
     assert _utils.release_rope_store(pdl, 1) and _utils.release_rope_store(
         pdl, _utils.RELEASE_MAX_ROWS)
     assert not _utils.release_rope_store(pdl, _utils.RELEASE_MAX_ROWS + 1)
     assert not _utils.release_rope_store(plain, 1)
+    monkeypatch.setattr(_utils, "RELEASE_ROPE_STORE", False)
+    assert not _utils.release_rope_store(pdl, 1, gemv_projections=True)
+
+
+def test_which_methods_launch_their_gemvs_as_dependents() -> None:
+    """Every quantization method whose small batches run this project's GEMVs says so; the bf16
+    layer (cuBLAS) does not."""
+    from peregrine.layers.quantization import awq, fp8, gptq, int8, unquantized, wna16
+    from peregrine.layers.quantization.compressed_tensors_wna16 import (
+        CompressedTensorsWNA16Method)
+    assert not unquantized.UnquantizedLinearMethod.dependent_launches
+    for cls in (wna16.WNA16LinearMethod, awq.AWQLinearMethod, gptq.GPTQLinearMethod,
+                CompressedTensorsWNA16Method, fp8.Fp8W8A8Method, fp8.Fp8OnlineMethod,
+                fp8.Fp8BlockMethod, int8.Int8W8A8Method):
+        assert cls.dependent_launches, cls.__name__

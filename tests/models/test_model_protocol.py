@@ -112,3 +112,28 @@ def test_unsupported_architecture_lists_the_supported_ones() -> None:
     from peregrine.models.registry import model_class
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
         model_class("GPT2LMHeadModel")
+
+
+def test_the_store_kernel_is_told_whether_gemvs_follow(monkeypatch) -> None:
+    """The fused norm/RoPE/store launch gets the output projection's `dependent_launches`
+    (whether the split kernel after it may be scheduled early): False for bf16 weights, the
+    method's own answer otherwise."""
+    import peregrine.kernels.rope_store as rope_store
+    cfg, model = _model("llama", kernels=KernelConfig(fused=True))
+    seen = []
+    real = rope_store.norm_rope_store
+
+    def spy(*args, gemv_projections=False, **kwargs):
+        seen.append(gemv_projections)
+        return real(*args, gemv_projections=gemv_projections, **kwargs)
+
+    monkeypatch.setattr(rope_store, "norm_rope_store", spy)
+    ids, pos = torch.tensor(TOKENS), torch.arange(len(TOKENS))
+    with torch.inference_mode():
+        model(ids, pos, *one_prefill(cfg, len(TOKENS)))
+        assert seen == [False] * len(model.layers)
+        monkeypatch.setattr(model.layers[0].self_attn.o_proj.quant_method,
+                            "dependent_launches", True)
+        seen.clear()
+        model(ids, pos, *one_prefill(cfg, len(TOKENS)))
+    assert seen == [True] + [False] * (len(model.layers) - 1)

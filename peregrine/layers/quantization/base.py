@@ -79,6 +79,11 @@ def load_sharded(layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor, s
 class QuantMethod(ABC):
     """How one linear layer holds, loads and applies its weight."""
 
+    # Whether apply's small-batch kernels are launched as programmatic dependents that wait for
+    # the kernel ahead inside themselves (this project's GEMVs), not plainly (cuBLAS): the kernels
+    # before them may then let them be scheduled early (kernels/_utils.release_rope_store).
+    dependent_launches = False
+
     @abstractmethod
     def create_weights(self, layer: LinearBase, in_features: int, out_sizes: list[int],
                        dtype: torch.dtype) -> None:

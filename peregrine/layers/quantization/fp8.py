@@ -147,6 +147,7 @@ class W8A8Method(QuantMethod):
     fp32 and layer.input_scale (1, 1) fp32 or None. Subclasses pick the 8-bit type and matmul."""
 
     weight_dtype: torch.dtype
+    dependent_launches = True  # the 8-bit GEMVs at small batches
 
     def __init__(self, weight_strategy: str = "channel", static_input: bool = False) -> None:
         if weight_strategy not in ("channel", "tensor"):
@@ -238,6 +239,8 @@ class Fp8BlockMethod(QuantMethod):
     """FP8 weights with one scale per (bn x bk) block, activations quantized per token and group
     of bk inputs (DeepSeek-V3 / Qwen FP8 checkpoints). scale_name: the checkpoint's tensor name
     for the block scales (`weight_scale_inv` in Hugging Face fp8, `weight_scale` elsewhere)."""
+
+    dependent_launches = True  # the 8-bit GEMVs at small batches
 
     def __init__(self, block: tuple[int, int], scale_name: str = "weight_scale_inv") -> None:
         self.block = block

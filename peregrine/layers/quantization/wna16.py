@@ -148,6 +148,8 @@ class WNA16LinearMethod(QuantMethod):
     """Base of the weight-only integer methods: subclasses create and load their checkpoint
     parameters and say how to unpack them (`unpack`); this class repacks and applies."""
 
+    dependent_launches = True  # the one-row and small-batch GEMVs
+
     bits: int
 
     def unpack(self, layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor,
