@@ -182,10 +182,10 @@ _PDL = {"PDL": True, "launch_pdl": True}
 
 # Whether the norm/RoPE/K-V store kernel of a decode step (at the batches above) releases the
 # decode split kernel after it at its start, so that the split kernel's programs are resident
-# when it ends: None follows the layer's projections (on where they are this project's GEMVs,
-# launched as dependents: the quantization methods' `dependent_launches`), True / False force it.
-# On an H200 at batch 1: Llama-3-8B int4 467.2 / 467.1 tok/s against 463.9 / 464.2 (467.9
-# against 464.7 in a later run), FP8 W8A8 384.8 against 382.3; but with bf16 weights (cuBLAS
+# when it ends. None: on where the layer's projections are this project's GEMVs, launched as
+# dependents (the quantization methods' `dependent_launches`), off elsewhere; True / False force
+# it. On an H200 at batch 1, same runs: Llama-3-8B int4 469.6 / 469.7 tok/s against 465.8 /
+# 465.7, FP8 W8A8 384.5 / 385.1 against 382.7 / 382.8; but with bf16 weights (cuBLAS
 # projections) 214.4 / 214.8 against 220.6 / 220.6. The split kernel releasing at its start too
 # (the merge and the output projection's GEMV then waiting through attention) cost FP8 W8A8 6%.
 RELEASE_ROPE_STORE: bool | None = None
