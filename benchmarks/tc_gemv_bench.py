@@ -45,11 +45,17 @@ def main() -> None:
     p.add_argument("--bits", type=int, default=4, help="4 or 6")
     p.add_argument("--aheads", default="4:4",
                    help="(weights, inputs) steps ahead the grid takes, as W:X pairs (2, 4, 6, 8)")
+    p.add_argument("--shapes", default="", help="projections to time (default: all four)")
+    p.add_argument("--grid-splits", default="pow2",
+                   help="K splits the grid takes: pow2 (1-32), divisors (every divisor of the "
+                        "groups), or a list")
     ns = p.parse_args()
     dev = torch.device("cuda")
     rows: list[dict] = []
     layer = {"half2_prefetch": 0.0, "tc": 0.0}
     for proj, (k, n) in SHAPES["8b"].items():
+        if ns.shapes and proj not in ns.shapes.split(","):
+            continue
         w = _wna16(k, n, ns.bits, True, dev)
         copies = max(2, min(64, -(-L2_FLUSH_BYTES // _nbytes(*w.tensors().values()))))
         ws = [w] + [_clone_layout(w) for _ in range(copies - 1)]
@@ -116,7 +122,13 @@ def main() -> None:
                 for v in (int(a) for a in ns.grid_v.split(",")):
                     for warps in (int(a) for a in ns.grid_warps.split(",")):
                         tiles = -(-n // (16 * v * warps))
-                        for split in (1, 2, 4, 8, 16, 32):
+                        if ns.grid_splits == "pow2":
+                            splits = (1, 2, 4, 8, 16, 32)
+                        elif ns.grid_splits == "divisors":
+                            splits = [d for d in range(1, chunks + 1) if chunks % d == 0]
+                        else:
+                            splits = [int(a) for a in ns.grid_splits.split(",")]
+                        for split in splits:
                             if chunks % split or not 256 <= tiles * warps * split <= 8192:
                                 continue
                             c = GemvConfig(16 * v * warps, 128, split, chunks // split, warps)

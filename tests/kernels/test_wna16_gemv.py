@@ -460,7 +460,7 @@ def test_tc_variant_is_refused_off_the_gpu_and_its_splits_cover_k_in_whole_group
     assert wna16_gemv_module._variant(w, x, None, None) == "half2_prefetch"
     cpu = torch.device("cpu")
     for k, n in ((4096, 6144), (14336, 4096), (5120, 128), (384, 64), (128, 8)):
-        fake = SimpleNamespace(in_features=k, out_features=n)
+        fake = SimpleNamespace(in_features=k, out_features=n, bits=4)
         cfg = wna16_gemv_module.tc_config(fake, cpu)
         assert cfg.split_k * cfg.k_iters * 128 == k and cfg.block_k == 128
         assert cfg.block_n == 16 * wna16_gemv_module._TC_V * cfg.num_warps
@@ -550,3 +550,33 @@ def test_one_row_variant_from_the_environment(monkeypatch) -> None:
             wna16_gemv(x, w)
     finally:
         wna16_gemv_module._one_row_variant.cache_clear()
+
+
+def test_tc_one_row_split_rises_to_the_largest_divisor_that_stays_in_one_wave(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One row of 4-bit weights: the K split becomes the largest divisor of the groups whose
+    programs stay within _TC_ONE_ROW_PER_SM an SM (never below the general rule's split); more
+    rows, and 6-bit weights, keep that rule."""
+    monkeypatch.setattr(wna16_gemv_module, "_sms", lambda device: 132)
+    monkeypatch.setattr(wna16_gemv_module, "_TC_ONE_ROW_PER_SM", 28)
+    monkeypatch.setattr(wna16_gemv_module, "_TC_WARPS", 1)
+    monkeypatch.setattr(wna16_gemv_module, "_TC_V", 2)
+    import peregrine.kernels.gemv as gemv_module
+    monkeypatch.setattr(gemv_module, "_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    # (K, N): the general rule's split, the one-row split (Llama-3-8B, then Llama-2-70B)
+    cases = {(4096, 6144): (16, 16), (4096, 4096): (16, 16), (4096, 28672): (4, 4),
+             (14336, 4096): (16, 28), (28672, 8192): (8, 14), (8192, 57344): (2, 2)}
+    for (k, n), (general, one_row) in cases.items():
+        fake = SimpleNamespace(in_features=k, out_features=n, bits=4)
+        rows8 = wna16_gemv_module.tc_config(fake, cpu, rows=8)
+        row1 = wna16_gemv_module.tc_config(fake, cpu)
+        assert (rows8.split_k, row1.split_k) == (general, one_row), (k, n)
+        tiles = -(-n // row1.block_n)
+        assert (k // 128) % row1.split_k == 0 and row1.split_k * row1.k_iters * 128 == k
+        assert row1.split_k == general or tiles * row1.split_k <= 28 * 132
+        six = SimpleNamespace(in_features=k, out_features=n, bits=6)
+        assert wna16_gemv_module.tc_config(six, cpu).split_k == general
+    monkeypatch.setattr(wna16_gemv_module, "_TC_ONE_ROW_PER_SM", 0)
+    fake = SimpleNamespace(in_features=14336, out_features=4096, bits=4)
+    assert wna16_gemv_module.tc_config(fake, cpu).split_k == 16
