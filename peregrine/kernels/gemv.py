@@ -81,6 +81,13 @@ def choose_split(tiles: int, k_blocks: int, device: torch.device,
     return triton.cdiv(k_blocks, k_iters), k_iters
 
 
+def one_wave_split(tiles: int, chunks: int, room: int, least: int = 1) -> int:
+    """The largest divisor of `chunks` (K pieces) whose `tiles` x split programs fit in `room`
+    programs resident at once, and never below `least` (a divisor itself)."""
+    return max(d for d in range(1, chunks + 1)
+               if chunks % d == 0 and (d <= least or tiles * d <= room))
+
+
 def launch_buffers(x2: torch.Tensor, n: int, tiles: int, split: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out (M, N) in x's dtype, float32 partials (split, M, N), tickets) for one launch."""

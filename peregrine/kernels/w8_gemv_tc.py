@@ -42,7 +42,7 @@ from triton.experimental.gluon import language as gl
 
 from peregrine.kernels._gluon import pdl_release, pdl_wait
 from peregrine.kernels._utils import pdl_args
-from peregrine.kernels.gemv import GemvConfig, _sms, launch_buffers
+from peregrine.kernels.gemv import GemvConfig, _sms, launch_buffers, one_wave_split
 from peregrine.kernels.wna16_gemv_tc import _ld_words, _push, _store_rows
 
 # Programs of _WARPS warps of 16 * _V channels with _AHEAD steps of loads in flight (offline,
@@ -411,8 +411,7 @@ def fp8_tc_config(n: int, k: int, device: torch.device) -> GemvConfig:
     tiles = triton.cdiv(n, block_n)
     chunks = k // CHUNK
     room = max(1, _RESIDENT_WARPS // _WARPS * _sms(device))  # programs resident at once
-    split = max(s for s in range(1, chunks + 1)
-                if chunks % s == 0 and (s == 1 or tiles * s <= room))
+    split = one_wave_split(tiles, chunks, room)
     return GemvConfig(block_n, STEP, split, chunks // split * 4, _WARPS)
 
 

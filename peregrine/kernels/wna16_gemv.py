@@ -60,7 +60,8 @@ import triton.language as tl
 from peregrine import envs
 from peregrine.kernels._utils import dot_dtype, pdl_args, pdl_release, pdl_wait
 from peregrine.kernels.gemv import (GEMV_MAX_M, GemvConfig, _sms, block_m_for, choose_split,
-                                    launch_buffers, row_accumulators, store_row_sums)
+                                    launch_buffers, one_wave_split, row_accumulators,
+                                    store_row_sums)
 from peregrine.kernels.wna16_gemv_half2 import _wna16_gemv_half2_kernel
 from peregrine.kernels.wna16_gemv_inplace import _wna16_gemv_inplace_kernel
 from peregrine.kernels.wna16_gemv_mma import _wna16_gemv_mma_kernel
@@ -333,9 +334,7 @@ def tc_config(w: WNA16Layout, device: torch.device, rows: int = 1) -> GemvConfig
     while chunks % split:
         split -= 1
     if rows == 1 and w.bits == 4 and _TC_ONE_ROW_PER_SM:
-        cap = _TC_ONE_ROW_PER_SM * _sms(device)
-        split = max([split] + [d for d in range(split + 1, chunks + 1)
-                               if chunks % d == 0 and tiles * d <= cap])
+        split = one_wave_split(tiles, chunks, _TC_ONE_ROW_PER_SM * _sms(device), split)
     return GemvConfig(block_n, 128, split, chunks // split, _TC_WARPS)
 
 
