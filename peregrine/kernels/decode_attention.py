@@ -634,10 +634,16 @@ def _decode_merge_kernel(
              out.to(o_ptr.dtype.element_ty), mask=d_mask)
 
 
+def _small_batch(batch: int, num_kv_rows: int, device: torch.device) -> bool:
+    """Whether the batch's kv rows are fewer than the SMs (short splits, pick_config's
+    small_batch)."""
+    return batch * num_kv_rows < num_sms(device)
+
+
 def decode_min_split_len(batch: int, num_kv_rows: int, device: torch.device) -> int:
     """The fewest tokens a split takes (rounded up to whole tiles by the launcher), from shapes
     only: _MIN_SPLIT_LEN, or one tile where the batch's kv rows are fewer than the SMs."""
-    if batch * num_kv_rows < num_sms(device):
+    if _small_batch(batch, num_kv_rows, device):
         return _SMALL_BATCH_MIN_SPLIT_LEN
     return _MIN_SPLIT_LEN
 
@@ -727,7 +733,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     group = num_q_heads // num_kv_heads
     cfg = pick_config(q.dtype, k_cache.dtype, group, is_gpu(q), max_shared_memory(q.device),
-                      fp8_mma=mma_fp8_unusable(q, k_cache, group, block_size) is None)
+                      fp8_mma=mma_fp8_unusable(q, k_cache, group, block_size) is None,
+                      small_batch=_small_batch(batch, num_kv_heads, q.device))
     variant = variant or cfg.variant
     if variant == "mma_fp8":
         why = mma_fp8_unusable(q, k_cache, group, block_size)
@@ -883,25 +890,33 @@ def max_decode_splits(max_context: int) -> int:
 def precompile(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                dtype: torch.dtype, device: torch.device,
                cache_dtype: torch.dtype | None = None, max_context: int | None = None) -> None:
-    """Compile the split kernel pick_config chooses for this model and every merge variant (one
-    per power-of-two split count) now, so that no batch size met later compiles one on the
-    request path. dtype: q's; cache_dtype: the KV cache's (default: dtype); max_context: the
+    """Compile the split kernels pick_config chooses for this model (at batches whose kv rows
+    are fewer than the SMs and at the others) and every merge variant (one per power-of-two
+    split count) now, so that no batch size met later compiles one on the request path. dtype: q's; cache_dtype: the KV cache's (default: dtype); max_context: the
     widest block table in tokens (default: any), which bounds the split counts a decode can use
     (a 512-token model needs 2 of the 7 variants)."""
     # NOTE: decode_num_splits never gives a table of max_context tokens more than
     # max_decode_splits(max_context) splits, so the merge's BLOCK_S stays below its next power
     # of two; a caller passing split_len itself may go further and compile on first use.
     limit = _MAX_SPLITS if max_context is None else next_pow2(max_decode_splits(max_context))
-    q = torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=device)
     cache = torch.zeros(1, block_size, num_kv_heads, head_dim, dtype=cache_dtype or dtype,
                         device=device)
-    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
     group = num_q_heads // num_kv_heads
-    block_n = pick_config(dtype, cache.dtype, group, is_gpu(q), max_shared_memory(q.device),
-                          fp8_mma=mma_fp8_unusable(q, cache, group, block_size) is None).block_n
-    splits = 1
-    while splits <= limit:  # splits of block_n tokens over a table of splits * block_n
-        table = torch.zeros(1, -(-splits * block_n // block_size), dtype=torch.int32,
-                            device=device)
-        paged_decode_attention(q, cache, cache, table, seq_lens, 1.0, split_len=block_n)
-        splits *= 2
+    # a batch for each config: kv rows fewer than the SMs (1 sequence) and as many or more
+    # (pick_config's small_batch), the second only where its config differs
+    configs = {}
+    for batch in (1, -(-num_sms(device) // num_kv_heads)):
+        q = torch.zeros(batch, num_q_heads, head_dim, dtype=dtype, device=device)
+        cfg = pick_config(dtype, cache.dtype, group, is_gpu(q), max_shared_memory(q.device),
+                          fp8_mma=mma_fp8_unusable(q, cache, group, block_size) is None,
+                          small_batch=_small_batch(batch, num_kv_heads, device))
+        configs.setdefault(cfg, q)
+    for cfg, q in configs.items():
+        batch, block_n = q.shape[0], cfg.block_n
+        seq_lens = torch.ones(batch, dtype=torch.int32, device=device)
+        splits = 1
+        while splits <= limit:  # splits of block_n tokens over a table of splits * block_n
+            table = torch.zeros(batch, -(-splits * block_n // block_size), dtype=torch.int32,
+                                device=device)
+            paged_decode_attention(q, cache, cache, table, seq_lens, 1.0, split_len=block_n)
+            splits *= 2

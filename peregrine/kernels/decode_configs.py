@@ -1,6 +1,7 @@
 """The paged decode kernel's launch rule: which variant, tile and options the split kernel runs
-with, chosen from the device, the query and cache dtypes and the GQA group only (never from batch
-values), so one model always runs, and precompiles, the same compiled variant."""
+with, chosen from the device, the query and cache dtypes, the GQA group and whether the batch's kv
+rows are fewer than the SMs (never from batch values), so one model runs, and precompiles, at most
+two compiled variants."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -55,8 +56,12 @@ _CONFIGS = {
     # grid (W1 at 1,000 x ~1,000: 961 us, at the wall).
     "cuda-16bit-cache": DecodeConfig("dot", 64, 4, 2, False, 16, True, True, False,
                                      heads_first=True),
-    # the same with 128-token tiles where a program may use LARGE_SHARED_MEMORY (Hopper):
-    # 3.50 s over W1's decode phase
+    # the same with 128-token tiles where a program may use LARGE_SHARED_MEMORY (Hopper) and the
+    # batch's kv rows fill the SMs: 3.50 s over W1's decode phase. Below that a split is one
+    # short tile (decode_min_split_len), and 64-token tiles halve a split's wait on its loads:
+    # Llama-3-8B batch-1 decode (128-384 tokens of context) on an H200 with int4 weights 474.8
+    # tok/s against 470.3 / 470.1 with 128-token tiles (32-token tiles 474.6, 16 474.4); as the
+    # rule: int4 474.2, FP8 W8A8 388.0 (384.4-384.9 before), bf16 221.3 against 220.4.
     "cuda-16bit-cache-large-tiles": DecodeConfig("dot", 128, 4, 2, False, 16, True, True, False,
                                                  heads_first=True),
     # FP8 cache, up to 2 q heads per kv head: W1 (1,000 x ~1,000) 795 us (878 with the
@@ -86,12 +91,14 @@ FP8_MMA = True
 
 
 def pick_config(q_dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
-                on_gpu: bool, shared_memory: int = 0, fp8_mma: bool = False) -> DecodeConfig:
+                on_gpu: bool, shared_memory: int = 0, fp8_mma: bool = False,
+                small_batch: bool = False) -> DecodeConfig:
     """The split kernel's launch choice from the device (on_gpu, and the shared memory one
-    program may use there, 0 if unknown), the dtypes and the GQA group only (never batch
-    values), so one model always runs, and precompile() compiles, the same variant. fp8_mma:
+    program may use there, 0 if unknown), the dtypes, the GQA group and small_batch only (never
+    batch values), so one model runs, and precompile() compiles, a fixed set of variants. fp8_mma:
     the device and the model's shapes allow the "mma_fp8" variant
-    (decode_attention_mma.usable)."""
+    (decode_attention_mma.usable). small_batch: the batch's kv rows are fewer than the SMs
+    (decode_min_split_len's one-tile splits)."""
     if not on_gpu:
         return _CONFIGS["cpu"]
     if q_dtype == torch.float32:
@@ -102,6 +109,6 @@ def pick_config(q_dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
         # NOTE: the CUDA-core variants do group multiply-adds per K and V element; past 2 heads
         # per kv head the padded tensor-core dot is cheaper.
         return _CONFIGS["cuda-fp8-cache-small-group" if group <= 2 else "cuda-fp8-cache"]
-    if shared_memory >= LARGE_SHARED_MEMORY:
+    if shared_memory >= LARGE_SHARED_MEMORY and not small_batch:
         return _CONFIGS["cuda-16bit-cache-large-tiles"]
     return _CONFIGS["cuda-16bit-cache"]

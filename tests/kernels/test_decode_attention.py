@@ -377,6 +377,25 @@ def test_pick_config_depends_only_on_dtypes_and_group() -> None:
                                                                 torch.float8_e4m3fn, 2, True)
 
 
+def test_pick_config_gives_batches_below_the_sms_short_bf16_tiles() -> None:
+    """Where a batch's kv rows are fewer than the SMs (one-tile splits), a 16-bit cache takes
+    64-token tiles even where 128 would fit; FP8 caches and the CPU are unaffected."""
+    kw = dict(on_gpu=True, shared_memory=227 * 1024)
+    large = pick_config(torch.bfloat16, torch.bfloat16, 4, **kw)
+    short = pick_config(torch.bfloat16, torch.bfloat16, 4, small_batch=True, **kw)
+    assert (large.block_n, short.block_n) == (128, 64)
+    assert short == large._replace(block_n=64)
+    assert pick_config(torch.bfloat16, torch.bfloat16, 4, on_gpu=True, shared_memory=99 * 1024,
+                       small_batch=True).block_n == 64
+    for group in (1, 2, 4, 8):
+        for fp8_mma in (False, True):
+            assert pick_config(torch.bfloat16, torch.float8_e4m3fn, group, fp8_mma=fp8_mma,
+                               small_batch=True, **kw) == pick_config(
+                torch.bfloat16, torch.float8_e4m3fn, group, fp8_mma=fp8_mma, **kw)
+    assert pick_config(torch.bfloat16, torch.bfloat16, 4, False, small_batch=True) \
+        == pick_config(torch.bfloat16, torch.bfloat16, 4, False)
+
+
 def test_pick_config_takes_the_tensor_core_fp8_kernel_only_where_it_runs(monkeypatch) -> None:
     from peregrine.kernels import decode_configs
     from peregrine.kernels.decode_attention_mma import usable
