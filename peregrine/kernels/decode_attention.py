@@ -892,9 +892,10 @@ def precompile(num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: i
                cache_dtype: torch.dtype | None = None, max_context: int | None = None) -> None:
     """Compile the split kernels pick_config chooses for this model (at batches whose kv rows
     are fewer than the SMs and at the others) and every merge variant (one per power-of-two
-    split count) now, so that no batch size met later compiles one on the request path. dtype: q's; cache_dtype: the KV cache's (default: dtype); max_context: the
-    widest block table in tokens (default: any), which bounds the split counts a decode can use
-    (a 512-token model needs 2 of the 7 variants)."""
+    split count) now, so that no batch size met later compiles one on the request path.
+    dtype: q's; cache_dtype: the KV cache's (default: dtype); max_context: the widest block
+    table in tokens (default: any), which bounds the split counts a decode can use (a
+    512-token model needs 2 of the 7 variants)."""
     # NOTE: decode_num_splits never gives a table of max_context tokens more than
     # max_decode_splits(max_context) splits, so the merge's BLOCK_S stays below its next power
     # of two; a caller passing split_len itself may go further and compile on first use.

@@ -95,8 +95,8 @@ def pick_config(q_dtype: torch.dtype, cache_dtype: torch.dtype, group: int,
                 small_batch: bool = False) -> DecodeConfig:
     """The split kernel's launch choice from the device (on_gpu, and the shared memory one
     program may use there, 0 if unknown), the dtypes, the GQA group and small_batch only (never
-    batch values), so one model runs, and precompile() compiles, a fixed set of variants. fp8_mma:
-    the device and the model's shapes allow the "mma_fp8" variant
+    batch values), so one model runs, and precompile() compiles, a fixed set of variants.
+    fp8_mma: the device and the model's shapes allow the "mma_fp8" variant
     (decode_attention_mma.usable). small_batch: the batch's kv rows are fewer than the SMs
     (decode_min_split_len's one-tile splits)."""
     if not on_gpu:
