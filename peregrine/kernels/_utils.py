@@ -191,6 +191,21 @@ _PDL = {"PDL": True, "launch_pdl": True}
 RELEASE_ROPE_STORE: bool | None = None
 
 
+# Whether the short kernels of the attention layer (norm/RoPE/K-V store, the decode split and
+# merge kernels) read the step's inputs before their dependent-launch wait: the positions, slot
+# mapping, sequence lengths and block table. The host copies them in before a step's first
+# kernel and no kernel of the step writes them, so a kernel may read them while the one ahead
+# of it still runs; their loads (and the loads that depend on them: the RoPE table rows, the
+# first tile's cache block ids) then leave the critical path.
+EARLY_STEP_INPUTS = True
+
+
+def early_step_inputs(pdl: dict) -> bool:
+    """The EARLY constexpr of a kernel launched with the `pdl` arguments that may read the
+    step's inputs before its wait (EARLY_STEP_INPUTS)."""
+    return pdl["PDL"] and EARLY_STEP_INPUTS
+
+
 def release_rope_store(pdl: dict, rows: int, gemv_projections: bool = False) -> bool:
     """The RELEASE constexpr of the norm/RoPE/K-V store kernel of `rows` tokens, launched with
     the `pdl` arguments, in a layer whose projections are (gemv_projections) or are not
@@ -220,7 +235,8 @@ def pdl_args(x: torch.Tensor) -> dict:
 def pdl_wait(PDL: tl.constexpr):
     """Wait until the kernel before this one has finished and its writes are visible. Nothing
     this kernel reads or writes that another kernel touches may come before it: only constant
-    weights may be loaded earlier."""
+    weights, and the step's inputs the host wrote before the step (EARLY_STEP_INPUTS), may be
+    loaded earlier."""
     if PDL:
         gdc_wait()
 

@@ -14,10 +14,11 @@ import triton
 import triton.language as tl
 
 from peregrine.kernels._utils import (FP8_DTYPES, check_block_size, check_q_and_caches,
-                                      check_window_and_out, dot_precision, has_fp8_convert,
-                                      is_gpu, kv_dot_dtype, max_shared_memory, next_pow2,
-                                      may_reuse_launches, num_sms, pdl_args, pdl_release,
-                                      pdl_wait, release_before_gemv, reusable_launch)
+                                      check_window_and_out, dot_precision, early_step_inputs,
+                                      has_fp8_convert, is_gpu, kv_dot_dtype, max_shared_memory,
+                                      may_reuse_launches, next_pow2, num_sms, pdl_args,
+                                      pdl_release, pdl_wait, release_before_gemv,
+                                      reusable_launch)
 from peregrine.kernels.decode_attention_mma import BATCH_VARYING_ARGS
 from peregrine.kernels.decode_attention_mma import BLOCK_N as MMA_BLOCK_N
 from peregrine.kernels.decode_attention_mma import usable as mma_fp8_unusable
@@ -108,68 +109,114 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kvh,
                                stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s, stride_vc_h,
                                HEAD_DIM // 4, BLOCK_D // 4, BLOCK_N, ROWS, BLOCK_SIZE,
                                CLAMP_TOKENS, ALIGNED)
+    elif ALIGNED:
+        blk = _aligned_tile_blocks(bt_row, n0, end, BLOCK_N, BLOCK_SIZE, CLAMP_TOKENS)
+        k, v = _load_aligned_tile(k_cache_ptr, v_cache_ptr, blk, n0, end, kvh,
+                                  stride_kc_b, stride_kc_s, stride_kc_h,
+                                  stride_vc_b, stride_vc_s, stride_vc_h,
+                                  HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT, CLAMP_TOKENS,
+                                  HEADS)
     else:
         offs_n = tl.arange(0, BLOCK_N)  # (BN,)
-        offs_d = tl.arange(0, BLOCK_D)  # (BD,)
         tok = n0 + offs_n  # (BN,)
-        d_mask = offs_d < HEAD_DIM
         v_n_mask = tok < end
-        if ALIGNED:
-            if BLOCK_N >= BLOCK_SIZE:
-                idx = n0 // BLOCK_SIZE + offs_n // BLOCK_SIZE  # (BN,)
-                off = offs_n % BLOCK_SIZE  # (BN,) the same every tile
-            else:
-                idx = n0 // BLOCK_SIZE + offs_n * 0  # (BN,)
-                off = n0 % BLOCK_SIZE + offs_n  # (BN,)
-            if CLAMP_TOKENS:
-                idx = tl.minimum(idx, (end - 1) // BLOCK_SIZE)
-                k_n_mask = offs_n >= 0  # (BN,) all true
-                blk = tl.load(bt_row + idx).to(tl.int64)  # (BN,)
-            else:
-                k_n_mask = v_n_mask
-                blk = tl.load(bt_row + idx, mask=v_n_mask, other=0).to(tl.int64)  # (BN,)
+        if CLAMP_TOKENS:
+            tok = tl.minimum(tok, end - 1)
+            v_n_mask = tok >= 0  # (BN,) all true
+            blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)  # (BN,)
         else:
-            if CLAMP_TOKENS:
-                tok = tl.minimum(tok, end - 1)
-                v_n_mask = tok >= 0  # (BN,) all true
-                blk = tl.load(bt_row + tok // BLOCK_SIZE).to(tl.int64)  # (BN,)
-            else:
-                blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=v_n_mask,
-                              other=0).to(tl.int64)  # (BN,)
-            k_n_mask = v_n_mask
-            off = tok % BLOCK_SIZE  # (BN,)
-        k_row = blk * stride_kc_b + (off * stride_kc_s + kvh * stride_kc_h)  # (BN,)
-        v_row = blk * stride_vc_b + (off * stride_vc_s + kvh * stride_vc_h)  # (BN,)
-        if VARIANT == 2 and HEADS > 1:
-            # NOTE: d fastest, then the heads: a token's HEADS * D bytes are one contiguous run
-            # of the cache, read by neighbouring lanes.
-            offs_h = tl.arange(0, HEADS)[None, None, :, None]  # (1, 1, H, 1)
-            d4 = offs_d[None, None, None, :]  # (1, 1, 1, BD)
-            k_ptrs = k_cache_ptr + k_row[None, :, None, None] + offs_h * stride_kc_h + d4
-            v_ptrs = v_cache_ptr + v_row[None, :, None, None] + offs_h * stride_vc_h + d4
-            hd_mask = (offs_h >= 0) & (d4 < HEAD_DIM)  # (1, 1, H, BD)
-            k_mask = k_n_mask[None, :, None, None] & hd_mask  # (1, BN, H, BD)
-            v_mask = v_n_mask[None, :, None, None] & hd_mask
-        elif VARIANT == 2:
-            # NOTE: loaded 3-D, so the (G, N, D) products take the load's layout (d in registers
-            # and a few lanes) instead of a default one that spreads d over every warp.
-            k_ptrs = k_cache_ptr + k_row[None, :, None] + offs_d[None, None, :]  # (1, BN, BD)
-            v_ptrs = v_cache_ptr + v_row[None, :, None] + offs_d[None, None, :]  # (1, BN, BD)
-            k_mask = (k_n_mask[:, None] & d_mask[None, :])[None, :, :]
-            v_mask = (v_n_mask[:, None] & d_mask[None, :])[None, :, :]
-        else:
-            if VARIANT == 1:
-                k_ptrs = k_cache_ptr + k_row[:, None] + offs_d[None, :]  # (BN, BD)
-                k_mask = k_n_mask[:, None] & d_mask[None, :]
-            else:
-                k_ptrs = k_cache_ptr + k_row[None, :] + offs_d[:, None]  # (BD, BN)
-                k_mask = d_mask[:, None] & k_n_mask[None, :]
-            v_ptrs = v_cache_ptr + v_row[:, None] + offs_d[None, :]  # (BN, BD)
-            v_mask = v_n_mask[:, None] & d_mask[None, :]
-        # K: no predicate at all; V: every row a real token's unless ALIGNED
-        k, v = _load_k_v(k_ptrs, k_mask, v_ptrs, v_mask, CLAMP_TOKENS and HEAD_DIM == BLOCK_D,
-                         CLAMP_TOKENS and HEAD_DIM == BLOCK_D and not ALIGNED, 0.0)
+            blk = tl.load(bt_row + tok // BLOCK_SIZE, mask=v_n_mask,
+                          other=0).to(tl.int64)  # (BN,)
+        k, v = _load_kv_rows(k_cache_ptr, v_cache_ptr, blk, tok % BLOCK_SIZE, v_n_mask,
+                             v_n_mask, kvh, stride_kc_b, stride_kc_s, stride_kc_h,
+                             stride_vc_b, stride_vc_s, stride_vc_h, HEAD_DIM, BLOCK_D, BLOCK_N,
+                             VARIANT, CLAMP_TOKENS, False, HEADS)
     return k, v
+
+
+@triton.jit
+def _aligned_tile_blocks(bt_row, n0, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         CLAMP_TOKENS: tl.constexpr):
+    """The cache block id (BN,) int64 of each token of the tile at n0, a multiple of BLOCK_N:
+    with CLAMP_TOKENS tokens at or past `end` take the last real block, else block 0."""
+    offs_n = tl.arange(0, BLOCK_N)  # (BN,)
+    if BLOCK_N >= BLOCK_SIZE:
+        idx = n0 // BLOCK_SIZE + offs_n // BLOCK_SIZE  # (BN,)
+    else:
+        idx = n0 // BLOCK_SIZE + offs_n * 0  # (BN,)
+    if CLAMP_TOKENS:
+        idx = tl.minimum(idx, (end - 1) // BLOCK_SIZE)
+        blk = tl.load(bt_row + idx)  # (BN,)
+    else:
+        blk = tl.load(bt_row + idx, mask=n0 + offs_n < end, other=0)  # (BN,)
+    return blk.to(tl.int64)
+
+
+@triton.jit
+def _load_aligned_tile(k_cache_ptr, v_cache_ptr, blk, n0, end, kvh,
+                       stride_kc_b, stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s,
+                       stride_vc_h, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, VARIANT: tl.constexpr,
+                       CLAMP_TOKENS: tl.constexpr, HEADS: tl.constexpr):
+    """_load_kv_tile's ALIGNED tiles (16-bit or FP8 elements) from the tile's block ids blk
+    (_aligned_tile_blocks), so a caller may read those ahead of the tile."""
+    offs_n = tl.arange(0, BLOCK_N)  # (BN,)
+    v_n_mask = n0 + offs_n < end
+    if BLOCK_N >= BLOCK_SIZE:
+        off = offs_n % BLOCK_SIZE  # (BN,) the same every tile
+    else:
+        off = n0 % BLOCK_SIZE + offs_n  # (BN,)
+    if CLAMP_TOKENS:
+        k_n_mask = offs_n >= 0  # (BN,) all true
+    else:
+        k_n_mask = v_n_mask
+    return _load_kv_rows(k_cache_ptr, v_cache_ptr, blk, off, k_n_mask, v_n_mask, kvh,
+                         stride_kc_b, stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s,
+                         stride_vc_h, HEAD_DIM, BLOCK_D, BLOCK_N, VARIANT, CLAMP_TOKENS, True,
+                         HEADS)
+
+
+@triton.jit
+def _load_kv_rows(k_cache_ptr, v_cache_ptr, blk, off, k_n_mask, v_n_mask, kvh,
+                  stride_kc_b, stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s, stride_vc_h,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  VARIANT: tl.constexpr, CLAMP_TOKENS: tl.constexpr, ALIGNED: tl.constexpr,
+                  HEADS: tl.constexpr):
+    """The K and V tiles of _load_kv_tile (16-bit or FP8 elements) from each token row's cache
+    block blk and slot off (BN,), K rows where k_n_mask and V rows where v_n_mask."""
+    offs_d = tl.arange(0, BLOCK_D)  # (BD,)
+    d_mask = offs_d < HEAD_DIM
+    k_row = blk * stride_kc_b + (off * stride_kc_s + kvh * stride_kc_h)  # (BN,)
+    v_row = blk * stride_vc_b + (off * stride_vc_s + kvh * stride_vc_h)  # (BN,)
+    if VARIANT == 2 and HEADS > 1:
+        # NOTE: d fastest, then the heads: a token's HEADS * D bytes are one contiguous run
+        # of the cache, read by neighbouring lanes.
+        offs_h = tl.arange(0, HEADS)[None, None, :, None]  # (1, 1, H, 1)
+        d4 = offs_d[None, None, None, :]  # (1, 1, 1, BD)
+        k_ptrs = k_cache_ptr + k_row[None, :, None, None] + offs_h * stride_kc_h + d4
+        v_ptrs = v_cache_ptr + v_row[None, :, None, None] + offs_h * stride_vc_h + d4
+        hd_mask = (offs_h >= 0) & (d4 < HEAD_DIM)  # (1, 1, H, BD)
+        k_mask = k_n_mask[None, :, None, None] & hd_mask  # (1, BN, H, BD)
+        v_mask = v_n_mask[None, :, None, None] & hd_mask
+    elif VARIANT == 2:
+        # NOTE: loaded 3-D, so the (G, N, D) products take the load's layout (d in registers
+        # and a few lanes) instead of a default one that spreads d over every warp.
+        k_ptrs = k_cache_ptr + k_row[None, :, None] + offs_d[None, None, :]  # (1, BN, BD)
+        v_ptrs = v_cache_ptr + v_row[None, :, None] + offs_d[None, None, :]  # (1, BN, BD)
+        k_mask = (k_n_mask[:, None] & d_mask[None, :])[None, :, :]
+        v_mask = (v_n_mask[:, None] & d_mask[None, :])[None, :, :]
+    else:
+        if VARIANT == 1:
+            k_ptrs = k_cache_ptr + k_row[:, None] + offs_d[None, :]  # (BN, BD)
+            k_mask = k_n_mask[:, None] & d_mask[None, :]
+        else:
+            k_ptrs = k_cache_ptr + k_row[None, :] + offs_d[:, None]  # (BD, BN)
+            k_mask = d_mask[:, None] & k_n_mask[None, :]
+        v_ptrs = v_cache_ptr + v_row[:, None] + offs_d[None, :]  # (BN, BD)
+        v_mask = v_n_mask[:, None] & d_mask[None, :]
+    # K: no predicate at all; V: every row a real token's unless ALIGNED
+    return _load_k_v(k_ptrs, k_mask, v_ptrs, v_mask, CLAMP_TOKENS and HEAD_DIM == BLOCK_D,
+                     CLAMP_TOKENS and HEAD_DIM == BLOCK_D and not ALIGNED, 0.0)
 
 
 @triton.jit
@@ -397,9 +444,10 @@ def _decode_split_kernel(
     CLAMP_Q: tl.constexpr, VARIANT: tl.constexpr, PREFETCH: tl.constexpr, KV_FP8: tl.constexpr,
     CLAMP_TOKENS: tl.constexpr, ALIGNED: tl.constexpr, ASM_CVT: tl.constexpr,
     KV_E5M2: tl.constexpr, HEADS_FIRST: tl.constexpr, ROWS: tl.constexpr,
-    HEADS: tl.constexpr, PDL: tl.constexpr,
+    HEADS: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = False,
 ):
-    pdl_wait(PDL)
+    if not EARLY:
+        pdl_wait(PDL)
     if HEADS_FIRST:  # grid (Hkv / HEADS, B, S): the kv heads of one sequence run side by side
         kvh = tl.program_id(0) * HEADS
         b = tl.program_id(1)
@@ -418,9 +466,15 @@ def _decode_split_kernel(
     lo = start  # the first key this program attends to
     if ALIGNED:  # tiles start on a multiple of BLOCK_N; keys before lo are masked
         start = start - start % BLOCK_N
+    bt_row = block_table_ptr + b.to(tl.int64) * stride_bt
+    # NOTE: with EARLY the sequence length and the first tile's block ids (step inputs) are read
+    # before the wait; then each tile's block ids are read a tile ahead.
+    if EARLY and ALIGNED and not PREFETCH and VARIANT < 3 and HEADS == 1:
+        blk_next = _aligned_tile_blocks(bt_row, start, end, BLOCK_N, BLOCK_SIZE, CLAMP_TOKENS)
+    if EARLY:
+        pdl_wait(PDL)
     if HEADS > 1:  # ("fma" only) HEADS adjacent kv heads, the first is kvh
-        _split_fma_heads(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr + b.to(tl.int64) *
-                         stride_bt, mid_o_ptr, mid_lse_ptr, b.to(tl.int64), kvh, split, start,
+        _split_fma_heads(q_ptr, k_cache_ptr, v_cache_ptr, bt_row, mid_o_ptr, mid_lse_ptr, b.to(tl.int64), kvh, split, start,
                          lo, end, scale_log2, stride_qb, stride_qh,
                          stride_kc_b, stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s,
                          stride_vc_h, stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b,
@@ -472,7 +526,6 @@ def _decode_split_kernel(
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # (BG,) running max, log2 units
         l_i = tl.zeros([BLOCK_G], tl.float32)  # (BG,) running sum
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)  # (BG, BD)
-    bt_row = block_table_ptr + b64 * stride_bt
     if PREFETCH:
         k_raw, v_raw = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, start, end, kvh,
                                      stride_kc_b, stride_kc_s, stride_kc_h,
@@ -499,6 +552,15 @@ def _decode_split_kernel(
                 # byte shuffles; converted right after the load they carry as packed fp16.
                 k_raw = _fp8_to_f16(k_raw, KV_E5M2)
                 v_raw = _fp8_to_f16(v_raw, KV_E5M2)
+        elif EARLY and ALIGNED and VARIANT < 3 and HEADS == 1:
+            blk = blk_next
+            blk_next = _aligned_tile_blocks(bt_row, n0 + BLOCK_N, end, BLOCK_N, BLOCK_SIZE,
+                                            CLAMP_TOKENS)
+            k_cur, v_cur = _load_aligned_tile(k_cache_ptr, v_cache_ptr, blk, n0, end, kvh,
+                                              stride_kc_b, stride_kc_s, stride_kc_h,
+                                              stride_vc_b, stride_vc_s, stride_vc_h,
+                                              HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, VARIANT,
+                                              CLAMP_TOKENS, 1)
         else:
             k_cur, v_cur = _load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, n0, end, kvh,
                                          stride_kc_b, stride_kc_s, stride_kc_h,
@@ -606,16 +668,19 @@ def _decode_merge_kernel(
     stride_ml_b, stride_ml_h,
     stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr, RELEASE: tl.constexpr = False,
+    PDL: tl.constexpr, RELEASE: tl.constexpr = False, EARLY: tl.constexpr = False,
 ):
     pdl_release(RELEASE)
-    pdl_wait(PDL)
+    if not EARLY:
+        pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     b64 = b.to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + b)
+    seq_len = tl.load(seq_lens_ptr + b)  # a step input: with EARLY read before the wait
     split_len = _seq_split_len(seq_len, grid_splits, min_split_len, BLOCK_N)
     num_splits = tl.cdiv(seq_len, split_len)  # splits that ran (0 for an empty seq)
+    if EARLY:
+        pdl_wait(PDL)
     offs_s = tl.arange(0, BLOCK_S)  # (BS,)
     offs_d = tl.arange(0, BLOCK_D)  # (BD,)
     s_mask = offs_s < num_splits
@@ -672,6 +737,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            asm_cvt: bool | None = None,
                            heads_first: bool | None = None,
                            kv_heads_per_program: int | None = None,
+                           early_inputs: bool | None = None,
                            launches: dict | None = None) -> torch.Tensor:
     """Attention of one query token per sequence, q (B, Hq, D), over its whole paged context of
     seq_lens[b] <= block_table.shape[1] * block_size tokens (only the last `window` tokens with a
@@ -682,7 +748,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     instead gives every sequence splits of exactly that many tokens.
     variant, block_n, num_warps, num_stages, prefetch, clamp_tokens, aligned, asm_cvt,
     heads_first, kv_heads_per_program override pick_config's choice (DecodeConfig says what each
-    does).
+    does). early_inputs: the split kernel reads the sequence lengths and its first tile's block
+    ids before its dependent-launch wait, then each tile's block ids a tile ahead ("dot", "dot_kt"
+    and "fma" with ALIGNED and without PREFETCH; the other forms only move the lengths), and the
+    merge its sequence lengths (default: with dependent launches, where the batch's kv rows are
+    fewer than the SMs; _utils.EARLY_STEP_INPUTS).
 
     launches: a dict that lives as long as one step's metadata (as in extend_attention): the
     first call of a step keeps its two compiled launches (and its scratch buffers) there, and
@@ -695,7 +765,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                k_cache.stride(), v_cache.stride(), k_cache.data_ptr() % 16 == 0,
                v_cache.data_ptr() % 16 == 0, scale, window, split_len, num_splits, min_split_len,
                block_n, num_warps, num_stages, variant, prefetch, clamp_tokens, aligned, asm_cvt,
-               heads_first, kv_heads_per_program)
+               heads_first, kv_heads_per_program, early_inputs)
         hit = launches.get(key)
         if hit is not None:
             (split, split_args), merge_launch, as_words = hit
@@ -732,9 +802,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if batch == 0:
         return out
     group = num_q_heads // num_kv_heads
+    small_batch = _small_batch(batch, num_kv_heads, q.device)
     cfg = pick_config(q.dtype, k_cache.dtype, group, is_gpu(q), max_shared_memory(q.device),
                       fp8_mma=mma_fp8_unusable(q, k_cache, group, block_size) is None,
-                      small_batch=_small_batch(batch, num_kv_heads, q.device))
+                      small_batch=small_batch)
     variant = variant or cfg.variant
     if variant == "mma_fp8":
         why = mma_fp8_unusable(q, k_cache, group, block_size)
@@ -838,6 +909,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     pdl = pdl_args(q)
     launch_pdl = {"launch_pdl": True} if pdl["PDL"] else {}
     split_kwargs["PDL"] = pdl["PDL"]
+    if early_inputs is None:
+        early_inputs = early_step_inputs(pdl) and small_batch
+    if variant != "mma_fp8":
+        split_kwargs["EARLY"] = bool(early_inputs)
     split_options = dict(num_warps=num_warps, num_stages=num_stages or cfg.num_stages,
                          **launch_pdl)
     merge_args = (
@@ -848,7 +923,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     )
     merge_kwargs = dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits), BLOCK_N=block_n,
-        PDL=pdl["PDL"], RELEASE=release_before_gemv(pdl, batch),
+        PDL=pdl["PDL"], RELEASE=release_before_gemv(pdl, batch), EARLY=bool(early_inputs),
     )
     merge_options = dict(num_warps=4, **launch_pdl)
     reuse = key is not None and may_reuse_launches(q)

@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from peregrine.kernels._utils import (check_block_size, is_gpu, next_pow2, pdl_args, pdl_release,
-                                      pdl_wait, release_rope_store)
+from peregrine.kernels._utils import (check_block_size, early_step_inputs, is_gpu, next_pow2,
+                                      pdl_args, pdl_release, pdl_wait, release_rope_store)
 from peregrine.kernels.reference import FP8_DTYPES
 from peregrine.kernels.store_kv import _fp8_constants, _quantize
 
@@ -42,19 +42,25 @@ def _norm_rope_store_kernel(
     BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
     FP8_MAX: tl.constexpr, SOFT_FP8: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
     MAGIC: tl.constexpr, MIN_NORMAL: tl.constexpr, PDL: tl.constexpr,
-    RELEASE: tl.constexpr = False,
+    RELEASE: tl.constexpr = False, EARLY: tl.constexpr = False,
 ):
     pdl_release(RELEASE)
-    pdl_wait(PDL)
+    if not EARLY:
+        pdl_wait(PDL)
     # Grid (T, Q_GROUPS + KV groups): a program takes BLOCK_H q heads, or BLOCK_H k and v heads.
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
+    # NOTE: with EARLY the position, its table rows and the slot (step inputs and a constant
+    # table) are read before the wait; q, k and v after it.
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)  # (BR,)
     r_mask = offs_r < HALF
     cos = tl.load(cs_ptr + pos * stride_cs + offs_r, mask=r_mask, other=0.0).to(tl.float32)
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + offs_r, mask=r_mask,
                   other=0.0).to(tl.float32)  # (BR,)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if EARLY:
+        pdl_wait(PDL)
     offs_h = tl.arange(0, BLOCK_H)  # (BH,)
     if g < Q_GROUPS:
         heads = g * BLOCK_H + offs_h  # (BH,)
@@ -68,7 +74,6 @@ def _norm_rope_store_kernel(
         tl.store(po, o1.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(po + HALF, o2.to(q_ptr.dtype.element_ty), mask=mask)
     else:
-        slot = tl.load(slot_ptr + t).to(tl.int64)
         heads = (g - Q_GROUPS) * BLOCK_H + offs_h  # (BH,)
         # NOTE: a padding token (slot -1) has no live heads: it loads and stores nothing.
         live = tl.where(slot >= 0, NUM_KV_HEADS, 0)
@@ -78,6 +83,11 @@ def _norm_rope_store_kernel(
         pk = k_ptr + t * stride_kt + heads[:, None] * stride_kh + offs_r[None, :]
         x1 = tl.load(pk, mask=mask, other=0.0).to(tl.float32)  # (BH, BR)
         x2 = tl.load(pk + HALF, mask=mask, other=0.0).to(tl.float32)  # (BH, BR)
+        # NOTE: v is read with k, before the cache stores (which the compiler may not move loads
+        # above), so the program waits on one round of loads, not two.
+        pv = v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs_r[None, :]
+        v1 = tl.load(pv, mask=mask)  # (BH, BR)
+        v2 = tl.load(pv + HALF, mask=mask)  # (BH, BR)
         k1, k2 = _norm_rope(x1, x2, kw_ptr, cos, sin, eps, offs_r, r_mask,
                             k_ptr.dtype.element_ty, HALF, HAS_NORM)
         # NOTE: k is rounded to the activation dtype before it is quantized, as the unfused
@@ -91,9 +101,6 @@ def _norm_rope_store_kernel(
                                MIN_NORMAL), mask=mask)
         tl.store(kc + HALF, _quantize(k2, inv_k_scale, ty, FP8_MAX, SOFT_FP8, MANT, BIAS, MAGIC,
                                       MIN_NORMAL), mask=mask)
-        pv = v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs_r[None, :]
-        v1 = tl.load(pv, mask=mask)  # (BH, BR)
-        v2 = tl.load(pv + HALF, mask=mask)  # (BH, BR)
         vc = v_cache_ptr + block * stride_vc_b + offset * stride_vc_s \
             + heads[:, None] * stride_vc_h + offs_r[None, :]
         tl.store(vc, _quantize(v1, inv_v_scale, ty, FP8_MAX, SOFT_FP8, MANT, BIAS, MAGIC,
@@ -180,6 +187,7 @@ def norm_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_GROUPS=q_groups,
         HALF=half, BLOCK_H=block_h, BLOCK_R=next_pow2(half), BLOCK_SIZE=k_cache.shape[1],
         HAS_NORM=has_norm, SOFT_FP8=soft, num_warps=2 if block_h * head_dim <= 512 else 4,
-        RELEASE=release_rope_store(pdl, num_tokens, gemv_projections), **consts, **pdl,
+        RELEASE=release_rope_store(pdl, num_tokens, gemv_projections),
+        EARLY=early_step_inputs(pdl), **consts, **pdl,
     )
     return q_out

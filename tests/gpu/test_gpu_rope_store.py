@@ -90,11 +90,13 @@ def test_norm_rope_store_replays_in_a_cuda_graph_with_new_inputs() -> None:
 def test_decode_attention_after_the_store_sees_the_stored_token(lens, gemv_projections) -> None:
     """Llama-3-8B's heads, decode rows: the store (releasing the split kernel at its start when
     GEMVs follow) then paged decode attention, captured in a CUDA graph and replayed with new
-    K/V each time; the output is attention over the cache as the store left it."""
+    K/V, lengths, positions and slots each time (the kernels read the step's inputs before their
+    waits at these batches); the output is attention over the cache as the store left it."""
     hq, hkv, d, _ = SHAPES["llama-3-8b"]
     batch = len(lens)
     _, kc, vc, table, seq_lens, qsl = paged_inputs(lens, [1] * batch, hq, hkv, d, DTYPE,
                                                    width=32)
+    full = seq_lens.clone()
     last = seq_lens.long() - 1  # this step's token: its position and slot
     slots = table.long().gather(1, (last // BLOCK)[:, None])[:, 0] * BLOCK + last % BLOCK
     qkv = torch.randn(batch, hq + 2 * hkv, d, device=DEV, dtype=DTYPE)
@@ -116,6 +118,12 @@ def test_decode_attention_after_the_store_sees_the_stored_token(lens, gemv_proje
     with torch.cuda.graph(g):
         step()
     for i in range(6):
+        if i:  # another step: new lengths within each sequence's own blocks, the token's
+            # position and slot with them
+            seq_lens.copy_((torch.rand(batch, device=DEV) * full).to(seq_lens.dtype) + 1)
+            last.copy_(seq_lens.long() - 1)
+            slots.copy_(table.long().gather(1, (last // BLOCK)[:, None])[:, 0] * BLOCK
+                        + last % BLOCK)
         qkv.copy_(torch.randn_like(qkv) * 2)
         kc_ref, vc_ref = kc.clone(), vc.clone()
         q_ref = ref.norm_rope_store_ref(q.clone(), k, v, last, cos_sin, kc_ref, vc_ref, slots)

@@ -273,6 +273,33 @@ def test_aligned_tiles_smaller_than_a_block(variant: str) -> None:
                                    rtol=1e-5)
 
 
+@pytest.mark.parametrize("variant", ANY_CACHE_VARIANTS)
+@pytest.mark.parametrize("clamp,aligned,block_size", [(True, True, 16), (False, True, 8),
+                                                      (True, True, 32), (False, False, 16)],
+                         ids=["clamp-aligned-b16", "aligned-b8", "clamp-aligned-b32", "plain"])
+def test_step_inputs_read_early_match_reference(variant: str, clamp: bool, aligned: bool,
+                                                block_size: int) -> None:
+    """early_inputs (the lengths and the first tile's block ids read first, then each tile's
+    block ids a tile ahead): splits of several 16-token tiles, the last tile of a split partial
+    or past the sequence, tiles inside one block and spanning several, a padding sequence, a
+    window starting mid-tile; exact in fp32."""
+    case = make_paged_case([70, 1, 100, 17], [1, 1, 1, 1], 6, 2, head_dim=32,
+                           block_size=block_size, seed=3)
+    seq_lens = case.seq_lens.clone()
+    seq_lens[1] = 0
+    case = case._replace(seq_lens=seq_lens)
+    # "fma" also reads both kv heads in one program (only the lengths move then)
+    per_program = (1, 2) if variant == "fma" else (1,)
+    for window, heads in ((w, h) for w in (None, 45) for h in per_program):
+        out = _run(case, split_len=48, block_n=16, window=window, variant=variant,
+                   prefetch=False, clamp_tokens=clamp, aligned=aligned, early_inputs=True,
+                   kv_heads_per_program=heads)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        keep = [0, 2, 3]
+        torch.testing.assert_close(out[keep], exact_reference(case, SCALE, window)[keep],
+                                   atol=1e-5, rtol=1e-5, msg=f"window {window}")
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_variant_reads_an_fp8_cache_with_scales(variant: str) -> None:
     """The fast tier's FP8 check of each variant (group 2, e4m3, options on for some); the

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from peregrine.kernels import rope_store
 from peregrine.kernels.reference import norm_rope_store_ref
 from peregrine.kernels.rope_store import norm_rope_store
 
@@ -42,8 +43,13 @@ def _case(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "norm_rope"])
 @pytest.mark.parametrize("heads", [(6, 2, 128), (4, 4, 48), (8, 1, 64)],
                          ids=["gqa3_d128", "mha_d48", "mqa_d64"])
+@pytest.mark.parametrize("early", [False, True], ids=["", "early"])
 def test_norm_rope_store_matches_reference(dtype: torch.dtype, qk_norm: bool,
-                                           heads: tuple[int, int, int]) -> None:
+                                           heads: tuple[int, int, int], early: bool,
+                                           monkeypatch) -> None:
+    """early: the position, its RoPE table rows and the slot read before the dependent-launch
+    wait (the form dependent launches take; the wait is a no-op here)."""
+    monkeypatch.setattr(rope_store, "early_step_inputs", lambda pdl: early)
     qkv, q, k, v, pos, kc, vc, slots, (qw, kw) = _case(dtype, *heads)
     cache = _cos_sin_cache(64, heads[2])
     norm = dict(q_weight=qw, k_weight=kw, eps=1e-6) if qk_norm else {}
