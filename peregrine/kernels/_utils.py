@@ -191,9 +191,9 @@ _PDL = {"PDL": True, "launch_pdl": True}
 RELEASE_ROPE_STORE: bool | None = None
 
 
-# Whether the short kernels of the attention layer (norm/RoPE/K-V store, the decode split and
-# merge kernels) read the step's inputs before their dependent-launch wait: the positions, slot
-# mapping, sequence lengths and block table. The host copies them in before a step's first
+# Whether the short kernels of the attention layer (norm/RoPE/K-V store; the decode split and
+# merge kernels where the batch's kv rows are fewer than the SMs) read the step's inputs before
+# their dependent-launch wait: the positions, slot mapping, sequence lengths and block table. The host copies them in before a step's first
 # kernel and no kernel of the step writes them, so a kernel may read them while the one ahead
 # of it still runs; their loads (and the loads that depend on them: the RoPE table rows, the
 # first tile's cache block ids) then leave the critical path.

@@ -474,8 +474,9 @@ def _decode_split_kernel(
     if EARLY:
         pdl_wait(PDL)
     if HEADS > 1:  # ("fma" only) HEADS adjacent kv heads, the first is kvh
-        _split_fma_heads(q_ptr, k_cache_ptr, v_cache_ptr, bt_row, mid_o_ptr, mid_lse_ptr, b.to(tl.int64), kvh, split, start,
-                         lo, end, scale_log2, stride_qb, stride_qh,
+        _split_fma_heads(q_ptr, k_cache_ptr, v_cache_ptr, bt_row, mid_o_ptr, mid_lse_ptr,
+                         b.to(tl.int64), kvh, split, start, lo, end, scale_log2, stride_qb,
+                         stride_qh,
                          stride_kc_b, stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s,
                          stride_vc_h, stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b,
                          stride_ml_h, GROUP, HEADS, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N,
@@ -750,9 +751,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     heads_first, kv_heads_per_program override pick_config's choice (DecodeConfig says what each
     does). early_inputs: the split kernel reads the sequence lengths and its first tile's block
     ids before its dependent-launch wait, then each tile's block ids a tile ahead ("dot", "dot_kt"
-    and "fma" with ALIGNED and without PREFETCH; the other forms only move the lengths), and the
-    merge its sequence lengths (default: with dependent launches, where the batch's kv rows are
-    fewer than the SMs; _utils.EARLY_STEP_INPUTS).
+    and "fma" with ALIGNED and without PREFETCH; the Triton kernel's other forms move only the
+    lengths, "mma_fp8" nothing), and the merge its sequence lengths (default: with dependent
+    launches, where the batch's kv rows are fewer than the SMs; _utils.EARLY_STEP_INPUTS).
 
     launches: a dict that lives as long as one step's metadata (as in extend_attention): the
     first call of a step keeps its two compiled launches (and its scratch buffers) there, and
