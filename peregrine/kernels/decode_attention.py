@@ -469,7 +469,8 @@ def _decode_split_kernel(
     bt_row = block_table_ptr + b.to(tl.int64) * stride_bt
     # NOTE: with EARLY the sequence length and the first tile's block ids (step inputs) are read
     # before the wait; then each tile's block ids are read a tile ahead.
-    if EARLY and ALIGNED and not PREFETCH and VARIANT < 3 and HEADS == 1:
+    BLOCKS_AHEAD: tl.constexpr = EARLY and ALIGNED and not PREFETCH and VARIANT < 3 and HEADS == 1
+    if BLOCKS_AHEAD:
         blk_next = _aligned_tile_blocks(bt_row, start, end, BLOCK_N, BLOCK_SIZE, CLAMP_TOKENS)
     if EARLY:
         pdl_wait(PDL)
@@ -553,7 +554,7 @@ def _decode_split_kernel(
                 # byte shuffles; converted right after the load they carry as packed fp16.
                 k_raw = _fp8_to_f16(k_raw, KV_E5M2)
                 v_raw = _fp8_to_f16(v_raw, KV_E5M2)
-        elif EARLY and ALIGNED and VARIANT < 3 and HEADS == 1:
+        elif BLOCKS_AHEAD:
             blk = blk_next
             blk_next = _aligned_tile_blocks(bt_row, n0 + BLOCK_N, end, BLOCK_N, BLOCK_SIZE,
                                             CLAMP_TOKENS)
