@@ -40,10 +40,17 @@ def stage(arrays: Sequence[np.ndarray], pin: bool) -> list[torch.Tensor]:
     return _views(host, arrays, offsets)
 
 
+def upload_packed(arrays: Sequence[np.ndarray], device: torch.device
+                  ) -> tuple[torch.Tensor, list[int]]:
+    """Small host arrays packed into one byte buffer on `device` (one non-blocking copy), and
+    where each starts in it (bytes, 8-byte aligned)."""
+    host, offsets = _pack(arrays, pin=device.type == "cuda")
+    return (host if device.type == "cpu" else host.to(device, non_blocking=True)), offsets
+
+
 def upload(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """Device copies of small host arrays, sent in one non-blocking copy."""
-    host, offsets = _pack(arrays, pin=device.type == "cuda")
-    dev = host if device.type == "cpu" else host.to(device, non_blocking=True)
+    dev, offsets = upload_packed(arrays, device)
     return _views(dev, arrays, offsets)
 
 

@@ -39,7 +39,9 @@ class SamplingMetadata:
     top_p: torch.Tensor  # (B,) float32 in (0, 1]; 1: disabled
     min_p: torch.Tensor  # (B,) float32 in [0, 1]; 0: disabled
     seeds: torch.Tensor  # (B,) int64: the request's seed, wrapped to 64 bits
-    steps: torch.Tensor  # (B,) int64: output tokens so far; keys the random stream of this step
+    # (B,) int64: output tokens so far; keys the random stream of this step. None on a step whose
+    # rows are all greedy (no draw reads it).
+    steps: torch.Tensor | None
     # Penalties: None unless some row uses them; only the P rows that do are touched.
     penalty_rows: torch.Tensor | None = None  # (P,) int64: rows of this batch
     penalty_slots: torch.Tensor | None = None  # (P,) int64: their slots in the two pools below
@@ -266,8 +268,11 @@ class SamplingRows:
             if len(comps) >= MAX_CACHED_COMPOSITIONS:
                 del comps[next(iter(comps))]  # the least recently used
         comps[order] = comp  # most recently used last
-        arrays = [steps]
         below = np.flatnonzero(steps[comp.min_token_rows] < comp.min_token_limits)
+        if comp.meta.all_greedy and not below.size:
+            # NOTE: only random draws read the steps (their noise's key): nothing to send.
+            return dataclasses.replace(comp.meta)
+        arrays = [steps]
         if below.size:
             bans = [comp.min_token_bans[i] for i in below]
             ban_rows = np.repeat(comp.min_token_rows[below], [b.size for b in bans])

@@ -208,16 +208,24 @@ class ModelRunner:
                   and self.prefill_graphs.can_run(t))
         pad_t = (self.prefill_graphs.padded(t) if pieces
                  else vg.num_tokens(pad) if verify else pad)
-        input_ids, positions, meta = buf.to_device(t, b, plan.width, pad_t=pad_t, pad_b=pad)
+        # In-flight samples of launched steps become this step's input ids, on the device.
+        pending = []
         for step_id in np.unique(plan.pending_step).tolist():
-            # In-flight samples of a launched step become this step's input ids, on the device.
             sampled = self._in_flight.get(step_id)
             if sampled is None:
                 raise RuntimeError(f"step {step_id} is collected but its tokens are not on the host")
             sel = plan.pending_step == step_id
-            dst, src = plan.pending_dst[sel], plan.pending_src[sel]  # (N,), (N,)
+            pending.append((sampled, plan.pending_dst[sel], plan.pending_src[sel]))  # (N,), (N,)
+        run = None
+        if len(pending) == 1 and _is_run(pending[0][1]) and _is_run(pending[0][2]):
+            # the usual decode batch: one slice, written with the step's other inputs
+            sampled, dst, src = pending.pop()
+            run = (sampled.contiguous(), int(dst[0]), int(src[0]), dst.size)
+        input_ids, positions, meta = buf.to_device(t, b, plan.width, pad_t=pad_t, pad_b=pad,
+                                                   pending=run)
+        for sampled, dst, src in pending:
             n = dst.size
-            if _is_run(dst) and _is_run(src):  # the usual decode batch: one slice copy
+            if _is_run(dst) and _is_run(src):
                 d0, s0 = int(dst[0]), int(src[0])
                 buf.d_input_ids[d0:d0 + n].copy_(sampled[s0:s0 + n])
                 continue

@@ -6,17 +6,22 @@ import torch
 
 from peregrine.attention.metadata import AttentionMetadata
 from peregrine.models.protocol import PipelineStage
-from peregrine.transfer import copy_into
+from peregrine.transfer import copy_into, upload_packed
 
 
 class StepBuffers:
     """Host numpy arrays for one step's inputs and fixed-address device copies of them."""
 
-    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device,
+                 packed: bool | None = None) -> None:
+        """packed: send a step's inputs in one copy and write them into the fixed buffers with
+        one kernel (kernels/step_inputs.py); None: on a GPU (True on a CPU runs the kernel
+        under Triton's interpreter)."""
         def dev(*shape: int, dtype=torch.int64) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
         self.device = device
+        self.packed = device.type == "cuda" if packed is None else packed
         # NOTE: plain (pageable) host arrays: to_device stages what a step uses in fresh pinned
         # memory, so a step never waits for the previous one's copies before reusing them.
         self.input_ids_np = np.zeros(max_tokens, np.int64)  # (T,)
@@ -34,9 +39,12 @@ class StepBuffers:
         self.d_block_table = dev(max_reqs, max_blocks, dtype=torch.int32)
 
     def to_device(self, t: int, b: int, width: int, pad_t: int | None = None,
-                  pad_b: int | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+                  pad_b: int | None = None,
+                  pending: tuple[torch.Tensor, int, int, int] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Copy the first t tokens / b sequences (width block-table columns) to the device; rows
-        up to pad_t / pad_b are padding."""
+        up to pad_t / pad_b are padding. pending (sampled (S,) int64 on the device, dst, src, n):
+        token ids [dst, dst + n) are sampled[src:src + n] instead of the host's."""
         pt, pb = pad_t or t, pad_b or b
         if pt > t:
             self.slot_mapping_np[t:pt] = -1  # padding tokens write nothing
@@ -47,11 +55,21 @@ class StepBuffers:
             self.query_start_loc_np[b + 1:pb + 1] = self.query_start_loc_np[b]
         qsl = self.query_start_loc_np[:pb + 1].copy()  # (B + 1,)
         seq_lens = self.seq_lens_np[:pb].copy()  # (B,)
-        copy_into(
-            [self.d_input_ids[:pt], self.d_positions[:pt], self.d_slot_mapping[:pt],
-             self.d_seq_lens[:pb], self.d_query_start_loc[:pb + 1], self.d_block_table[:b, :width]],
-            [self.input_ids_np[:pt], self.positions_np[:pt], self.slot_mapping_np[:pt], seq_lens,
-             qsl, self.block_table_np[:b, :width]])
+        arrays = [self.input_ids_np[:pt], self.positions_np[:pt], self.slot_mapping_np[:pt],
+                  seq_lens, qsl, self.block_table_np[:b, :width]]
+        if self.packed:
+            from peregrine.kernels.step_inputs import scatter_step_inputs
+            packed, offsets = upload_packed(arrays, self.device)
+            scatter_step_inputs(packed, offsets, [
+                self.d_input_ids, self.d_positions, self.d_slot_mapping, self.d_seq_lens,
+                self.d_query_start_loc, self.d_block_table], pt, pb, b, width, pending)
+        else:
+            copy_into([self.d_input_ids[:pt], self.d_positions[:pt], self.d_slot_mapping[:pt],
+                       self.d_seq_lens[:pb], self.d_query_start_loc[:pb + 1],
+                       self.d_block_table[:b, :width]], arrays)
+            if pending is not None:
+                sampled, dst, src, n = pending
+                self.d_input_ids[dst:dst + n].copy_(sampled[src:src + n])
         meta = AttentionMetadata(
             num_actual_tokens=t, num_decodes=0, max_query_len=0, max_seq_len=0,
             query_start_loc=self.d_query_start_loc[:pb + 1], seq_lens=self.d_seq_lens[:pb],

@@ -94,6 +94,9 @@ def test_rows_are_the_same_alone_in_a_uniform_batch_and_in_a_mixed_batch():
         uniform = build_sampling_metadata([req] * 3, 30, "cpu")
         for name in fields:
             want = getattr(mixed, name)[i].item()
+            if name == "steps" and alone.all_greedy:  # a greedy row alone draws nothing
+                assert alone.steps is None and uniform.steps is None
+                continue
             assert getattr(alone, name).tolist() == [want] and getattr(uniform, name).tolist() == [want] * 3
     assert mixed.greedy_mask.tolist() == [False, True, False, False]
     assert mixed.penalty_rows.tolist() == [3]
@@ -119,3 +122,13 @@ def test_explicit_steps_override_the_output_count():
     assert m.banned_rows.tolist() == [1] and m.banned_tokens.tolist() == [9]  # row 0 is past min_tokens
     with pytest.raises(ValueError, match="steps"):
         build_sampling_metadata(reqs, 10, "cpu", steps=[1])
+
+
+def test_all_greedy_steps_send_no_draw_keys_but_keep_min_tokens_bans():
+    reqs = [make_request(seed=1, temperature=0.0), make_request(seed=2, temperature=0.0,
+                                                                min_tokens=3, eos=(9,))]
+    m = build_sampling_metadata(reqs, 10, "cpu", steps=[4, 5])
+    assert m.all_greedy and m.steps is None and m.banned_rows is None
+    m = build_sampling_metadata(reqs, 10, "cpu", steps=[4, 1])  # row 1 is below min_tokens
+    assert m.steps.tolist() == [4, 1]
+    assert m.banned_rows.tolist() == [1] and m.banned_tokens.tolist() == [9]
