@@ -24,6 +24,7 @@ _U_SCALE = tl.constexpr(2.0 ** -noise.U_BITS)
 _MAX_BLOCK = 1024
 _PROGRAMS_PER_SM = 8  # enough loads in flight to stream the logits at full bandwidth
 _NUM_WARPS = 4
+_BLOCK_C = 512  # partials a lane pass over (B, chunks) takes: one compiled variant for all B
 
 
 @triton.jit
@@ -46,6 +47,61 @@ def _log(x, PRECISE: tl.constexpr):
     else:
         y = tl.log(x)
     return y
+
+
+@triton.jit
+def _first_max_chunk(logits_ptr, part_val_ptr, part_idx_ptr, row, pid_c, vocab, chunk, num_chunks,
+                     stride_row, BLOCK: tl.constexpr):
+    """The plain argmax of one chunk of a row (the earliest index keeps a tie) into the
+    partials."""
+    start = pid_c * chunk
+    end = tl.minimum(start + chunk, vocab)
+    offs = tl.arange(0, BLOCK)  # (BLOCK,)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    best_val = tl.full((BLOCK,), float("-inf"), tl.float32)  # (BLOCK,)
+    best_idx = start + offs  # (BLOCK,)
+    for base in range(start, end, BLOCK):
+        idx = base + offs  # (BLOCK,)
+        x = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
+        upd = x > best_val
+        best_val = tl.where(upd, x, best_val)
+        best_idx = tl.where(upd, idx, best_idx)
+    top = tl.max(best_val, 0)
+    first = tl.min(tl.where(best_val == top, best_idx, 2147483647), 0)
+    out = row.to(tl.int64) * num_chunks + pid_c
+    tl.store(part_val_ptr + out, top)
+    tl.store(part_idx_ptr + out, first.to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["num_chunks"])
+def _argmax_chunks_kernel(logits_ptr, part_val_ptr, part_idx_ptr, vocab, chunk, num_chunks,
+                          stride_row, BLOCK: tl.constexpr):
+    _first_max_chunk(logits_ptr, part_val_ptr, part_idx_ptr, tl.program_id(0), tl.program_id(1),
+                     vocab, chunk, num_chunks, stride_row, BLOCK)
+
+
+@triton.jit(do_not_specialize=["num_chunks"])
+def _first_of_partials_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_chunks,
+                              BLOCK_C: tl.constexpr):
+    """Per row: the index of the partials' largest value, the lowest index on a tie (chunks are
+    in token order, each holding its first maximum)."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_C)
+    base = row.to(tl.int64) * num_chunks
+    best_val = tl.full((BLOCK_C,), float("-inf"), tl.float32)
+    # NOTE: a row whose partials are all -inf keeps its first chunk's index (its first token).
+    best_idx = tl.load(part_idx_ptr + base + offs * 0)
+    for c0 in range(0, num_chunks, BLOCK_C):
+        c = c0 + offs
+        mask = c < num_chunks
+        val = tl.load(part_val_ptr + base + c, mask=mask, other=float("-inf"))
+        idx = tl.load(part_idx_ptr + base + c, mask=mask, other=0)
+        upd = val > best_val  # strictly: the earlier chunk in a lane keeps a tie
+        best_val = tl.where(upd, val, best_val)
+        best_idx = tl.where(upd, idx, best_idx)
+    top = tl.max(best_val, 0)
+    first = tl.min(tl.where(best_val == top, best_idx, 9223372036854775807), 0)
+    tl.store(out_ptr + row, first)
 
 
 # NOTE: num_chunks only addresses the partials; not specialising on it avoids recompiles per batch size.
@@ -126,14 +182,7 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
         logits = logits.contiguous()
     if batch == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
-    block = block or min(_MAX_BLOCK, next_pow2(vocab))
-    blocks = triton.cdiv(vocab, block)
-    if num_chunks is None:
-        num_chunks = triton.cdiv(_PROGRAMS_PER_SM * num_sms(logits.device), batch)
-    chunk = triton.cdiv(blocks, max(1, min(num_chunks, blocks))) * block  # a multiple of block
-    num_chunks = triton.cdiv(vocab, chunk)
-    part_val = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)  # (B, C)
-    part_idx = torch.empty(batch, num_chunks, dtype=torch.int64, device=logits.device)  # (B, C)
+    block, chunk, num_chunks, part_val, part_idx = _partials(logits, block, num_chunks)
     temperature = temperature.to(torch.float32).contiguous()
     thr = thr.to(torch.float32).contiguous() if thr is not None else None
     _gumbel_argmax_kernel[(batch, num_chunks)](
@@ -142,7 +191,52 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
         vocab, chunk, num_chunks, logits.stride(0),
         HAS_THR=thr is not None, PRECISE=is_gpu(logits), BLOCK=block, num_warps=_NUM_WARPS,
     )
+    return _first_of_partials(part_val, part_idx)
+
+
+def argmax_rows(logits: torch.Tensor, *, block: int | None = None,
+                num_chunks: int | None = None) -> torch.Tensor:
+    """(B,) int64: torch.argmax(logits, dim=-1) for (B, V) float logits without NaNs (the lowest
+    index wins a tie), over the whole GPU: each row's vocabulary in chunks, then one program a
+    row over the chunks' maxima. `block`/`num_chunks` override the launch shape (tests)."""
+    if logits.dim() != 2:
+        raise ValueError(f"argmax_rows: logits must be (B, V), got shape {tuple(logits.shape)}")
+    batch, vocab = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    if batch == 0 or vocab == 0:
+        if vocab == 0 and batch:
+            raise ValueError("argmax_rows: a row without tokens has no argmax")
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
+    block, chunk, num_chunks, part_val, part_idx = _partials(logits, block, num_chunks)
+    _argmax_chunks_kernel[(batch, num_chunks)](
+        logits, part_val, part_idx, vocab, chunk, num_chunks, logits.stride(0), BLOCK=block,
+        num_warps=_NUM_WARPS)
+    return _first_of_partials(part_val, part_idx)
+
+
+def _partials(logits: torch.Tensor, block: int | None, num_chunks: int | None):
+    """The launch shape over (B, V) logits and its (B, chunks) partial maxima and indices:
+    (block, chunk, num_chunks, part_val, part_idx)."""
+    batch, vocab = logits.shape
+    block = block or min(_MAX_BLOCK, next_pow2(vocab))
+    blocks = triton.cdiv(vocab, block)
+    if num_chunks is None:
+        num_chunks = triton.cdiv(_PROGRAMS_PER_SM * num_sms(logits.device), batch)
+    chunk = triton.cdiv(blocks, max(1, min(num_chunks, blocks))) * block  # a multiple of block
+    num_chunks = triton.cdiv(vocab, chunk)
+    part_val = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)  # (B, C)
+    part_idx = torch.empty(batch, num_chunks, dtype=torch.int64, device=logits.device)  # (B, C)
+    return block, chunk, num_chunks, part_val, part_idx
+
+
+def _first_of_partials(part_val: torch.Tensor, part_idx: torch.Tensor) -> torch.Tensor:
+    """(B,) the index of each row's largest partial, the lowest on a tie."""
+    batch, num_chunks = part_val.shape
     if num_chunks == 1:
         return part_idx.view(batch)
-    # NOTE: chunks are in token order and argmax keeps the first maximum, so the lowest index wins.
-    return part_idx.gather(1, part_val.argmax(dim=1, keepdim=True)).view(batch)
+    # NOTE: chunks are in token order and each holds its first maximum, so the lowest index wins.
+    out = torch.empty(batch, dtype=torch.int64, device=part_val.device)
+    _first_of_partials_kernel[(batch,)](part_val, part_idx, out, num_chunks, BLOCK_C=_BLOCK_C,
+                                        num_warps=_NUM_WARPS)
+    return out

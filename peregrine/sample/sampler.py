@@ -116,13 +116,14 @@ class Sampler:
         device = torch.device(device)
         if not self._uses_kernel(torch.empty(0, device=device)):
             return
-        from peregrine.kernels.sampling import gumbel_argmax
+        from peregrine.kernels.sampling import argmax_rows, gumbel_argmax
 
         logits = torch.zeros(1, vocab_size, dtype=dtype, device=device)  # (1, V)
         ones, zeros = torch.ones(1, device=device), torch.zeros(1, dtype=torch.int64, device=device)
         table = self._token_hash_table(vocab_size, device, torch.int32)  # (V,)
         for thr in (None, torch.zeros(1, device=device)):
             gumbel_argmax(logits, ones, zeros, zeros, table, thr)
+        argmax_rows(logits)
 
     def _uses_kernel(self, logits: torch.Tensor) -> bool:
         if self.use_kernel is None:
@@ -239,17 +240,17 @@ class Sampler:
         """(penalised logits, tokens): the torch path's tokens; noise, temperature, mask and argmax
         in one Triton pass."""
         # NOTE: imported here: triton.jit reads TRITON_INTERPRET when the kernel module is imported.
-        from peregrine.kernels.sampling import gumbel_argmax
+        from peregrine.kernels.sampling import argmax_rows, gumbel_argmax
 
         x = logits  # (B, V), any float dtype: the kernel upcasts as it loads
         if meta.changes_logits:
             x = self.apply_penalties(logits.float(), meta)  # (B, V) float32
         if meta.all_greedy:
-            return x, x.argmax(dim=-1)
+            return x, argmax_rows(x)
         if self._is_compact(meta):
             sampled = self._sample_compact(x.float(), meta)  # (B,)
             if meta.greedy_mask is not None:
-                sampled = torch.where(meta.greedy_mask, x.argmax(dim=-1), sampled)
+                sampled = torch.where(meta.greedy_mask, argmax_rows(x), sampled)
             return x, sampled
         thr = self._threshold(x, meta)  # (B,) or None
         temp = meta.temperature  # (B,)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gpu_cases import DEV
-from peregrine.kernels.sampling import gumbel_argmax
+from peregrine.kernels.sampling import argmax_rows, gumbel_argmax
 from peregrine.sample.noise import as_int32_bits, log_exponentials, row_keys, token_hashes
 
 pytestmark = pytest.mark.gpu
@@ -121,3 +121,12 @@ def test_kernel_path_makes_no_host_sync() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.shape == (256,) and out.device.type == "cuda"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3, 64, 256])
+def test_argmax_rows_is_torch_argmax(batch: int, dtype: torch.dtype) -> None:
+    logits = _rows(batch, 0.0, None, dtype)[0]
+    logits[0, [7, VOCAB - 1]] = 1e4  # a tie between the first and the last chunk
+    assert torch.equal(argmax_rows(logits), logits.argmax(-1))
+    assert int(argmax_rows(logits)[0]) == 7

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from peregrine.engine.request import Request
-from peregrine.kernels.sampling import gumbel_argmax
+from peregrine.kernels.sampling import argmax_rows, gumbel_argmax
 from peregrine.sample import Sampler, build_sampling_metadata
 from peregrine.sample.noise import as_int32_bits, log_exponentials, row_keys, token_hashes
 from peregrine.sampling_params import SamplingParams
@@ -109,6 +109,34 @@ def test_ties_and_infinities_follow_torch_argmax(shape: dict) -> None:
     out = _kernel_draw(logits, temp, seeds, steps, **shape)
     assert torch.equal(out, _torch_draw(logits, temp, seeds, steps))
     assert int(out[0]) in (5, 77, 250) and out[1:].tolist() == [40, 0, 9]
+
+
+# argmax_rows' shapes: one chunk, a few, more chunks than one pass over the partials holds
+ARGMAX_SHAPES = SHAPES + [dict(block=16, num_chunks=700)]
+
+
+@pytest.mark.parametrize("shape", ARGMAX_SHAPES)
+def test_argmax_rows_is_torch_argmax(shape: dict) -> None:
+    many = shape.get("num_chunks") == 700
+    for trial in range(3):
+        logits = _inputs(4, 11_000 if many else 300, seed=trial)[0]
+        if many:  # a tie between chunks 0 and 512, which one lane of the last pass holds
+            logits[1, [8200, 5]] = 100.0
+        assert torch.equal(argmax_rows(logits, **shape), logits.argmax(-1))
+    logits = torch.full((4, 300), NEG_INF)
+    logits[0, [40, 41, 290]] = 1.0  # a three-way tie: the lowest index wins
+    logits[1, [299, 3]] = 5.0  # a tie across chunks
+    # row 2 stays all -inf: torch.argmax returns 0
+    logits[3, [9, 200]] = float("inf")
+    assert argmax_rows(logits, **shape).tolist() == logits.argmax(-1).tolist() == [40, 3, 0, 9]
+    strided = torch.randn(3, 400, generator=_gen(9))
+    assert torch.equal(argmax_rows(strided[:, :300], **shape), strided[:, :300].argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_argmax_rows_reads_half_precision(dtype: torch.dtype) -> None:
+    logits = _inputs(3, 300, seed=4)[0].to(dtype)
+    assert torch.equal(argmax_rows(logits, block=64, num_chunks=3), logits.float().argmax(-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
