@@ -50,22 +50,21 @@ def _log(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _first_max_chunk(logits_ptr, part_val_ptr, part_idx_ptr, row, pid_c, vocab, chunk, num_chunks,
-                     stride_row, BLOCK: tl.constexpr):
-    """The plain argmax of one chunk of a row (the earliest index keeps a tie) into the
-    partials."""
+def _chunk(logits_ptr, row, pid_c, vocab, chunk, stride_row, BLOCK: tl.constexpr):
+    """A program's chunk of its row: (start, end, the row's logits, -inf values and the first
+    block's indices to start each lane's running best from)."""
     start = pid_c * chunk
     end = tl.minimum(start + chunk, vocab)
-    offs = tl.arange(0, BLOCK)  # (BLOCK,)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
     best_val = tl.full((BLOCK,), float("-inf"), tl.float32)  # (BLOCK,)
-    best_idx = start + offs  # (BLOCK,)
-    for base in range(start, end, BLOCK):
-        idx = base + offs  # (BLOCK,)
-        x = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
-        upd = x > best_val
-        best_val = tl.where(upd, x, best_val)
-        best_idx = tl.where(upd, idx, best_idx)
+    # NOTE: starting indices = the first block's, so a row of all -inf returns its first token.
+    best_idx = start + tl.arange(0, BLOCK)  # (BLOCK,)
+    return start, end, row_ptr, best_val, best_idx
+
+
+@triton.jit
+def _store_first_max(best_val, best_idx, part_val_ptr, part_idx_ptr, row, pid_c, num_chunks):
+    """The lanes' best value and its lowest index into the chunk's partials."""
     top = tl.max(best_val, 0)
     first = tl.min(tl.where(best_val == top, best_idx, 2147483647), 0)
     out = row.to(tl.int64) * num_chunks + pid_c
@@ -76,8 +75,20 @@ def _first_max_chunk(logits_ptr, part_val_ptr, part_idx_ptr, row, pid_c, vocab, 
 @triton.jit(do_not_specialize=["num_chunks"])
 def _argmax_chunks_kernel(logits_ptr, part_val_ptr, part_idx_ptr, vocab, chunk, num_chunks,
                           stride_row, BLOCK: tl.constexpr):
-    _first_max_chunk(logits_ptr, part_val_ptr, part_idx_ptr, tl.program_id(0), tl.program_id(1),
-                     vocab, chunk, num_chunks, stride_row, BLOCK)
+    """The plain argmax of each chunk of a row (the earliest index keeps a tie) into the
+    partials."""
+    row = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    start, end, row_ptr, best_val, best_idx = _chunk(logits_ptr, row, pid_c, vocab, chunk,
+                                                     stride_row, BLOCK)
+    offs = tl.arange(0, BLOCK)  # (BLOCK,)
+    for base in range(start, end, BLOCK):
+        idx = base + offs  # (BLOCK,)
+        x = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
+        upd = x > best_val
+        best_val = tl.where(upd, x, best_val)
+        best_idx = tl.where(upd, idx, best_idx)
+    _store_first_max(best_val, best_idx, part_val_ptr, part_idx_ptr, row, pid_c, num_chunks)
 
 
 @triton.jit(do_not_specialize=["num_chunks"])
@@ -128,13 +139,9 @@ def _gumbel_argmax_kernel(
     if HAS_THR:
         thr = tl.load(thr_ptr + row)
 
-    start = pid_c * chunk
-    end = tl.minimum(start + chunk, vocab)
+    start, end, row_ptr, best_val, best_idx = _chunk(logits_ptr, row, pid_c, vocab, chunk,
+                                                     stride_row, BLOCK)
     offs = tl.arange(0, BLOCK)  # (BLOCK,)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    best_val = tl.full((BLOCK,), float("-inf"), tl.float32)  # (BLOCK,)
-    # NOTE: starting indices = the first block's, so a row of all -inf returns its first token.
-    best_idx = start + offs  # (BLOCK,)
     for base in range(start, end, BLOCK):
         idx = base + offs  # (BLOCK,)
         mask = idx < end
@@ -152,11 +159,7 @@ def _gumbel_argmax_kernel(
         upd = score > best_val
         best_val = tl.where(upd, score, best_val)
         best_idx = tl.where(upd, idx, best_idx)
-    top = tl.max(best_val, 0)
-    first = tl.min(tl.where(best_val == top, best_idx, 2147483647), 0)
-    out = row.to(tl.int64) * num_chunks + pid_c
-    tl.store(part_val_ptr + out, top)
-    tl.store(part_idx_ptr + out, first.to(tl.int64))
+    _store_first_max(best_val, best_idx, part_val_ptr, part_idx_ptr, row, pid_c, num_chunks)
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
