@@ -321,4 +321,7 @@ class DraftModelProposer(Proposer):
             if not sample.size:  # a chunk that only fills the cache
                 return torch.zeros(0, dtype=torch.int64, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, sample_dev))  # (S, V)
+        if logits.device.type == "cuda":
+            from peregrine.kernels.sampling import argmax_rows
+            return argmax_rows(logits)  # (S,): torch.argmax's tokens, over the whole GPU
         return logits.argmax(dim=-1)  # (S,)
