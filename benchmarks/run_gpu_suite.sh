@@ -4,7 +4,7 @@
 #   steps: tests (all GPU tests) kernels sampler engine enginefp32 kernelbench layerbench splitsbench
 #          samplerbench w2 w2hf w1 w1prof w1trace w1hf serve ttft pacing pacetrace coldstart asyncprobe poolcost
 #          w5 (int4 AWQ layout, batch 1) w8a8 gemvbench stagegraphs w8a8lat w6 w1fp8 w5prof
-#          streamprobe w5ablate logitsbench w8tc replayprobe
+#          streamprobe w5ablate logitsbench w8tc replayprobe stepgap
 # Logs, JUnit XML (tests) and JSON results go under $OUT (default /tmp/out).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -67,6 +67,10 @@ for s in $steps; do
              run replay_w5 200 python benchmarks/graph_replay_probe.py "$OUT/replay_w5.json" -- --model "$OUT/llama-3-8b-awq.json"
              run replay_fp8 200 python benchmarks/graph_replay_probe.py "$OUT/replay_fp8.json" -- --model "$CFG/llama-3-8b.json" --quantization fp8
              run replay_w2 200 python benchmarks/graph_replay_probe.py "$OUT/replay_w2.json" -- --model "$CFG/llama-3-8b.json" ;;
+    # batch 1: what the GPU runs between two decode graphs (greedy rows, as bench latency)
+    stepgap) awq_config
+             run stepgap_w5 200 python benchmarks/step_gap_probe.py "$OUT/stepgap_w5.json" -- --model "$OUT/llama-3-8b-awq.json"
+             run stepgap_fp8 200 python benchmarks/step_gap_probe.py "$OUT/stepgap_fp8.json" -- --model "$CFG/llama-3-8b.json" --quantization fp8 ;;
     streamprobe) run streamprobe 200 python benchmarks/gemv_stream_probe.py --out "$OUT/stream_probe.json" ;;
     w5ablate) awq_config  # W5 with parts of the step left out (time only): each part's share
              for p in ${ABLATE_PARTS:-none norm attention rope_store gemv norm,attention,rope_store gemv,norm,attention,rope_store,lm_head}; do
