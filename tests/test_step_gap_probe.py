@@ -1,9 +1,6 @@
-"""benchmarks/step_gap_probe.py on the CPU: its trace analysis on a made-up trace, and its
-argument and device checks."""
+"""benchmarks/step_gap_probe.py's trace analysis on a made-up trace (its argument and device
+checks: test_graph_replay_probe.py)."""
 from __future__ import annotations
-
-import pytest
-import torch
 
 from benchmark_scripts import load
 
@@ -36,11 +33,3 @@ def test_gaps_are_measured_between_graph_launches() -> None:
     assert [(e["at_us"], e["name"]) for e in res["between_us"]] == [(5.0, "argmax"),
                                                                      (50.0, "Memcpy HtoD")]
 
-
-def test_the_probe_checks_its_arguments_and_its_device(monkeypatch) -> None:
-    probe = load("step_gap_probe")
-    with pytest.raises(SystemExit, match="OUT.json"):
-        probe.main(["out.json", "--model", "x.json"])
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        probe.main(["out.json", "--", "--model", "benchmarks/configs/llama-3-8b.json"])
