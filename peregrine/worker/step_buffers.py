@@ -5,7 +5,6 @@ import numpy as np
 import torch
 
 from peregrine.attention.metadata import AttentionMetadata
-from peregrine.kernels.step_inputs import scatter_step_inputs
 from peregrine.models.protocol import PipelineStage
 from peregrine.transfer import copy_into, upload_packed
 
@@ -59,6 +58,7 @@ class StepBuffers:
         arrays = [self.input_ids_np[:pt], self.positions_np[:pt], self.slot_mapping_np[:pt],
                   seq_lens, qsl, self.block_table_np[:b, :width]]
         if self.packed:
+            from peregrine.kernels.step_inputs import scatter_step_inputs
             packed, offsets = upload_packed(arrays, self.device)
             scatter_step_inputs(packed, offsets, [
                 self.d_input_ids, self.d_positions, self.d_slot_mapping, self.d_seq_lens,

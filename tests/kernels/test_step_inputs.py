@@ -101,6 +101,7 @@ def test_engine_tokens_are_the_same_with_packed_step_inputs(monkeypatch) -> None
     step has finished when the next is planned, so its tokens come from the host: the sampled
     tokens' path is checked above and on the GPU.)"""
     from peregrine import LLM, SamplingParams
+    from peregrine.kernels import step_inputs
     from peregrine.worker import step_buffers
 
     prompts = ["The capital of France is a city that lies on the river Seine, and it is", "1 2 3",
@@ -109,14 +110,14 @@ def test_engine_tokens_are_the_same_with_packed_step_inputs(monkeypatch) -> None
               SamplingParams(temperature=0.8, seed=7, max_tokens=12),
               SamplingParams(temperature=0.0, max_tokens=5)]
     init = step_buffers.StepBuffers.__init__
-    scatter = step_buffers.scatter_step_inputs
+    scatter = step_inputs.scatter_step_inputs
     runs, calls = {}, []
 
     def counted(*args, **kwargs):
         calls.append(args[3])  # the step's tokens
         return scatter(*args, **kwargs)
 
-    monkeypatch.setattr(step_buffers, "scatter_step_inputs", counted)
+    monkeypatch.setattr(step_inputs, "scatter_step_inputs", counted)
     for packed in (False, True):
         monkeypatch.setattr(step_buffers.StepBuffers, "__init__",
                             lambda self, *a, _p=packed, **k: init(self, *a, packed=_p, **k))
