@@ -6,9 +6,10 @@ launch (the `cudaGraphLaunch` they correlate with), so no kernel name is assumed
         benchmarks/configs/llama-3-8b.json [--quantization fp8]
 
 The flags after `--` are `peregrine bench throughput`'s engine flags (dummy weights by default).
-Prints, for the decode steps after the first few, the gap from one graph's last kernel to the
-next graph's first (µs), the work in one such gap (µs after the graph's end, duration, name),
-and the steps' time from graph start to graph start.
+Prints, for the graphs after the first few, the gap from one graph's last kernel to the next
+graph's first (µs), the work in the last such gap (a decode step's: µs after the graph's end,
+duration, name), and the steps' time from graph start to graph start. (A prompt's first
+graphs are the prefill's pieces, with its attention launched between them.)
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 def graph_gaps(events: list[dict], skip: int = 5) -> dict:
     """From chrome-trace events: each graph launch's GPU span, the gaps between consecutive
-    spans (µs), the GPU work inside the first gap after `skip` graphs, and graph-start-to-start
-    step times (ms)."""
+    spans (µs) after `skip` graphs, the GPU work inside the last gap (between two decode
+    steps: the prefill's pieces come first), and graph-start-to-start step times (ms)."""
     launches = {e["args"]["correlation"] for e in events
                 if e.get("ph") == "X" and e.get("name") == "cudaGraphLaunch"
                 and "correlation" in e.get("args", {})}
@@ -42,7 +43,7 @@ def graph_gaps(events: list[dict], skip: int = 5) -> dict:
     gaps = [b[0] - a[1] for a, b in zip(ordered, ordered[1:])]
     between = []
     if len(ordered) > 1:
-        (_, end), (start, _) = ordered[0], ordered[1]
+        (_, end), (start, _) = ordered[-2], ordered[-1]
         between = [{"at_us": round(e["ts"] - end, 1), "us": round(e["dur"], 1),
                     "name": e["name"][:100]}
                    for e in gpu if end <= e["ts"] < start

@@ -7,7 +7,8 @@ from benchmark_scripts import load
 
 def _trace() -> list[dict]:
     """Eight graph launches 1,000 µs apart, each two kernels over 900 µs; between two graphs a
-    copy and a kernel of their own launches."""
+    copy and a kernel of their own launches, and after the third graph (as after a prefill's
+    piece) an attention kernel too."""
     events = []
     for i in range(8):
         t0 = 1000.0 * i
@@ -22,10 +23,13 @@ def _trace() -> list[dict]:
                        "args": {"correlation": 500 + i}})
         events.append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": t0 + 950,
                        "dur": 1, "args": {"correlation": 600 + i}})
+        if i == 2:
+            events.append({"ph": "X", "cat": "kernel", "name": "attention", "ts": t0 + 920,
+                           "dur": 20, "args": {"correlation": 700}})
     return events
 
 
-def test_gaps_are_measured_between_graph_launches() -> None:
+def test_gaps_are_measured_between_graph_launches_and_the_last_gap_is_listed() -> None:
     res = load("step_gap_probe").graph_gaps(_trace(), skip=2)
     assert res["graphs"] == 6
     assert res["gap_us"] == [100.0] * 5
