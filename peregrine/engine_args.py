@@ -114,7 +114,8 @@ ENGINE_ARGS_HELP: dict[str, str] = {
                                     "(default: mp when "
                                     "tensor_parallel_size x pipeline_parallel_size > 1, else uni)",
     "quantization": "quantization method (default: the checkpoint's quantization_config; "
-                    "must agree with it when both are given)",
+                    "must agree with it when both are given; awq_marlin and gptq_marlin ask "
+                    "for the awq and gptq formats)",
     "kv_cache_dtype": "KV cache element type: auto (the model dtype), float16, bfloat16, float32, "
                       "fp8 (= fp8_e4m3, 1 byte: twice the tokens; scaled by the checkpoint's "
                       "k_scale / v_scale, else 1.0), fp8_e5m2",

@@ -11,7 +11,8 @@ import torch
 
 import fake_methods  # noqa: F401  (registers fake_transposed and fake_int4)
 from peregrine.config import EngineArgs
-from peregrine.layers.quantization import UnquantizedLinearMethod, quantization_methods
+from peregrine.layers.quantization import (UnquantizedLinearMethod, quantization_methods,
+                                           resolve_quantization)
 from peregrine.testing.checkpoints import tiny_checkpoint
 from peregrine.testing.gloo import run_on_gloo_ranks
 from peregrine.testing.steps import prefill_logits
@@ -94,6 +95,21 @@ def test_requested_method_must_agree_with_the_checkpoint(tmp_path: Path) -> None
     plain = EngineArgs(model=str(tiny_checkpoint("llama"))).create_engine_config()
     assert plain.model.quantization is None
     assert {"fake_int4", "fake_transposed"} <= set(quantization_methods())
+
+
+def test_a_kernel_name_asks_for_its_checkpoint_format() -> None:
+    """`--quantization awq_marlin` / `gptq_marlin`, as commands written for vLLM pass them."""
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+           "version": "gemm"}
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True,
+            "desc_act": False}
+    assert resolve_quantization({"quantization_config": awq}, "awq_marlin").name == "awq"
+    assert resolve_quantization({"quantization_config": gptq}, "gptq_marlin").name == "gptq"
+    with pytest.raises(ValueError, match="'gptq' disagrees with the checkpoint.*'awq'"):
+        resolve_quantization({"quantization_config": awq}, "gptq_marlin")
+    with pytest.raises(ValueError, match="not AWQ-quantized"):
+        resolve_quantization({}, "awq_marlin")
+    assert "awq_marlin" not in quantization_methods()
 
 
 def test_requested_method_on_a_plain_checkpoint_is_applied(tmp_path: Path) -> None:

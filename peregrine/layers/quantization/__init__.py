@@ -32,12 +32,16 @@ _BUILTIN: dict[str, str] = {
         "peregrine.layers.quantization.compressed_tensors:CompressedTensorsConfig",
 }
 _REGISTERED: dict[str, _ConfigClass] = {}
+# Names that choose another engine's kernel for a checkpoint format rather than a format
+# (`--quantization awq_marlin` in a command written for vLLM): here each format has one
+# method, which picks its kernels itself, so such a name asks for the format it reads.
+_KERNEL_NAMES: dict[str, str] = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
 
 
 def register_quantization_config(name: str) -> Callable[[_ConfigClass], _ConfigClass]:
     """Class decorator: make `cls` the config of quant_method `name`."""
     def wrap(cls: _ConfigClass) -> _ConfigClass:
-        if name in _BUILTIN or _REGISTERED.get(name, cls) is not cls:
+        if name in _BUILTIN or name in _KERNEL_NAMES or _REGISTERED.get(name, cls) is not cls:
             raise ValueError(f"quantization method {name!r} is already registered")
         cls.name = name
         _REGISTERED[name] = cls
@@ -51,7 +55,9 @@ def quantization_methods() -> list[str]:
 
 
 def get_quantization_config(name: str) -> _ConfigClass:
-    """The config class registered for quant_method `name`; ValueError naming the known ones."""
+    """The config class registered for quant_method `name` (or the format a kernel's name asks
+    for); ValueError naming the known ones."""
+    name = _KERNEL_NAMES.get(name, name)
     if name in _REGISTERED:
         return _REGISTERED[name]
     if name in _BUILTIN:
@@ -68,7 +74,10 @@ def get_quantization_config(name: str) -> _ConfigClass:
 
 def resolve_quantization(hf: dict[str, Any], requested: str | None) -> QuantizationConfig | None:
     """The checkpoint's quantization (config.json `quantization_config`), checked against the
-    --quantization the user asked for; None for an unquantized model."""
+    --quantization the user asked for (a kernel's name, `awq_marlin` or `gptq_marlin`, asks for
+    its format); None for an unquantized model."""
+    if requested is not None:
+        requested = get_quantization_config(requested).name
     cfg = hf.get("quantization_config")
     if cfg is None:
         return None if requested is None else get_quantization_config(requested).from_config({})
