@@ -389,21 +389,40 @@ _W8_WAVES = _WAVES
 # against 83.5; FP8 W8A8 batch-1 decode 366 against 360 tok/s.
 _W8_FORM = 1
 # One row with per-channel scales: where 16-column tiles alone launch this many programs per SM
-# and the default tile would split K, no split (16 x 512 tiles, 8 warps): the split-K epilogue
+# and the default tile would split K, no split (16-column tiles, 8 warps): the split-K epilogue
 # (a ticket, then the last program's pass over the partials) is a visible share of a short GEMV.
 # Llama-3-8B's qkv (6144 x 4096, 2.9 programs per SM) on an H200: 8.5 against 10.3 us a call,
 # FP8 W8A8 batch-1 decode +0.9%; its o (4096 x 4096, 1.94 per SM) too: 381.6 / 381.8 against
-# 379.3 / 379.5 tok/s. Only where a program then reads at most _W8_NARROW_K_ITERS
-# blocks: Llama-2-70B's qkv and o (K 8192, 16 blocks) lost 3.4% that way. 0 turns it off.
+# 379.3 / 379.5 tok/s. 0 turns it off.
 _W8_NARROW_WAVES = 1.9
-_W8_NARROW_K_ITERS = 8
+# The unsplit tile's K block: the narrowest of 512 to _W8_NARROW_MAX_BLOCK_K inputs whose
+# weight bytes, over the programs an SM runs, reach _W8_NARROW_BYTES an iteration (each program
+# sums one block while it asks for the next: what is in flight sets the pace). Llama-3-8B, H200,
+# us a call: qkv 1,024 inputs 8.08 against 8.51 with 512; o 2,048 5.87 against 7.22; the down
+# projection unsplit at 2,048 16.03 against 17.94 split 8 ways.
+_W8_NARROW_BYTES = 32 << 10
+_W8_NARROW_MAX_BLOCK_K = 2048
+# Only where a program then reads at most this many blocks: Llama-2-70B's qkv and o (K 8192)
+# lost 3.4% unsplit with 16 blocks of 512 (at 8 of 1,024, their width by the rule above, they
+# are not measured).
+_W8_NARROW_K_ITERS = 7
+
+
+def _narrow_block_k(n: int, k: int, device: torch.device) -> int:
+    """The unsplit one-row tile's K block for an (n, k) weight (_W8_NARROW_BYTES)."""
+    per_sm = triton.cdiv(n, 16) / _sms(device)
+    block_k = 512
+    while block_k < _W8_NARROW_MAX_BLOCK_K and 16 * block_k * per_sm < _W8_NARROW_BYTES:
+        block_k *= 2
+    return block_k
 
 
 def w8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None,
                    device: torch.device) -> GemvConfig:
     """Tiles of 32 output channels x 256 weight bytes along K (less when block scales are that
     narrow), K split to fill the SMs; one row of a projection wide enough for 16-column tiles to
-    fill the SMs, and short enough along K, is not split (_W8_NARROW_WAVES). The default tile
+    fill the SMs, and short enough along K, is not split (_W8_NARROW_WAVES, its K block wider
+    where fewer such programs share an SM: _narrow_block_k). The default tile
     compiled for sm_90 (FP8, form 1): 4 warps at 1 / 2 rows take 58 / 90 registers and about
     3.8 / 5.6 instructions per weight value in the K loop (4.3 / 6.6 with form 0's per-block
     shuffles); 8 warps at 4 / 8 rows 80 / 99 registers and 11.9 / 21.8 per value (form 0)."""
@@ -415,9 +434,10 @@ def w8_gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None,
     tiles = triton.cdiv(n, block_n)
     split, k_iters = choose_split(tiles, triton.cdiv(k, block_k), device, _W8_WAVES)
     if (m == 1 and block is None and split > 1 and _W8_NARROW_WAVES
-            and triton.cdiv(n, 16) >= _W8_NARROW_WAVES * _sms(device)
-            and triton.cdiv(k, 512) <= _W8_NARROW_K_ITERS):
-        return GemvConfig(16, 512, 1, triton.cdiv(k, 512), 8)
+            and triton.cdiv(n, 16) >= _W8_NARROW_WAVES * _sms(device)):
+        narrow_k = _narrow_block_k(n, k, device)
+        if triton.cdiv(k, narrow_k) <= _W8_NARROW_K_ITERS:
+            return GemvConfig(16, narrow_k, 1, triton.cdiv(k, narrow_k), 8)
     return GemvConfig(block_n, block_k, split, k_iters, 4 if m <= 2 else 8)
 
 

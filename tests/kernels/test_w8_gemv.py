@@ -177,28 +177,44 @@ def test_engine_decode_steps_take_weight_only_math(tmp_path, monkeypatch, scheme
 
 def test_one_row_of_a_wide_projection_is_not_split(monkeypatch) -> None:
     """One row with per-channel scales: where 16-column tiles fill the SMs and the default would
-    split K, the config is 16 x 512 tiles, no split, 8 warps; everything else keeps the default
-    tile (two rows, block scales, projections too narrow or too long along K, or a default that
-    does not split)."""
+    split K, the config is 16-column tiles, no split, 8 warps, with a K block wide enough for
+    the programs an SM runs to ask for 32 KB an iteration, if a program then reads at most 7
+    blocks; everything else keeps the default tile (two rows, block scales, projections too
+    narrow or too long along K, or a default that does not split)."""
     import peregrine.kernels.gemv as g
     cuda = torch.device("cuda")
     monkeypatch.setattr(g, "num_sms", lambda device: 132)
-    assert g.w8_gemv_config(1, 6144, 4096, None, cuda) == GemvConfig(16, 512, 1, 8, 8)
-    assert g.w8_gemv_config(1, 4096, 4096, None, cuda) == GemvConfig(16, 512, 1, 8, 8)
-    for m, n, k, block in ((2, 6144, 4096, None), (1, 6144, 4096, (128, 128)),
-                           (1, 3584, 3584, None), (1, 28672, 4096, None),
-                           (1, 10240, 8192, None)):
+    # Llama-3-8B: qkv (2.9 programs an SM), o (1.94), the down projection (1.94, K 14336).
+    assert g.w8_gemv_config(1, 6144, 4096, None, cuda) == GemvConfig(16, 1024, 1, 4, 8)
+    assert g.w8_gemv_config(1, 4096, 4096, None, cuda) == GemvConfig(16, 2048, 1, 2, 8)
+    assert g.w8_gemv_config(1, 4096, 14336, None, cuda) == GemvConfig(16, 2048, 1, 7, 8)
+    # Llama-2-70B's qkv, o and down (16, 8 and 14 blocks at their widths), two rows, block
+    # scales, a projection too narrow for 16-column tiles, gate/up (its default is unsplit).
+    for m, n, k, block in ((1, 10240, 8192, None), (1, 8192, 8192, None),
+                           (1, 8192, 28672, None), (2, 6144, 4096, None),
+                           (1, 6144, 4096, (128, 128)), (1, 3584, 3584, None),
+                           (1, 28672, 4096, None)):
         cfg = g.w8_gemv_config(m, n, k, block, cuda)
         assert cfg.block_n == 32 and cfg.num_warps == 4, (m, n, k, block)
     assert g.w8_gemv_config(1, 28672, 4096, None, cuda).split_k == 1
+    monkeypatch.setattr(g, "_W8_NARROW_MAX_BLOCK_K", 512)
+    monkeypatch.setattr(g, "_W8_NARROW_K_ITERS", 8)
+    assert g.w8_gemv_config(1, 4096, 4096, None, cuda) == GemvConfig(16, 512, 1, 8, 8)
+    assert g.w8_gemv_config(1, 4096, 14336, None, cuda).block_n == 32
     monkeypatch.setattr(g, "_W8_NARROW_WAVES", 0)
     assert g.w8_gemv_config(1, 6144, 4096, None, cuda).block_n == 32
 
 
-def test_the_unsplit_wide_tile_matches_dequantized_matmul() -> None:
-    """The unsplit tile's K block is wider than this weight's K: the rest is masked."""
+@pytest.mark.parametrize("block_k", [512, 2048])
+def test_the_unsplit_wide_tile_matches_dequantized_matmul(block_k: int) -> None:
+    """The unsplit tile's K block is wider than this weight's K: the rest is masked; the gated
+    form too."""
+    from peregrine.kernels.activation import silu_and_mul
     wq, ws = _weight(FP8_DTYPE)
     x = _x(1)
-    cfg = GemvConfig(block_n=16, block_k=512, split_k=1, k_iters=1, num_warps=8)
+    cfg = GemvConfig(block_n=16, block_k=block_k, split_k=1, k_iters=1, num_warps=8)
     want = x @ (wq.float() * ws.t()).t()
     torch.testing.assert_close(w8_gemv(x, wq, ws, config=cfg), want, rtol=1e-5, atol=1e-5)
+    h = torch.randn(1, 2 * K, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(w8_gemv(h, wq, ws, config=cfg, gated=True),
+                       w8_gemv(silu_and_mul(h), wq, ws, config=cfg))
