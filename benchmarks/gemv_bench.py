@@ -206,7 +206,7 @@ def _sweep(model: str, proj: str, k: int, n: int, m: int, label: str, moved: int
     elif wna16:
         grid_n, grid_k = (32, 64, 128, 256), (64, 128, 256)
     else:
-        grid_n, grid_k = (16, 32, 64), (128, 256, 512)
+        grid_n, grid_k = (16, 32, 64), (128, 256, 512, 1024, 2048)
     best: tuple[float, tuple] | None = None
     timings: list[tuple] = []
     for bn in grid_n:
