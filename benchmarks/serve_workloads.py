@@ -70,7 +70,7 @@ class Server:
         self.log.close()
 
 
-# NOTE: token ids are drawn below this (Llama 3's special tokens start at 128000).
+# NOTE: token ids are drawn below this (Llama 3's special tokens start at 128000); --vocab-size.
 _VOCAB = ["128000"]
 
 
@@ -159,12 +159,14 @@ def main() -> int:
     p.add_argument("--w4-rate", default="4", help="W4 shared-prefix TTFT run: requests/s")
     p.add_argument("--w4-caching", default="on,off", help="W4 prefix caching settings to run")
     p.add_argument("--w4-no-zero-hits", action="store_true", help="skip W4's 0%%-hit runs")
-    p.add_argument("--vocab-size", default="128000", help="prompt token ids are drawn below this")
+    p.add_argument("--vocab-size", default=None, help="prompt token ids are drawn below this "
+                   "(default: the config's vocab_size, at most 128000)")
     p.add_argument("--server-args", default="", help="extra `peregrine serve` flags for W3 "
                    "(e.g. \"--max-num-seqs 1024\")")
     p.add_argument("--tag", default="", help="suffix of W3's result names (e.g. _seqs1024)")
     ns = p.parse_args()
-    _VOCAB[0] = ns.vocab_size
+    _VOCAB[0] = ns.vocab_size or str(min(128000, json.loads(Path(ns.config).read_text())
+                                         .get("vocab_size", 128000)))
     out = Path(ns.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}

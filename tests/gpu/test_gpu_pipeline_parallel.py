@@ -1,7 +1,7 @@
 """Pipeline parallelism on two GPUs (NCCL): two stages give the one-GPU greedy tokens in
 float32 (even and uneven layer splits, chunked prefill and preemption), agree with one GPU in
-bfloat16 within the rounding bound of test_gpu_engine.py, report their idle time, and a killed
-stage worker ends the engine's requests with an error naming it."""
+bfloat16 within the rounding bound of test_gpu_engine.py (as do two tensor-parallel ranks), report
+their idle time, and a killed stage worker ends the engine's requests with an error naming it."""
 from __future__ import annotations
 
 import gc
@@ -73,15 +73,18 @@ def test_two_stages_give_the_one_gpu_fp32_greedy_tokens(fp32_path: str, monkeypa
     assert got == want
 
 
-def test_two_stages_agree_with_one_gpu_in_bf16_within_rounding(root, record_property) -> None:
+@pytest.mark.parametrize("split", [{"pipeline_parallel_size": 2}, {"tensor_parallel_size": 2}],
+                         ids=["pp2", "tp2"])
+def test_two_gpus_agree_with_one_gpu_in_bf16_within_rounding(root, record_property,
+                                                              split: dict) -> None:
     path = _checkpoint(root / "bf16", torch.bfloat16)
     prompts = _prompts()
     one = _generate(path, prompts, GREEDY, dtype="bfloat16")
     # Teacher-forced on the one-GPU continuation: both see the same tokens everywhere.
     seqs = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, one)]
     forced = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
-    tf = {pp: _generate(path, seqs, forced, dtype="bfloat16", pipeline_parallel_size=pp,
-                        enable_prefix_caching=False) for pp in (1, 2)}
+    tf = {n: _generate(path, seqs, forced, dtype="bfloat16", enable_prefix_caching=False, **args)
+          for n, args in ((1, {}), (2, split))}
     from transformers import AutoModelForCausalLM
     exact_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     exact_model = exact_model.to(ORACLE_DEVICE).eval()
@@ -102,8 +105,8 @@ def test_two_stages_agree_with_one_gpu_in_bf16_within_rounding(root, record_prop
                     gaps.append(float((rows[i, a] - rows[i, b]).abs() / rms[i]))
     del exact_model
     torch.cuda.empty_cache()
-    record_property("pp_bf16_disagreement_gaps_over_rms", gaps)
-    record_property("pp_bf16_top1_agreement", 1 - len(gaps) / positions)
+    record_property("bf16_disagreement_gaps_over_rms", gaps)
+    record_property("bf16_top1_agreement", 1 - len(gaps) / positions)
     assert positions > 0
     assert all(gap <= BF16_NEAR_TIE for gap in gaps), gaps
     assert len(gaps) <= math.floor(expected + 3 * math.sqrt(expected)), (len(gaps), expected)
