@@ -5,9 +5,13 @@
 #          samplerbench w2 w2hf w1 w1prof w1trace w1hf serve ttft pacing pacetrace coldstart asyncprobe poolcost
 #          w5 (int4 AWQ layout, batch 1) w8a8 gemvbench stagegraphs w8a8lat w6 w1fp8 w5prof
 #          streamprobe w5ablate logitsbench w8tc replayprobe stepgap
+#          two GPUs: tptests tp2lat tp2serve 70btp2 70bserve ppbench arbench
 # Logs, JUnit XML (tests) and JSON results go under $OUT (default /tmp/out).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# NOTE: NVLink multicast stays off on shared multi-GPU hosts (a program using it can take the
+# host's GPUs out of service).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 CFG="${CFG:-benchmarks/configs}"
 steps="${*:-kernels sampler engine w2 w1}"
@@ -95,6 +99,27 @@ for s in $steps; do
     gemvbench) run gemvbench 300 python benchmarks/gemv_bench.py --models 8b --rows "${GEMV_ROWS:-1,2,4}" --variants "${GEMV_VARIANTS:-inplace,inplace_prefetch,half2,half2_prefetch,half2_prefetch2,half2_async}" --out "$OUT/gemv.json" ;;
     stagegraphs) gputest stagegraphs 180 tests/gpu/test_gpu_stage_graphs.py ;;
     w1trace) run w1trace 200 python benchmarks/step_trace.py --model "$CFG/qwen3-0.6b.json" --out "$OUT/w1_trace.json" ;;
+    # two GPUs: tensor / pipeline parallelism against one GPU (dummy weights)
+    tptests) gputest tptests 420 tests/gpu/test_gpu_tensor_parallel.py tests/gpu/test_gpu_pipeline_parallel.py ;;
+    tp2lat)  for tp in ${TP_SIZES:-2 1 2 1}; do  # W2 batch 1, alternating
+               timeout 200 python -m peregrine.entrypoints.cli bench latency --model "$CFG/llama-3-8b.json" -tp "$tp" --output-json "$OUT/w2_tp$tp.json" > "$OUT/w2_tp${tp}_run.log" 2>&1
+               python -c "import json,sys; print('w2 tp', sys.argv[2], round(json.load(open(sys.argv[1]))['decode_tokens_per_s'], 1))" "$OUT/w2_tp$tp.json" "$tp" || tail -30 "$OUT/w2_tp${tp}_run.log"
+             done ;;
+    tp2serve) wheels  # W3 at TP=2 and TP=1
+             for tp in ${TP_SIZES:-2 1}; do
+               run "w3_tp$tp" 450 python benchmarks/serve_workloads.py w3 --num-prompts "${W3_PROMPTS:-1000}" --rates "${W3_RATES:-inf}" --server-args "-tp $tp" --tag "_tp$tp" --out-dir "$OUT/serve"
+             done ;;
+    70btp2)  for split in ${SPLITS_70B:-"-tp 2" "-pp 2"}; do  # Llama-2-70B bf16 batch 1
+               tag=$(echo $split | tr -d ' -')
+               run "70b_$tag" 400 python -m peregrine.entrypoints.cli bench latency --model "$CFG/llama-2-70b.json" $split --output-json "$OUT/w2_70b_$tag.json"
+             done ;;
+    70bserve) wheels  # a W3-style load on Llama-2-70B
+             for split in ${SPLITS_70B:-"-tp 2" "-pp 2"}; do
+               tag=$(echo $split | tr -d ' -')
+               run "w3_70b_$tag" 550 python benchmarks/serve_workloads.py w3 --config "$CFG/llama-2-70b.json" --num-prompts "${W3_PROMPTS:-1000}" --rates "${W3_RATES:-inf}" --server-args "$split" --tag "_70b_$tag" --out-dir "$OUT/serve"
+             done ;;
+    arbench) run arbench 200 python benchmarks/all_reduce_bench.py --world "${AR_WORLD:-2}" --out "$OUT/all_reduce.json" ;;
+    ppbench) run ppbench 500 python benchmarks/pp_bench.py --model "${PP_MODEL:-$CFG/llama-3-8b.json}" --setups "${PP_SETUPS:-tp1,tp2,pp2}" --output-json "$OUT/pp_bench.json" ;;
     w1hf)    run w1hf 400 python -m peregrine.entrypoints.cli bench throughput --model "$CFG/qwen3-0.6b.json" --compare-transformers --hf-requests 32 --output-json "$OUT/w1hf.json" ;;
   esac
 done

@@ -71,6 +71,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # Decoder layers per pipeline stage, in stage order (sums to model.num_layers).
     pp_layer_partition: tuple[int, ...] = ()
+    disable_custom_all_reduce: bool = False  # tensor-parallel all-reduces only through NCCL
 
     @property
     def world_size(self) -> int:
@@ -153,7 +154,7 @@ class EngineConfig:
                    args.tensor_parallel_size, async_scheduling,
                    min(args.max_prefill_graph_tokens, max_batched),
                    bool(args.engine_core_process), args.pipeline_parallel_size, executor_backend,
-                   spec, partition)
+                   spec, partition, bool(args.disable_custom_all_reduce))
 
 def _swap_config(args: EngineArgs, cache: CacheConfig, model: ModelConfig,
                  device: str, stage_layers: int | None = None) -> tuple[CacheConfig, SwapCostModel]:

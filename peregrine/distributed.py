@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 _TP_GROUP: dist.ProcessGroup | None = None
 _PP_RANK, _PP_SIZE, _TP_WIDTH = 0, 1, 1  # this rank's stage, the stages, ranks per stage
+# The one-shot all-reduce over peer GPU memory for small messages (peer_all_reduce.py), or None.
+_PEER = None
 
 
 def init_tensor_parallel(group: dist.ProcessGroup | None = None) -> None:
@@ -24,11 +26,13 @@ def init_tensor_parallel(group: dist.ProcessGroup | None = None) -> None:
 
 
 def init_worker_group(rank: int, world_size: int, store: dist.Store, device: torch.device,
-                      timeout_s: float = 600.0, pipeline_parallel_size: int = 1) -> None:
+                      timeout_s: float = 600.0, pipeline_parallel_size: int = 1,
+                      peer_all_reduce: bool = True) -> None:
     """Join the workers' process group (NCCL on CUDA, gloo on the CPU) as `rank`; with
     pipeline_parallel_size stages, each stage's world_size / stages ranks form its
-    tensor-parallel group."""
-    global _PP_RANK, _PP_SIZE, _TP_WIDTH
+    tensor-parallel group. On CUDA with peer_all_reduce, small all-reduces of the
+    tensor-parallel group run over peer memory where every rank can map the others'."""
+    global _PP_RANK, _PP_SIZE, _TP_WIDTH, _PEER
     pp = pipeline_parallel_size
     if pp < 1 or world_size % pp:
         raise ValueError(f"{world_size} ranks do not split into {pp} pipeline stages")
@@ -43,6 +47,10 @@ def init_worker_group(rank: int, world_size: int, store: dist.Store, device: tor
         groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
         init_tensor_parallel(groups[rank // tp])
     _PP_RANK, _PP_SIZE, _TP_WIDTH = rank // tp, pp, tp
+    _PEER = None
+    if device.type == "cuda" and tp > 1 and peer_all_reduce:
+        from peregrine.peer_all_reduce import PeerAllReduce
+        _PEER = PeerAllReduce.create(_TP_GROUP, device)
 
 
 def tp_size() -> int:
@@ -56,6 +64,8 @@ def tp_rank() -> int:
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the tensor-parallel group (in place); identity at world size 1."""
     if _TP_GROUP is not None and tp_size() > 1:
+        if _PEER is not None and _PEER.fits(x):
+            return _PEER.all_reduce(x)
         dist.all_reduce(x, group=_TP_GROUP)
     return x
 

@@ -49,6 +49,8 @@ class EngineArgs:
     # How the workers run: mp, one process per rank; ray, one Ray actor per rank (on one node or
     # several); uni, one worker in this process. None: mp when world > 1, else uni.
     distributed_executor_backend: Literal["mp", "ray", "uni"] | None = None
+    # Tensor-parallel all-reduces always through NCCL (else small ones over peer GPU memory).
+    disable_custom_all_reduce: bool = False
     quantization: str | None = None  # None: as the checkpoint's quantization_config says
     kv_cache_dtype: str = "auto"  # auto: the model dtype
     swap_space: float = 4.0  # GiB of (pinned) CPU memory per GPU for swapped-out KV blocks
@@ -113,6 +115,9 @@ ENGINE_ARGS_HELP: dict[str, str] = {
                                     "the ray extra) or uni (one worker in the engine's process) "
                                     "(default: mp when "
                                     "tensor_parallel_size x pipeline_parallel_size > 1, else uni)",
+    "disable_custom_all_reduce": "tensor-parallel all-reduces always through NCCL (default: "
+                                 "messages up to 4 MiB go over peer GPU memory where the GPUs "
+                                 "of one host can map each other's)",
     "quantization": "quantization method (default: the checkpoint's quantization_config; "
                     "must agree with it when both are given; awq_marlin and gptq_marlin ask "
                     "for the awq and gptq formats)",

@@ -66,7 +66,8 @@ def build_worker(config: EngineConfig, rank: int, local_rank: int, store: Any,
     # tries it there.
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     init_worker_group(rank, config.world_size, store, device,
-                      pipeline_parallel_size=config.pipeline_parallel_size)
+                      pipeline_parallel_size=config.pipeline_parallel_size,
+                      peer_all_reduce=not config.disable_custom_all_reduce)
     worker = Worker(config, rank=rank, local_rank=local_rank, device=device)
     weight_bytes = sum(p.numel() * p.element_size() for p in worker.model.parameters())
     return worker, {"num_blocks": worker.determine_num_blocks(), "device": str(device),

@@ -1,5 +1,6 @@
 """Tensor parallelism on two GPUs (NCCL): two worker processes give the one-GPU greedy tokens in
-float32, with CUDA graphs (decode and piecewise), chunked prefill and preemption, and eagerly;
+float32, with CUDA graphs (decode and piecewise), chunked prefill and preemption, and eagerly,
+with small all-reduces over peer memory and with NCCL alone;
 a killed worker ends the engine's requests with an error instead of a hang."""
 from __future__ import annotations
 
@@ -54,11 +55,12 @@ def _tokens(path: str, **engine_args) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("engine_args", [
-    {},  # CUDA graphs, async scheduling
+    {},  # CUDA graphs, async scheduling; small all-reduces over peer memory
     {"enforce_eager": True},
     # chunked prefill and preemption
     {"max_num_batched_tokens": 64, "num_gpu_blocks_override": 60, "block_size": 16},
-], ids=["graphs", "eager", "chunked-preempted"])
+    {"disable_custom_all_reduce": True},  # every all-reduce through NCCL
+], ids=["graphs", "eager", "chunked-preempted", "nccl-only"])
 def test_two_gpus_give_the_one_gpu_greedy_tokens(checkpoint: str, engine_args: dict) -> None:
     want = _tokens(checkpoint, **engine_args)
     got = _tokens(checkpoint, tensor_parallel_size=2, **engine_args)
