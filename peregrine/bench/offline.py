@@ -184,8 +184,9 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
     decode = sorted(r[1] for r in runs)[len(runs) // 2]
     tps = (ns.output_len - 1) / decode
     mc = engine.config.model
-    # NOTE: summed over the tensor-parallel ranks, as is the bandwidth ceiling: each GPU reads
-    # its own shard every step.
+    # NOTE: summed over the ranks; the bandwidth ceiling over the tensor-parallel ranks only: each
+    # GPU of a stage reads its own shard every step, and one request's token passes the pipeline
+    # stages one after another.
     weight_bytes = engine.core_client.core.executor.weight_bytes
     kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * torch.empty((), dtype=mc.dtype).element_size()
     avg_ctx = ns.input_len + ns.output_len / 2
@@ -194,8 +195,9 @@ def run_latency(ns: argparse.Namespace) -> dict[str, Any]:
               "output_len": ns.output_len, "ttft_s": ttft, "decode_s": decode,
               "decode_tokens_per_s": tps, "end_to_end_tokens_per_s": ns.output_len / (ttft + decode),
               "weight_bytes": weight_bytes, "achieved_GBps": bytes_per_token * tps / 1e9,
-              "hbm_ceiling_GBps": 4200.0 * engine.config.world_size,
-              "tensor_parallel_size": engine.config.tensor_parallel_size}
+              "hbm_ceiling_GBps": 4200.0 * engine.config.tensor_parallel_size,
+              "tensor_parallel_size": engine.config.tensor_parallel_size,
+              "pipeline_parallel_size": engine.config.pipeline_parallel_size}
     if engine.config.speculative is not None:
         result["speculative"] = spec_decode_report(spec_before, engine.get_stats())
     del engine
