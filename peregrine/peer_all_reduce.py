@@ -24,16 +24,13 @@ class PeerAllReduce:
     """Buffers mapped on every rank of a tensor-parallel group, and the one-shot kernel's
     launch. Build with `PeerAllReduce.create`, which every rank of the group calls together."""
 
-    def __init__(self, rank: int, world: int, device: torch.device, own: tuple[int, int],
+    def __init__(self, rank: int, world: int, device: torch.device,
                  mapped: list[tuple[int, int]], slot_bytes: int) -> None:
-        from peregrine.kernels.all_reduce import MAX_PROGRAMS
+        """mapped: every rank's (buffer, signals) address on this GPU, this rank's included."""
         self.rank, self.world, self.slot_bytes = rank, world, slot_bytes
-        self._own = own  # (buffer, signals) allocated here
-        self._mapped = [m for q, m in enumerate(mapped) if q != rank]  # opened peers' handles
         self.buffers = torch.tensor([b for b, _ in mapped], dtype=torch.int64, device=device)
         self.signals = torch.tensor([s for _, s in mapped], dtype=torch.int64, device=device)
         self.counters = torch.zeros(2, dtype=torch.int64, device=device)
-        self.max_programs = MAX_PROGRAMS
 
     @classmethod
     def create(cls, group: dist.ProcessGroup, device: torch.device,
@@ -50,38 +47,41 @@ class PeerAllReduce:
             logger.info("tensor-parallel all-reduce: NCCL (the ranks are on %d hosts)",
                         len(set(hosts)))
             return None
-        own: tuple[int, int] | None = None
+        allocated: list[int] = []  # this rank's buffer and signals, as far as they got
+        opened: list[int] = []  # the peers' allocations mapped here, as far as they got
         handles: tuple[bytes, bytes] | str
         try:
             rt = cuda_runtime()
-            buf = rt.malloc_zeroed(2 * world * slot_bytes)
-            sig = rt.malloc_zeroed(world * MAX_PROGRAMS * 8)
-            own = (buf, sig)
-            handles = (rt.ipc_handle(buf), rt.ipc_handle(sig))
+            for nbytes in (2 * world * slot_bytes, world * MAX_PROGRAMS * 8):
+                allocated.append(rt.malloc_zeroed(nbytes))
+            handles = (rt.ipc_handle(allocated[0]), rt.ipc_handle(allocated[1]))
         except (OSError, RuntimeError, AttributeError) as e:
             handles = f"{type(e).__name__}: {e}"
         every: list = [None] * world
         dist.all_gather_object(every, handles, group=group)
-        mapped: list[tuple[int, int]] = []
         problem = next((f"rank {q}: {h}" for q, h in enumerate(every) if isinstance(h, str)), None)
         if problem is None:
             try:
-                for q, (hb, hs) in enumerate(every):
-                    mapped.append(own if q == rank else
-                                  (rt.open_ipc_handle(hb), rt.open_ipc_handle(hs)))
-            except RuntimeError as e:
+                for q, pair in enumerate(every):
+                    if q != rank:
+                        for handle in pair:
+                            opened.append(rt.open_ipc_handle(handle))
+            except (RuntimeError, ValueError) as e:
                 problem = f"rank {rank}: {e}"
         problems: list = [None] * world
         dist.all_gather_object(problems, problem, group=group)
         problem = next((p for p in problems if p is not None), None)
         if problem is not None:
-            _release(own, [m for q, m in enumerate(mapped) if q != rank])
+            _release(allocated, opened)
             logger.info("tensor-parallel all-reduce: NCCL (peer memory could not be mapped: %s)",
                         problem)
             return None
+        peers = iter(zip(opened[0::2], opened[1::2]))
+        mapped = [(allocated[0], allocated[1]) if q == rank else next(peers)
+                  for q in range(world)]
         logger.info("tensor-parallel all-reduce: one-shot over peer memory up to %d KiB, NCCL "
                     "above", slot_bytes >> 10)
-        return cls(rank, world, device, own, mapped, slot_bytes)
+        return cls(rank, world, device, mapped, slot_bytes)
 
     def fits(self, x: torch.Tensor) -> bool:
         return (x.is_cuda and x.numel() * x.element_size() <= self.slot_bytes
@@ -94,20 +94,14 @@ class PeerAllReduce:
         return one_shot_all_reduce(x, x, self.buffers, self.signals, self.counters, self.rank,
                                    self.world, self.slot_bytes // x.element_size())
 
-    def close(self) -> None:
-        """Unmap the peers' buffers and free this rank's (no kernel may be running on them)."""
-        _release(self._own, self._mapped)
-        self._own, self._mapped = None, []
 
-
-def _release(own: tuple[int, int] | None, mapped: list[tuple[int, int]]) -> None:
-    if own is None and not mapped:
+def _release(allocated: list[int], opened: list[int]) -> None:
+    """Unmap the peers' allocations and free this rank's."""
+    if not allocated and not opened:
         return
     from peregrine.cuda_ipc import cuda_runtime
     rt = cuda_runtime()
-    for ptrs in mapped:
-        for p in ptrs:
-            rt.close_ipc_handle(p)
-    if own is not None:
-        for p in own:
-            rt.free(p)
+    for ptr in opened:
+        rt.close_ipc_handle(ptr)
+    for ptr in allocated:
+        rt.free(ptr)
