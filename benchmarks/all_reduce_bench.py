@@ -5,7 +5,9 @@ memory against NCCL, per call, for the message sizes of decode steps.
 
 Each rank captures CALLS all-reduces of one bf16 message in a CUDA graph (as the decode graphs
 hold them) and replays it; a call's time is the replay's time over CALLS (median of REPEATS).
-Both ranks replay together, so a call's time includes waiting for the other rank."""
+Both ranks replay together, so a call's time includes waiting for the other rank. --world 1
+times the kernel's own sequence on one GPU (it then waits only for its own flag) against a
+trivial in-place kernel on the same message (the `nccl` column)."""
 from __future__ import annotations
 
 import argparse
@@ -34,7 +36,7 @@ def _rank(rank: int, world: int, port: int, results) -> None:
         torch.cuda.set_device(device)
         store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
         pd.init_worker_group(rank, world, store, device)
-        peer = pd._PEER
+        peer = pd._PEER if world > 1 else _one_gpu_peer(device)
         rows = []
         for n in SIZES:
             x = torch.randn(n, device=device).bfloat16()
@@ -43,7 +45,9 @@ def _rank(rank: int, world: int, port: int, results) -> None:
                     continue
 
                 def call(t):
-                    return peer.all_reduce(t) if way == "peer" else dist.all_reduce(t)
+                    if way == "peer":
+                        return peer.all_reduce(t)
+                    return dist.all_reduce(t) if world > 1 else t.add_(0)
                 s = torch.cuda.Stream()
                 s.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(s):
@@ -77,6 +81,16 @@ def _rank(rank: int, world: int, port: int, results) -> None:
         results.close()
         results.join_thread()
         os._exit(0)
+
+
+def _one_gpu_peer(device):
+    """The peer all-reduce of a one-rank group: its own buffer and signals only."""
+    from peregrine.cuda_ipc import cuda_runtime
+    from peregrine.kernels.all_reduce import MAX_PROGRAMS
+    from peregrine.peer_all_reduce import SLOT_BYTES, PeerAllReduce
+    rt = cuda_runtime()
+    mapped = [(rt.malloc_zeroed(2 * SLOT_BYTES), rt.malloc_zeroed(MAX_PROGRAMS * 8))]
+    return PeerAllReduce(0, 1, device, mapped, SLOT_BYTES)
 
 
 def main() -> int:
