@@ -4,12 +4,11 @@ one rank cannot map a peer's memory or the ranks are on several hosts, every ran
 NCCL and frees what it had allocated."""
 from __future__ import annotations
 
-import os
 import socket
-import traceback
 
 import pytest
-import torch.multiprocessing as mp
+
+from peregrine.testing.gloo import run_on_gloo_ranks
 
 WORLD = 2
 
@@ -46,57 +45,35 @@ class _FakeRuntime:
         self.opened.remove(ptr)
 
 
-def _rank(rank: int, port: int, case: str, out) -> None:
-    try:
-        import torch
-        import torch.distributed as dist
+def _setup(case: str) -> list[tuple]:
+    """On each gloo rank: PeerAllReduce.create with a stand-in runtime; every rank's
+    (buffers and signals or None, live allocations, opened handles), gathered."""
+    import torch
+    import torch.distributed as dist
 
-        import peregrine.cuda_ipc as cuda_ipc
-        from peregrine.peer_all_reduce import PeerAllReduce
-        rt = _FakeRuntime(rank, fail_open=(case == "one_rank_cannot_map" and rank == 1))
-        cuda_ipc.cuda_runtime = lambda: rt
-        if case == "two_hosts":
-            socket.gethostname = lambda: f"node{rank}"
-        dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, WORLD, rank == 0),
-                                rank=rank, world_size=WORLD)
-        peer = PeerAllReduce.create(dist.group.WORLD, torch.device("cpu"))
-        result = None if peer is None else {"buffers": peer.buffers.tolist(),
-                                            "signals": peer.signals.tolist()}
-        out.put((rank, result, sorted(rt.live), sorted(rt.opened), rt.next))
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        out.put((rank, traceback.format_exc(), None, None, None))
-    finally:
-        out.close()
-        out.join_thread()
-        os._exit(0)
+    import peregrine.cuda_ipc as cuda_ipc
+    from peregrine.peer_all_reduce import PeerAllReduce
+    rank = dist.get_rank()
+    rt = _FakeRuntime(rank, fail_open=(case == "one_rank_cannot_map" and rank == 1))
+    cuda_ipc.cuda_runtime = lambda: rt
+    if case == "two_hosts":
+        socket.gethostname = lambda: f"node{rank}"
+    peer = PeerAllReduce.create(dist.group.WORLD, torch.device("cpu"))
+    result = None if peer is None else {"buffers": peer.buffers.tolist(),
+                                        "signals": peer.signals.tolist()}
+    every: list = [None] * WORLD
+    dist.all_gather_object(every, (result, sorted(rt.live), sorted(rt.opened)))
+    return every
 
 
 def _run(case: str) -> dict[int, tuple]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, case, out)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got = {}
-    for _ in range(WORLD):
-        rank, *rest = out.get(timeout=120)
-        got[rank] = tuple(rest)
-    for p in procs:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    for rank, (result, *_) in got.items():
-        assert not isinstance(result, str), f"rank {rank}:\n{result}"
-    return got
+    return dict(enumerate(run_on_gloo_ranks(_setup, WORLD, case)))
 
 
 def test_every_rank_maps_every_peer() -> None:
     got = _run("all_map")
     base = {r: (r + 1) << 32 for r in range(WORLD)}
-    for rank, (result, live, opened, _) in got.items():
+    for rank, (result, live, opened) in got.items():
         # own buffer and signals at this rank's addresses, the peer's as mapped here (+7)
         want_bufs = [base[q] + (1 << 20) + (0 if q == rank else 7) for q in range(WORLD)]
         want_sigs = [base[q] + (2 << 20) + (0 if q == rank else 7) for q in range(WORLD)]
@@ -108,7 +85,7 @@ def test_every_rank_maps_every_peer() -> None:
 @pytest.mark.parametrize("case", ["one_rank_cannot_map", "two_hosts"])
 def test_a_rank_that_cannot_map_sends_every_rank_to_nccl(case: str) -> None:
     got = _run(case)
-    for rank, (result, live, opened, _) in got.items():
+    for rank, (result, live, opened) in got.items():
         assert result is None, rank
         assert live == [] and opened == [], (rank, live, opened)  # nothing left allocated
 
