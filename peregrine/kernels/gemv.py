@@ -99,13 +99,26 @@ def launch_buffers(x2: torch.Tensor, n: int, tiles: int, split: int
 
 
 @triton.jit
+def add_residual(y, res_ptr, m, stride_rm, offs_n, mask, out_dtype: tl.constexpr):
+    """Row m's output y (BLOCK_N,) rounded to out_dtype, plus the residual row, rounded again:
+    the bits of the separate GEMV, then the residual add of the norm kernel after it."""
+    r = tl.load(res_ptr + m * stride_rm + offs_n, mask=mask, other=0.0)
+    return (y.to(out_dtype).to(tl.float32) + r.to(tl.float32)).to(out_dtype)
+
+
+@triton.jit
 def store_partial(part_ptr, c_ptr, val, m, M, N, split, offs_n, n_mask, stride_cm,
-                  HAS_SPLIT: tl.constexpr):
+                  HAS_SPLIT: tl.constexpr, res_ptr=None, stride_rm=0,
+                  HAS_RES: tl.constexpr = False):
     """Row m's (BLOCK_N,) float32 sums of this program's K range: the output itself without a
-    split, else this split's partial."""
+    split (HAS_RES: plus row m of the residual at res_ptr), else this split's partial."""
     if not HAS_SPLIT:
-        tl.store(c_ptr + m * stride_cm + offs_n, val.to(c_ptr.dtype.element_ty),
-                 mask=n_mask & ((offs_n * 0 + m) < M))
+        mask = n_mask & ((offs_n * 0 + m) < M)
+        if HAS_RES:
+            y = add_residual(val, res_ptr, m, stride_rm, offs_n, mask, c_ptr.dtype.element_ty)
+        else:
+            y = val.to(c_ptr.dtype.element_ty)
+        tl.store(c_ptr + m * stride_cm + offs_n, y, mask=mask)
     else:
         row = (split * M + m).to(tl.int64)
         tl.store(part_ptr + row * N + offs_n, val, mask=n_mask & ((offs_n * 0 + m) < M))
@@ -159,8 +172,10 @@ def _partial(part_ptr, s, m, M, N, offs_n, n_mask, SPLIT_K):
 @triton.jit
 def finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, stride_cm,
                    SPLIT_K, HAS_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """The last program of a column tile adds its SPLIT_K partials in split order."""
+                   BLOCK_N: tl.constexpr, res_ptr=None, stride_rm=0,
+                   HAS_RES: tl.constexpr = False):
+    """The last program of a column tile adds its SPLIT_K partials in split order (HAS_RES:
+    then the residual row, as store_partial does)."""
     if HAS_SPLIT:
         # NOTE: every thread's partial stores are issued before the ticket (barrier), and the
         # ticket is a gpu-scope acq_rel atomic, so the last program sees all partials; it reads
@@ -192,8 +207,12 @@ def finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, strid
                         total += p5
                         total += p6
                         total += p7
-                    tl.store(c_ptr + m * stride_cm + offs_n,
-                             total.to(c_ptr.dtype.element_ty), mask=n_mask)
+                    if HAS_RES:
+                        y = add_residual(total, res_ptr, m, stride_rm, offs_n, n_mask,
+                                         c_ptr.dtype.element_ty)
+                    else:
+                        y = total.to(c_ptr.dtype.element_ty)
+                    tl.store(c_ptr + m * stride_cm + offs_n, y, mask=n_mask)
             tl.atomic_xchg(lock_ptr + pid_n, 0)
 
 
@@ -236,6 +255,21 @@ def _row_dot(w, a_ptr, m, M, stride_am, offs_k, k_mask, K, FORM: tl.constexpr,
     else:
         sums = tl.sum(tl.reshape(p, (p.shape[0], p.shape[1] // 16, 16)), axis=2)
     return sums
+
+
+@triton.jit
+def _row_dot_normed(w, a_ptr, nw_ptr, offs_k, k_mask, FORM: tl.constexpr):
+    """_row_dot of row 0 for x = h * nw, h the row at a_ptr (the residual stream) and nw the
+    RMSNorm weight, both read here, in float32 and not rounded; also h^2 (BLOCK_K,), whose sum
+    over the whole row gives the norm's 1 / rms that the caller multiplies in at the end."""
+    h = tl.load(a_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # (BK,)
+    nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)  # (BK,)
+    p = w * (h * nw)[None, :]  # (BN, BK)
+    if FORM == 0:
+        sums = tl.sum(p, axis=1)
+    else:
+        sums = tl.sum(tl.reshape(p, (p.shape[0], p.shape[1] // 16, 16)), axis=2)
+    return sums, h * h
 
 
 @triton.jit
@@ -287,18 +321,23 @@ def _w8_to_f32(w, INT8_ASM: tl.constexpr):
 
 # NOTE: nothing that changes with the batch is specialised on: M, x's row stride; nor the K
 # loop's trip count and split, so layers of one kind share a compiled variant.
-@triton.jit(do_not_specialize=["M", "stride_am", "stride_cm", "K_ITERS", "SPLIT_K"])
+@triton.jit(do_not_specialize=["M", "stride_am", "stride_cm", "stride_rm", "K_ITERS",
+                               "SPLIT_K"])
 def _w8_gemv_kernel(
-    a_ptr, w_ptr, s_ptr, part_ptr, lock_ptr, c_ptr,
-    M, N, K, stride_am, stride_wn, stride_cm, K_ITERS, SPLIT_K, scale_cols,
+    a_ptr, w_ptr, s_ptr, part_ptr, lock_ptr, c_ptr, nw_ptr, res_ptr, eps,
+    M, N, K, stride_am, stride_wn, stride_cm, stride_rm, K_ITERS, SPLIT_K, scale_cols,
     BLOCK_SCALE: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, FORM: tl.constexpr = 0,
     GATED: tl.constexpr = False, INT8_ASM: tl.constexpr = False,
+    NORMED: tl.constexpr = False, HAS_RES: tl.constexpr = False,
 ):
     """FORM: how a K block's products are summed; GATED: x is silu(h[:K]) * h[K:] of the rows h
     (M, 2K) at a_ptr, computed as they are read (_row_dot); INT8_ASM: int8 weights converted by
-    inline PTX (_w8_to_f32)."""
+    inline PTX (_w8_to_f32). NORMED (one row, no split): x is RMSNorm(h) with weight nw_ptr and
+    eps, h the row at a_ptr: the sums of w * h * nw times 1 / rms(h), whose sum of squares
+    accumulates as the K loop reads h (_row_dot_normed). HAS_RES: the output rows are the
+    residual rows at res_ptr plus the product (add_residual)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
@@ -317,6 +356,7 @@ def _w8_gemv_kernel(
     acc5 = _w8_acc(BLOCK_N, BLOCK_K, FORM)
     acc6 = _w8_acc(BLOCK_N, BLOCK_K, FORM)
     acc7 = _w8_acc(BLOCK_N, BLOCK_K, FORM)
+    sq = tl.zeros((BLOCK_K,), dtype=tl.float32)  # NORMED: the row's squares, summed at the end
     for it in range(0, K_ITERS):
         k0 = (split * K_ITERS + it) * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)  # (BK,)
@@ -331,7 +371,12 @@ def _w8_gemv_kernel(
         w = _w8_to_f32(w, INT8_ASM)  # (BN, BK)
         if BLOCK_SCALE:
             w = w * s[:, None]
-        acc0 += _row_dot(w, a_ptr, 0, M, stride_am, offs_k, k_mask, K, FORM, GATED)
+        if NORMED:
+            part0, sq0 = _row_dot_normed(w, a_ptr, nw_ptr, offs_k, k_mask, FORM)
+            acc0 += part0
+            sq += sq0
+        else:
+            acc0 += _row_dot(w, a_ptr, 0, M, stride_am, offs_k, k_mask, K, FORM, GATED)
         if BLOCK_M > 1:
             acc1 += _row_dot(w, a_ptr, 1, M, stride_am, offs_k, k_mask, K, FORM, GATED)
         if BLOCK_M > 2:
@@ -345,28 +390,30 @@ def _w8_gemv_kernel(
     s = tl.full((BLOCK_N,), 1.0, tl.float32)
     if not BLOCK_SCALE:  # one scale per output channel, applied once to the sums
         s = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
+    if NORMED:  # 1 / rms of the whole row, which this program read through its K loop
+        s = s * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
     pdl_release(PDL)
     store_partial(part_ptr, c_ptr, _w8_sums(acc0, FORM) * s, 0, M, N, split, offs_n, n_mask,
-                  stride_cm, HAS_SPLIT)
+                  stride_cm, HAS_SPLIT, res_ptr, stride_rm, HAS_RES)
     if BLOCK_M > 1:
         store_partial(part_ptr, c_ptr, _w8_sums(acc1, FORM) * s, 1, M, N, split, offs_n,
-                      n_mask, stride_cm, HAS_SPLIT)
+                      n_mask, stride_cm, HAS_SPLIT, res_ptr, stride_rm, HAS_RES)
     if BLOCK_M > 2:
         store_partial(part_ptr, c_ptr, _w8_sums(acc2, FORM) * s, 2, M, N, split, offs_n,
-                      n_mask, stride_cm, HAS_SPLIT)
+                      n_mask, stride_cm, HAS_SPLIT, res_ptr, stride_rm, HAS_RES)
         store_partial(part_ptr, c_ptr, _w8_sums(acc3, FORM) * s, 3, M, N, split, offs_n,
-                      n_mask, stride_cm, HAS_SPLIT)
+                      n_mask, stride_cm, HAS_SPLIT, res_ptr, stride_rm, HAS_RES)
     if BLOCK_M > 4:
         store_partial(part_ptr, c_ptr, _w8_sums(acc4, FORM) * s, 4, M, N, split, offs_n,
-                      n_mask, stride_cm, HAS_SPLIT)
+                      n_mask, stride_cm, HAS_SPLIT, res_ptr, stride_rm, HAS_RES)
         store_partial(part_ptr, c_ptr, _w8_sums(acc5, FORM) * s, 5, M, N, split, offs_n,
-                      n_mask, stride_cm, HAS_SPLIT)
+                      n_mask, stride_cm, HAS_SPLIT, res_ptr, stride_rm, HAS_RES)
         store_partial(part_ptr, c_ptr, _w8_sums(acc6, FORM) * s, 6, M, N, split, offs_n,
-                      n_mask, stride_cm, HAS_SPLIT)
+                      n_mask, stride_cm, HAS_SPLIT, res_ptr, stride_rm, HAS_RES)
         store_partial(part_ptr, c_ptr, _w8_sums(acc7, FORM) * s, 7, M, N, split, offs_n,
-                      n_mask, stride_cm, HAS_SPLIT)
+                      n_mask, stride_cm, HAS_SPLIT, res_ptr, stride_rm, HAS_RES)
     finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, stride_cm,
-                   SPLIT_K, HAS_SPLIT, BLOCK_M, BLOCK_N)
+                   SPLIT_K, HAS_SPLIT, BLOCK_M, BLOCK_N, res_ptr, stride_rm, HAS_RES)
 
 
 class GemvConfig(NamedTuple):
@@ -466,17 +513,36 @@ def w8_gemv_ready(weight: torch.Tensor, block: tuple[int, int] | None = None) ->
     return weight.dtype == torch.int8 or _has_fp8_cvt(weight.device.index or 0)
 
 
+def w8_gemv_takes_norm(rows: int, weight: torch.Tensor,
+                       block: tuple[int, int] | None = None) -> bool:
+    """Whether w8_gemv(norm=...) serves `rows` rows of this weight by its default config: one
+    row, per-channel scales, a launch that does not split K (each program reads the whole row,
+    so it sums the row's squares itself)."""
+    if rows != 1 or block is not None:
+        return False
+    n, k = weight.shape
+    return w8_gemv_config(1, n, k, None, weight.device).split_k == 1
+
+
 def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             block: tuple[int, int] | None = None,
             config: GemvConfig | None = None, prefetch: bool = False,
-            form: int | None = None, gated: bool = False) -> torch.Tensor:
+            form: int | None = None, gated: bool = False,
+            norm: tuple[torch.Tensor, float] | None = None,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
     """y (M, N) = x (M, K) @ (weight (N, K) * scale)^T in x's dtype, for M <= GEMV_MAX_ROWS.
     scale: (1, N) or (N, 1) per channel, or (ceil(N / bn), ceil(K / bk)) for block=(bn, bk).
     prefetch: each K block's weights are loaded an iteration ahead (the same sums).
     form: how the kernel sums a block's products (0 or 1: _row_dot; default _W8_FORM).
     gated: x is gate-and-up rows h (M, 2K) and the GEMV's input silu(h[:, :K]) * h[:, K:],
     computed as it is read: bit for bit the activation kernel's output fed to the GEMV, without
-    its launch."""
+    its launch.
+    norm = (norm weight (K,), eps): x is one row h of the residual stream and the GEMV's input
+    RMSNorm(h) * norm weight, computed in float32 as it is read, 1 / rms(h) applied to the sums
+    (no rounding of the normalised row: not the norm kernel's bits, closer to exact); one row,
+    no K split (w8_gemv_takes_norm), and not with gated.
+    residual (M, N) in x's dtype: the output is residual + the product, each rounded to x's
+    dtype as the GEMV and then the norm kernel's residual add round them (the same bits)."""
     n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != (2 * k if gated else k):
         raise ValueError(f"w8_gemv: x {tuple(x.shape)} does not match the weight ({n}, {k})"
@@ -509,15 +575,32 @@ def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if block is not None and block[1] % cfg.block_k:
         raise ValueError(f"w8_gemv: block_k {cfg.block_k} does not divide the scale blocks "
                          f"{block[1]}")
+    norm_weight, eps = norm if norm is not None else (None, 0.0)
+    if norm is not None:
+        if m != 1 or gated or cfg.split_k != 1 or block is not None:
+            raise ValueError(f"w8_gemv: norm takes one row of per-channel weights without a K "
+                             f"split (rows {m}, gated {gated}, split {cfg.split_k}, block "
+                             f"{block})")
+        if norm_weight.shape != (k,) or not norm_weight.is_contiguous():
+            raise ValueError(f"w8_gemv: norm weight {tuple(norm_weight.shape)} must be a "
+                             f"contiguous ({k},)")
+    if residual is not None and (residual.shape != (m, n) or residual.dtype != x.dtype
+                                 or residual.stride(1) != 1):
+        raise ValueError(f"w8_gemv: residual {residual.dtype} {tuple(residual.shape)} must be "
+                         f"({m}, {n}) {x.dtype}, contiguous in its last dim")
     tiles = triton.cdiv(n, cfg.block_n)
     out, part, lock = launch_buffers(a, n, tiles, cfg.split_k)
     bn_scale, bk_scale = block if block is not None else (1, 1)
     _w8_gemv_kernel[(tiles, cfg.split_k)](
-        a, weight, scale, part, lock, out, m, n, k, a.stride(0), weight.stride(0), out.stride(0),
+        a, weight, scale, part, lock, out,
+        norm_weight if norm is not None else scale, residual if residual is not None else out,
+        float(eps), m, n, k, a.stride(0), weight.stride(0), out.stride(0),
+        residual.stride(0) if residual is not None else 0,
         cfg.k_iters, cfg.split_k, scale_cols, BLOCK_SCALE=block is not None, BN_SCALE=bn_scale,
         BK_SCALE=bk_scale, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         HAS_SPLIT=cfg.split_k > 1, PREFETCH=prefetch, FORM=form, GATED=gated,
         INT8_ASM=weight.dtype == torch.int8 and weight.is_cuda,
+        NORMED=norm is not None, HAS_RES=residual is not None,
         num_warps=cfg.num_warps, **pdl_args(a))
     return out
 
@@ -527,7 +610,14 @@ def precompile_w8_gemv(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     """Compile this weight's GEMV for every row count it can serve (call at load time)."""
     if not w8_gemv_ready(weight, block):
         return
+    n, k = weight.shape
     for rows in sorted({block_m_for(m) for m in range(1, W8_GEMV_MAX_M + 1)}):
+        res = torch.zeros(rows, n, dtype=dtype, device=weight.device)
         for gated in (False, True):  # a down projection's form too (SiLU-and-mul inside)
-            w8_gemv(torch.zeros(rows, weight.shape[1] * (2 if gated else 1), dtype=dtype,
-                                device=weight.device), weight, scale, block, gated=gated)
+            for residual in (None, res):  # and with the residual add (a row-parallel layer)
+                w8_gemv(torch.zeros(rows, k * (2 if gated else 1), dtype=dtype,
+                                    device=weight.device), weight, scale, block, gated=gated,
+                        residual=residual)
+    if w8_gemv_takes_norm(1, weight, block):  # a column-parallel layer after an RMSNorm
+        w8_gemv(torch.zeros(1, k, dtype=dtype, device=weight.device), weight, scale, block,
+                norm=(torch.ones(k, dtype=dtype, device=weight.device), 1e-6))

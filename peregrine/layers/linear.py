@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from peregrine.distributed import divide, tp_all_reduce, tp_rank, tp_size
+from peregrine.layers.norm import RMSNorm
 from peregrine.layers.quantization import (QuantizationConfig, UnquantizedLinearMethod,
                                            linear_param, load_sharded)
 
@@ -67,6 +68,14 @@ class ColumnParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)  # (T, out_per_rank)
 
+    def forward_normed(self, h: torch.Tensor, norm: nn.Module) -> torch.Tensor | None:
+        """forward(norm(h)) for rows h (T, in) of the residual stream, the RMSNorm inside the
+        weight's kernel; None where the quantization method has no such kernel for h, or the
+        norm is not the plain RMSNorm on the fused kernels."""
+        if not (isinstance(norm, RMSNorm) and norm.use_fused):
+            return None
+        return self.quant_method.apply_rms_normed(self, h, norm.weight, norm.eps, self.bias)
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input fused into one GEMM (e.g. gate+up)."""
@@ -108,6 +117,22 @@ class RowParallelLinear(LinearBase):
         kernel for h."""
         y = self.quant_method.apply_silu_and_mul(self, h)
         return None if y is None else self._reduce(y)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor | None:
+        """residual + forward(x), the add inside the weight's kernel; None where the method has
+        no such kernel for x, or the output is reduced over ranks or takes a bias (the add then
+        follows them)."""
+        if self.tp_size > 1 or self.bias is not None:
+            return None
+        return self.quant_method.apply_add(self, x, residual)
+
+    def forward_silu_and_mul_add(self, h: torch.Tensor,
+                                 residual: torch.Tensor) -> torch.Tensor | None:
+        """residual + forward_silu_and_mul(h), all inside the weight's kernel; None as for
+        forward_add."""
+        if self.tp_size > 1 or self.bias is not None:
+            return None
+        return self.quant_method.apply_silu_and_mul_add(self, h, residual)
 
     def _reduce(self, y: torch.Tensor) -> torch.Tensor:
         """The layer's output from this rank's partial sums y (T, out): all-reduced, then the

@@ -18,7 +18,7 @@ from peregrine.layers.linear import (MergedColumnParallelLinear, QKVParallelLine
                                      RowParallelLinear)
 from peregrine.layers.norm import RMSNorm
 from peregrine.layers.rotary import RotaryEmbedding, rope_parameters
-from peregrine.models.protocol import BuildOptions, KVCache
+from peregrine.models.protocol import BuildOptions, KVCache, final_norm, stage_output
 
 
 def head_dim_of(hf: dict[str, Any]) -> int:
@@ -27,6 +27,13 @@ def head_dim_of(hf: dict[str, Any]) -> int:
 
 def _eps(hf: dict[str, Any]) -> float:
     return hf.get("rms_norm_eps", 1e-6)
+
+
+# Whether a layer's linears may take the RMSNorms between them into their kernels where the
+# quantization method has such kernels (the row-parallel linear before a norm adds the residual,
+# the column-parallel one after it normalises its input: QuantMethod.apply_add /
+# apply_rms_normed): two launches fewer per layer at a decode batch those kernels serve.
+FUSE_NORMS = True
 
 
 class DecoderAttention(nn.Module):
@@ -74,10 +81,13 @@ class DecoderAttention(nn.Module):
         """(q weight, k weight, eps) of the per-head q/k RMSNorm, None without one."""
         return None
 
-    def project(self, positions: torch.Tensor, x: torch.Tensor):
-        """q (T, Hq, D), k and v (T, Hkv, D) of x (T, hidden), with q/k norm and RoPE applied."""
+    def project(self, positions: torch.Tensor, x: torch.Tensor,
+                qkv: torch.Tensor | None = None):
+        """q (T, Hq, D), k and v (T, Hkv, D) of x (T, hidden), with q/k norm and RoPE applied
+        (qkv: the projection of x when already computed)."""
         t = x.shape[0]
-        qkv = self.qkv_proj(x)  # (T, q_size + 2 kv_size)
+        if qkv is None:
+            qkv = self.qkv_proj(x)  # (T, q_size + 2 kv_size)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)  # (T, Hq, D)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
@@ -86,18 +96,25 @@ class DecoderAttention(nn.Module):
         return q, k, v.reshape(t, self.num_kv_heads, self.head_dim)
 
     def project_and_store(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
-                          slot_mapping: torch.Tensor, q_out: torch.Tensor | None = None
-                          ) -> torch.Tensor:
+                          slot_mapping: torch.Tensor, q_out: torch.Tensor | None = None,
+                          norm: nn.Module | None = None) -> torch.Tensor:
         """q (T, Hq, D) of x (T, hidden) with q/k norm and RoPE applied (written into q_out
         when given); this step's K/V written into kv_cache at slot_mapping (T,) (-1 writes
-        nothing)."""
+        nothing). With `norm`, x is the residual stream and the projection's input norm(x),
+        inside the qkv kernel where its method has one."""
+        qkv = None
+        if norm is not None:
+            qkv = self.qkv_proj.forward_normed(x, norm) if FUSE_NORMS else None
+            if qkv is None:
+                x = norm(x)
         if not self.use_fused:
-            q, k, v = self.project(positions, x)
+            q, k, v = self.project(positions, x, qkv)
             self.attn.store(k, v, kv_cache, slot_mapping)
             return q if q_out is None else q_out.copy_(q)
         from peregrine.kernels.rope_store import norm_rope_store
         t = x.shape[0]
-        qkv = self.qkv_proj(x)  # (T, q_size + 2 kv_size)
+        if qkv is None:
+            qkv = self.qkv_proj(x)  # (T, q_size + 2 kv_size)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # (T, Hq, D), a view into qkv
         k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
@@ -134,12 +151,33 @@ class DecoderMLP(nn.Module):
         self.act = SiluAndMul(fused=opts.kernels.fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.gate_up_proj(x)  # (T, 2I)
+        return self.down(self.gate_up_proj(x))  # (T, hidden)
+
+    def down(self, h: torch.Tensor) -> torch.Tensor:
+        """The down projection of the activation of gate-and-up rows h (T, 2I)."""
         if self.act.use_fused:  # the down projection's own kernel may take the activation
             y = self.down_proj.forward_silu_and_mul(h)
             if y is not None:
                 return y  # (T, hidden)
         return self.down_proj(self.act(h))  # (T, hidden)
+
+    def forward_from_stream(self, residual: torch.Tensor, norm: nn.Module
+                            ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(forward(norm(residual)), residual) for rows of the residual stream (T, hidden),
+        where the linears' kernels may take the norm (gate/up) and the next residual add
+        (down): then (None, residual + the MLP's output)."""
+        h = self.gate_up_proj.forward_normed(residual, norm)
+        if h is None:
+            h = self.gate_up_proj(norm(residual))  # (T, 2I)
+        if self.act.use_fused:
+            y = self.down_proj.forward_silu_and_mul_add(h, residual)
+            if y is not None:
+                return None, y
+        else:
+            y = self.down_proj.forward_add(self.act(h), residual)
+            if y is not None:
+                return None, y
+        return self.down(h), residual
 
 
 class DecoderParts(NamedTuple):
@@ -172,19 +210,31 @@ class DecoderLayer(nn.Module):
                       out: tuple[torch.Tensor, torch.Tensor] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Input norm (residual add included), q/k/v with this step's K/V stored: (q, residual),
-        written into out = (q (T, Hq, D), residual (T, hidden)) buffers when given."""
+        written into out = (q (T, Hq, D), residual (T, hidden)) buffers when given. x is None
+        where the layer before added its output into `residual` already (post_attention)."""
         q_out, res_out = (None, None) if out is None else out
-        if residual is None:
-            residual = x if res_out is None else res_out.copy_(x)
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual, residual_out=res_out)
+        if residual is None or x is None:  # the residual stream is x, or residual, as it is
+            stream = x if residual is None else residual
+            residual = stream if res_out is None else res_out.copy_(stream)
+            q = self.self_attn.project_and_store(positions, residual, kv_cache, slot_mapping,
+                                                 q_out, norm=self.input_layernorm)
+            return q, residual
+        x, residual = self.input_layernorm(x, residual, residual_out=res_out)
         q = self.self_attn.project_and_store(positions, x, kv_cache, slot_mapping, q_out)
         return q, residual
 
-    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor):
-        """Output projection, residual add and norm, MLP: (x, residual) for the next layer."""
-        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
+    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor
+                       ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Output projection, residual add and norm, MLP: (x, residual) for the next layer; x
+        is None where the MLP's down projection added it into residual itself (the linears'
+        kernels taking the norms, FUSE_NORMS)."""
+        o_proj = self.self_attn.o_proj
+        stream = o_proj.forward_add(attn_out, residual) if FUSE_NORMS else None
+        if stream is not None and hasattr(self.mlp, "forward_from_stream"):
+            return self.mlp.forward_from_stream(stream, self.post_attention_layernorm)
+        if stream is not None:  # an MLP of another shape: its input norm as a kernel
+            return self.mlp(self.post_attention_layernorm(stream)), stream
+        x, residual = self.post_attention_layernorm(o_proj(attn_out), residual)
         return self.mlp(x), residual
 
 
@@ -284,9 +334,8 @@ class DecoderForCausalLM(nn.Module):
         for layer, cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, cache, meta)
         if not self.stage.is_last:
-            return torch.stack((x, residual))  # (2, T, hidden)
-        x, _ = self.norm(x, residual)
-        return x
+            return stage_output(x, residual)  # (2, T, hidden)
+        return final_norm(self.norm, x, residual)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None
                        ) -> torch.Tensor:

@@ -87,19 +87,22 @@ class PiecewiseLayer(Protocol):
 
     self_attn: SelfAttention
 
-    def pre_attention(self, positions: torch.Tensor, hidden: torch.Tensor,
+    def pre_attention(self, positions: torch.Tensor, hidden: torch.Tensor | None,
                       residual: torch.Tensor | None, kv_cache: KVCache,
                       slot_mapping: torch.Tensor,
                       out: tuple[torch.Tensor, torch.Tensor] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """(q (T, Hq, D), residual (T, hidden)), with this step's K/V written into kv_cache at
         slot_mapping (T,) (-1 writes nothing), so attention runs with k = v = None; residual is
-        None for the first layer (hidden is then the embedding). With `out` = (q, residual)
-        buffers, the results are written there (what piecewise graphs read)."""
+        None for the first layer (hidden is then the embedding), hidden None where the layer
+        before added it into residual already. With `out` = (q, residual) buffers, the results
+        are written there (what piecewise graphs read)."""
 
     def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, residual) for the next layer from attention output (T, Hq * D)."""
+                       ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(hidden, residual) for the next layer from attention output (T, Hq * D); hidden is
+        None where the layer added it into residual itself (final_norm and stage_output take
+        that form)."""
 
 
 @runtime_checkable
@@ -130,3 +133,28 @@ class CausalLM(Protocol):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill the parameters from checkpoint tensors named as in Hugging Face checkpoints."""
+
+
+def stage_output(x: torch.Tensor | None, residual: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """(2, T, hidden) = (hidden, residual) for the next pipeline stage (written into out when
+    given); a hidden already added into residual (x None) goes as zeros."""
+    if out is None:
+        return torch.stack((torch.zeros_like(residual) if x is None else x, residual))
+    if x is None:
+        out[0].zero_()
+    else:
+        out[0].copy_(x)
+    out[1].copy_(residual)
+    return out
+
+
+def final_norm(norm: torch.nn.Module, x: torch.Tensor | None, residual: torch.Tensor | None
+               ) -> torch.Tensor:
+    """The last layer's output through the final norm: norm(x + residual), or norm(residual)
+    where x was added into it already (None), or norm(x) with no residual (no layers)."""
+    if x is None:
+        return norm(residual)
+    if residual is None:
+        return norm(x)
+    return norm(x, residual)[0]

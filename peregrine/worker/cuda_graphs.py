@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from peregrine.attention.metadata import AttentionMetadata
-from peregrine.models.protocol import PipelineStage
+from peregrine.models.protocol import PipelineStage, final_norm, stage_output
 from peregrine.worker.step_buffers import StageBuffers, StepBuffers
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -260,12 +260,10 @@ class PiecewiseGraphs:
             x, residual = self.layers[i - 1].post_attention(self.o[:n].view(n, -1),
                                                             self.residual[:n])
         if i == len(self.layers) and not self.stage.is_last:
-            out = self.stage_buffers.output(n)  # (2, n, hidden)
-            out[0].copy_(x)
-            out[1].copy_(residual)
+            stage_output(x, residual, self.stage_buffers.output(n))  # (2, n, hidden)
             return
         if i == len(self.layers):
-            self.hidden[:n].copy_(self.model.norm(x, residual)[0])
+            self.hidden[:n].copy_(final_norm(self.model.norm, x, residual))
             return
         # NOTE: K/V go to the cache inside the graph (padding slots are -1): the eager part
         # between pieces is the attention kernels alone. q and the residual are written straight

@@ -478,6 +478,53 @@ def test_w8_gemv_gated_equals_the_activation_kernel_then_the_gemv(wdtype: torch.
     assert torch.equal(got, w8_gemv(silu_and_mul(h), wq, ws))
 
 
+@pytest.mark.parametrize("wdtype", (FP8_DTYPE, torch.int8), ids=("fp8", "int8"))
+@pytest.mark.parametrize("shape", ("qkv", "gate_up"))
+def test_w8_gemv_normed_row_matches_the_norm_then_the_matmul(shape: str,
+                                                             wdtype: torch.dtype) -> None:
+    # Llama-3-8B's column-parallel projections after an RMSNorm, one decode row: the norm taken
+    # into the GEMV (unsplit launch), against float32 RMSNorm then dequantize-then-matmul, and
+    # no farther from it than the norm kernel then the GEMV
+    from peregrine.kernels.gemv import w8_gemv_takes_norm
+    from peregrine.kernels.rmsnorm import rms_norm
+    if wdtype == FP8_DTYPE:
+        _needs_fp8()
+    k, n = SHAPES[shape]
+    wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=DEV) * 0.02, wdtype)
+    ws = ws.t().contiguous()
+    assert w8_gemv_takes_norm(1, wq)
+    h = torch.randn(1, k, device=DEV, dtype=torch.bfloat16) * 4
+    nw = (torch.rand(k, device=DEV) + 0.5).to(torch.bfloat16)
+    got = w8_gemv(h, wq, ws, norm=(nw, 1e-5))
+    assert torch.equal(got, w8_gemv(h, wq, ws, norm=(nw, 1e-5)))
+    hf = h.float()
+    want = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.float()) \
+        @ (wq.float() * ws.t()).t()
+    separate = w8_gemv(rms_norm(h, nw, 1e-5), wq, ws)
+    assert rel_err(got.float(), want) <= rel_err(separate.float(), want) + 2 ** -9
+
+
+@pytest.mark.parametrize("gated", (False, True))
+@pytest.mark.parametrize("m", (1, 2))
+@pytest.mark.parametrize("shape", ("o", "down"))
+def test_w8_gemv_residual_equals_the_gemv_then_the_norm_kernels_add(shape: str, m: int,
+                                                                    gated: bool) -> None:
+    # the row-parallel projections before an RMSNorm: the residual added in the epilogue, bit
+    # for bit the GEMV then the norm kernel's residual add (split and unsplit launches)
+    from peregrine.kernels.rmsnorm import rms_norm
+    _needs_fp8()
+    k, n = SHAPES[shape]
+    wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=DEV) * 0.02, FP8_DTYPE)
+    ws = ws.t().contiguous()
+    x = torch.randn(m, 2 * k if gated else k, device=DEV, dtype=torch.bfloat16)
+    res = torch.randn(m, n, device=DEV, dtype=torch.bfloat16) * 4
+    got = w8_gemv(x, wq, ws, gated=gated, residual=res)
+    _, want = rms_norm(w8_gemv(x, wq, ws, gated=gated), torch.ones(n, device=DEV,
+                                                                 dtype=torch.bfloat16),
+                       1e-6, residual=res)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("m", (1, 2))
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_int8_weights_at_small_batches(shape: str, m: int) -> None:
@@ -504,6 +551,10 @@ def test_w8_gemv_is_deterministic_and_precompiled() -> None:
     for m in range(1, W8_GEMV_MAX_M + 1):
         w8_gemv(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), wq, ws)
         w8_gemv(torch.randn(m, 2 * k, device=DEV, dtype=torch.bfloat16), wq, ws, gated=True)
+        res = torch.randn(m, n, device=DEV, dtype=torch.bfloat16)
+        w8_gemv(torch.randn(m, 2 * k, device=DEV, dtype=torch.bfloat16), wq, ws, gated=True,
+                residual=res)
+        w8_gemv(torch.randn(m, k, device=DEV, dtype=torch.bfloat16), wq, ws, residual=res)
     assert _compiled(_w8_gemv_kernel) == before
 
 

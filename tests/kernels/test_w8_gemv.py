@@ -218,3 +218,119 @@ def test_the_unsplit_wide_tile_matches_dequantized_matmul(block_k: int) -> None:
     h = torch.randn(1, 2 * K, generator=torch.Generator().manual_seed(3))
     assert torch.equal(w8_gemv(h, wq, ws, config=cfg, gated=True),
                        w8_gemv(silu_and_mul(h), wq, ws, config=cfg))
+
+
+@pytest.mark.parametrize("form", [0, 1])
+@pytest.mark.parametrize("block_k", [64, 512])
+@pytest.mark.parametrize("dtype", [FP8_DTYPE, torch.int8], ids=["fp8", "int8"])
+def test_normed_row_is_the_rms_norm_then_the_gemv(dtype: torch.dtype, block_k: int,
+                                                  form: int) -> None:
+    """norm=(weight, eps): one row h of the residual stream, the GEMV's input RMSNorm(h) *
+    weight, the squares summed over the K loop's blocks (several, or one wider than K), 1 / rms
+    applied to the sums: float32 RMSNorm then dequantize-then-matmul."""
+    wq, ws = _weight(dtype, seed=6)
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(1, K, generator=g) * 3
+    nw = torch.rand(K, generator=g) + 0.5
+    cfg = GemvConfig(block_n=16, block_k=block_k, split_k=1, k_iters=-(-K // block_k),
+                     num_warps=4)
+    got = w8_gemv(h, wq, ws, config=cfg, form=form, norm=(nw, 1e-5))
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * nw
+    want = normed @ (wq.float() * ws.t()).t()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # eps is used: a zero row gives zeros, not NaN
+    assert torch.equal(w8_gemv(torch.zeros(1, K), wq, ws, config=cfg, norm=(nw, 1e-5)),
+                       torch.zeros(1, N))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("split", [1, 4])
+def test_residual_rows_are_the_gemv_then_the_norm_kernels_add(split: int, gated: bool) -> None:
+    """residual=: the output is residual + the product, bit for bit what the GEMV and then the
+    norm kernel's residual add give (bf16), unsplit and through the split-K finish, gated too."""
+    from peregrine.kernels.rmsnorm import rms_norm
+    wq, ws = _weight(FP8_DTYPE, seed=8)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 2 * K if gated else K, generator=g).to(torch.bfloat16)
+    res = torch.randn(2, N, generator=g).to(torch.bfloat16)
+    cfg = GemvConfig(block_n=32, block_k=64, split_k=split, k_iters=4 // split, num_warps=4)
+    got = w8_gemv(x, wq, ws, config=cfg, gated=gated, residual=res)
+    y = w8_gemv(x, wq, ws, config=cfg, gated=gated)
+    _, want = rms_norm(y, torch.ones(N, dtype=torch.bfloat16), 1e-6, residual=res)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert not torch.equal(got, y)
+
+
+def test_norm_and_residual_misuse_is_named() -> None:
+    """norm takes one row, no split, no gate, a (K,) weight; residual must be (M, N) in x's
+    dtype."""
+    from peregrine.kernels.gemv import w8_gemv_takes_norm
+    wq, ws = _weight(FP8_DTYPE)
+    nw = torch.ones(K)
+    split = GemvConfig(block_n=32, block_k=64, split_k=2, k_iters=2, num_warps=4)
+    with pytest.raises(ValueError, match="one row"):
+        w8_gemv(torch.zeros(2, K), wq, ws, norm=(nw, 1e-6))
+    with pytest.raises(ValueError, match="split 2"):
+        w8_gemv(torch.zeros(1, K), wq, ws, config=split, norm=(nw, 1e-6))
+    with pytest.raises(ValueError, match="gated True"):
+        w8_gemv(torch.zeros(1, 2 * K), wq, ws, gated=True, norm=(nw, 1e-6))
+    with pytest.raises(ValueError, match="norm weight"):
+        w8_gemv(torch.zeros(1, K), wq, ws, norm=(torch.ones(K + 1), 1e-6))
+    with pytest.raises(ValueError, match="residual"):
+        w8_gemv(torch.zeros(1, K), wq, ws, residual=torch.zeros(1, N + 1))
+    with pytest.raises(ValueError, match="residual"):
+        w8_gemv(torch.zeros(1, K), wq, ws, residual=torch.zeros(1, N, dtype=torch.bfloat16))
+    assert w8_gemv_takes_norm(1, wq) and not w8_gemv_takes_norm(2, wq)
+    assert not w8_gemv_takes_norm(1, wq, (32, 64))
+
+
+@pytest.mark.slow
+def test_engine_decode_rows_take_the_norms_into_the_gemvs(tmp_path, monkeypatch) -> None:
+    """The CUDA dispatch run here through the interpreter (one decode row per step, float32): with
+    the norms taken into the 8-bit GEMVs (the output and down projections add the residual, qkv
+    and gate/up normalise their input), the generated tokens and their logprobs are those of
+    the separate norm kernels within float32 rounding; every decode step took the fused forms
+    and prompt chunks did not."""
+    import peregrine.kernels.gemv as gemv
+    import peregrine.layers.quantization.fp8 as fp8_mod
+    import peregrine.models.decoder as decoder
+    from peregrine import LLM, SamplingParams
+    from peregrine.layers.kernel_config import KernelConfig
+    from peregrine.testing.checkpoints import tiny_checkpoint
+    calls = {"norm": 0, "residual": 0, "plain": 0}
+    kernel = gemv.w8_gemv
+
+    def counted(x, *args, norm=None, residual=None, **kw):
+        calls["norm" if norm is not None else "residual" if residual is not None
+              else "plain"] += 1
+        return kernel(x, *args, norm=norm, residual=residual, **kw)
+
+    monkeypatch.setattr(fp8_mod, "use_gemv", lambda x, max_m: 0 < x.numel() // x.shape[-1]
+                        <= max_m)
+    monkeypatch.setattr(fp8_mod, "w8_gemv_ready", lambda w, block=None: True)
+    monkeypatch.setattr(fp8_mod, "w8_gemv", counted)
+    # the model built with the Triton norm, RoPE and activation kernels, as on CUDA
+    monkeypatch.setattr(KernelConfig, "for_device", classmethod(lambda cls, d: cls(fused=True)))
+    src = tiny_checkpoint("llama", dtype=torch.float32)
+    path = fp8_pack.write_compressed_tensors(src, tmp_path / "ct", "fp8_dynamic")
+    prompts = [[(7 * i + 3) % 500 + 4 for i in range(20)], [5, 9, 300, 301]]
+    sp = SamplingParams(temperature=0.0, max_tokens=5, logprobs=1, ignore_eos=True)
+    runs = {}
+    for fuse in (True, False):
+        monkeypatch.setattr(decoder, "FUSE_NORMS", fuse)
+        before = dict(calls)
+        llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, max_model_len=128,
+                  seed=0, enforce_eager=True, max_num_batched_tokens=16)
+        outs = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0] for p in prompts]
+        del llm
+        runs[fuse] = (outs, {k: calls[k] - before[k] for k in calls})
+    (fused, fused_calls), (plain, plain_calls) = runs[True], runs[False]
+    # tiny llama: two layers of two such linears each; four decode steps of one row per prompt
+    per_kind = 2 * 2 * 4 * len(prompts)
+    assert fused_calls == {"norm": per_kind, "residual": per_kind, "plain": 0}, fused_calls
+    assert plain_calls == {"norm": 0, "residual": 0, "plain": 2 * per_kind}, plain_calls
+    for a, b in zip(fused, plain):
+        assert a.token_ids == b.token_ids
+        la = torch.tensor([a.logprobs[i][t].logprob for i, t in enumerate(a.token_ids)])
+        lb = torch.tensor([b.logprobs[i][t].logprob for i, t in enumerate(b.token_ids)])
+        torch.testing.assert_close(la, lb, rtol=0, atol=1e-4)

@@ -137,3 +137,24 @@ def test_the_store_kernel_is_told_whether_gemvs_follow(monkeypatch) -> None:
         seen.clear()
         model(ids, pos, *one_prefill(cfg, len(TOKENS)))
     assert seen == [True] + [False] * (len(model.layers) - 1)
+
+
+def test_a_hidden_already_in_the_residual_goes_on_as_zeros_and_is_not_added_twice() -> None:
+    """A layer whose down projection added its output into the residual itself returns hidden
+    None: the next stage gets (zeros, residual), which it adds back to the residual unchanged,
+    and the final norm normalises the residual alone."""
+    from peregrine.layers.norm import RMSNorm
+    from peregrine.models.protocol import final_norm, stage_output
+    g = torch.Generator().manual_seed(0)
+    x, res = torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g)
+    norm = RMSNorm(8, dtype=torch.float32)
+    norm.weight.data.uniform_(0.5, 1.5, generator=g)
+    summed = x + res
+    assert torch.equal(final_norm(norm, None, summed), final_norm(norm, x, res))
+    assert torch.equal(final_norm(norm, x, None), norm(x))
+    sent = stage_output(None, summed)
+    assert torch.equal(sent[0], torch.zeros_like(summed)) and torch.equal(sent[1], summed)
+    assert torch.equal(final_norm(norm, sent[0], sent[1]), final_norm(norm, x, res))
+    out = torch.full((2, 3, 8), 7.0)
+    assert stage_output(None, summed, out) is out and torch.equal(out, sent)
+    assert torch.equal(stage_output(x, res, out), torch.stack((x, res)))

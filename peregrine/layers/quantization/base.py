@@ -110,6 +110,34 @@ class QuantMethod(ABC):
         (the caller then runs the activation kernel and apply)."""
         return None
 
+    # NOTE: the three hooks below let a method's small-batch kernels take the RMSNorm between two
+    # layers' linears: the row-parallel linear before the norm adds the residual in its epilogue
+    # (the residual stream comes out of its kernel), and the column-parallel one after it reads
+    # that stream and normalises it as it reads. None from any of them: the caller runs the
+    # norm kernel and apply, with the same result up to the norm's rounding.
+
+    def apply_add(self, layer: LinearBase, x: torch.Tensor,
+                  residual: torch.Tensor) -> torch.Tensor | None:
+        """residual + y of x (T, in_per_rank), residual (T, out) in x's dtype, the add inside
+        this method's kernel, rounded as the norm kernel's residual add is (only called where
+        this rank's y is the whole output: one tensor-parallel rank, no bias); None where it
+        has no such kernel for x."""
+        return None
+
+    def apply_silu_and_mul_add(self, layer: LinearBase, h: torch.Tensor,
+                               residual: torch.Tensor) -> torch.Tensor | None:
+        """apply_add of x = silu(h[:, :I]) * h[:, I:] (apply_silu_and_mul's input), both inside
+        one kernel; None where it has none."""
+        return None
+
+    def apply_rms_normed(self, layer: LinearBase, h: torch.Tensor, norm_weight: torch.Tensor,
+                         eps: float, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """y of x = h / rms(h) * norm_weight for rows h (T, in_per_rank) of the residual stream
+        (an RMSNorm whose weight multiplies the normalised row), the norm inside this method's
+        kernel, in float32 and not rounded to h's dtype before the product (the norm kernel
+        rounds it: results differ by that rounding); None where it has no such kernel for h."""
+        return None
+
 
 class QuantizationConfig(ABC):
     """A checkpoint's quantization settings (config.json `quantization_config`)."""

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from peregrine.kernels.gemv import (W8_GEMV_MAX_M, precompile_w8_gemv, use_gemv, w8_gemv,
-                                     w8_gemv_ready)
+                                     w8_gemv_ready, w8_gemv_takes_norm)
 from peregrine.kernels.fp8_quant import (FP8_DTYPE, FP8_MAX, per_token_group_quant,
                                          quantize_with_scale, w8a8_block_fp8_matmul,
                                          w8a8_block_matmul_ref)
@@ -128,16 +128,46 @@ def apply_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 
 
 def apply_w8_silu_and_mul(h: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                          block: tuple[int, int] | None,
-                          bias: torch.Tensor | None) -> torch.Tensor | None:
+                          block: tuple[int, int] | None, bias: torch.Tensor | None,
+                          residual: torch.Tensor | None = None) -> torch.Tensor | None:
     """y (M, N) of x = silu(h[:, :K]) * h[:, K:] for decode rows h (M, 2K) through the 8-bit
     GEMV, which computes the activation as it reads its inputs (one launch fewer per layer, bit
-    for bit the unfused result); None where the GEMV does not serve h."""
-    if not (use_gemv(h, W8_GEMV_MAX_M) and w8_gemv_ready(weight, block)):
+    for bit the unfused result), plus `residual` (M, N) in its epilogue when given; None where
+    the GEMV does not serve h."""
+    if not _w8_gemv_rows(h, weight, scale, block):
         return None
-    if h.is_cuda and _tc_rows(h.numel() // h.shape[-1], weight, scale, block):
-        return None  # the activation kernel, then the tensor-core GEMV
-    y = w8_gemv(h.reshape(-1, h.shape[-1]), weight, scale, block, gated=True)  # (M, N)
+    y = w8_gemv(h.reshape(-1, h.shape[-1]), weight, scale, block, gated=True,
+                residual=residual)  # (M, N)
+    return y if bias is None else y + bias
+
+
+def _w8_gemv_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                  block: tuple[int, int] | None) -> bool:
+    """Whether the 8-bit GEMV (not its tensor-core form, nor the GEMMs) takes x's rows."""
+    if not (use_gemv(x, W8_GEMV_MAX_M) and w8_gemv_ready(weight, block)):
+        return False
+    return not (x.is_cuda and _tc_rows(x.numel() // x.shape[-1], weight, scale, block))
+
+
+def apply_w8_add(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                 block: tuple[int, int] | None, residual: torch.Tensor) -> torch.Tensor | None:
+    """residual + x @ dequant(weight)^T through the 8-bit GEMV, the add in its epilogue; None
+    where the GEMV does not serve x."""
+    if not _w8_gemv_rows(x, weight, scale, block):
+        return None
+    return w8_gemv(x.reshape(-1, x.shape[-1]), weight, scale, block, residual=residual)
+
+
+def apply_w8_rms_normed(h: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                        norm_weight: torch.Tensor, eps: float,
+                        bias: torch.Tensor | None) -> torch.Tensor | None:
+    """RMSNorm(h) * norm_weight @ dequant(weight)^T through the 8-bit GEMV, which normalises
+    the row as it reads it: one decode row of per-channel weights whose launch does not split K
+    (w8_gemv_takes_norm); None elsewhere."""
+    if not (_w8_gemv_rows(h, weight, scale, None)
+            and w8_gemv_takes_norm(h.numel() // h.shape[-1], weight)):
+        return None
+    y = w8_gemv(h.reshape(-1, h.shape[-1]), weight, scale, norm=(norm_weight, eps))
     return y if bias is None else y + bias
 
 
@@ -196,6 +226,18 @@ class W8A8Method(QuantMethod):
     def apply_silu_and_mul(self, layer: LinearBase, h: torch.Tensor,
                            bias: torch.Tensor | None = None) -> torch.Tensor | None:
         return apply_w8_silu_and_mul(h, layer.weight, layer.weight_scale, None, bias)
+
+    def apply_add(self, layer: LinearBase, x: torch.Tensor,
+                  residual: torch.Tensor) -> torch.Tensor | None:
+        return apply_w8_add(x, layer.weight, layer.weight_scale, None, residual)
+
+    def apply_silu_and_mul_add(self, layer: LinearBase, h: torch.Tensor,
+                               residual: torch.Tensor) -> torch.Tensor | None:
+        return apply_w8_silu_and_mul(h, layer.weight, layer.weight_scale, None, None, residual)
+
+    def apply_rms_normed(self, layer: LinearBase, h: torch.Tensor, norm_weight: torch.Tensor,
+                         eps: float, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        return apply_w8_rms_normed(h, layer.weight, layer.weight_scale, norm_weight, eps, bias)
 
 
 def _per_shard_scalar(num_shards: int) -> nn.Parameter:
@@ -292,6 +334,16 @@ class Fp8BlockMethod(QuantMethod):
                            bias: torch.Tensor | None = None) -> torch.Tensor | None:
         return apply_w8_silu_and_mul(h, layer.weight, getattr(layer, self.scale_name),
                                      self.block, bias)
+
+    def apply_add(self, layer: LinearBase, x: torch.Tensor,
+                  residual: torch.Tensor) -> torch.Tensor | None:
+        return apply_w8_add(x, layer.weight, getattr(layer, self.scale_name), self.block,
+                            residual)
+
+    def apply_silu_and_mul_add(self, layer: LinearBase, h: torch.Tensor,
+                               residual: torch.Tensor) -> torch.Tensor | None:
+        return apply_w8_silu_and_mul(h, layer.weight, getattr(layer, self.scale_name),
+                                     self.block, None, residual)
 
 
 class Fp8Config(QuantizationConfig):
