@@ -219,3 +219,59 @@ def test_fp8_decode_of_8_rows_down_to_1_multiplies_x_as_it_is(tmp_path: Path, mo
     assert len(err) == sum(p.max_tokens for p in params)
     assert err.mean() <= 2 * fp16_err.mean() + 0.02, (err.tolist(), fp16_err.tolist())
     assert err.max() <= 2 * fp16_err.max() + 0.1, (err.tolist(), fp16_err.tolist())
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("dtype, tol", [("float32", 2e-3), ("bfloat16", 0.15)])
+def test_norms_in_the_gemvs_keep_the_generation(tmp_path: Path, monkeypatch, dtype: str,
+                                                tol: float, enforce_eager: bool) -> None:
+    """A two-layer model of Llama-3-8B's widths in FP8 (per channel), one sequence (decode rows
+    of one): with the RMSNorms inside the 8-bit GEMVs (residual adds in the output and down
+    projections' epilogues, qkv and gate/up normalising their input), the greedy tokens'
+    logprobs are those of the separate norm kernels (float32: within rounding; bf16: within
+    the rounding of the normalised row, which the fused form skips), with CUDA graphs and
+    eagerly, and the fused forms were what ran."""
+    _needs_fp8()
+    from collections import Counter
+    import peregrine.layers.quantization.fp8 as fp8_mod
+    import peregrine.models.decoder as decoder
+    from peregrine import LLM, SamplingParams
+    from peregrine.testing.checkpoints import build_tiny_checkpoint
+    src = build_tiny_checkpoint(tmp_path / "src", "llama", hidden_size=4096, head_dim=128,
+                                num_attention_heads=32, num_key_value_heads=8,
+                                intermediate_size=14336, num_hidden_layers=2,
+                                max_position_embeddings=1024)
+    path = fp8_pack.write_compressed_tensors(src, tmp_path / "ct", "fp8_dynamic")
+    calls: Counter = Counter()
+    kernel = fp8_mod.w8_gemv
+
+    def counted(x, *args, norm=None, residual=None, **kw):
+        calls["norm" if norm is not None else "residual" if residual is not None
+              else "plain"] += 1
+        return kernel(x, *args, norm=norm, residual=residual, **kw)
+
+    monkeypatch.setattr(fp8_mod, "w8_gemv", counted)
+    prompt = [(7 * i + 3) % 500 + 4 for i in range(40)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1, ignore_eos=True)
+    runs = {}
+    for fuse in (True, False):
+        monkeypatch.setattr(decoder, "FUSE_NORMS", fuse)
+        calls.clear()
+        llm = LLM(str(path), dtype=dtype, max_model_len=256, seed=0, skip_tokenizer_init=True,
+                  enforce_eager=enforce_eager)
+        out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+        del llm
+        torch.cuda.empty_cache()
+        runs[fuse] = (out, dict(calls))
+    (fused, fused_calls), (plain, plain_calls) = runs[True], runs[False]
+    assert fused_calls.get("norm") and fused_calls.get("residual"), fused_calls
+    assert not {"norm", "residual"} & set(plain_calls), plain_calls
+    if enforce_eager:  # each decode step: 2 layers x (qkv, gate/up) normed, (o, down) adding
+        steps = sp.max_tokens - 1
+        assert fused_calls["norm"] == fused_calls["residual"] == 2 * 2 * steps, fused_calls
+    a = torch.tensor([fused.logprobs[i][t].logprob for i, t in enumerate(fused.token_ids)])
+    b = torch.tensor([plain.logprobs[i][t].logprob for i, t in enumerate(plain.token_ids)])
+    same = next((i for i, (x, y) in enumerate(zip(fused.token_ids, plain.token_ids)) if x != y),
+                len(fused.token_ids))
+    assert same >= 4, (fused.token_ids, plain.token_ids)  # near ties may part them later
+    assert (a[:same] - b[:same]).abs().max() < tol, (a - b).tolist()
