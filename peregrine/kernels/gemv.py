@@ -34,6 +34,7 @@ GEMV_MAX_ROWS = 8
 # Programs launched per SM (at least): enough column tiles x K splits to hide memory latency.
 _WAVES = 4
 _MAX_SPLIT = 32
+MAX_SPLIT = tl.constexpr(_MAX_SPLIT)  # the most splits finish_split_k sums squares over
 # Per-device split-K tickets (one int32 per column tile), zero between launches.
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _COUNTER_SLOTS = 1 << 14
@@ -173,9 +174,11 @@ def _partial(part_ptr, s, m, M, N, offs_n, n_mask, SPLIT_K):
 def finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, stride_cm,
                    SPLIT_K, HAS_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, res_ptr=None, stride_rm=0,
-                   HAS_RES: tl.constexpr = False):
+                   HAS_RES: tl.constexpr = False, ss_ptr=None, eps=0.0, K=1,
+                   NORMED: tl.constexpr = False):
     """The last program of a column tile adds its SPLIT_K partials in split order (HAS_RES:
-    then the residual row, as store_partial does)."""
+    then the residual row, as store_partial does; NORMED: one row, scaled by 1 / rms of the
+    row from the splits' sums of squares at ss_ptr + pid_n * SPLIT_K, _MAX_SPLIT at most)."""
     if HAS_SPLIT:
         # NOTE: every thread's partial stores are issued before the ticket (barrier), and the
         # ticket is a gpu-scope acq_rel atomic, so the last program sees all partials; it reads
@@ -207,6 +210,11 @@ def finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, strid
                         total += p5
                         total += p6
                         total += p7
+                    if NORMED:
+                        offs_s = tl.arange(0, MAX_SPLIT)
+                        ssq = tl.load(ss_ptr + pid_n * SPLIT_K + offs_s, mask=offs_s < SPLIT_K,
+                                      other=0.0, cache_modifier=".cg")
+                        total = total * tl.rsqrt(tl.sum(ssq, axis=0) / K + eps)
                     if HAS_RES:
                         y = add_residual(total, res_ptr, m, stride_rm, offs_n, n_mask,
                                          c_ptr.dtype.element_ty)
@@ -324,7 +332,7 @@ def _w8_to_f32(w, INT8_ASM: tl.constexpr):
 @triton.jit(do_not_specialize=["M", "stride_am", "stride_cm", "stride_rm", "K_ITERS",
                                "SPLIT_K"])
 def _w8_gemv_kernel(
-    a_ptr, w_ptr, s_ptr, part_ptr, lock_ptr, c_ptr, nw_ptr, res_ptr, eps,
+    a_ptr, w_ptr, s_ptr, part_ptr, lock_ptr, c_ptr, nw_ptr, res_ptr, ss_ptr, eps,
     M, N, K, stride_am, stride_wn, stride_cm, stride_rm, K_ITERS, SPLIT_K, scale_cols,
     BLOCK_SCALE: tl.constexpr, BN_SCALE: tl.constexpr, BK_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SPLIT: tl.constexpr,
@@ -334,9 +342,10 @@ def _w8_gemv_kernel(
 ):
     """FORM: how a K block's products are summed; GATED: x is silu(h[:K]) * h[K:] of the rows h
     (M, 2K) at a_ptr, computed as they are read (_row_dot); INT8_ASM: int8 weights converted by
-    inline PTX (_w8_to_f32). NORMED (one row, no split): x is RMSNorm(h) with weight nw_ptr and
-    eps, h the row at a_ptr: the sums of w * h * nw times 1 / rms(h), whose sum of squares
-    accumulates as the K loop reads h (_row_dot_normed). HAS_RES: the output rows are the
+    inline PTX (_w8_to_f32). NORMED (one row): x is RMSNorm(h) with weight nw_ptr and eps, h
+    the row at a_ptr: the sums of w * h * nw times 1 / rms(h), whose sum of squares accumulates
+    as the K loop reads h (_row_dot_normed); split, each program stores its share at ss_ptr
+    for the split-K finish. HAS_RES: the output rows are the
     residual rows at res_ptr plus the product (add_residual)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -390,8 +399,11 @@ def _w8_gemv_kernel(
     s = tl.full((BLOCK_N,), 1.0, tl.float32)
     if not BLOCK_SCALE:  # one scale per output channel, applied once to the sums
         s = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
-    if NORMED:  # 1 / rms of the whole row, which this program read through its K loop
-        s = s * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+    if NORMED:  # 1 / rms of the whole row: this program read it all, or the splits' parts
+        if HAS_SPLIT:  # this split's share; the column tile's last program adds them up
+            tl.store(ss_ptr + pid_n * SPLIT_K + split, tl.sum(sq, axis=0))
+        else:
+            s = s * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
     pdl_release(PDL)
     store_partial(part_ptr, c_ptr, _w8_sums(acc0, FORM) * s, 0, M, N, split, offs_n, n_mask,
                   stride_cm, HAS_SPLIT, res_ptr, stride_rm, HAS_RES)
@@ -413,7 +425,8 @@ def _w8_gemv_kernel(
         store_partial(part_ptr, c_ptr, _w8_sums(acc7, FORM) * s, 7, M, N, split, offs_n,
                       n_mask, stride_cm, HAS_SPLIT, res_ptr, stride_rm, HAS_RES)
     finish_split_k(part_ptr, lock_ptr, c_ptr, M, N, pid_n, offs_n, n_mask, stride_cm,
-                   SPLIT_K, HAS_SPLIT, BLOCK_M, BLOCK_N, res_ptr, stride_rm, HAS_RES)
+                   SPLIT_K, HAS_SPLIT, BLOCK_M, BLOCK_N, res_ptr, stride_rm, HAS_RES, ss_ptr,
+                   eps, K, NORMED)
 
 
 class GemvConfig(NamedTuple):
@@ -513,15 +526,10 @@ def w8_gemv_ready(weight: torch.Tensor, block: tuple[int, int] | None = None) ->
     return weight.dtype == torch.int8 or _has_fp8_cvt(weight.device.index or 0)
 
 
-def w8_gemv_takes_norm(rows: int, weight: torch.Tensor,
-                       block: tuple[int, int] | None = None) -> bool:
-    """Whether w8_gemv(norm=...) serves `rows` rows of this weight by its default config: one
-    row, per-channel scales, a launch that does not split K (each program reads the whole row,
-    so it sums the row's squares itself)."""
-    if rows != 1 or block is not None:
-        return False
-    n, k = weight.shape
-    return w8_gemv_config(1, n, k, None, weight.device).split_k == 1
+def w8_gemv_takes_norm(rows: int) -> bool:
+    """Whether w8_gemv(norm=...) serves `rows` rows: one (each program sums the squares of its
+    part of the row; a split launch's last program of a column tile adds the parts)."""
+    return rows == 1
 
 
 def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -539,8 +547,8 @@ def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     its launch.
     norm = (norm weight (K,), eps): x is one row h of the residual stream and the GEMV's input
     RMSNorm(h) * norm weight, computed in float32 as it is read, 1 / rms(h) applied to the sums
-    (no rounding of the normalised row: not the norm kernel's bits, closer to exact); one row,
-    no K split (w8_gemv_takes_norm), and not with gated.
+    (no rounding of the normalised row: not the norm kernel's bits, closer to exact); one row
+    (w8_gemv_takes_norm), and not with gated.
     residual (M, N) in x's dtype: the output is residual + the product, each rounded to x's
     dtype as the GEMV and then the norm kernel's residual add round them (the same bits)."""
     n, k = weight.shape
@@ -577,10 +585,9 @@ def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                          f"{block[1]}")
     norm_weight, eps = norm if norm is not None else (None, 0.0)
     if norm is not None:
-        if m != 1 or gated or cfg.split_k != 1 or block is not None:
-            raise ValueError(f"w8_gemv: norm takes one row of per-channel weights without a K "
-                             f"split (rows {m}, gated {gated}, split {cfg.split_k}, block "
-                             f"{block})")
+        if m != 1 or gated or cfg.split_k > _MAX_SPLIT:
+            raise ValueError(f"w8_gemv: norm takes one row, not gated, at most {_MAX_SPLIT} K "
+                             f"splits (rows {m}, gated {gated}, split {cfg.split_k})")
         if norm_weight.shape != (k,) or not norm_weight.is_contiguous():
             raise ValueError(f"w8_gemv: norm weight {tuple(norm_weight.shape)} must be a "
                              f"contiguous ({k},)")
@@ -590,11 +597,14 @@ def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                          f"({m}, {n}) {x.dtype}, contiguous in its last dim")
     tiles = triton.cdiv(n, cfg.block_n)
     out, part, lock = launch_buffers(a, n, tiles, cfg.split_k)
+    # NOTE: a split normed launch's sums of squares, one per (column tile, split)
+    ssq = torch.empty(tiles * cfg.split_k if norm is not None and cfg.split_k > 1 else 1,
+                      dtype=torch.float32, device=x.device)
     bn_scale, bk_scale = block if block is not None else (1, 1)
     _w8_gemv_kernel[(tiles, cfg.split_k)](
         a, weight, scale, part, lock, out,
         norm_weight if norm is not None else scale, residual if residual is not None else out,
-        float(eps), m, n, k, a.stride(0), weight.stride(0), out.stride(0),
+        ssq, float(eps), m, n, k, a.stride(0), weight.stride(0), out.stride(0),
         residual.stride(0) if residual is not None else 0,
         cfg.k_iters, cfg.split_k, scale_cols, BLOCK_SCALE=block is not None, BN_SCALE=bn_scale,
         BK_SCALE=bk_scale, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -618,6 +628,6 @@ def precompile_w8_gemv(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.d
                 w8_gemv(torch.zeros(rows, k * (2 if gated else 1), dtype=dtype,
                                     device=weight.device), weight, scale, block, gated=gated,
                         residual=residual)
-    if w8_gemv_takes_norm(1, weight, block):  # a column-parallel layer after an RMSNorm
-        w8_gemv(torch.zeros(1, k, dtype=dtype, device=weight.device), weight, scale, block,
-                norm=(torch.ones(k, dtype=dtype, device=weight.device), 1e-6))
+    # a column-parallel layer after an RMSNorm, one row
+    w8_gemv(torch.zeros(1, k, dtype=dtype, device=weight.device), weight, scale, block,
+            norm=(torch.ones(k, dtype=dtype, device=weight.device), 1e-6))

@@ -478,29 +478,32 @@ def test_w8_gemv_gated_equals_the_activation_kernel_then_the_gemv(wdtype: torch.
     assert torch.equal(got, w8_gemv(silu_and_mul(h), wq, ws))
 
 
-@pytest.mark.parametrize("wdtype", (FP8_DTYPE, torch.int8), ids=("fp8", "int8"))
-@pytest.mark.parametrize("shape", ("qkv", "gate_up"))
-def test_w8_gemv_normed_row_matches_the_norm_then_the_matmul(shape: str,
-                                                             wdtype: torch.dtype) -> None:
-    # Llama-3-8B's column-parallel projections after an RMSNorm, one decode row: the norm taken
-    # into the GEMV (unsplit launch), against float32 RMSNorm then dequantize-then-matmul, and
-    # no farther from it than the norm kernel then the GEMV
-    from peregrine.kernels.gemv import w8_gemv_takes_norm
+@pytest.mark.parametrize("wdtype", ("fp8", "int8", "fp8-block"))
+@pytest.mark.parametrize("shape", ("qkv", "gate_up", "70b-qkv"))
+def test_w8_gemv_normed_row_matches_the_norm_then_the_matmul(shape: str, wdtype: str) -> None:
+    # the column-parallel projections after an RMSNorm, one decode row (Llama-3-8B's, unsplit
+    # launches; Llama-2-70B's qkv, split; 128 x 128 block scales, split): the norm taken into
+    # the GEMV, against float32 RMSNorm then dequantize-then-matmul, and no farther from it than
+    # the norm kernel then the GEMV
     from peregrine.kernels.rmsnorm import rms_norm
-    if wdtype == FP8_DTYPE:
+    if wdtype != "int8":
         _needs_fp8()
-    k, n = SHAPES[shape]
-    wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=DEV) * 0.02, wdtype)
-    ws = ws.t().contiguous()
-    assert w8_gemv_takes_norm(1, wq)
+    k, n = SHAPES[shape] if shape in SHAPES else (8192, 10240)
+    w = torch.randn(n, k, device=DEV) * 0.02
+    block = (128, 128) if wdtype == "fp8-block" else None
+    if block is None:
+        wq, ws = fp8_pack.quantize_per_channel(w, FP8_DTYPE if wdtype == "fp8" else torch.int8)
+        deq, ws = wq.float() * ws, ws.t().contiguous()
+    else:
+        wq, ws = fp8_pack.quantize_blocks(w, block)
+        deq = block_dequantize(wq, ws, block)
     h = torch.randn(1, k, device=DEV, dtype=torch.bfloat16) * 4
     nw = (torch.rand(k, device=DEV) + 0.5).to(torch.bfloat16)
-    got = w8_gemv(h, wq, ws, norm=(nw, 1e-5))
-    assert torch.equal(got, w8_gemv(h, wq, ws, norm=(nw, 1e-5)))
+    got = w8_gemv(h, wq, ws, block, norm=(nw, 1e-5))
+    assert torch.equal(got, w8_gemv(h, wq, ws, block, norm=(nw, 1e-5)))
     hf = h.float()
-    want = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.float()) \
-        @ (wq.float() * ws.t()).t()
-    separate = w8_gemv(rms_norm(h, nw, 1e-5), wq, ws)
+    want = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.float()) @ deq.t()
+    separate = w8_gemv(rms_norm(h, nw, 1e-5), wq, ws, block)
     assert rel_err(got.float(), want) <= rel_err(separate.float(), want) + 2 ** -9
 
 

@@ -221,23 +221,26 @@ def test_the_unsplit_wide_tile_matches_dequantized_matmul(block_k: int) -> None:
 
 
 @pytest.mark.parametrize("form", [0, 1])
-@pytest.mark.parametrize("block_k", [64, 512])
+@pytest.mark.parametrize("block_k, split", [(64, 1), (512, 1), (64, 2), (32, 8)])
 @pytest.mark.parametrize("dtype", [FP8_DTYPE, torch.int8], ids=["fp8", "int8"])
-def test_normed_row_is_the_rms_norm_then_the_gemv(dtype: torch.dtype, block_k: int,
+def test_normed_row_is_the_rms_norm_then_the_gemv(dtype: torch.dtype, block_k: int, split: int,
                                                   form: int) -> None:
     """norm=(weight, eps): one row h of the residual stream, the GEMV's input RMSNorm(h) *
     weight, the squares summed over the K loop's blocks (several, or one wider than K), 1 / rms
-    applied to the sums: float32 RMSNorm then dequantize-then-matmul."""
+    applied to the sums; a split launch's last program of a column tile adds the splits'
+    squares: float32 RMSNorm then dequantize-then-matmul."""
     wq, ws = _weight(dtype, seed=6)
     g = torch.Generator().manual_seed(7)
     h = torch.randn(1, K, generator=g) * 3
     nw = torch.rand(K, generator=g) + 0.5
-    cfg = GemvConfig(block_n=16, block_k=block_k, split_k=1, k_iters=-(-K // block_k),
-                     num_warps=4)
+    iters = -(-K // (block_k * split))
+    cfg = GemvConfig(block_n=16, block_k=block_k, split_k=split, k_iters=iters, num_warps=4)
     got = w8_gemv(h, wq, ws, config=cfg, form=form, norm=(nw, 1e-5))
     normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * nw
     want = normed @ (wq.float() * ws.t()).t()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if split > 1:  # the same bits again (the split order is fixed)
+        assert torch.equal(got, w8_gemv(h, wq, ws, config=cfg, form=form, norm=(nw, 1e-5)))
     # eps is used: a zero row gives zeros, not NaN
     assert torch.equal(w8_gemv(torch.zeros(1, K), wq, ws, config=cfg, norm=(nw, 1e-5)),
                        torch.zeros(1, N))
@@ -261,16 +264,32 @@ def test_residual_rows_are_the_gemv_then_the_norm_kernels_add(split: int, gated:
     assert not torch.equal(got, y)
 
 
+@pytest.mark.parametrize("block", [(32, 64), (16, 32)])
+def test_normed_row_with_block_scales(block: tuple[int, int]) -> None:
+    """The normalised row through block-scaled FP8 weights, split and not: float32 RMSNorm then
+    block_dequantize-then-matmul."""
+    wq, ws, w = _fp8_weight(block, seed=12)
+    g = torch.Generator().manual_seed(13)
+    h = torch.randn(1, K, generator=g) * 2
+    nw = torch.rand(K, generator=g) + 0.5
+    want = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * nw) @ w.t()
+    for split in (1, 4):
+        cfg = GemvConfig(block_n=32, block_k=block[1], split_k=split,
+                         k_iters=-(-K // (block[1] * split)), num_warps=4)
+        got = w8_gemv(h, wq, ws, block, config=cfg, norm=(nw, 1e-6))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_norm_and_residual_misuse_is_named() -> None:
-    """norm takes one row, no split, no gate, a (K,) weight; residual must be (M, N) in x's
-    dtype."""
+    """norm takes one row, no gate, a (K,) weight, at most 32 splits; residual must be (M, N)
+    in x's dtype."""
     from peregrine.kernels.gemv import w8_gemv_takes_norm
     wq, ws = _weight(FP8_DTYPE)
     nw = torch.ones(K)
-    split = GemvConfig(block_n=32, block_k=64, split_k=2, k_iters=2, num_warps=4)
+    split = GemvConfig(block_n=32, block_k=16, split_k=64, k_iters=1, num_warps=4)
     with pytest.raises(ValueError, match="one row"):
         w8_gemv(torch.zeros(2, K), wq, ws, norm=(nw, 1e-6))
-    with pytest.raises(ValueError, match="split 2"):
+    with pytest.raises(ValueError, match="split 64"):
         w8_gemv(torch.zeros(1, K), wq, ws, config=split, norm=(nw, 1e-6))
     with pytest.raises(ValueError, match="gated True"):
         w8_gemv(torch.zeros(1, 2 * K), wq, ws, gated=True, norm=(nw, 1e-6))
@@ -280,8 +299,7 @@ def test_norm_and_residual_misuse_is_named() -> None:
         w8_gemv(torch.zeros(1, K), wq, ws, residual=torch.zeros(1, N + 1))
     with pytest.raises(ValueError, match="residual"):
         w8_gemv(torch.zeros(1, K), wq, ws, residual=torch.zeros(1, N, dtype=torch.bfloat16))
-    assert w8_gemv_takes_norm(1, wq) and not w8_gemv_takes_norm(2, wq)
-    assert not w8_gemv_takes_norm(1, wq, (32, 64))
+    assert w8_gemv_takes_norm(1) and not w8_gemv_takes_norm(2)
 
 
 @pytest.mark.slow

@@ -159,15 +159,14 @@ def apply_w8_add(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 
 def apply_w8_rms_normed(h: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                        norm_weight: torch.Tensor, eps: float,
+                        block: tuple[int, int] | None, norm_weight: torch.Tensor, eps: float,
                         bias: torch.Tensor | None) -> torch.Tensor | None:
     """RMSNorm(h) * norm_weight @ dequant(weight)^T through the 8-bit GEMV, which normalises
-    the row as it reads it: one decode row of per-channel weights whose launch does not split K
-    (w8_gemv_takes_norm); None elsewhere."""
-    if not (_w8_gemv_rows(h, weight, scale, None)
-            and w8_gemv_takes_norm(h.numel() // h.shape[-1], weight)):
+    the row as it reads it: one decode row (w8_gemv_takes_norm); None elsewhere."""
+    if not (_w8_gemv_rows(h, weight, scale, block)
+            and w8_gemv_takes_norm(h.numel() // h.shape[-1])):
         return None
-    y = w8_gemv(h.reshape(-1, h.shape[-1]), weight, scale, norm=(norm_weight, eps))
+    y = w8_gemv(h.reshape(-1, h.shape[-1]), weight, scale, block, norm=(norm_weight, eps))
     return y if bias is None else y + bias
 
 
@@ -237,7 +236,8 @@ class W8A8Method(QuantMethod):
 
     def apply_rms_normed(self, layer: LinearBase, h: torch.Tensor, norm_weight: torch.Tensor,
                          eps: float, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-        return apply_w8_rms_normed(h, layer.weight, layer.weight_scale, norm_weight, eps, bias)
+        return apply_w8_rms_normed(h, layer.weight, layer.weight_scale, None, norm_weight, eps,
+                                   bias)
 
 
 def _per_shard_scalar(num_shards: int) -> nn.Parameter:
@@ -344,6 +344,11 @@ class Fp8BlockMethod(QuantMethod):
                                residual: torch.Tensor) -> torch.Tensor | None:
         return apply_w8_silu_and_mul(h, layer.weight, getattr(layer, self.scale_name),
                                      self.block, None, residual)
+
+    def apply_rms_normed(self, layer: LinearBase, h: torch.Tensor, norm_weight: torch.Tensor,
+                         eps: float, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        return apply_w8_rms_normed(h, layer.weight, getattr(layer, self.scale_name), self.block,
+                                   norm_weight, eps, bias)
 
 
 class Fp8Config(QuantizationConfig):
