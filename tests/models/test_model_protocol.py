@@ -8,7 +8,8 @@ import torch
 from peregrine.attention import get_attention_backend
 from peregrine.config import EngineArgs
 from peregrine.layers.kernel_config import KernelConfig
-from peregrine.models.protocol import CausalLM, PagedAttention, PiecewiseLayer, SelfAttention
+from peregrine.models.protocol import (CausalLM, PagedAttention, PiecewiseLayer, SelfAttention,
+                                       final_norm)
 from peregrine.testing.checkpoints import ARCHS, tiny_checkpoint
 from peregrine.testing.steps import one_prefill
 from peregrine.worker.loader import load_model
@@ -47,7 +48,7 @@ def _run_pieces(model, ids: torch.Tensor, pos: torch.Tensor, caches, meta,
             assert q is q_buf and residual is res_buf
         x, residual = layer.post_attention(layer.self_attn.attn(q, None, None, cache, meta),
                                            residual)
-    return model.norm(x, residual)[0]
+    return final_norm(model.norm, x, residual)
 
 
 @pytest.mark.parametrize("buffers", [False, True], ids=["returned", "into_buffers"])
@@ -84,6 +85,51 @@ def test_fused_kernel_layers_match_the_torch_layers(arch: str) -> None:
         torch.testing.assert_close(k, k_want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(v, v_want, atol=1e-4, rtol=1e-4)
         assert k.abs().sum() > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_norms_inside_the_8_bit_gemvs_through_forward_and_the_pieces(arch: str,
+                                                                     monkeypatch) -> None:
+    """One token of an online-FP8 model through the CUDA dispatch (the 8-bit GEMV, run here by
+    the interpreter) with the fused kernels: with the norms inside the GEMVs (a layer handing on
+    hidden None, its output already in the residual), forward and the pieces (into the fixed
+    buffers) give the same hidden states and cache, and the separate norm kernels' within
+    float32 rounding."""
+    import peregrine.layers.quantization.fp8 as fp8_mod
+    import peregrine.models.decoder as decoder
+    monkeypatch.setattr(fp8_mod, "use_gemv", lambda x, max_m: 0 < x.numel() // x.shape[-1]
+                        <= max_m)
+    monkeypatch.setattr(fp8_mod, "w8_gemv_ready", lambda w, block=None: True)
+    cfg = EngineArgs(model=str(tiny_checkpoint(arch)), dtype="float32", device="cpu",
+                     quantization="fp8").create_engine_config().model
+    model = load_model(cfg, get_attention_backend("torch"), torch.device("cpu"),
+                       KernelConfig(fused=True))
+    ids, pos = torch.tensor(TOKENS[:1]), torch.arange(1)
+    runs = {}
+    with torch.inference_mode():
+        for fuse in (True, False):
+            monkeypatch.setattr(decoder, "FUSE_NORMS", fuse)
+            caches, meta = one_prefill(cfg, 1)
+            hidden = model(ids, pos, caches, meta)
+            piece_caches, _ = one_prefill(cfg, 1)
+            pieces = _run_pieces(model, ids, pos, piece_caches, meta, buffers=True)
+            assert torch.equal(pieces, hidden)
+            for a, b in zip(caches, piece_caches):
+                assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+            runs[fuse] = hidden, caches
+    (fused, fused_caches), (plain, plain_caches) = runs[True], runs[False]
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    for a, b in zip(fused_caches, plain_caches):
+        torch.testing.assert_close(a[0], b[0], rtol=1e-4, atol=1e-4)
+    with torch.inference_mode():  # the fused form ran: a layer handed on hidden None
+        monkeypatch.setattr(decoder, "FUSE_NORMS", True)
+        caches, meta = one_prefill(cfg, 1)
+        layer = model.layers[0]
+        q, residual = layer.pre_attention(pos, model.embed_tokens(ids), None, caches[0],
+                                          meta.slot_mapping)
+        x, _ = layer.post_attention(layer.self_attn.attn(q, None, None, caches[0], meta),
+                                    residual)
+    assert x is None
 
 
 def test_built_in_its_dtype_without_a_process_wide_default() -> None:
