@@ -345,8 +345,8 @@ def _w8_gemv_kernel(
     inline PTX (_w8_to_f32). NORMED (one row): x is RMSNorm(h) with weight nw_ptr and eps, h
     the row at a_ptr: the sums of w * h * nw times 1 / rms(h), whose sum of squares accumulates
     as the K loop reads h (_row_dot_normed); split, each program stores its share at ss_ptr
-    for the split-K finish. HAS_RES: the output rows are the
-    residual rows at res_ptr plus the product (add_residual)."""
+    for the split-K finish. HAS_RES: the output rows are the residual rows at res_ptr plus the
+    product (add_residual)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
@@ -598,8 +598,8 @@ def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     tiles = triton.cdiv(n, cfg.block_n)
     out, part, lock = launch_buffers(a, n, tiles, cfg.split_k)
     # NOTE: a split normed launch's sums of squares, one per (column tile, split)
-    ssq = torch.empty(tiles * cfg.split_k if norm is not None and cfg.split_k > 1 else 1,
-                      dtype=torch.float32, device=x.device)
+    ssq = part if norm is None or cfg.split_k == 1 else \
+        torch.empty(tiles * cfg.split_k, dtype=torch.float32, device=x.device)
     bn_scale, bk_scale = block if block is not None else (1, 1)
     _w8_gemv_kernel[(tiles, cfg.split_k)](
         a, weight, scale, part, lock, out,
