@@ -173,11 +173,12 @@ class DecoderMLP(nn.Module):
             y = self.down_proj.forward_silu_and_mul_add(h, residual)
             if y is not None:
                 return None, y
-        else:
-            y = self.down_proj.forward_add(self.act(h), residual)
-            if y is not None:
-                return None, y
-        return self.down(h), residual
+            return self.down(h), residual
+        a = self.act(h)  # (T, I)
+        y = self.down_proj.forward_add(a, residual)
+        if y is not None:
+            return None, y
+        return self.down_proj(a), residual
 
 
 class DecoderParts(NamedTuple):
