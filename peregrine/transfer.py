@@ -11,6 +11,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+# A step's copies run on streams of their own on a GPU (see side_stream): the next step's inputs
+# then do not queue behind the step in flight, nor its first kernel behind the copy of the last
+# step's tokens to the host.
+SIDE_STREAMS = True
+
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
                  np.dtype(np.float32): torch.float32, np.dtype(np.bool_): torch.bool}
 
@@ -40,12 +45,56 @@ def stage(arrays: Sequence[np.ndarray], pin: bool) -> list[torch.Tensor]:
     return _views(host, arrays, offsets)
 
 
-def upload_packed(arrays: Sequence[np.ndarray], device: torch.device
-                  ) -> tuple[torch.Tensor, list[int]]:
+def side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """A stream for a step's copies on a CUDA device (None elsewhere, or with SIDE_STREAMS off)."""
+    return torch.cuda.Stream(device) if device.type == "cuda" and SIDE_STREAMS else None
+
+
+def upload_packed(arrays: Sequence[np.ndarray], device: torch.device,
+                  stream: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, list[int]]:
     """Small host arrays packed into one byte buffer on `device` (one non-blocking copy), and
-    where each starts in it (bytes, 8-byte aligned)."""
+    where each starts in it (bytes, 8-byte aligned). With `stream` (CUDA), the copy runs there,
+    so it does not wait for the work queued on the current stream, and the current stream waits
+    for it before its next work."""
     host, offsets = _pack(arrays, pin=device.type == "cuda")
-    return (host if device.type == "cpu" else host.to(device, non_blocking=True)), offsets
+    if device.type == "cpu":
+        return host, offsets
+    if stream is None:
+        return host.to(device, non_blocking=True), offsets
+    current = torch.cuda.current_stream(device)
+    with torch.cuda.stream(stream):
+        dev = host.to(device, non_blocking=True)
+    current.wait_stream(stream)
+    dev.record_stream(current)  # NOTE: read on the current stream: not reused before that runs
+    return dev, offsets
+
+
+def download(tensors: dict[str, torch.Tensor], device: torch.device,
+             stream: torch.cuda.Stream | None = None
+             ) -> tuple[dict[str, torch.Tensor], torch.cuda.Event | None]:
+    """Host copies of device tensors once the work queued so far has run, and a CUDA event
+    recorded after the copies (None off CUDA, where the tensors themselves are returned). The
+    copies go to pinned memory without blocking the host; with `stream` they run there, after
+    the current stream's queued work, so the current stream's next work does not wait for them."""
+    if device.type != "cuda":
+        return dict(tensors), None
+    event = torch.cuda.Event()
+    if stream is None or not tensors:
+        out = {k: _pinned_copy(x) for k, x in tensors.items()}
+        event.record()
+        return out, event
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        out = {}
+        for k, x in tensors.items():
+            x.record_stream(stream)  # NOTE: freed on the current stream, read here
+            out[k] = _pinned_copy(x)
+        event.record(stream)
+    return out, event
+
+
+def _pinned_copy(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x, non_blocking=True)
 
 
 def upload(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:

@@ -21,7 +21,7 @@ from peregrine.sample.logprobs import compute_token_logprobs
 from peregrine.sample.sampler import Sampler
 from peregrine.spec_decode.proposer import ProposeInput, Proposer
 from peregrine.spec_decode.verify import accepted_counts
-from peregrine.transfer import to_device
+from peregrine.transfer import download, side_stream, to_device
 from peregrine.worker.cuda_graphs import CudaGraphRunner, KVCaches, PiecewiseGraphs
 from peregrine.worker.input_batch import InputBatch
 from peregrine.worker.step_buffers import StageBuffers, StepBuffers
@@ -89,6 +89,9 @@ class ModelRunner:
         self.verify_graphs: VerifyGraphs | None = None
         # pipeline stages under CUDA graphs: the graphs' fixed input / output buffers
         self.stage_buffers: StageBuffers | None = None
+        # NOTE: a step's results go to the host on a stream of their own: the next step's first
+        # kernel, queued behind this step's sampling, does not wait for that copy.
+        self._download_stream = side_stream(device)
         self._num_launched = 0
         self._in_flight: dict[int, torch.Tensor] = {}  # uncollected step id -> sampled (S,) tokens
         self.proposer: Proposer | None = None  # speculative decoding (set by the worker)
@@ -309,11 +312,11 @@ class ModelRunner:
             # NOTE: penalties count this step's tokens on the device: exact with a step in flight.
             batch.sampling.record_sampled(meta, so.sampled_token_ids)
             # NOTE: a verify step's accepted draft counts come from these tokens on the host.
-            host["sampled"] = self._to_host(so.sampled_token_ids)  # (S',)
+            host["sampled"] = so.sampled_token_ids  # (S',)
             if so.logprobs is not None:
-                host["lp_ids"] = self._to_host(so.logprob_token_ids)
-                host["lp_vals"] = self._to_host(so.logprobs)
-                host["lp_ranks"] = self._to_host(so.ranks)
+                host["lp_ids"] = so.logprob_token_ids
+                host["lp_vals"] = so.logprobs
+                host["lp_ranks"] = so.ranks
             generations = batch.generation[rows].copy()
             positions = batch.append_placeholders(rows, step_id)
             if not verify:  # NOTE: speculation runs synchronously: no later step reads these
@@ -323,15 +326,13 @@ class ModelRunner:
             ks = batch.prompt_logprobs[plan.rows[plan.prompt_idx]]  # (P rows,)
             targets = to_device(plan.prompt_targets, self.device)  # (sum counts,)
             lp = compute_token_logprobs(logits[s:], targets, int(ks.max()))
-            host["plp_ids"] = self._to_host(lp.token_ids)
-            host["plp_vals"] = self._to_host(lp.logprobs)
-            host["plp_ranks"] = self._to_host(lp.ranks)
+            host["plp_ids"] = lp.token_ids
+            host["plp_vals"] = lp.logprobs
+            host["plp_ranks"] = lp.ranks
             prompt_lp = [(plan.req_ids[i], c, k) for i, c, k in zip(
                 plan.order[plan.prompt_idx].tolist(), plan.prompt_counts.tolist(), ks.tolist())]
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
+        # NOTE: the event follows the copies, which follow all of the step's device work.
+        host, event = download(host, self.device, self._download_stream)
         order = plan.order[plan.sample_idx].tolist()
         return StepHandle(step_id, plan.req_ids, order, [plan.req_ids[i] for i in order],
                           generations, positions, batch.sampling.num_logprobs[rows].tolist(),
@@ -354,12 +355,6 @@ class ModelRunner:
                              f"{missing}")
         rows = np.fromiter((sample_row[r] for r in ids), np.int64, len(ids))  # (G,)
         self.batch.sampling.add_grammar_masks(meta, rows, sched.grammar_bitmask)
-
-    def _to_host(self, x: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cuda":
-            return x
-        dst = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-        return dst.copy_(x, non_blocking=True)
 
     # ---- results --------------------------------------------------------------------------
     def collect(self, handle: StepHandle) -> ModelRunnerOutput:

@@ -6,7 +6,7 @@ import torch
 
 from peregrine.attention.metadata import AttentionMetadata
 from peregrine.models.protocol import PipelineStage
-from peregrine.transfer import copy_into, upload_packed
+from peregrine.transfer import copy_into, side_stream, upload_packed
 
 
 class StepBuffers:
@@ -22,6 +22,9 @@ class StepBuffers:
 
         self.device = device
         self.packed = device.type == "cuda" if packed is None else packed
+        # NOTE: the packed upload runs on a stream of its own, so it is on the device before the
+        # step in flight ends rather than queued behind it (and its tokens' copy to the host).
+        self.upload_stream = side_stream(device) if self.packed else None
         # NOTE: plain (pageable) host arrays: to_device stages what a step uses in fresh pinned
         # memory, so a step never waits for the previous one's copies before reusing them.
         self.input_ids_np = np.zeros(max_tokens, np.int64)  # (T,)
@@ -59,7 +62,7 @@ class StepBuffers:
                   seq_lens, qsl, self.block_table_np[:b, :width]]
         if self.packed:
             from peregrine.kernels.step_inputs import scatter_step_inputs
-            packed, offsets = upload_packed(arrays, self.device)
+            packed, offsets = upload_packed(arrays, self.device, self.upload_stream)
             scatter_step_inputs(packed, offsets, [
                 self.d_input_ids, self.d_positions, self.d_slot_mapping, self.d_seq_lens,
                 self.d_query_start_loc, self.d_block_table], pt, pb, b, width, pending)
