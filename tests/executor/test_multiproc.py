@@ -111,8 +111,9 @@ def test_dropping_the_llm_stops_its_workers() -> None:
 
 
 _CTRL_C_SCRIPT = """
-import sys, time
+import faulthandler, signal, sys, time
 from peregrine import LLM, SamplingParams
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's view of a hang
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], dtype="float32", device="cpu", max_model_len=64, tensor_parallel_size=2)
     ex = llm.engine.core_client.core.executor
@@ -138,7 +139,16 @@ def test_ctrl_c_in_the_driver_leaves_no_worker_and_no_segment(tmp_path) -> None:
         *pids, ring = line
         time.sleep(1.0)  # generating
         proc.send_signal(signal.SIGINT)
-        proc.wait(30)
+        # NOTE: the pipes are drained while waiting (the workers share them): a full pipe must
+        # not be what stops the driver; a driver still running after 30 s shows its stacks.
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(2.0)
+            proc.kill()
+            _, err = proc.communicate()
+            raise AssertionError(f"the driver did not exit on Ctrl-C; its stacks:\n{err[-6000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
