@@ -113,6 +113,9 @@ def test_dropping_the_llm_stops_its_workers() -> None:
 _CTRL_C_SCRIPT = """
 import faulthandler, signal, sys, time
 from peregrine import LLM, SamplingParams
+# NOTE: Ctrl-C as a terminal delivers it, whatever this test's own process inherited (a job
+# started in the background without job control ignores SIGINT, and so would this driver).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's view of a hang
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], dtype="float32", device="cpu", max_model_len=64, tensor_parallel_size=2)

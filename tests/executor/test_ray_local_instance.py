@@ -75,8 +75,10 @@ def test_the_driver_stops_the_ray_instance_it_started(tmp_path) -> None:
 
 
 _CTRL_C_SCRIPT = """
-import os, sys
+import os, signal, sys
 from peregrine import LLM, SamplingParams
+# NOTE: Ctrl-C as a terminal delivers it, whatever this test's own process inherited.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], dtype="float32", device="cpu", max_model_len=64,
               tensor_parallel_size=2, distributed_executor_backend="ray")
