@@ -6,6 +6,7 @@
 #          w5 (int4 AWQ layout, batch 1) w8a8 gemvbench stagegraphs w8a8lat w6 w1fp8 w5prof
 #          streamprobe w5ablate logitsbench w8tc replayprobe stepgap
 #          two GPUs: tptests tp2lat tp2serve 70btp2 70bserve ppbench arbench
+#            (SPLITS_70B="tp2 pp2": the 70B splits, as tags; TP_SIZES="2 1"; PP_MODEL, PP_SETUPS)
 # Logs, JUnit XML (tests) and JSON results go under $OUT (default /tmp/out).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -107,16 +108,16 @@ for s in $steps; do
              done ;;
     tp2serve) wheels  # W3 at TP=2 and TP=1
              for tp in ${TP_SIZES:-2 1}; do
-               run "w3_tp$tp" 450 python benchmarks/serve_workloads.py w3 --num-prompts "${W3_PROMPTS:-1000}" --rates "${W3_RATES:-inf}" --server-args "-tp $tp" --tag "_tp$tp" --out-dir "$OUT/serve"
+               run "w3_tp$tp" 450 python benchmarks/serve_workloads.py w3 --num-prompts "${W3_PROMPTS:-1000}" --rates "${W3_RATES:-inf}" --server-args="-tp $tp" --tag "_tp$tp" --out-dir "$OUT/serve"
              done ;;
-    70btp2)  for split in ${SPLITS_70B:-"-tp 2" "-pp 2"}; do  # Llama-2-70B bf16 batch 1
-               tag=$(echo $split | tr -d ' -')
+    70btp2)  for tag in ${SPLITS_70B:-tp2 pp2}; do  # Llama-2-70B bf16 batch 1
+               split="-${tag:0:2} ${tag:2}"
                run "70b_$tag" 400 python -m peregrine.entrypoints.cli bench latency --model "$CFG/llama-2-70b.json" $split --output-json "$OUT/w2_70b_$tag.json"
              done ;;
     70bserve) wheels  # a W3-style load on Llama-2-70B
-             for split in ${SPLITS_70B:-"-tp 2" "-pp 2"}; do
-               tag=$(echo $split | tr -d ' -')
-               run "w3_70b_$tag" 550 python benchmarks/serve_workloads.py w3 --config "$CFG/llama-2-70b.json" --num-prompts "${W3_PROMPTS:-1000}" --rates "${W3_RATES:-inf}" --server-args "$split" --tag "_70b_$tag" --out-dir "$OUT/serve"
+             for tag in ${SPLITS_70B:-tp2 pp2}; do
+               split="-${tag:0:2} ${tag:2}"
+               run "w3_70b_$tag" 550 python benchmarks/serve_workloads.py w3 --config "$CFG/llama-2-70b.json" --num-prompts "${W3_PROMPTS:-1000}" --rates "${W3_RATES:-inf}" --server-args="$split" --tag "_70b_$tag" --out-dir "$OUT/serve"
              done ;;
     arbench) run arbench 200 python benchmarks/all_reduce_bench.py --world "${AR_WORLD:-2}" --out "$OUT/all_reduce.json" ;;
     ppbench) run ppbench 500 python benchmarks/pp_bench.py --model "${PP_MODEL:-$CFG/llama-3-8b.json}" --setups "${PP_SETUPS:-tp1,tp2,pp2}" --output-json "$OUT/pp_bench.json" ;;
