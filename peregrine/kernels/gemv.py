@@ -126,6 +126,18 @@ def store_partial(part_ptr, c_ptr, val, m, M, N, split, offs_n, n_mask, stride_c
 
 
 @triton.jit
+def store_silu_pairs(c_ptr, y, pid_n, half_n, BLOCK_N: tl.constexpr):
+    """One row's (BLOCK_N,) float32 sums of gate/up channel pairs, side by side (gate c, up c,
+    gate c + 1, ...): silu(gate) * up for the tile's BLOCK_N / 2 channels at c_ptr, each sum
+    rounded to c's dtype first as the GEMV's output is, then the product as the activation
+    kernel rounds it (the bits of the GEMV, then the activation kernel)."""
+    dt = c_ptr.dtype.element_ty
+    gate, up = tl.split(tl.reshape(y.to(dt).to(tl.float32), (BLOCK_N // 2, 2)))
+    offs = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)  # (BN / 2,)
+    tl.store(c_ptr + offs, silu_mul(gate, up).to(dt), mask=offs < half_n)
+
+
+@triton.jit
 def row_accumulators(ROWS: tl.constexpr, COLS: tl.constexpr):
     """Eight zeroed float32 (ROWS, COLS) accumulators, one per row of x a GEMV can take (those
     past its BLOCK_M are never touched and cost nothing)."""
@@ -339,6 +351,7 @@ def _w8_gemv_kernel(
     PDL: tl.constexpr, PREFETCH: tl.constexpr, FORM: tl.constexpr = 0,
     GATED: tl.constexpr = False, INT8_ASM: tl.constexpr = False,
     NORMED: tl.constexpr = False, HAS_RES: tl.constexpr = False,
+    SILU_OUT: tl.constexpr = False, EVEN_N: tl.constexpr = False,
 ):
     """FORM: how a K block's products are summed; GATED: x is silu(h[:K]) * h[K:] of the rows h
     (M, 2K) at a_ptr, computed as they are read (_row_dot); INT8_ASM: int8 weights converted by
@@ -346,11 +359,25 @@ def _w8_gemv_kernel(
     the row at a_ptr: the sums of w * h * nw times 1 / rms(h), whose sum of squares accumulates
     as the K loop reads h (_row_dot_normed); split, each program stores its share at ss_ptr
     for the split-K finish. HAS_RES: the output rows are the residual rows at res_ptr plus the
-    product (add_residual)."""
+    product (add_residual). SILU_OUT (one row, unsplit): the weight's rows are N / 2 gate rows
+    then their N / 2 up rows; a program reads BLOCK_N / 2 channels of each, side by side, and
+    writes silu(gate) * up (store_silu_pairs), N / 2 values. EVEN_N: every column tile is
+    whole (no row masks)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
-    n_mask = offs_n < N
+    if SILU_OUT:  # gate channel c and its up channel c + N / 2 side by side
+        pair = tl.arange(0, BLOCK_N)  # (BN,)
+        gate_ch = pid_n * (BLOCK_N // 2) + pair // 2
+        offs_n = gate_ch + (pair % 2) * (N // 2)
+        n_mask = gate_ch < N // 2
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
+        n_mask = offs_n < N
+    if EVEN_N:  # every tile whole: no row masks
+        # NOTE: they cost registers: sm_90, INT8 gate/up with the activation, 75 with them and 64
+        # without; at Llama-3-8B's 896 such programs, 75 left a second wave (H200: 38.0 against
+        # 30.8 us a call).
+        n_mask = tl.arange(0, BLOCK_N) < BLOCK_N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BN, 1)
     k_end = (split + 1) * K_ITERS * BLOCK_K  # this program's K range ends here
     if PREFETCH:  # each block's weights load an iteration ahead (the first before the wait)
@@ -405,6 +432,9 @@ def _w8_gemv_kernel(
         else:
             s = s * tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
     pdl_release(PDL)
+    if SILU_OUT:
+        store_silu_pairs(c_ptr, _w8_sums(acc0, FORM) * s, pid_n, N // 2, BLOCK_N)
+        return
     store_partial(part_ptr, c_ptr, _w8_sums(acc0, FORM) * s, 0, M, N, split, offs_n, n_mask,
                   stride_cm, HAS_SPLIT, res_ptr, stride_rm, HAS_RES)
     if BLOCK_M > 1:
@@ -532,12 +562,19 @@ def w8_gemv_takes_norm(rows: int) -> bool:
     return rows == 1
 
 
+def w8_gemv_takes_silu_out(rows: int, n: int, k: int, block: tuple[int, int] | None,
+                           device: torch.device) -> bool:
+    """Whether w8_gemv(silu_out=True) serves `rows` rows of an (n, k) gate-and-up weight: one
+    row whose launch is not split along K."""
+    return rows == 1 and n % 2 == 0 and w8_gemv_config(1, n, k, block, device).split_k == 1
+
+
 def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             block: tuple[int, int] | None = None,
             config: GemvConfig | None = None, prefetch: bool = False,
             form: int | None = None, gated: bool = False,
             norm: tuple[torch.Tensor, float] | None = None,
-            residual: torch.Tensor | None = None) -> torch.Tensor:
+            residual: torch.Tensor | None = None, silu_out: bool = False) -> torch.Tensor:
     """y (M, N) = x (M, K) @ (weight (N, K) * scale)^T in x's dtype, for M <= GEMV_MAX_ROWS.
     scale: (1, N) or (N, 1) per channel, or (ceil(N / bn), ceil(K / bk)) for block=(bn, bk).
     prefetch: each K block's weights are loaded an iteration ahead (the same sums).
@@ -550,7 +587,11 @@ def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     (no rounding of the normalised row: not the norm kernel's bits, closer to exact); one row
     (w8_gemv_takes_norm), and not with gated.
     residual (M, N) in x's dtype: the output is residual + the product, each rounded to x's
-    dtype as the GEMV and then the norm kernel's residual add round them (the same bits)."""
+    dtype as the GEMV and then the norm kernel's residual add round them (the same bits).
+    silu_out: the weight is a merged gate-and-up weight (N / 2 gate rows, then their up rows)
+    and the output (1, N / 2) is silu(y[:, :N / 2]) * y[:, N / 2:] of the product y, computed
+    in the epilogue: the bits of the GEMV and then the activation kernel; one row, an unsplit
+    launch (w8_gemv_takes_silu_out), not with gated or residual."""
     n, k = weight.shape
     if x.dim() != 2 or x.shape[1] != (2 * k if gated else k):
         raise ValueError(f"w8_gemv: x {tuple(x.shape)} does not match the weight ({n}, {k})"
@@ -595,8 +636,14 @@ def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                                  or residual.stride(1) != 1):
         raise ValueError(f"w8_gemv: residual {residual.dtype} {tuple(residual.shape)} must be "
                          f"({m}, {n}) {x.dtype}, contiguous in its last dim")
-    tiles = triton.cdiv(n, cfg.block_n)
-    out, part, lock = launch_buffers(a, n, tiles, cfg.split_k)
+    if silu_out and (m != 1 or gated or residual is not None or n % 2 or cfg.split_k != 1
+                     or cfg.block_n < 2):
+        raise ValueError(f"w8_gemv: silu_out takes one row, an even number of outputs, an "
+                         f"unsplit launch, not gated nor residual (rows {m}, outputs {n}, "
+                         f"split {cfg.split_k}, gated {gated}, residual "
+                         f"{residual is not None})")
+    tiles = triton.cdiv(n // 2, cfg.block_n // 2) if silu_out else triton.cdiv(n, cfg.block_n)
+    out, part, lock = launch_buffers(a, n // 2 if silu_out else n, tiles, cfg.split_k)
     # NOTE: a split normed launch's sums of squares, one per (column tile, split)
     ssq = part if norm is None or cfg.split_k == 1 else \
         torch.empty(tiles * cfg.split_k, dtype=torch.float32, device=x.device)
@@ -610,14 +657,16 @@ def w8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         BK_SCALE=bk_scale, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         HAS_SPLIT=cfg.split_k > 1, PREFETCH=prefetch, FORM=form, GATED=gated,
         INT8_ASM=weight.dtype == torch.int8 and weight.is_cuda,
-        NORMED=norm is not None, HAS_RES=residual is not None,
+        NORMED=norm is not None, HAS_RES=residual is not None, SILU_OUT=silu_out,
+        EVEN_N=(n // 2) % (cfg.block_n // 2) == 0 if silu_out else n % cfg.block_n == 0,
         num_warps=cfg.num_warps, **pdl_args(a))
     return out
 
 
 def precompile_w8_gemv(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                       block: tuple[int, int] | None = None) -> None:
-    """Compile this weight's GEMV for every row count it can serve (call at load time)."""
+                       block: tuple[int, int] | None = None, gate_up: bool = False) -> None:
+    """Compile this weight's GEMV for every row count it can serve (call at load time);
+    gate_up: a merged gate-and-up weight, also with the activation in the epilogue."""
     if not w8_gemv_ready(weight, block):
         return
     n, k = weight.shape
@@ -628,6 +677,9 @@ def precompile_w8_gemv(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.d
                 w8_gemv(torch.zeros(rows, k * (2 if gated else 1), dtype=dtype,
                                     device=weight.device), weight, scale, block, gated=gated,
                         residual=residual)
-    # a column-parallel layer after an RMSNorm, one row
-    w8_gemv(torch.zeros(1, k, dtype=dtype, device=weight.device), weight, scale, block,
-            norm=(torch.ones(k, dtype=dtype, device=weight.device), 1e-6))
+    # a column-parallel layer after an RMSNorm, one row (a gate-and-up one: with the activation)
+    norm = (torch.ones(k, dtype=dtype, device=weight.device), 1e-6)
+    w8_gemv(torch.zeros(1, k, dtype=dtype, device=weight.device), weight, scale, block, norm=norm)
+    if gate_up and w8_gemv_takes_silu_out(1, n, k, block, weight.device):
+        w8_gemv(torch.zeros(1, k, dtype=dtype, device=weight.device), weight, scale, block,
+                norm=norm, silu_out=True)

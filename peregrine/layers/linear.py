@@ -50,6 +50,13 @@ class LinearBase(nn.Module):
             self.bias = linear_param((sum(out_per_rank),), dtype,
                                      output_dim=0 if self.shards_output else None, input_dim=None)
 
+    @property
+    def is_equal_pair(self) -> bool:
+        """Two merged column-parallel projections of one size (a gated MLP's gate and up): this
+        rank's rows are its slice of the first, then its slice of the second."""
+        return (self.shards_output and len(self.out_sizes) == 2
+                and self.out_sizes[0] == self.out_sizes[1])
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None,
                       name: str) -> None:
         """Load checkpoint tensor `name` (merged projection `shard`, or None) into `param`."""
@@ -83,6 +90,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, out_sizes: Sequence[int], bias: bool = False,
                  **kw) -> None:
         LinearBase.__init__(self, in_features, out_sizes, bias, **kw)
+
+    def forward_normed_silu_and_mul(self, h: torch.Tensor, norm: nn.Module
+                                    ) -> torch.Tensor | None:
+        """silu(g) * u (T, I) of [g, u] = forward(norm(h)) for a gate-and-up pair, the norm and
+        the activation inside the weight's kernel; None where the method has no such kernel for
+        h, the layer is not an equal pair, has a bias, or the norm is not the fused RMSNorm."""
+        if not (self.is_equal_pair and self.bias is None and isinstance(norm, RMSNorm)
+                and norm.use_fused):
+            return None
+        return self.quant_method.apply_rms_normed_silu_and_mul(self, h, norm.weight, norm.eps)
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -34,6 +34,12 @@ def _eps(hf: dict[str, Any]) -> float:
 # the column-parallel one after it normalises its input: QuantMethod.apply_add /
 # apply_rms_normed): two launches fewer per layer at a decode batch those kernels serve.
 FUSE_NORMS = True
+# Whether, with the norms taken in, the gate/up linear's kernel may also write the activation
+# silu(gate) * up (QuantMethod.apply_rms_normed_silu_and_mul), so that the down projection reads
+# I inputs, not the 2I it would otherwise activate as it reads them. H200, Llama-3-8B, one FP8
+# row: the down projection 16.0 against 17.3 us a call, gate/up unchanged; batch-1 decode 419.8
+# against 412.3 tok/s (INT8 W8A8 403.6 against 396.7).
+FUSE_ACTIVATION = True
 
 
 class DecoderAttention(nn.Module):
@@ -166,6 +172,11 @@ class DecoderMLP(nn.Module):
         """(forward(norm(residual)), residual) for rows of the residual stream (T, hidden),
         where the linears' kernels may take the norm (gate/up) and the next residual add
         (down): then (None, residual + the MLP's output)."""
+        if self.act.use_fused and FUSE_ACTIVATION:  # gate/up's kernel: norm and activation
+            a = self.gate_up_proj.forward_normed_silu_and_mul(residual, norm)  # (T, I)
+            if a is not None:
+                y = self.down_proj.forward_add(a, residual)
+                return (None, y) if y is not None else (self.down_proj(a), residual)
         h = self.gate_up_proj.forward_normed(residual, norm)
         if h is None:
             h = self.gate_up_proj(norm(residual))  # (T, 2I)

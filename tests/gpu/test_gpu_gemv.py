@@ -507,6 +507,29 @@ def test_w8_gemv_normed_row_matches_the_norm_then_the_matmul(shape: str, wdtype:
     assert rel_err(got.float(), want) <= rel_err(separate.float(), want) + 2 ** -9
 
 
+@pytest.mark.parametrize("wdtype", ("fp8", "int8"))
+@pytest.mark.parametrize("shape", ("gate_up", "70b-gate_up"))
+def test_w8_gemv_silu_out_equals_the_normed_gemv_then_the_activation_kernel(shape: str,
+                                                                             wdtype: str) -> None:
+    # gate/up after the RMSNorm at one decode row writing silu(gate) * up in its epilogue (the
+    # down projection then reads I inputs): bit for bit the normed GEMV, then the activation
+    # kernel, at Llama-3-8B's and Llama-2-70B's gate/up, on the launch config the layer takes
+    from peregrine.kernels.activation import silu_and_mul
+    from peregrine.kernels.gemv import w8_gemv_takes_silu_out
+    if wdtype == "fp8":
+        _needs_fp8()
+    k, n = SHAPES["gate_up"] if shape == "gate_up" else (8192, 57344)
+    wq, ws = fp8_pack.quantize_per_channel(torch.randn(n, k, device=DEV) * 0.02,
+                                           FP8_DTYPE if wdtype == "fp8" else torch.int8)
+    ws = ws.t().contiguous()
+    h = torch.randn(1, k, device=DEV, dtype=torch.bfloat16) * 4
+    nw = (torch.rand(k, device=DEV) + 0.5).to(torch.bfloat16)
+    assert w8_gemv_takes_silu_out(1, n, k, None, DEV)
+    got = w8_gemv(h, wq, ws, norm=(nw, 1e-5), silu_out=True)
+    assert got.shape == (1, n // 2)
+    assert torch.equal(got, silu_and_mul(w8_gemv(h, wq, ws, norm=(nw, 1e-5))))
+
+
 @pytest.mark.parametrize("gated", (False, True))
 @pytest.mark.parametrize("m", (1, 2))
 @pytest.mark.parametrize("shape", ("o", "down"))

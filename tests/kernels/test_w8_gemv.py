@@ -264,6 +264,53 @@ def test_residual_rows_are_the_gemv_then_the_norm_kernels_add(split: int, gated:
     assert not torch.equal(got, y)
 
 
+@pytest.mark.parametrize("block", [None, (16, 64)])
+@pytest.mark.parametrize("normed", [False, True])
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_silu_out_is_the_gemv_then_the_activation_kernel(block_n: int, normed: bool,
+                                                          block) -> None:
+    """silu_out=True: a gate-and-up weight (N / 2 gate rows, then their up rows), the output
+    silu(gate) * up (1, N / 2), bit for bit the GEMV (normed or not) and then the activation
+    kernel (bf16)."""
+    from peregrine.kernels.activation import silu_and_mul
+    wq, ws, _ = _fp8_weight(block, seed=14)
+    g = torch.Generator().manual_seed(15)
+    h = (torch.randn(1, K, generator=g) * 3).to(torch.bfloat16)
+    nw = (torch.rand(K, generator=g) + 0.5).to(torch.bfloat16)
+    norm = (nw, 1e-5) if normed else None
+    cfg = GemvConfig(block_n=block_n, block_k=64, split_k=1, k_iters=K // 64, num_warps=4)
+    got = w8_gemv(h, wq, ws, block, config=cfg, norm=norm, silu_out=True)
+    want = silu_and_mul(w8_gemv(h, wq, ws, block, config=cfg, norm=norm))
+    assert got.shape == (1, N // 2) and got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+    # the pairs are gate c with up c: swapping the halves' rows changes the result
+    swapped = torch.cat([wq[N // 2:], wq[:N // 2]])
+    ws_swapped = ws if block is not None else torch.cat([ws[:, N // 2:], ws[:, :N // 2]], 1)
+    assert not torch.equal(got, w8_gemv(h, swapped, ws_swapped, block, config=cfg, norm=norm,
+                                        silu_out=True))
+
+
+def test_silu_out_with_an_odd_tile_count_and_misuse() -> None:
+    """N / 2 not a multiple of the tile's half (the last tile masked); silu_out refuses rows,
+    gated, residual and split launches by name."""
+    from peregrine.kernels.activation import silu_and_mul
+    wq, ws = _weight(FP8_DTYPE, seed=16)
+    wq, ws = torch.cat([wq[:24], wq[32:56]]), torch.cat([ws[:, :24], ws[:, 32:56]], 1)  # N 48
+    h = torch.randn(1, K, generator=torch.Generator().manual_seed(17)).to(torch.bfloat16)
+    for block_n in (32, 16):  # a last tile half past N / 2 (row masks), then whole tiles
+        cfg = GemvConfig(block_n=block_n, block_k=128, split_k=1, k_iters=2, num_warps=4)
+        got = w8_gemv(h, wq, ws, config=cfg, silu_out=True)
+        assert got.shape == (1, 24)
+        assert torch.equal(got, silu_and_mul(w8_gemv(h, wq, ws, config=cfg)))
+    split = GemvConfig(block_n=16, block_k=64, split_k=2, k_iters=2, num_warps=4)
+    with pytest.raises(ValueError, match="silu_out"):
+        w8_gemv(torch.zeros(2, K), wq, ws, silu_out=True)
+    with pytest.raises(ValueError, match="silu_out"):
+        w8_gemv(h, wq, ws, config=split, silu_out=True)
+    with pytest.raises(ValueError, match="silu_out"):
+        w8_gemv(h, wq, ws, residual=torch.zeros(1, 48, dtype=torch.bfloat16), silu_out=True)
+
+
 @pytest.mark.parametrize("block", [(32, 64), (16, 32)])
 def test_normed_row_with_block_scales(block: tuple[int, int]) -> None:
     """The normalised row through block-scaled FP8 weights, split and not: float32 RMSNorm then
@@ -306,22 +353,23 @@ def test_norm_and_residual_misuse_is_named() -> None:
 def test_engine_decode_rows_take_the_norms_into_the_gemvs(tmp_path, monkeypatch) -> None:
     """The CUDA dispatch run here through the interpreter (one decode row per step, float32): with
     the norms taken into the 8-bit GEMVs (the output and down projections add the residual, qkv
-    and gate/up normalise their input), the generated tokens and their logprobs are those of
-    the separate norm kernels within float32 rounding; every decode step took the fused forms
-    and prompt chunks did not."""
+    and gate/up normalise their input, gate/up writes the activation), the generated tokens and
+    their logprobs are those of the separate norm kernels within float32 rounding; every decode
+    step took the fused forms and prompt chunks did not."""
     import peregrine.kernels.gemv as gemv
     import peregrine.layers.quantization.fp8 as fp8_mod
     import peregrine.models.decoder as decoder
     from peregrine import LLM, SamplingParams
     from peregrine.layers.kernel_config import KernelConfig
     from peregrine.testing.checkpoints import tiny_checkpoint
-    calls = {"norm": 0, "residual": 0, "plain": 0}
+    calls = {"norm": 0, "residual": 0, "plain": 0, "silu_out": 0}
     kernel = gemv.w8_gemv
 
-    def counted(x, *args, norm=None, residual=None, **kw):
+    def counted(x, *args, norm=None, residual=None, silu_out=False, **kw):
         calls["norm" if norm is not None else "residual" if residual is not None
               else "plain"] += 1
-        return kernel(x, *args, norm=norm, residual=residual, **kw)
+        calls["silu_out"] += silu_out
+        return kernel(x, *args, norm=norm, residual=residual, silu_out=silu_out, **kw)
 
     monkeypatch.setattr(fp8_mod, "use_gemv", lambda x, max_m: 0 < x.numel() // x.shape[-1]
                         <= max_m)
@@ -345,8 +393,11 @@ def test_engine_decode_rows_take_the_norms_into_the_gemvs(tmp_path, monkeypatch)
     (fused, fused_calls), (plain, plain_calls) = runs[True], runs[False]
     # tiny llama: two layers of two such linears each; four decode steps of one row per prompt
     per_kind = 2 * 2 * 4 * len(prompts)
-    assert fused_calls == {"norm": per_kind, "residual": per_kind, "plain": 0}, fused_calls
-    assert plain_calls == {"norm": 0, "residual": 0, "plain": 2 * per_kind}, plain_calls
+    # gate/up writes silu(gate) * up itself: the down projection then reads it plainly
+    assert fused_calls == {"norm": per_kind, "residual": per_kind, "plain": 0,
+                           "silu_out": per_kind // 2}, fused_calls
+    assert plain_calls == {"norm": 0, "residual": 0, "plain": 2 * per_kind,
+                           "silu_out": 0}, plain_calls
     for a, b in zip(fused, plain):
         assert a.token_ids == b.token_ids
         la = torch.tensor([a.logprobs[i][t].logprob for i, t in enumerate(a.token_ids)])

@@ -138,6 +138,15 @@ class QuantMethod(ABC):
         rounds it: results differ by that rounding); None where it has no such kernel for h."""
         return None
 
+    def apply_rms_normed_silu_and_mul(self, layer: LinearBase, h: torch.Tensor,
+                                      norm_weight: torch.Tensor,
+                                      eps: float) -> torch.Tensor | None:
+        """silu(y[:, :I]) * y[:, I:] (T, I) of y = apply_rms_normed(h) for a merged gate-and-up
+        layer (gate rows, then up rows; no bias), the activation in the same kernel, each value
+        rounded as apply_rms_normed's output and then the activation kernel round them; None
+        where it has no such kernel for h."""
+        return None
+
 
 class QuantizationConfig(ABC):
     """A checkpoint's quantization settings (config.json `quantization_config`)."""

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from peregrine.kernels.gemv import (W8_GEMV_MAX_M, precompile_w8_gemv, use_gemv, w8_gemv,
-                                     w8_gemv_ready, w8_gemv_takes_norm)
+                                     w8_gemv_ready, w8_gemv_takes_norm, w8_gemv_takes_silu_out)
 from peregrine.kernels.fp8_quant import (FP8_DTYPE, FP8_MAX, per_token_group_quant,
                                          quantize_with_scale, w8a8_block_fp8_matmul,
                                          w8a8_block_matmul_ref)
@@ -170,6 +170,21 @@ def apply_w8_rms_normed(h: torch.Tensor, weight: torch.Tensor, scale: torch.Tens
     return y if bias is None else y + bias
 
 
+def apply_w8_rms_normed_silu_and_mul(h: torch.Tensor, weight: torch.Tensor,
+                                     scale: torch.Tensor, block: tuple[int, int] | None,
+                                     norm_weight: torch.Tensor, eps: float
+                                     ) -> torch.Tensor | None:
+    """silu(y[:, :I]) * y[:, I:] of y = apply_w8_rms_normed(h) for a gate-and-up weight (2I, K),
+    the activation in the GEMV's epilogue (the next GEMV then reads I inputs, not 2I): one
+    decode row on an unsplit launch (w8_gemv_takes_silu_out); None elsewhere."""
+    rows = h.numel() // h.shape[-1]
+    if not (_w8_gemv_rows(h, weight, scale, block) and w8_gemv_takes_norm(rows)
+            and w8_gemv_takes_silu_out(rows, weight.shape[0], weight.shape[1], block, h.device)):
+        return None
+    return w8_gemv(h.reshape(-1, h.shape[-1]), weight, scale, block, norm=(norm_weight, eps),
+                   silu_out=True)
+
+
 class W8A8Method(QuantMethod):
     """8-bit weights with per-channel or per-tensor scales, 8-bit activations (per token, or a
     static per-tensor input_scale). After loading: layer.weight (N, K), layer.weight_scale (1, N)
@@ -219,7 +234,8 @@ class W8A8Method(QuantMethod):
             # NOTE: fused projections share one input; the largest scale covers all of them.
             layer.input_scale = nn.Parameter(layer.input_scale.data.max().reshape(1, 1),
                                              requires_grad=False)
-        precompile_w8_gemv(layer.weight, layer.weight_scale, self.act_dtype)
+        precompile_w8_gemv(layer.weight, layer.weight_scale, self.act_dtype,
+                           gate_up=layer.is_equal_pair)
         _precompile_tc(layer.weight, layer.weight_scale, self.act_dtype)
 
     def apply_silu_and_mul(self, layer: LinearBase, h: torch.Tensor,
@@ -238,6 +254,12 @@ class W8A8Method(QuantMethod):
                          eps: float, bias: torch.Tensor | None = None) -> torch.Tensor | None:
         return apply_w8_rms_normed(h, layer.weight, layer.weight_scale, None, norm_weight, eps,
                                    bias)
+
+    def apply_rms_normed_silu_and_mul(self, layer: LinearBase, h: torch.Tensor,
+                                      norm_weight: torch.Tensor,
+                                      eps: float) -> torch.Tensor | None:
+        return apply_w8_rms_normed_silu_and_mul(h, layer.weight, layer.weight_scale, None,
+                                                norm_weight, eps)
 
 
 def _per_shard_scalar(num_shards: int) -> nn.Parameter:
@@ -273,7 +295,8 @@ class Fp8OnlineMethod(Fp8W8A8Method):
         scale = (w.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)  # (N, 1)
         layer.weight = nn.Parameter(quantize_with_scale(w, scale, FP8_DTYPE), requires_grad=False)
         layer.weight_scale = nn.Parameter(scale.reshape(1, -1).contiguous(), requires_grad=False)
-        precompile_w8_gemv(layer.weight, layer.weight_scale, self.act_dtype)
+        precompile_w8_gemv(layer.weight, layer.weight_scale, self.act_dtype,
+                           gate_up=layer.is_equal_pair)
         _precompile_tc(layer.weight, layer.weight_scale, self.act_dtype)
 
 
@@ -309,7 +332,7 @@ class Fp8BlockMethod(QuantMethod):
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         precompile_w8_gemv(layer.weight, getattr(layer, self.scale_name), self.act_dtype,
-                           self.block)
+                           self.block, gate_up=layer.is_equal_pair)
         _precompile_tc(layer.weight, getattr(layer, self.scale_name), self.act_dtype, self.block)
 
     def apply(self, layer: LinearBase, x: torch.Tensor,
@@ -349,6 +372,12 @@ class Fp8BlockMethod(QuantMethod):
                          eps: float, bias: torch.Tensor | None = None) -> torch.Tensor | None:
         return apply_w8_rms_normed(h, layer.weight, getattr(layer, self.scale_name), self.block,
                                    norm_weight, eps, bias)
+
+    def apply_rms_normed_silu_and_mul(self, layer: LinearBase, h: torch.Tensor,
+                                      norm_weight: torch.Tensor,
+                                      eps: float) -> torch.Tensor | None:
+        return apply_w8_rms_normed_silu_and_mul(h, layer.weight, getattr(layer, self.scale_name),
+                                                self.block, norm_weight, eps)
 
 
 class Fp8Config(QuantizationConfig):
