@@ -745,12 +745,14 @@ def test_fp8_tc_gemv_replays_in_a_graph_and_repeats_bit_for_bit() -> None:
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_fp8_decode_rows_compile_nothing_after_load(shape: str, block) -> None:
     """The 8-bit methods' load-time precompile covers every decode row count: 1-8 rows (the
-    8-bit GEMV, then the tensor-core GEMV) and the gated down form compile no kernel
-    afterwards (FP8 per channel and in blocks, int8)."""
+    8-bit GEMV, then the tensor-core GEMV), the gated down form and, for gate/up, the one-row
+    form that normalises its input and writes the activation compile no kernel afterwards (FP8
+    per channel and in blocks, int8)."""
     _needs_fp8()
     from peregrine.kernels.gemv import _w8_gemv_kernel
     from peregrine.kernels.w8_gemv_tc import w8_gemv_tc_kernel
     from peregrine.layers.quantization.fp8 import (TC_GEMV_MAX_M, Fp8W8A8Method,
+                                                   apply_w8_rms_normed_silu_and_mul,
                                                    apply_w8_silu_and_mul)
     from peregrine.layers.quantization.int8 import Int8W8A8Method
     k, n = SHAPES[shape]
@@ -760,12 +762,12 @@ def test_fp8_decode_rows_compile_nothing_after_load(shape: str, block) -> None:
         block = None
         wq, ws = fp8_pack.quantize_per_channel(w, torch.int8 if int8 else FP8_DTYPE)
         layer = SimpleNamespace(weight=wq, weight_scale=torch.nn.Parameter(ws),
-                                input_scale=None)
+                                input_scale=None, is_equal_pair=shape == "gate_up")
         method = Int8W8A8Method() if int8 else Fp8W8A8Method()
         method.act_dtype = torch.bfloat16
     else:
         wq, ws = fp8_pack.quantize_blocks(w, block)
-        layer = SimpleNamespace(weight=wq, weight_scale_inv=ws)
+        layer = SimpleNamespace(weight=wq, weight_scale_inv=ws, is_equal_pair=shape == "gate_up")
         method = Fp8BlockMethod(block)
         method.act_dtype = torch.bfloat16
     method.process_weights_after_loading(layer)  # precompiles
@@ -777,4 +779,9 @@ def test_fp8_decode_rows_compile_nothing_after_load(shape: str, block) -> None:
         assert method.apply(layer, x).shape == (m, n)
         h = torch.randn(m, 2 * k, device=DEV, dtype=torch.bfloat16)
         apply_w8_silu_and_mul(h, wq, scale, block, None)
+    if shape == "gate_up" and block is None:  # (block scales: one row is the tensor-core GEMV's)
+        nw = torch.ones(k, device=DEV, dtype=torch.bfloat16)
+        a = apply_w8_rms_normed_silu_and_mul(torch.randn(1, k, device=DEV, dtype=torch.bfloat16),
+                                             wq, scale, None, nw, 1e-5)
+        assert a is not None and a.shape == (1, n // 2)
     assert _compiled(_w8_gemv_kernel) + _compiled(w8_gemv_tc_kernel) == before
