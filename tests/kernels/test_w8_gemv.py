@@ -292,7 +292,7 @@ def test_silu_out_is_the_gemv_then_the_activation_kernel(block_n: int, normed: b
 
 def test_silu_out_with_an_odd_tile_count_and_misuse() -> None:
     """N / 2 not a multiple of the tile's half (the last tile masked); silu_out refuses rows,
-    gated, residual and split launches by name."""
+    residual and split launches by name."""
     from peregrine.kernels.activation import silu_and_mul
     wq, ws = _weight(FP8_DTYPE, seed=16)
     wq, ws = torch.cat([wq[:24], wq[32:56]]), torch.cat([ws[:, :24], ws[:, 32:56]], 1)  # N 48
