@@ -53,7 +53,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_timing import graph_replay_ms  # noqa: E402
-from benchmarks.layer_barrier_probe import SHORT, STREAM, _short_kernel, layer_phases  # noqa: E402
+from benchmarks.layer_barrier_probe import (SHORT, STREAM, _short_kernel, _wrap32,  # noqa: E402
+                                           layer_phases)
 from peregrine.kernels._gluon import pdl_release, pdl_wait  # noqa: E402
 
 HBM_GBPS = 4200.0
@@ -212,11 +213,6 @@ def _ring_kernel(desc, sched_ptr, n_stream, table_ptr, n_phases, a_ptr, out_ptr,
                      P, R, S, WAIT, BLOCK, FLAGS, TRACE, PDL)),
         (_producer, (desc, bufs, ready, empty, sched_ptr, n_stream, ptrace_ptr, P, R, S, TRACE)),
     ], [1], [48])
-
-
-def _wrap32(x: torch.Tensor) -> int:
-    v = int(x.sum(dtype=torch.int64).item()) & 0xFFFFFFFF
-    return v - (1 << 32) if v >= 1 << 31 else v
 
 
 def _tables(phases, P: int, rows: int, short: bool, stream: bool):
