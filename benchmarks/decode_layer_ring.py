@@ -1,0 +1,630 @@
+"""One persistent kernel for a Llama decode step's layers at batch 1, its 4-bit weights streamed
+through a TMA ring: the whole layer folded into five phases, with its real work.
+
+One program an SM. A producer warp copies the program's share of every projection's weight (the
+tiled words of `ring_int4_probe.py`: a (128-channel tile, 128-input group) unit a chunk) into a
+ring of shared-memory chunks, layer after layer, waiting only for a free chunk. Four consumer
+warps walk the phases; each phase starts when every program has counted the phase before it
+done (a release add, polled with acquire loads), and reads what that phase wrote through L2.
+
+A layer's phases (the RMSNorms, RoPE and the K/V store, the attention merge, SiLU-and-mul and
+the residual adds folded into the phases around them):
+
+1. qkv. The input is xn = h * g (the input norm's weight) rounded to bf16, written by the phase
+   that wrote h, with the 32 tiles' sums of h^2; RMSNorm's 1 / rms is a scalar a row, so it
+   scales the projection's sums at the end. A tile is one head: its last piece scales, rounds,
+   rotates q and k (the partner of channel c is c ^ 64, read from the same partials), and
+   stores q, or k and v into the paged cache at the step's slot.
+2. attention. KV heads x SPLITS programs each take a share of the context for the head's four
+   query heads (online softmax, float32) and store (m, l, acc); the last split of a head to
+   arrive merges them into the attention output (bf16).
+3. o. The tile's last piece adds the residual: h = h + o (bf16), xn = h * g (the post-attention
+   norm's weight), the tile's sum of h^2.
+4. gate/up. The weight's channels are reordered so a tile holds 64 gate channels and the same
+   64 up channels; its last piece scales by 1 / rms and stores silu(gate) * up (bf16).
+5. down. As o, with the next layer's input norm weight (the final norm's after the last layer).
+
+A projection's units are shared out evenly over the programs (stream-K); each piece stores its
+float32 partials and the last piece of a tile to arrive (a ticket) adds them in piece order and
+does the tile's finish. Checked against `reference_layers` (torch, the same rounding points) on
+the GPU; timed as CUDA-graph replays of 32 Llama-3-8B layers.
+
+    python benchmarks/decode_layer_ring.py --out /tmp/out/decode_layer_ring.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.cuda_timing import graph_replay_ms  # noqa: E402
+from benchmarks.ring_int4_probe import (_poll, _producer, _share, _words, share,  # noqa: E402
+                                        tile_words)
+from peregrine.kernels.wna16_gemv_tc import (_PAIRS, _group_done, _ld_group, _step,  # noqa: E402
+                                             _store)
+
+V = gl.constexpr(2)
+QKV, ATTN, O, GU, DOWN = 0, 1, 2, 3, 4  # a phase's kind (the table's first field)
+K_QKV, K_ATTN, K_GU = gl.constexpr(QKV), gl.constexpr(ATTN), gl.constexpr(GU)
+TABF = gl.constexpr(10)  # int64 fields a phase: kind, row base, units a program, units, groups,
+#                          N, scale offset, input offset, norm weight offset, the layer's first
+#                          cache slot
+LOCKS = 256  # split-K tickets (tiles); the attention's follow
+LOCKS_C = gl.constexpr(LOCKS)
+
+
+@gluon.jit
+def _ld_x(xa):
+    """The B pairs of the lane's word row (16 bytes of x at xa) read through L2: x was written
+    by another program of this kernel."""
+    r = gl.inline_asm_elementwise("ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];",
+                                  "=r,=r,=r,=r,l", [xa], dtype=(gl.int32,) * 4, is_pure=False,
+                                  pack=1)
+    p = gl.inline_asm_elementwise(_PAIRS, "=r,=r,=r,=r,r,r,r,r", [r[0], r[1], r[2], r[3]],
+                                  dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+    return p[0], p[1], p[2], p[3]
+
+
+@gluon.jit
+def _gemv_piece(bufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off, x_base,
+                part_ptr, pid, idx, t, g, zero, ones, sel, LW: gl.constexpr, L: gl.constexpr,
+                T: gl.constexpr, S: gl.constexpr):
+    """The program's groups [g0, g1) of one tile from unit u on: its MMAs over the ring's
+    chunks, its float32 sums stored as the tile's piece (pid - first). Returns (chunks
+    consumed so far, groups done, tile, the tile's pieces)."""
+    pid_n = u // CHUNKS
+    g0 = u % CHUNKS
+    g1 = gl.minimum(CHUNKS, g0 + (end - u))
+    first = (pid_n * CHUNKS) // W
+    n_pieces = ((pid_n + 1) * CHUNKS - 1) // W - first + 1
+    n_lane = pid_n * T + (idx // 32) * 32 + g * 4
+    xa = x_base + (g0 * 16 + t).to(gl.int64) * 16
+    g_step = (N * 2).to(gl.int64)
+    sa = s_ptr.to(gl.int64) + (s_off + (g0 * N).to(gl.int64) + n_lane) * 2
+    za = z_ptr.to(gl.int64) + (s_off + (g0 * N).to(gl.int64) + n_lane) * 2
+    last = (g1 - g0) * 4 - 1
+    sz_n = _ld_group(sa, za, V, True)
+    x_q = (_ld_x(xa), _ld_x(xa + gl.minimum(1, last) * 64), _ld_x(xa + gl.minimum(2, last) * 64),
+           _ld_x(xa + gl.minimum(3, last) * 64))
+    y = (zero, zero, zero, zero, zero, zero, zero, zero)
+    for c in range(g1 - g0):
+        slot = i % S
+        sz = sz_n
+        gn = gl.minimum(c + 1, g1 - g0 - 1)
+        sz_n = _ld_group(sa + gn * g_step, za + gn * g_step, V, True)
+        mbarrier.wait(ready.index(slot), (i // S) & 1)
+        buf = bufs.index(slot)
+        c4 = (zero, zero, zero, zero)
+        acc = (c4, c4, c4, c4)
+        cx = c4
+        for s in gl.static_range(4):
+            w_c = _words(buf, s * 4, LW, L, T)
+            x_c = x_q[0]
+            x_nxt = gl.minimum(c * 4 + s + 4, last)
+            x_q = (x_q[1], x_q[2], x_q[3], _ld_x(xa + x_nxt * 64))
+            acc, cx = _step(acc, cx, ones, w_c, x_c, sel, V, True, 4)
+        # every consumer warp's loads of this chunk are done before it is refilled
+        gl.thread_barrier()
+        fence_async_shared()
+        mbarrier.arrive(empty.index(slot), count=1)
+        i += 1
+        y = _group_done(y, acc, cx, sz, 0, V, True, True, 4)
+    _store(part_ptr + (pid - first).to(gl.int64) * N, n_lane, y, t == 0, V, False)
+    return i, g1 - g0, pid_n, n_pieces
+
+
+@gluon.jit
+def _tile_sum(part_ptr, n_pieces, N, offs):
+    """A tile's float32 sums at offs: its pieces' partials added in piece order."""
+    tot = gl.load(part_ptr + offs, cache_modifier=".cg")
+    for q in range(1, n_pieces):
+        tot += gl.load(part_ptr + (q * N + offs), cache_modifier=".cg")
+    return tot
+
+
+@gluon.jit
+def _rms(ss_ptr, c, H, eps, TILES_H: gl.constexpr):
+    """1 / rms of h from the tiles' sums of squares."""
+    sq = gl.load(ss_ptr + c, mask=c < TILES_H, other=0.0, cache_modifier=".cg")
+    return gl.rsqrt(gl.sum(sq, 0) / H + eps)
+
+
+@gluon.jit
+def _finish(kind, j, n_pieces, N, part_ptr, vec_ptr, g_ptr, ss_ptr, cs_ptr, pos, slot,
+            kc_ptr, vc_ptr, eps, H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr,
+            D: gl.constexpr, L: gl.constexpr):
+    """Tile j's finish, once its sums are all in (see the module docstring). A tile is D = 128
+    channels, one a thread; a thread's partner channel is c ^ 64."""
+    c = gl.arange(0, D, layout=L)
+    half = (c // 64) * 64
+    partner = c + 64 - 2 * half  # c ^ 64
+    y = _tile_sum(part_ptr, n_pieces, N, j * D + c)
+    Q_OFF: gl.constexpr = 2 * H
+    AT_OFF: gl.constexpr = Q_OFF + HEADS * D
+    ACT_OFF: gl.constexpr = AT_OFF + HEADS * D
+    if (kind == K_QKV) | (kind == K_GU):
+        rr = _rms(ss_ptr, c, H, eps, H // D)
+        y_p = _tile_sum(part_ptr, n_pieces, N, j * D + partner)
+        y = (y * rr).to(gl.bfloat16).to(gl.float32)
+        y_p = (y_p * rr).to(gl.bfloat16).to(gl.float32)
+        if kind == K_QKV:
+            if j < HEADS + KVH:  # q or k: RoPE (rotate-half) at the step's position
+                cos = gl.load(cs_ptr + pos * D + (c - half))
+                sin = gl.load(cs_ptr + pos * D + 64 + (c - half))
+                sign = gl.where(c < 64, -1.0, 1.0)
+                r = (y * cos + sign * y_p * sin).to(gl.bfloat16)
+                if j < HEADS:
+                    gl.store(vec_ptr + Q_OFF + j * D + c, r)
+                else:
+                    gl.store(kc_ptr + (slot * KVH + (j - HEADS)) * D + c, r)
+            else:
+                gl.store(vc_ptr + (slot * KVH + (j - HEADS - KVH)) * D + c, y.to(gl.bfloat16))
+        else:  # gate channels 64j .. 64j + 63 in the tile's first half, up in its second
+            act = y / (1.0 + gl.exp(-y)) * y_p
+            gl.store(vec_ptr + ACT_OFF + j * 64 + c, act.to(gl.bfloat16), mask=c < 64)
+    else:  # o or down: the residual add, the next norm's input and the tile's sum of h^2
+        y = y.to(gl.bfloat16).to(gl.float32)
+        h = gl.load(vec_ptr + j * D + c, cache_modifier=".cg").to(gl.float32)
+        hb = (h + y).to(gl.bfloat16)
+        gl.store(vec_ptr + j * D + c, hb)
+        hf = hb.to(gl.float32)
+        gw = gl.load(g_ptr + j * D + c).to(gl.float32)
+        gl.store(vec_ptr + H + j * D + c, (hf * gw).to(gl.bfloat16))
+        gl.store(ss_ptr + j, gl.sum(hf * hf, 0))
+
+
+@gluon.jit
+def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, apart_ptr, lock_ptr, scale,
+               H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
+               BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr,
+               WARPS: gl.constexpr):
+    """KV head pid // SPLITS, its share pid % SPLITS of the context 0 .. pos for the head's
+    four query heads; the last share of a head to arrive merges the shares into the output."""
+    GQA: gl.constexpr = HEADS // KVH
+    Q_OFF: gl.constexpr = 2 * H
+    AT_OFF: gl.constexpr = Q_OFF + HEADS * D
+    LK: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
+    LT: gl.constexpr = gl.SliceLayout(1, LK)
+    LD: gl.constexpr = gl.SliceLayout(0, LK)
+    kh = pid // SPLITS
+    sp = pid % SPLITS
+    ctx = pos + 1
+    per = (ctx + SPLITS - 1) // SPLITS
+    t0 = gl.minimum(sp * per, ctx)
+    t1 = gl.minimum(t0 + per, ctx)
+    d = gl.arange(0, D, layout=LD)
+    tt = gl.arange(0, TB, layout=LT)
+    LOG2E: gl.constexpr = 1.4426950408889634
+    qa = vec_ptr + Q_OFF + kh * GQA * D + d
+    q0 = gl.load(qa, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
+    q1 = gl.load(qa + D, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
+    q2 = gl.load(qa + 2 * D, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
+    q3 = gl.load(qa + 3 * D, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
+    zd = gl.zeros([D], gl.float32, layout=LD)
+    ninf = gl.max(gl.full([TB], float("-inf"), gl.float32, layout=LT), 0)
+    fzero = gl.sum(gl.zeros([TB], gl.float32, layout=LT), 0)
+    m0, m1, m2, m3 = ninf, ninf, ninf, ninf
+    l0, l1, l2, l3 = fzero, fzero, fzero, fzero
+    a0, a1, a2, a3 = zd, zd, zd, zd
+    for tb in range(t0, t1, TB):
+        tok = tb + tt
+        ok = tok < t1
+        blk = gl.load(bt_ptr + tok // BS, mask=ok, other=0).to(gl.int64)
+        row = ((blk * BS + tok % BS) * KVH + kh) * D
+        addr = gl.expand_dims(row, 1) + gl.expand_dims(d, 0)
+        okk = gl.expand_dims(ok, 1)
+        kt = gl.load(kc_ptr + addr, mask=okk, other=0.0, cache_modifier=".cg").to(gl.float32)
+        vt = gl.load(vc_ptr + addr, mask=okk, other=0.0, cache_modifier=".cg").to(gl.float32)
+        m0, l0, a0 = _online(kt, vt, q0, ok, m0, l0, a0)
+        m1, l1, a1 = _online(kt, vt, q1, ok, m1, l1, a1)
+        m2, l2, a2 = _online(kt, vt, q2, ok, m2, l2, a2)
+        m3, l3, a3 = _online(kt, vt, q3, ok, m3, l3, a3)
+    base = (kh * SPLITS + sp) * GQA
+    _put(apart_ptr, base + 0, m0, l0, a0, d, D)
+    _put(apart_ptr, base + 1, m1, l1, a1, d, D)
+    _put(apart_ptr, base + 2, m2, l2, a2, d, D)
+    _put(apart_ptr, base + 3, m3, l3, a3, d, D)
+    gl.thread_barrier()
+    ticket = gl.atomic_add(lock_ptr + kh, 1, sem="acq_rel", scope="gpu")
+    if ticket == SPLITS - 1:
+        for h in gl.static_range(GQA):
+            out = _merge(apart_ptr, kh * SPLITS * GQA + h, d, SPLITS, GQA, D)
+            gl.store(vec_ptr + AT_OFF + (kh * GQA + h) * D + d, out.to(gl.bfloat16))
+        gl.atomic_xchg(lock_ptr + kh, 0)
+
+
+@gluon.jit
+def _online(kt, vt, q, ok, m, l, acc):
+    """One block of tokens for one query head: scores (log2 units), online softmax."""
+    s = gl.sum(kt * gl.expand_dims(q, 0), 1)
+    s = gl.where(ok, s, float("-inf"))
+    m_new = gl.maximum(m, gl.max(s, 0))
+    alpha = gl.exp2(m - m_new)
+    p = gl.exp2(s - m_new)
+    l = l * alpha + gl.sum(p, 0)
+    acc = acc * alpha + gl.sum(gl.expand_dims(p, 1) * vt, 0)
+    return m_new, l, acc
+
+
+@gluon.jit
+def _put(apart_ptr, r, m, l, acc, d, D: gl.constexpr):
+    """A share's (m, l) and acc for one query head: row r of the (m, l, acc) partials."""
+    rec = apart_ptr + r * (D + 2)
+    gl.store(rec + d, acc)
+    gl.store(rec + D, m)
+    gl.store(rec + D + 1, l)
+
+
+@gluon.jit
+def _merge(apart_ptr, r0, d, SPLITS: gl.constexpr, GQA: gl.constexpr, D: gl.constexpr):
+    """The shares' (m, l, acc) of one query head merged: sum_s 2^(m_s - M) acc_s / sum_s
+    2^(m_s - M) l_s."""
+    big = gl.load(apart_ptr + r0 * (D + 2) + D, cache_modifier=".cg")
+    for s in range(1, SPLITS):
+        big = gl.maximum(big, gl.load(apart_ptr + (r0 + s * GQA) * (D + 2) + D,
+                                      cache_modifier=".cg"))
+    num = gl.zeros_like(d.to(gl.float32))
+    den = gl.sum(num, 0)
+    for s in range(SPLITS):
+        rec = apart_ptr + (r0 + s * GQA) * (D + 2)
+        w = gl.exp2(gl.load(rec + D, cache_modifier=".cg") - big)
+        num += w * gl.load(rec + d, cache_modifier=".cg")
+        den += w * gl.load(rec + D + 1, cache_modifier=".cg")
+    return num / den
+
+
+@gluon.jit
+def _consumer(bufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr, ss_ptr,
+              part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, step_ptr, bt_ptr, kc_ptr, vc_ptr,
+              eps, scale, P, S: gl.constexpr, WARPS: gl.constexpr, H: gl.constexpr,
+              HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr, INTER: gl.constexpr,
+              BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr):
+    T: gl.constexpr = 32 * WARPS
+    L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    LW: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, WARPS], [0, 1])
+    pid = gl.program_id(0)
+    idx = gl.arange(0, T, layout=L)
+    lane = idx % 32
+    g = lane // 4
+    t = lane % 4
+    sel = gl.where(t % 2 == 0, 0x4140, 0x4342)
+    zero = gl.zeros([T], gl.float32, layout=L)
+    ones = gl.full([T], 0x3F803F80, gl.int32, layout=L)
+    pos = gl.load(step_ptr).to(gl.int64)
+    slot = gl.load(step_ptr + 1).to(gl.int64)
+    i = 0
+    for f in range(n_phases):
+        kind = gl.load(tab_ptr + f * TABF).to(gl.int32)
+        W = gl.load(tab_ptr + f * TABF + 2).to(gl.int32)
+        total = gl.load(tab_ptr + f * TABF + 3).to(gl.int32)
+        CHUNKS = gl.load(tab_ptr + f * TABF + 4).to(gl.int32)
+        N = gl.load(tab_ptr + f * TABF + 5).to(gl.int32)
+        s_off = gl.load(tab_ptr + f * TABF + 6)
+        x_off = gl.load(tab_ptr + f * TABF + 7)
+        g_off = gl.load(tab_ptr + f * TABF + 8)
+        c_off = gl.load(tab_ptr + f * TABF + 9) * (KVH * D)  # the layer's cache
+        if f > 0:  # every program of the phase before is done
+            seen = _poll(cnt_ptr + (f - 1))
+            while seen < P:
+                seen = _poll(cnt_ptr + (f - 1))
+        if kind == K_ATTN:
+            if pid < KVH * SPLITS:
+                _attention(pid, vec_ptr, kc_ptr + c_off, vc_ptr + c_off, bt_ptr, pos, apart_ptr,
+                           lock_ptr + LOCKS_C, scale, H, HEADS, KVH, D, BS, SPLITS, TB, WARPS)
+        else:
+            x_base = vec_ptr.to(gl.int64) + x_off * 2
+            start, end = _share(pid, W, total)
+            u = start
+            while u < end:
+                i, done, j, n_pieces = _gemv_piece(bufs, ready, empty, i, u, end, CHUNKS, N, W,
+                                                   s_ptr, z_ptr, s_off, x_base, part_ptr, pid,
+                                                   idx, t, g, zero, ones, sel, LW, L, T, S)
+                u += done
+                # NOTE: every thread's partial stores come before the ticket (barrier), and the
+                # ticket is a gpu-scope acq_rel atomic, so the last piece sees all partials.
+                gl.thread_barrier()
+                ticket = gl.atomic_add(lock_ptr + j, 1, sem="acq_rel", scope="gpu")
+                if ticket == n_pieces - 1:
+                    _finish(kind, j, n_pieces, N, part_ptr, vec_ptr, norm_ptr + g_off, ss_ptr,
+                            cs_ptr, pos, slot, kc_ptr + c_off, vc_ptr + c_off, eps, H, HEADS, KVH,
+                            D, L)
+                    gl.atomic_xchg(lock_ptr + j, 0)
+        gl.thread_barrier()
+        gl.atomic_add(cnt_ptr + f, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _layer_producer(desc, bufs, ready, empty, tab_ptr, n_phases, S: gl.constexpr,
+                    T: gl.constexpr):
+    _producer(desc, bufs, ready, empty, tab_ptr + 1, n_phases, S, T, TABF)
+
+
+@gluon.jit
+def decode_layers_kernel(desc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr, ss_ptr,
+                         part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, step_ptr, bt_ptr,
+                         kc_ptr, vc_ptr, eps, scale, P, S: gl.constexpr, WARPS: gl.constexpr,
+                         H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr,
+                         D: gl.constexpr, INTER: gl.constexpr, BS: gl.constexpr,
+                         SPLITS: gl.constexpr, TB: gl.constexpr):
+    T: gl.constexpr = 32 * WARPS
+    bufs = gl.allocate_shared_memory(gl.int32, [S, 16, T], desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(S):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    gl.warp_specialize([
+        (_consumer, (bufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr,
+                     ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, step_ptr, bt_ptr,
+                     kc_ptr, vc_ptr, eps, scale, P, S, WARPS, H, HEADS, KVH, D, INTER, BS,
+                     SPLITS, TB)),
+        (_layer_producer, (desc, bufs, ready, empty, tab_ptr, n_phases, S, T)),
+    ], [1], [48])
+
+
+# Llama-3-8B's shapes
+LLAMA3_8B = {"H": 4096, "HEADS": 32, "KVH": 8, "D": 128, "INTER": 14336, "BS": 16,
+             "theta": 500000.0, "eps": 1e-5}
+
+
+def gate_up_order(inter: int) -> torch.Tensor:
+    """The gate/up weight's channel order in the kernel: tile j (128 channels) holds gate
+    channels 64j .. 64j + 63, then the same up channels (inter + 64j ..)."""
+    j = torch.arange(inter // 64).repeat_interleave(64) * 64 + torch.arange(64).repeat(inter // 64)
+    return torch.stack([j.view(-1, 64), (j + inter).view(-1, 64)], 1).reshape(-1)
+
+
+def offsets(cfg: dict) -> dict:
+    """Where each vector lives in the kernel's bf16 arena: h, xn, q, the attention output and
+    silu(gate) * up."""
+    h, qd = cfg["H"], cfg["HEADS"] * cfg["D"]
+    return {"h": 0, "xn": h, "q": 2 * h, "attn": 2 * h + qd, "act": 2 * h + 2 * qd,
+            "size": 2 * h + 2 * qd + cfg["INTER"]}
+
+
+def build(layers: int, P: int, ctx: int, dev: torch.device, cfg: dict = LLAMA3_8B,
+          seed: int = 0) -> dict:
+    """Random 4-bit weights (scales, zero points), norm weights, a paged K/V cache holding ctx - 1
+    tokens a layer, the step's position and slot, and the phase table (TABF int64 fields a
+    phase) for P programs."""
+    from peregrine.layers.quantization.wna16 import WNA16Layout
+    torch.manual_seed(seed)
+    H, HEADS, KVH, D, INTER, BS = (cfg[k] for k in ("H", "HEADS", "KVH", "D", "INTER", "BS"))
+    if HEADS // KVH != 4 or D != 128:
+        raise ValueError("decode_layer_ring: four query heads a KV head of 128 channels")
+    off = offsets(cfg)
+    order = gate_up_order(INTER).to(dev)
+    proj = ((QKV, H, (HEADS + 2 * KVH) * D), (O, HEADS * D, H), (GU, H, 2 * INTER),
+            (DOWN, INTER, H))
+    x_in = {QKV: off["xn"], O: off["attn"], GU: off["xn"], DOWN: off["act"]}
+    blocks_a_layer = -(-ctx // BS) + 1
+    layouts, tiled, scales, zeros, table = [], [], [], [], []
+    row = s_off = 0
+    for layer in range(layers):
+        per = {}
+        for kind, k, n in proj:
+            q = torch.randint(0, 16, (k, n), device=dev, dtype=torch.int32)
+            sc = torch.rand(k // 128, n, device=dev) * (2.0 / k) ** 0.5 / 4 + 1e-4
+            zp = torch.randint(0, 16, (k // 128, n), device=dev).float()
+            if kind == GU:
+                q, sc, zp = q[:, order], sc[:, order], zp[:, order]
+            w = WNA16Layout.build(q, sc, zp, None, 4, torch.bfloat16)
+            del q
+            per[kind] = w
+            tiled.append(tile_words(w.qweight, 128))
+            scales.append(w.scales.reshape(-1))
+            zeros.append(w.zeros.reshape(-1))
+            groups, tiles = k // 128, n // 128
+            if kind == O:
+                table.append([ATTN, 0, 0, 0, 1, 0, 0, 0, 0, layer * blocks_a_layer * BS])
+            g_off = {QKV: 2 * layer, O: 2 * layer + 1, GU: 0, DOWN: 2 * layer + 2}[kind] * H
+            table.append([kind, row, share(tiles, groups, P), tiles * groups, groups, n, s_off,
+                          x_in[kind], g_off, layer * blocks_a_layer * BS])
+            row += tiles * groups * 16
+            s_off += groups * n
+        layouts.append(per)
+    norms = (1.0 + 0.1 * torch.randn((2 * layers + 1) * H, device=dev)).to(torch.bfloat16)
+    cache_shape = (layers * blocks_a_layer, BS, KVH, D)
+    k_cache = torch.randn(cache_shape, device=dev).to(torch.bfloat16)
+    v_cache = torch.randn(cache_shape, device=dev).to(torch.bfloat16)
+    # a block table: the sequence's blocks, shuffled, within each layer's own blocks
+    block_table = torch.randperm(blocks_a_layer, device=dev).to(torch.int32)
+    pos = ctx - 1
+    slot = int(block_table[pos // BS]) * BS + pos % BS
+    inv = cfg["theta"] ** (-torch.arange(0, D, 2, device=dev, dtype=torch.float64) / D)
+    ang = torch.arange(ctx, device=dev, dtype=torch.float64)[:, None] * inv[None, :]
+    cos_sin = torch.cat([ang.cos(), ang.sin()], 1).float()
+    h0 = torch.randn(H, device=dev).to(torch.bfloat16)
+    return {"cfg": cfg, "layouts": layouts, "words": torch.cat(tiled),
+            "scales": torch.cat(scales), "zeros": torch.cat(zeros), "norms": norms,
+            "table": torch.tensor(table, dtype=torch.int64, device=dev), "k_cache": k_cache,
+            "v_cache": v_cache, "block_table": block_table, "blocks_a_layer": blocks_a_layer,
+            "pos": pos, "slot": slot, "cos_sin": cos_sin, "h0": h0, "order": order}
+
+
+def _round(x: torch.Tensor) -> torch.Tensor:
+    """Rounded to bf16, back in float32."""
+    return x.to(torch.bfloat16).float()
+
+
+def reference_layers(d: dict, rounding: bool = True) -> dict:
+    """The kernel's layers in torch (float32 sums, the kernel's rounding points; without
+    `rounding`, float32 throughout): the final h and xn, every layer's K/V rows at the step's
+    slot, and the last layer's q, attention output and silu(gate) * up."""
+    _rb = _round if rounding else (lambda x: x)
+    cfg = d["cfg"]
+    H, HEADS, KVH, D, INTER, BS = (cfg[k] for k in ("H", "HEADS", "KVH", "D", "INTER", "BS"))
+    eps, pos, slot = cfg["eps"], d["pos"], d["slot"]
+    norms = d["norms"].float().view(-1, H)
+    cos, sin = d["cos_sin"][pos, :D // 2], d["cos_sin"][pos, D // 2:]
+    h = d["h0"].float()
+    ctx = pos + 1
+    toks = torch.arange(ctx, device=h.device)
+    slots = d["block_table"].long()[toks // BS] * BS + toks % BS
+    ks, vs, qs, attns = [], [], [], []
+
+    def rope(x):  # (heads, D)
+        x1, x2 = x[:, :D // 2], x[:, D // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], 1)
+
+    for layer, w in enumerate(d["layouts"]):
+        rr = torch.rsqrt(h.pow(2).view(-1, 128).sum(1).sum() / H + eps)
+        xn = _rb(h * norms[2 * layer])
+        qkv = _rb((xn @ w[QKV].dequantize(torch.float32).t()) * rr)
+        q = qkv[:HEADS * D].view(HEADS, D)
+        k = qkv[HEADS * D:(HEADS + KVH) * D].view(KVH, D)
+        v = qkv[(HEADS + KVH) * D:].view(KVH, D)
+        q, k = _rb(rope(q)), _rb(rope(k))
+        base = layer * d["blocks_a_layer"] * BS
+        kc = d["k_cache"].view(-1, KVH, D)[base + slots].float().clone()
+        vc = d["v_cache"].view(-1, KVH, D)[base + slots].float().clone()
+        kc[-1], vc[-1] = k, v
+        ks.append(k)
+        vs.append(v)
+        qs.append(q)
+        kk = kc.repeat_interleave(HEADS // KVH, 1)  # (ctx, HEADS, D)
+        vv = vc.repeat_interleave(HEADS // KVH, 1)
+        att = torch.softmax(torch.einsum("hd,thd->ht", q, kk) / math.sqrt(D), -1)
+        attn = _rb(torch.einsum("ht,thd->hd", att, vv).reshape(-1))
+        attns.append(attn)
+        o = _rb(attn @ w[O].dequantize(torch.float32).t())
+        h = _rb(h + o)
+        rr = torch.rsqrt(h.pow(2).view(-1, 128).sum(1).sum() / H + eps)
+        xn = _rb(h * norms[2 * layer + 1])
+        gu = _rb((xn @ w[GU].dequantize(torch.float32).t()) * rr).view(-1, 2, 64)
+        gate, up = gu[:, 0].reshape(-1), gu[:, 1].reshape(-1)
+        act = _rb(gate / (1.0 + torch.exp(-gate)) * up)
+        dn = _rb(act @ w[DOWN].dequantize(torch.float32).t())
+        h = _rb(h + dn)
+    return {"h": h, "xn": _rb(h * norms[2 * len(d["layouts"])]), "k": torch.stack(ks),
+            "v": torch.stack(vs), "q": qs[-1], "attn": attns[-1], "act": act}
+
+
+class Runner:
+    """The kernel's buffers for one build, and the call that runs a step's layers."""
+
+    def __init__(self, d: dict, P: int, stages: int = 16, splits: int = 16, tb: int = 16):
+        cfg = d["cfg"]
+        dev = d["words"].device
+        self.d, self.P, self.cfg = d, P, cfg
+        self.stages, self.splits, self.tb = stages, splits, tb
+        self.off = offsets(cfg)
+        H, D = cfg["H"], cfg["D"]
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        words = d["words"]
+        self.desc = TensorDescriptor(words, list(words.shape), list(words.stride()), [16, 128],
+                                     layout)
+        tab = d["table"]
+        pieces = int(max(-(-r[4] // r[2]) + 1 for r in tab.tolist() if r[0] != ATTN))
+        self.part = torch.empty(pieces * 2 * cfg["INTER"], dtype=torch.float32, device=dev)
+        self.apart = torch.empty(cfg["KVH"] * splits * 4 * (D + 2), dtype=torch.float32,
+                                 device=dev)
+        self.lock = torch.zeros(LOCKS + cfg["KVH"], dtype=torch.int32, device=dev)
+        self.cnt = torch.zeros(tab.shape[0], dtype=torch.int32, device=dev)
+        self.vec = torch.zeros(self.off["size"], dtype=torch.bfloat16, device=dev)
+        self.ss = torch.zeros(H // D, dtype=torch.float32, device=dev)
+        self.step = torch.tensor([d["pos"], d["slot"]], dtype=torch.int64, device=dev)
+        self.g0 = d["norms"][:H].float()
+        if P < cfg["KVH"] * splits:
+            raise ValueError(f"decode_layer_ring: {P} programs, fewer than the attention's "
+                             f"{cfg['KVH'] * splits}")
+
+    def __call__(self) -> None:
+        cfg, d, H = self.cfg, self.d, self.cfg["H"]
+        h0 = d["h0"]
+        self.cnt.zero_()
+        self.vec[:H].copy_(h0)
+        self.vec[H:2 * H].copy_((h0.float() * self.g0).to(torch.bfloat16))
+        self.ss.copy_(h0.float().pow(2).view(-1, cfg["D"]).sum(1))
+        decode_layers_kernel[(self.P,)](
+            self.desc, d["table"], d["table"].shape[0], d["scales"], d["zeros"], self.vec,
+            d["norms"], self.ss, self.part, self.apart, self.lock, self.cnt, d["cos_sin"],
+            self.step, d["block_table"], d["k_cache"], d["v_cache"], cfg["eps"],
+            1.0 / math.sqrt(cfg["D"]), self.P, S=self.stages, WARPS=4, H=H,
+            HEADS=cfg["HEADS"], KVH=cfg["KVH"], D=cfg["D"], INTER=cfg["INTER"], BS=cfg["BS"],
+            SPLITS=self.splits, TB=self.tb, num_warps=4, maxnreg=128)
+
+    def state(self) -> dict:
+        """The kernel's outputs, as reference_layers gives them."""
+        cfg, d, off = self.cfg, self.d, self.off
+        H, KVH, D = cfg["H"], cfg["KVH"], cfg["D"]
+        layers = len(d["layouts"])
+        rows = torch.arange(layers, device=self.vec.device) * d["blocks_a_layer"] * cfg["BS"] \
+            + d["slot"]
+        return {"h": self.vec[:H].float(), "xn": self.vec[H:2 * H].float(),
+                "k": d["k_cache"].view(-1, KVH, D)[rows].float(),
+                "v": d["v_cache"].view(-1, KVH, D)[rows].float(),
+                "q": self.vec[off["q"]:off["attn"]].float().view(-1, D),
+                "attn": self.vec[off["attn"]:off["act"]].float(),
+                "act": self.vec[off["act"]:].float()}
+
+
+def compare(got: dict, want: dict) -> dict:
+    """Per output, the largest difference in bf16 ulps at the reference's magnitude (at least its
+    RMS's), and the relative RMS difference."""
+    out = {}
+    for name, w in want.items():
+        g = got[name]
+        unit = torch.maximum(w.abs(), w.pow(2).mean().sqrt()) * 2.0 ** -8
+        out[name] = {"max_ulps": round(((g - w).abs() / unit).max().item(), 2),
+                     "rel_rms": float((g - w).pow(2).mean().sqrt() / w.pow(2).mean().sqrt())}
+    return out
+
+
+def run(layers: int, ctx: int, stages: int, splits: int, iters: int, dev: torch.device) -> dict:
+    P = torch.cuda.get_device_properties(dev).multi_processor_count
+    t0 = time.time()
+    d = build(layers, P, ctx, dev)
+    want = reference_layers(d)
+    r = Runner(d, P, stages, splits)
+    kv = (d["k_cache"].clone(), d["v_cache"].clone())
+    r()
+    torch.cuda.synchronize()
+    errs = compare(r.state(), want)
+    d["k_cache"].copy_(kv[0])
+    d["v_cache"].copy_(kv[1])
+    ms = graph_replay_ms([r], iters)
+    wbytes = (d["words"].numel() * 4 + d["scales"].numel() * 4) / layers
+    res = {"layers": layers, "ctx": ctx, "stages": stages, "splits": splits, "programs": P,
+           "us_per_layer": round(ms * 1e3 / layers, 2),
+           "wall_us_per_layer": round(wbytes / 4.2e6, 2), "errors": errs}
+    print(json.dumps(res), f"({time.time() - t0:.0f} s)", flush=True)
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--layers", default="1,32", help="layer counts to check and time")
+    p.add_argument("--ctx", type=int, default=256, help="tokens in the context, this one included")
+    p.add_argument("--stages", default="16")
+    p.add_argument("--splits", type=int, default=16)
+    p.add_argument("--iters", type=int, default=20)
+    ns = p.parse_args()
+    dev = torch.device("cuda")
+    results = []
+    for n in ns.layers.split(","):
+        for s in ns.stages.split(","):
+            results.append(run(int(n), ns.ctx, int(s), ns.splits, ns.iters, dev))
+            torch.cuda.empty_cache()
+    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(ns.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(dev),
+                                        "torch": torch.__version__,
+                                        "triton": triton.__version__,
+                                        "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

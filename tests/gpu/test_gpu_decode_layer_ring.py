@@ -1,0 +1,61 @@
+"""The persistent decode-layer kernel (benchmarks/decode_layer_ring.py; sm_90+): a step's layers
+at batch 1 in one kernel, weights streamed through a TMA ring, against the same layers in torch
+with the same rounding points; and the int4 ring probe's GEMV phases against x @ dequant(W)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from benchmark_scripts import load
+
+from gpu_cases import DEV
+
+pytestmark = pytest.mark.gpu
+
+SMALL = {"H": 512, "HEADS": 8, "KVH": 2, "D": 128, "INTER": 1024, "BS": 16, "theta": 10000.0,
+         "eps": 1e-6}
+
+
+def _hopper() -> None:
+    if torch.cuda.get_device_capability(DEV) < (9, 0):
+        pytest.skip("TMA and warp specialization need sm_90+")
+
+
+@pytest.mark.parametrize("ctx", (1, 40, 256))
+@pytest.mark.parametrize("shape", ("small", "llama3_8b"))
+def test_decode_layers_match_the_torch_layers(shape: str, ctx: int) -> None:
+    """Two layers: q, the K/V rows stored, the attention output, silu(gate) * up, h and the next
+    norm's input within a few bf16 ulps of torch's (float32 sums in another order can flip a
+    rounding); shares of the context left empty (ctx 1 and 40 over 16 splits) included; a
+    CUDA-graph replay gives the same bits."""
+    _hopper()
+    mod = load("decode_layer_ring")
+    cfg = SMALL if shape == "small" else mod.LLAMA3_8B
+    P = torch.cuda.get_device_properties(DEV).multi_processor_count
+    d = mod.build(2, P, ctx, DEV, cfg)
+    want = mod.reference_layers(d)
+    r = mod.Runner(d, P)
+    r()
+    torch.cuda.synchronize()
+    got = r.state()
+    errs = mod.compare(got, want)
+    for name, e in errs.items():
+        assert e["max_ulps"] <= 4 and e["rel_rms"] <= 1e-2, (name, e)
+    first = {k: v.clone() for k, v in got.items()}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        r()
+    graph.replay()
+    torch.cuda.synchronize()
+    for k, v in r.state().items():
+        assert torch.equal(v, first[k]), k
+
+
+def test_ring_int4_gemv_phases_are_the_exact_products() -> None:
+    """Two layers of the four projections, 4 and 8 consumer warps, one and two accumulator
+    sets: every output within an output ulp of x @ dequant(W)."""
+    _hopper()
+    probe = load("ring_int4_probe")
+    for warps, stages in ((4, 16), (8, 8)):
+        res = probe.run(2, warps, stages, 4, 2, ["ring_mma", "ring_mma_acc2"], DEV)
+        for form in ("ring_mma", "ring_mma_acc2"):
+            assert res[form]["max_ulps"] <= 1.0, (warps, form, res[form])

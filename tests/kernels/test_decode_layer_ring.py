@@ -1,0 +1,106 @@
+"""The persistent decode-layer kernel's host side (its Gluon kernel runs on the GPU only): the
+gate/up channel order its tiles read, the phase table, and the torch layers its GPU check
+compares with, which without their roundings are transformers' Llama layers."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from benchmark_scripts import load
+
+mod = load("decode_layer_ring")
+CFG = {"H": 256, "HEADS": 4, "KVH": 1, "D": 128, "INTER": 512, "BS": 16, "theta": 10000.0,
+       "eps": 1e-6}
+
+
+def test_a_gate_up_tile_is_64_gate_channels_then_the_same_up_channels() -> None:
+    inter = 512
+    order = mod.gate_up_order(inter)
+    assert sorted(order.tolist()) == list(range(2 * inter))
+    tiles = order.view(-1, 128)
+    for j, tile in enumerate(tiles.tolist()):
+        assert tile[:64] == list(range(64 * j, 64 * j + 64))
+        assert tile[64:] == [inter + c for c in range(64 * j, 64 * j + 64)]
+
+
+def test_the_phase_table_walks_each_layer_in_five_phases() -> None:
+    d = mod.build(2, 8, 37, torch.device("cpu"), CFG)
+    table = d["table"].tolist()
+    H, INTER = CFG["H"], CFG["INTER"]
+    off = mod.offsets(CFG)
+    assert [r[0] for r in table] == [mod.QKV, mod.ATTN, mod.O, mod.GU, mod.DOWN] * 2
+    row = s = 0
+    for f, r in enumerate(table):
+        layer = f // 5
+        assert r[9] == layer * d["blocks_a_layer"] * CFG["BS"]  # the layer's own cache
+        if r[0] == mod.ATTN:
+            assert r[2:4] == [0, 0]  # no weight units
+            continue
+        k, n = {mod.QKV: (H, 6 * 128), mod.O: (4 * 128, H), mod.GU: (H, 2 * INTER),
+                mod.DOWN: (INTER, H)}[r[0]]
+        tiles, groups = n // 128, k // 128
+        assert r[1:7] == [row, mod.share(tiles, groups, 8), tiles * groups, groups, n, s]
+        assert r[7] == {mod.QKV: off["xn"], mod.O: off["attn"], mod.GU: off["xn"],
+                        mod.DOWN: off["act"]}[r[0]]
+        if r[0] in (mod.O, mod.DOWN):  # the norm after it: post-attention, next layer's input
+            assert r[8] == (2 * layer + (1 if r[0] == mod.O else 2)) * H
+        row += tiles * groups * 16
+        s += groups * n
+    assert d["words"].shape == (row, 128)
+    pos = d["pos"]
+    assert d["slot"] == int(d["block_table"][pos // 16]) * 16 + pos % 16
+
+
+@pytest.mark.parametrize("ctx", (1, 37))
+def test_the_reference_without_roundings_is_transformers_llama(ctx: int) -> None:
+    """Two layers with the dequantized weights and the cache's earlier K/V as transformers'
+    past: the final hidden state after the final norm agrees to float32 rounding."""
+    from transformers import DynamicCache, LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaModel
+    layers = 2
+    d = mod.build(layers, 8, ctx, torch.device("cpu"), CFG)
+    want = mod.reference_layers(d, rounding=False)
+    H, HEADS, KVH, D, INTER, BS = (CFG[k] for k in ("H", "HEADS", "KVH", "D", "INTER", "BS"))
+    hc = LlamaConfig(vocab_size=32, hidden_size=H, intermediate_size=INTER,
+                     num_hidden_layers=layers, num_attention_heads=HEADS,
+                     num_key_value_heads=KVH, head_dim=D, rms_norm_eps=CFG["eps"],
+                     rope_theta=CFG["theta"], max_position_embeddings=1024)
+    model = LlamaModel(hc).float().eval()
+    norms = d["norms"].float().view(-1, H)
+    with torch.no_grad():
+        for n, (layer, w) in enumerate(zip(model.layers, d["layouts"])):
+            qkv = w[mod.QKV].dequantize(torch.float32)
+            layer.self_attn.q_proj.weight.copy_(qkv[:HEADS * D])
+            layer.self_attn.k_proj.weight.copy_(qkv[HEADS * D:(HEADS + KVH) * D])
+            layer.self_attn.v_proj.weight.copy_(qkv[(HEADS + KVH) * D:])
+            layer.self_attn.o_proj.weight.copy_(w[mod.O].dequantize(torch.float32))
+            gu = torch.empty(2 * INTER, H)
+            gu[d["order"]] = w[mod.GU].dequantize(torch.float32)
+            layer.mlp.gate_proj.weight.copy_(gu[:INTER])
+            layer.mlp.up_proj.weight.copy_(gu[INTER:])
+            layer.mlp.down_proj.weight.copy_(w[mod.DOWN].dequantize(torch.float32))
+            layer.input_layernorm.weight.copy_(norms[2 * n])
+            layer.post_attention_layernorm.weight.copy_(norms[2 * n + 1])
+        model.norm.weight.copy_(norms[2 * layers])
+    pos = d["pos"]
+    cache = DynamicCache(config=hc)
+    toks = torch.arange(pos)
+    for n in range(layers):
+        slots = (n * d["blocks_a_layer"] * BS + d["block_table"].long()[toks // BS] * BS
+                 + toks % BS)
+        k = d["k_cache"].view(-1, KVH, D)[slots].float().permute(1, 0, 2)[None]
+        v = d["v_cache"].view(-1, KVH, D)[slots].float().permute(1, 0, 2)[None]
+        cache.update(k, v, n)
+    params = inspect.signature(model.forward).parameters
+    kw = {"cache" if "cache" in params else "past_key_values": cache}
+    with torch.no_grad():
+        out = model(inputs_embeds=d["h0"].float()[None, None],
+                    position_ids=torch.tensor([[pos]]), use_cache=True, **kw)
+    got = out.last_hidden_state[0, 0]
+    h = want["h"]
+    mine = h * torch.rsqrt(h.pow(2).mean() + CFG["eps"]) * norms[2 * layers]
+    assert (got - mine).abs().max() <= 1e-4 * mine.abs().max()
+    # and the rounded reference (the GPU kernel's) stays near it
+    rounded = mod.reference_layers(d)
+    assert (rounded["h"] - h).pow(2).mean().sqrt() <= 2e-2 * h.pow(2).mean().sqrt()
