@@ -27,7 +27,10 @@ the residual adds folded into the phases around them):
 A projection's units are shared out evenly over the programs (stream-K); each piece stores its
 float32 partials and the last piece of a tile to arrive (a ticket) adds them in piece order and
 does the tile's finish. Checked against `reference_layers` (torch, the same rounding points) on
-the GPU; timed as CUDA-graph replays of 32 Llama-3-8B layers.
+the GPU; timed as CUDA-graph replays of 32 Llama-3-8B layers, in the forms `ring` (as above),
+`ring_free` (no waits between phases: the stream and the phases' own work, the floor this design
+allows; its outputs are not the layers') and `ring_traced` (`ring` with %globaltimer stamps where
+each program's wait ended and its phase ended: a mean timeline of the middle layers).
 
     python benchmarks/decode_layer_ring.py --out /tmp/out/decode_layer_ring.json
 """
@@ -52,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.cuda_timing import graph_replay_ms  # noqa: E402
 from benchmarks.ring_int4_probe import (_poll, _producer, _share, _words, share,  # noqa: E402
                                         tile_words)
+from benchmarks.ring_stream_probe import _now  # noqa: E402
 from peregrine.kernels.wna16_gemv_tc import (_PAIRS, _group_done, _ld_group, _step,  # noqa: E402
                                              _store)
 
@@ -288,9 +292,9 @@ def _merge(apart_ptr, r0, d, SPLITS: gl.constexpr, GQA: gl.constexpr, D: gl.cons
 @gluon.jit
 def _consumer(bufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr, ss_ptr,
               part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, step_ptr, bt_ptr, kc_ptr, vc_ptr,
-              eps, scale, P, S: gl.constexpr, WARPS: gl.constexpr, H: gl.constexpr,
-              HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr, INTER: gl.constexpr,
-              BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr):
+              trace_ptr, eps, scale, P, S: gl.constexpr, WARPS: gl.constexpr, H: gl.constexpr,
+              HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
+              SPLITS: gl.constexpr, TB: gl.constexpr, WAIT: gl.constexpr, TRACE: gl.constexpr):
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     LW: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, WARPS], [0, 1])
@@ -315,10 +319,12 @@ def _consumer(bufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm
         x_off = gl.load(tab_ptr + f * TABF + 7)
         g_off = gl.load(tab_ptr + f * TABF + 8)
         c_off = gl.load(tab_ptr + f * TABF + 9) * (KVH * D)  # the layer's cache
-        if f > 0:  # every program of the phase before is done
+        if WAIT and f > 0:  # every program of the phase before is done
             seen = _poll(cnt_ptr + (f - 1))
             while seen < P:
                 seen = _poll(cnt_ptr + (f - 1))
+        if TRACE:
+            gl.store(trace_ptr + (f * P + pid) * 2, _now())
         if kind == K_ATTN:
             if pid < KVH * SPLITS:
                 _attention(pid, vec_ptr, kc_ptr + c_off, vc_ptr + c_off, bt_ptr, pos, apart_ptr,
@@ -341,6 +347,8 @@ def _consumer(bufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm
                             cs_ptr, pos, slot, kc_ptr + c_off, vc_ptr + c_off, eps, H, HEADS, KVH,
                             D, L)
                     gl.atomic_xchg(lock_ptr + j, 0)
+        if TRACE:
+            gl.store(trace_ptr + (f * P + pid) * 2 + 1, _now())
         gl.thread_barrier()
         gl.atomic_add(cnt_ptr + f, 1, sem="release", scope="gpu")
 
@@ -354,10 +362,11 @@ def _layer_producer(desc, bufs, ready, empty, tab_ptr, n_phases, S: gl.constexpr
 @gluon.jit
 def decode_layers_kernel(desc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr, ss_ptr,
                          part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, step_ptr, bt_ptr,
-                         kc_ptr, vc_ptr, eps, scale, P, S: gl.constexpr, WARPS: gl.constexpr,
-                         H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr,
-                         D: gl.constexpr, INTER: gl.constexpr, BS: gl.constexpr,
-                         SPLITS: gl.constexpr, TB: gl.constexpr):
+                         kc_ptr, vc_ptr, trace_ptr, eps, scale, P, S: gl.constexpr,
+                         WARPS: gl.constexpr, H: gl.constexpr, HEADS: gl.constexpr,
+                         KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
+                         SPLITS: gl.constexpr, TB: gl.constexpr, WAIT: gl.constexpr = True,
+                         TRACE: gl.constexpr = False):
     T: gl.constexpr = 32 * WARPS
     bufs = gl.allocate_shared_memory(gl.int32, [S, 16, T], desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
@@ -368,8 +377,8 @@ def decode_layers_kernel(desc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_pt
     gl.warp_specialize([
         (_consumer, (bufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr,
                      ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, step_ptr, bt_ptr,
-                     kc_ptr, vc_ptr, eps, scale, P, S, WARPS, H, HEADS, KVH, D, INTER, BS,
-                     SPLITS, TB)),
+                     kc_ptr, vc_ptr, trace_ptr, eps, scale, P, S, WARPS, H, HEADS, KVH, D, BS,
+                     SPLITS, TB, WAIT, TRACE)),
         (_layer_producer, (desc, bufs, ready, empty, tab_ptr, n_phases, S, T)),
     ], [1], [48])
 
@@ -520,6 +529,7 @@ class Runner:
         dev = d["words"].device
         self.d, self.P, self.cfg = d, P, cfg
         self.stages, self.splits, self.tb = stages, splits, tb
+        self.wait, self.trace = True, False  # the phases' waits; timestamps (see timeline)
         self.off = offsets(cfg)
         H, D = cfg["H"], cfg["D"]
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -537,6 +547,7 @@ class Runner:
         self.ss = torch.zeros(H // D, dtype=torch.float32, device=dev)
         self.step = torch.tensor([d["pos"], d["slot"]], dtype=torch.int64, device=dev)
         self.g0 = d["norms"][:H].float()
+        self.times = torch.zeros(tab.shape[0], P, 2, dtype=torch.int64, device=dev)
         if P < cfg["KVH"] * splits:
             raise ValueError(f"decode_layer_ring: {P} programs, fewer than the attention's "
                              f"{cfg['KVH'] * splits}")
@@ -551,10 +562,10 @@ class Runner:
         decode_layers_kernel[(self.P,)](
             self.desc, d["table"], d["table"].shape[0], d["scales"], d["zeros"], self.vec,
             d["norms"], self.ss, self.part, self.apart, self.lock, self.cnt, d["cos_sin"],
-            self.step, d["block_table"], d["k_cache"], d["v_cache"], cfg["eps"],
+            self.step, d["block_table"], d["k_cache"], d["v_cache"], self.times, cfg["eps"],
             1.0 / math.sqrt(cfg["D"]), self.P, S=self.stages, WARPS=4, H=H,
-            HEADS=cfg["HEADS"], KVH=cfg["KVH"], D=cfg["D"], INTER=cfg["INTER"], BS=cfg["BS"],
-            SPLITS=self.splits, TB=self.tb, num_warps=4, maxnreg=128)
+            HEADS=cfg["HEADS"], KVH=cfg["KVH"], D=cfg["D"], BS=cfg["BS"], SPLITS=self.splits,
+            TB=self.tb, WAIT=self.wait, TRACE=self.trace, num_warps=4, maxnreg=128)
 
     def state(self) -> dict:
         """The kernel's outputs, as reference_layers gives them."""
@@ -583,23 +594,53 @@ def compare(got: dict, want: dict) -> dict:
     return out
 
 
-def run(layers: int, ctx: int, stages: int, splits: int, iters: int, dev: torch.device) -> dict:
+def timeline(times: torch.Tensor, per: int) -> list[dict]:
+    """Per phase of a layer (the mean over the middle layers), in us from the layer's first
+    phase's earliest start: when its programs' waits ended (first and last program) and when its
+    last program ended."""
+    layers = times.shape[0] // per
+    t = times.double() / 1e3
+    mid = range(layers // 4, max(layers - layers // 4, layers // 4 + 1))
+    out = []
+    for j in range(per):
+        met_first = met_last = end_last = 0.0
+        for layer in mid:
+            t0 = t[layer * per, :, 0].min()
+            f = layer * per + j
+            met_first += float(t[f, :, 0].min() - t0)
+            met_last += float(t[f, :, 0].max() - t0)
+            end_last += float(t[f, :, 1].max() - t0)
+        out.append({"met_first": round(met_first / len(mid), 2),
+                    "met_last": round(met_last / len(mid), 2),
+                    "end_last": round(end_last / len(mid), 2)})
+    return out
+
+
+# form: (the phases' waits, timestamps)
+FORMS = {"ring": (True, False), "ring_free": (False, False), "ring_traced": (True, True)}
+
+
+def run(layers: int, ctx: int, stages: int, splits: int, iters: int, forms: list[str],
+        dev: torch.device) -> dict:
+    """Check the kernel against reference_layers, then time each form (CUDA-graph replays)."""
     P = torch.cuda.get_device_properties(dev).multi_processor_count
     t0 = time.time()
     d = build(layers, P, ctx, dev)
     want = reference_layers(d)
     r = Runner(d, P, stages, splits)
-    kv = (d["k_cache"].clone(), d["v_cache"].clone())
     r()
     torch.cuda.synchronize()
-    errs = compare(r.state(), want)
-    d["k_cache"].copy_(kv[0])
-    d["v_cache"].copy_(kv[1])
-    ms = graph_replay_ms([r], iters)
     wbytes = (d["words"].numel() * 4 + d["scales"].numel() * 4) / layers
     res = {"layers": layers, "ctx": ctx, "stages": stages, "splits": splits, "programs": P,
-           "us_per_layer": round(ms * 1e3 / layers, 2),
-           "wall_us_per_layer": round(wbytes / 4.2e6, 2), "errors": errs}
+           "wall_us_per_layer": round(wbytes / 4.2e6, 2), "errors": compare(r.state(), want)}
+    for name in forms:
+        r.wait, r.trace = FORMS[name]
+        ms = graph_replay_ms([r], iters)
+        res[name] = round(ms * 1e3 / layers, 2)
+        if r.trace:
+            r()
+            torch.cuda.synchronize()
+            res[f"{name}_timeline"] = timeline(r.times.cpu(), 5)
     print(json.dumps(res), f"({time.time() - t0:.0f} s)", flush=True)
     return res
 
@@ -611,13 +652,15 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=256, help="tokens in the context, this one included")
     p.add_argument("--stages", default="16")
     p.add_argument("--splits", type=int, default=16)
+    p.add_argument("--forms", default=",".join(FORMS))
     p.add_argument("--iters", type=int, default=20)
     ns = p.parse_args()
     dev = torch.device("cuda")
     results = []
     for n in ns.layers.split(","):
         for s in ns.stages.split(","):
-            results.append(run(int(n), ns.ctx, int(s), ns.splits, ns.iters, dev))
+            results.append(run(int(n), ns.ctx, int(s), ns.splits, ns.iters, ns.forms.split(","),
+                               dev))
             torch.cuda.empty_cache()
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(dev),
