@@ -556,6 +556,7 @@ class Runner:
         cfg, d, H = self.cfg, self.d, self.cfg["H"]
         h0 = d["h0"]
         self.cnt.zero_()
+        self.lock.zero_()  # (left at zero by a run with waits; not by one without)
         self.vec[:H].copy_(h0)
         self.vec[H:2 * H].copy_((h0.float() * self.g0).to(torch.bfloat16))
         self.ss.copy_(h0.float().pow(2).view(-1, cfg["D"]).sum(1))
