@@ -1,5 +1,7 @@
-"""One persistent kernel for a Llama decode step's layers at batch 1, its 4-bit weights streamed
-through a TMA ring: the whole layer folded into five phases, with its real work.
+"""One persistent kernel for a Llama decode step's int4 layers at batch 1, fed by a TMA ring.
+
+The 4-bit weights stream through a ring of shared-memory chunks, and the whole layer is folded
+into five phases, with its real work.
 
 One program an SM. A producer warp copies the program's share of every projection's weight (the
 tiled words of `ring_int4_probe.py`: a (128-channel tile, 128-input group) unit a chunk) into a
@@ -56,8 +58,8 @@ from benchmarks.cuda_timing import graph_replay_ms  # noqa: E402
 from benchmarks.ring_int4_probe import (_poll, _producer, _share, _words, share,  # noqa: E402
                                         tile_words)
 from benchmarks.ring_stream_probe import _now  # noqa: E402
-from peregrine.kernels.wna16_gemv_tc import (_PAIRS, _group_done, _ld_group, _step,  # noqa: E402
-                                             _store)
+from peregrine.kernels.wna16_gemv_tc import (_PAIRS, _group_done, _ld_group, _push,  # noqa: E402
+                                             _step, _store)
 
 V = gl.constexpr(2)
 QKV, ATTN, O, GU, DOWN = 0, 1, 2, 3, 4  # a phase's kind (the table's first field)
@@ -82,9 +84,27 @@ def _ld_x(xa):
 
 
 @gluon.jit
+def _x_queue(xa, last, N: gl.constexpr):
+    """Steps 0 .. N - 1's B pairs (4 or 8 steps; past the last step the last again)."""
+    q0 = _ld_x(xa)
+    q1 = _ld_x(xa + gl.minimum(1, last) * 64)
+    q2 = _ld_x(xa + gl.minimum(2, last) * 64)
+    q3 = _ld_x(xa + gl.minimum(3, last) * 64)
+    if N == 4:
+        r = (q0, q1, q2, q3)
+    else:
+        q4 = _ld_x(xa + gl.minimum(4, last) * 64)
+        q5 = _ld_x(xa + gl.minimum(5, last) * 64)
+        q6 = _ld_x(xa + gl.minimum(6, last) * 64)
+        q7 = _ld_x(xa + gl.minimum(7, last) * 64)
+        r = (q0, q1, q2, q3, q4, q5, q6, q7)
+    return r
+
+
+@gluon.jit
 def _gemv_piece(bufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off, x_base,
                 part_ptr, pid, idx, t, g, zero, ones, sel, LW: gl.constexpr, L: gl.constexpr,
-                T: gl.constexpr, S: gl.constexpr):
+                T: gl.constexpr, S: gl.constexpr, X_AHEAD: gl.constexpr):
     """The program's groups [g0, g1) of one tile from unit u on: its MMAs over the ring's
     chunks, its float32 sums stored as the tile's piece (pid - first). Returns (chunks
     consumed so far, groups done, tile, the tile's pieces)."""
@@ -100,8 +120,7 @@ def _gemv_piece(bufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off
     za = z_ptr.to(gl.int64) + (s_off + (g0 * N).to(gl.int64) + n_lane) * 2
     last = (g1 - g0) * 4 - 1
     sz_n = _ld_group(sa, za, V, True)
-    x_q = (_ld_x(xa), _ld_x(xa + gl.minimum(1, last) * 64), _ld_x(xa + gl.minimum(2, last) * 64),
-           _ld_x(xa + gl.minimum(3, last) * 64))
+    x_q = _x_queue(xa, last, X_AHEAD)
     y = (zero, zero, zero, zero, zero, zero, zero, zero)
     for c in range(g1 - g0):
         slot = i % S
@@ -116,8 +135,8 @@ def _gemv_piece(bufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off
         for s in gl.static_range(4):
             w_c = _words(buf, s * 4, LW, L, T)
             x_c = x_q[0]
-            x_nxt = gl.minimum(c * 4 + s + 4, last)
-            x_q = (x_q[1], x_q[2], x_q[3], _ld_x(xa + x_nxt * 64))
+            x_nxt = gl.minimum(c * 4 + s + X_AHEAD, last)
+            x_q = _push(x_q, _ld_x(xa + x_nxt * 64), X_AHEAD)
             acc, cx = _step(acc, cx, ones, w_c, x_c, sel, V, True, 4)
         # every consumer warp's loads of this chunk are done before it is refilled
         gl.thread_barrier()
@@ -294,7 +313,8 @@ def _consumer(bufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm
               part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, step_ptr, bt_ptr, kc_ptr, vc_ptr,
               trace_ptr, eps, scale, P, S: gl.constexpr, WARPS: gl.constexpr, H: gl.constexpr,
               HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
-              SPLITS: gl.constexpr, TB: gl.constexpr, WAIT: gl.constexpr, TRACE: gl.constexpr):
+              SPLITS: gl.constexpr, TB: gl.constexpr, WAIT: gl.constexpr, TRACE: gl.constexpr,
+              X_AHEAD: gl.constexpr):
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     LW: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, WARPS], [0, 1])
@@ -336,7 +356,8 @@ def _consumer(bufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm
             while u < end:
                 i, done, j, n_pieces = _gemv_piece(bufs, ready, empty, i, u, end, CHUNKS, N, W,
                                                    s_ptr, z_ptr, s_off, x_base, part_ptr, pid,
-                                                   idx, t, g, zero, ones, sel, LW, L, T, S)
+                                                   idx, t, g, zero, ones, sel, LW, L, T, S,
+                                                   X_AHEAD)
                 u += done
                 # NOTE: every thread's partial stores come before the ticket (barrier), and the
                 # ticket is a gpu-scope acq_rel atomic, so the last piece sees all partials.
@@ -366,7 +387,7 @@ def decode_layers_kernel(desc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_pt
                          WARPS: gl.constexpr, H: gl.constexpr, HEADS: gl.constexpr,
                          KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
                          SPLITS: gl.constexpr, TB: gl.constexpr, WAIT: gl.constexpr = True,
-                         TRACE: gl.constexpr = False):
+                         TRACE: gl.constexpr = False, X_AHEAD: gl.constexpr = 4):
     T: gl.constexpr = 32 * WARPS
     bufs = gl.allocate_shared_memory(gl.int32, [S, 16, T], desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
@@ -378,7 +399,7 @@ def decode_layers_kernel(desc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_pt
         (_consumer, (bufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr,
                      ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, step_ptr, bt_ptr,
                      kc_ptr, vc_ptr, trace_ptr, eps, scale, P, S, WARPS, H, HEADS, KVH, D, BS,
-                     SPLITS, TB, WAIT, TRACE)),
+                     SPLITS, TB, WAIT, TRACE, X_AHEAD)),
         (_layer_producer, (desc, bufs, ready, empty, tab_ptr, n_phases, S, T)),
     ], [1], [48])
 
@@ -524,12 +545,14 @@ def reference_layers(d: dict, rounding: bool = True) -> dict:
 class Runner:
     """The kernel's buffers for one build, and the call that runs a step's layers."""
 
-    def __init__(self, d: dict, P: int, stages: int = 16, splits: int = 16, tb: int = 16):
+    def __init__(self, d: dict, P: int, stages: int = 16, splits: int = 16, tb: int = 16,
+                 x_ahead: int = 4, regs: int = 128):
         cfg = d["cfg"]
         dev = d["words"].device
         self.d, self.P, self.cfg = d, P, cfg
         self.stages, self.splits, self.tb = stages, splits, tb
         self.wait, self.trace = True, False  # the phases' waits; timestamps (see timeline)
+        self.x_ahead, self.regs = x_ahead, regs  # x's steps ahead (4, 8); registers a thread
         self.off = offsets(cfg)
         H, D = cfg["H"], cfg["D"]
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -566,7 +589,8 @@ class Runner:
             self.step, d["block_table"], d["k_cache"], d["v_cache"], self.times, cfg["eps"],
             1.0 / math.sqrt(cfg["D"]), self.P, S=self.stages, WARPS=4, H=H,
             HEADS=cfg["HEADS"], KVH=cfg["KVH"], D=cfg["D"], BS=cfg["BS"], SPLITS=self.splits,
-            TB=self.tb, WAIT=self.wait, TRACE=self.trace, num_warps=4, maxnreg=128)
+            TB=self.tb, WAIT=self.wait, TRACE=self.trace, X_AHEAD=self.x_ahead, num_warps=4,
+            maxnreg=self.regs)
 
     def state(self) -> dict:
         """The kernel's outputs, as reference_layers gives them."""
@@ -622,27 +646,34 @@ FORMS = {"ring": (True, False), "ring_free": (False, False), "ring_traced": (Tru
 
 
 def run(layers: int, ctx: int, stages: int, splits: int, iters: int, forms: list[str],
-        dev: torch.device) -> dict:
-    """Check the kernel against reference_layers, then time each form (CUDA-graph replays)."""
+        variants: list[tuple[int, int]], dev: torch.device) -> dict:
+    """For each (x steps ahead, registers a thread): check the kernel against reference_layers,
+    then time each form (CUDA-graph replays)."""
     P = torch.cuda.get_device_properties(dev).multi_processor_count
     t0 = time.time()
     d = build(layers, P, ctx, dev)
     want = reference_layers(d)
     r = Runner(d, P, stages, splits)
-    r()
-    torch.cuda.synchronize()
     wbytes = (d["words"].numel() * 4 + d["scales"].numel() * 4) / layers
     res = {"layers": layers, "ctx": ctx, "stages": stages, "splits": splits, "programs": P,
-           "wall_us_per_layer": round(wbytes / 4.2e6, 2), "errors": compare(r.state(), want)}
-    for name in forms:
-        r.wait, r.trace = FORMS[name]
-        ms = graph_replay_ms([r], iters)
-        res[name] = round(ms * 1e3 / layers, 2)
-        if r.trace:
-            r()
-            torch.cuda.synchronize()
-            res[f"{name}_timeline"] = timeline(r.times.cpu(), 5)
-    print(json.dumps(res), f"({time.time() - t0:.0f} s)", flush=True)
+           "wall_us_per_layer": round(wbytes / 4.2e6, 2), "variants": []}
+    for x_ahead, regs in variants:
+        r.x_ahead, r.regs = x_ahead, regs
+        r.wait, r.trace = True, False
+        r()
+        torch.cuda.synchronize()
+        v = {"x_ahead": x_ahead, "regs": regs, "errors": compare(r.state(), want)}
+        for name in forms:
+            r.wait, r.trace = FORMS[name]
+            ms = graph_replay_ms([r], iters)
+            v[name] = round(ms * 1e3 / layers, 2)
+            if r.trace:
+                r()
+                torch.cuda.synchronize()
+                v[f"{name}_timeline"] = timeline(r.times.cpu(), 5)
+        res["variants"].append(v)
+        print(json.dumps(v), f"(layers {layers}, ring {stages}; {time.time() - t0:.0f} s)",
+              flush=True)
     return res
 
 
@@ -654,14 +685,17 @@ def main() -> None:
     p.add_argument("--stages", default="16")
     p.add_argument("--splits", type=int, default=16)
     p.add_argument("--forms", default=",".join(FORMS))
+    p.add_argument("--variants", default="4x128,8x168",
+                   help="x's steps ahead x registers a thread, comma-separated")
     p.add_argument("--iters", type=int, default=20)
     ns = p.parse_args()
     dev = torch.device("cuda")
     results = []
     for n in ns.layers.split(","):
         for s in ns.stages.split(","):
+            variants = [tuple(int(v) for v in x.split("x")) for x in ns.variants.split(",")]
             results.append(run(int(n), ns.ctx, int(s), ns.splits, ns.iters, ns.forms.split(","),
-                               dev))
+                               variants, dev))
             torch.cuda.empty_cache()
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(dev),

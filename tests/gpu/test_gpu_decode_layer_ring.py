@@ -20,9 +20,11 @@ def _hopper() -> None:
         pytest.skip("TMA and warp specialization need sm_90+")
 
 
+@pytest.mark.parametrize("x_ahead,regs", ((4, 128), (8, 168)))
 @pytest.mark.parametrize("ctx", (1, 40, 256))
 @pytest.mark.parametrize("shape", ("small", "llama3_8b"))
-def test_decode_layers_match_the_torch_layers(shape: str, ctx: int) -> None:
+def test_decode_layers_match_the_torch_layers(shape: str, ctx: int, x_ahead: int,
+                                              regs: int) -> None:
     """Two layers: q, the K/V rows stored, the attention output, silu(gate) * up, h and the next
     norm's input within a few bf16 ulps of torch's (float32 sums in another order can flip a
     rounding); shares of the context left empty (ctx 1 and 40 over 16 splits) included; a
@@ -33,7 +35,7 @@ def test_decode_layers_match_the_torch_layers(shape: str, ctx: int) -> None:
     P = torch.cuda.get_device_properties(DEV).multi_processor_count
     d = mod.build(2, P, ctx, DEV, cfg)
     want = mod.reference_layers(d)
-    r = mod.Runner(d, P)
+    r = mod.Runner(d, P, x_ahead=x_ahead, regs=regs)
     r()
     torch.cuda.synchronize()
     got = r.state()
