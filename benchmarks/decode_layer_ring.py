@@ -4,26 +4,28 @@ The 4-bit weights stream through a ring of shared-memory chunks, and the whole l
 into five phases, with its real work.
 
 One program an SM. A producer warp copies the program's share of every projection's weight (the
-tiled words of `ring_int4_probe.py`: a (128-channel tile, 128-input group) unit a chunk) into a
-ring of shared-memory chunks, layer after layer, waiting only for a free chunk. Four consumer
-warps walk the phases; each phase starts when every program has counted the phase before it
-done (a release add, polled with acquire loads), and reads what that phase wrote through L2.
+tiled words of `ring_int4_probe.py`: a (tile of 32 channels a consumer warp, group of 128
+inputs) unit a chunk) into a ring of shared-memory chunks, layer after layer, waiting only for a
+free chunk. The consumer warps (WARPS: 4 or 8, a tile of one or two heads) walk the phases; each
+phase starts when every program has counted the phase before it done (a release add, polled
+with acquire loads), and reads what that phase wrote through L2.
 
 A layer's phases (the RMSNorms, RoPE and the K/V store, the attention merge, SiLU-and-mul and
 the residual adds folded into the phases around them):
 
 1. qkv. The input is xn = h * g (the input norm's weight) rounded to bf16, written by the phase
-   that wrote h, with the 32 tiles' sums of h^2; RMSNorm's 1 / rms is a scalar a row, so it
-   scales the projection's sums at the end. A tile is one head: its last piece scales, rounds,
-   rotates q and k (the partner of channel c is c ^ 64, read from the same partials), and
-   stores q, or k and v into the paged cache at the step's slot.
+   that wrote h, with its tiles' sums of h^2; RMSNorm's 1 / rms is a scalar a row, so it
+   scales the projection's sums at the end. A tile holds whole heads: its last piece scales,
+   rounds, rotates q and k (the partner of channel c is c ^ 64, read from the same partials),
+   and stores q, or k and v into the paged cache at the step's slot.
 2. attention. KV heads x SPLITS programs each take a share of the context for the head's four
    query heads (online softmax, float32) and store (m, l, acc); the last split of a head to
    arrive merges them into the attention output (bf16).
 3. o. The tile's last piece adds the residual: h = h + o (bf16), xn = h * g (the post-attention
    norm's weight), the tile's sum of h^2.
-4. gate/up. The weight's channels are reordered so a tile holds 64 gate channels and the same
-   64 up channels; its last piece scales by 1 / rms and stores silu(gate) * up (bf16).
+4. gate/up. The weight's channels are reordered so a tile's first half holds gate channels and
+   its second half the same up channels; its last piece scales by 1 / rms and stores
+   silu(gate) * up (bf16).
 5. down. As o, with the next layer's input norm weight (the final norm's after the last layer).
 
 A projection's units are shared out evenly over the programs (stream-K); each piece stores its
@@ -167,44 +169,52 @@ def _rms(ss_ptr, c, H, eps, TILES_H: gl.constexpr):
 @gluon.jit
 def _finish(kind, j, n_pieces, N, part_ptr, vec_ptr, g_ptr, ss_ptr, cs_ptr, pos, slot,
             kc_ptr, vc_ptr, eps, H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr,
-            D: gl.constexpr, L: gl.constexpr):
-    """Tile j's finish, once its sums are all in (see the module docstring). A tile is D = 128
-    channels, one a thread; a thread's partner channel is c ^ 64."""
-    c = gl.arange(0, D, layout=L)
-    half = (c // 64) * 64
-    partner = c + 64 - 2 * half  # c ^ 64
-    y = _tile_sum(part_ptr, n_pieces, N, j * D + c)
+            D: gl.constexpr, T: gl.constexpr, L: gl.constexpr):
+    """Tile j's finish, once its sums are all in (see the module docstring): T channels (whole
+    heads of D = 128), one a thread; a channel's RoPE partner is c ^ 64, a gate channel's up
+    channel c + T / 2."""
+    HALF: gl.constexpr = T // 2
+    c = gl.arange(0, T, layout=L)
+    n = j * T + c  # the projection's channel
+    e = c % D  # the channel within its head
+    y = _tile_sum(part_ptr, n_pieces, N, n)
     Q_OFF: gl.constexpr = 2 * H
     AT_OFF: gl.constexpr = Q_OFF + HEADS * D
     ACT_OFF: gl.constexpr = AT_OFF + HEADS * D
     if (kind == K_QKV) | (kind == K_GU):
-        rr = _rms(ss_ptr, c, H, eps, H // D)
-        y_p = _tile_sum(part_ptr, n_pieces, N, j * D + partner)
+        rr = _rms(ss_ptr, c, H, eps, H // T)
+        if kind == K_QKV:
+            partner = n + 64 - 2 * ((e // 64) * 64)  # n ^ 64
+        else:
+            partner = n + HALF - 2 * ((c // HALF) * HALF)  # gate <-> up
+        y_p = _tile_sum(part_ptr, n_pieces, N, partner)
         y = (y * rr).to(gl.bfloat16).to(gl.float32)
         y_p = (y_p * rr).to(gl.bfloat16).to(gl.float32)
         if kind == K_QKV:
-            if j < HEADS + KVH:  # q or k: RoPE (rotate-half) at the step's position
-                cos = gl.load(cs_ptr + pos * D + (c - half))
-                sin = gl.load(cs_ptr + pos * D + 64 + (c - half))
-                sign = gl.where(c < 64, -1.0, 1.0)
+            head = n // D  # q heads, then k heads, then v heads; a tile holds one kind
+            if j * T < (HEADS + KVH) * D:  # q or k: RoPE (rotate-half) at the step's position
+                cos = gl.load(cs_ptr + pos * D + (e % 64))
+                sin = gl.load(cs_ptr + pos * D + 64 + (e % 64))
+                sign = gl.where(e < 64, -1.0, 1.0)
                 r = (y * cos + sign * y_p * sin).to(gl.bfloat16)
-                if j < HEADS:
-                    gl.store(vec_ptr + Q_OFF + j * D + c, r)
+                if j * T < HEADS * D:
+                    gl.store(vec_ptr + Q_OFF + n, r)
                 else:
-                    gl.store(kc_ptr + (slot * KVH + (j - HEADS)) * D + c, r)
+                    gl.store(kc_ptr + (slot * KVH + (head - HEADS)) * D + e, r)
             else:
-                gl.store(vc_ptr + (slot * KVH + (j - HEADS - KVH)) * D + c, y.to(gl.bfloat16))
-        else:  # gate channels 64j .. 64j + 63 in the tile's first half, up in its second
+                gl.store(vc_ptr + (slot * KVH + (head - HEADS - KVH)) * D + e,
+                         y.to(gl.bfloat16))
+        else:  # gate channels in the tile's first half, the same up channels in its second
             act = y / (1.0 + gl.exp(-y)) * y_p
-            gl.store(vec_ptr + ACT_OFF + j * 64 + c, act.to(gl.bfloat16), mask=c < 64)
+            gl.store(vec_ptr + ACT_OFF + j * HALF + c, act.to(gl.bfloat16), mask=c < HALF)
     else:  # o or down: the residual add, the next norm's input and the tile's sum of h^2
         y = y.to(gl.bfloat16).to(gl.float32)
-        h = gl.load(vec_ptr + j * D + c, cache_modifier=".cg").to(gl.float32)
+        h = gl.load(vec_ptr + n, cache_modifier=".cg").to(gl.float32)
         hb = (h + y).to(gl.bfloat16)
-        gl.store(vec_ptr + j * D + c, hb)
+        gl.store(vec_ptr + n, hb)
         hf = hb.to(gl.float32)
-        gw = gl.load(g_ptr + j * D + c).to(gl.float32)
-        gl.store(vec_ptr + H + j * D + c, (hf * gw).to(gl.bfloat16))
+        gw = gl.load(g_ptr + n).to(gl.float32)
+        gl.store(vec_ptr + H + n, (hf * gw).to(gl.bfloat16))
         gl.store(ss_ptr + j, gl.sum(hf * hf, 0))
 
 
@@ -366,7 +376,7 @@ def _consumer(bufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm
                 if ticket == n_pieces - 1:
                     _finish(kind, j, n_pieces, N, part_ptr, vec_ptr, norm_ptr + g_off, ss_ptr,
                             cs_ptr, pos, slot, kc_ptr + c_off, vc_ptr + c_off, eps, H, HEADS, KVH,
-                            D, L)
+                            D, T, L)
                     gl.atomic_xchg(lock_ptr + j, 0)
         if TRACE:
             gl.store(trace_ptr + (f * P + pid) * 2 + 1, _now())
@@ -409,11 +419,11 @@ LLAMA3_8B = {"H": 4096, "HEADS": 32, "KVH": 8, "D": 128, "INTER": 14336, "BS": 1
              "theta": 500000.0, "eps": 1e-5}
 
 
-def gate_up_order(inter: int) -> torch.Tensor:
-    """The gate/up weight's channel order in the kernel: tile j (128 channels) holds gate
-    channels 64j .. 64j + 63, then the same up channels (inter + 64j ..)."""
-    j = torch.arange(inter // 64).repeat_interleave(64) * 64 + torch.arange(64).repeat(inter // 64)
-    return torch.stack([j.view(-1, 64), (j + inter).view(-1, 64)], 1).reshape(-1)
+def gate_up_order(inter: int, half: int = 64) -> torch.Tensor:
+    """The gate/up weight's channel order in the kernel: tile j (2 * half channels) holds gate
+    channels half * j .. half * (j + 1) - 1, then the same up channels (inter + half * j ..)."""
+    gate = torch.arange(inter).view(-1, half)
+    return torch.stack([gate, gate + inter], 1).reshape(-1)
 
 
 def offsets(cfg: dict) -> dict:
@@ -425,17 +435,20 @@ def offsets(cfg: dict) -> dict:
 
 
 def build(layers: int, P: int, ctx: int, dev: torch.device, cfg: dict = LLAMA3_8B,
-          seed: int = 0) -> dict:
+          seed: int = 0, warps: int = 4) -> dict:
     """Random 4-bit weights (scales, zero points), norm weights, a paged K/V cache holding ctx - 1
     tokens a layer, the step's position and slot, and the phase table (TABF int64 fields a
     phase) for P programs."""
     from peregrine.layers.quantization.wna16 import WNA16Layout
     torch.manual_seed(seed)
     H, HEADS, KVH, D, INTER, BS = (cfg[k] for k in ("H", "HEADS", "KVH", "D", "INTER", "BS"))
-    if HEADS // KVH != 4 or D != 128:
-        raise ValueError("decode_layer_ring: four query heads a KV head of 128 channels")
+    tile = 32 * warps
+    if HEADS // KVH != 4 or D != 128 or tile % D or (KVH * D) % tile or H % tile \
+            or INTER % (tile // 2):
+        raise ValueError("decode_layer_ring: four query heads a KV head of 128 channels, and "
+                         f"tiles of {tile} channels of whole heads")
     off = offsets(cfg)
-    order = gate_up_order(INTER).to(dev)
+    order = gate_up_order(INTER, tile // 2).to(dev)
     proj = ((QKV, H, (HEADS + 2 * KVH) * D), (O, HEADS * D, H), (GU, H, 2 * INTER),
             (DOWN, INTER, H))
     x_in = {QKV: off["xn"], O: off["attn"], GU: off["xn"], DOWN: off["act"]}
@@ -453,10 +466,10 @@ def build(layers: int, P: int, ctx: int, dev: torch.device, cfg: dict = LLAMA3_8
             w = WNA16Layout.build(q, sc, zp, None, 4, torch.bfloat16)
             del q
             per[kind] = w
-            tiled.append(tile_words(w.qweight, 128))
+            tiled.append(tile_words(w.qweight, tile))
             scales.append(w.scales.reshape(-1))
             zeros.append(w.zeros.reshape(-1))
-            groups, tiles = k // 128, n // 128
+            groups, tiles = k // 128, n // tile
             if kind == O:
                 table.append([ATTN, 0, 0, 0, 1, 0, 0, 0, 0, layer * blocks_a_layer * BS])
             g_off = {QKV: 2 * layer, O: 2 * layer + 1, GU: 0, DOWN: 2 * layer + 2}[kind] * H
@@ -481,7 +494,8 @@ def build(layers: int, P: int, ctx: int, dev: torch.device, cfg: dict = LLAMA3_8
             "scales": torch.cat(scales), "zeros": torch.cat(zeros), "norms": norms,
             "table": torch.tensor(table, dtype=torch.int64, device=dev), "k_cache": k_cache,
             "v_cache": v_cache, "block_table": block_table, "blocks_a_layer": blocks_a_layer,
-            "pos": pos, "slot": slot, "cos_sin": cos_sin, "h0": h0, "order": order}
+            "pos": pos, "slot": slot, "cos_sin": cos_sin, "h0": h0, "order": order,
+            "warps": warps}
 
 
 def _round(x: torch.Tensor) -> torch.Tensor:
@@ -533,7 +547,8 @@ def reference_layers(d: dict, rounding: bool = True) -> dict:
         h = _rb(h + o)
         rr = torch.rsqrt(h.pow(2).view(-1, 128).sum(1).sum() / H + eps)
         xn = _rb(h * norms[2 * layer + 1])
-        gu = _rb((xn @ w[GU].dequantize(torch.float32).t()) * rr).view(-1, 2, 64)
+        half = 16 * d["warps"]
+        gu = _rb((xn @ w[GU].dequantize(torch.float32).t()) * rr).view(-1, 2, half)
         gate, up = gu[:, 0].reshape(-1), gu[:, 1].reshape(-1)
         act = _rb(gate / (1.0 + torch.exp(-gate)) * up)
         dn = _rb(act @ w[DOWN].dequantize(torch.float32).t())
@@ -557,8 +572,9 @@ class Runner:
         H, D = cfg["H"], cfg["D"]
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
         words = d["words"]
-        self.desc = TensorDescriptor(words, list(words.shape), list(words.stride()), [16, 128],
-                                     layout)
+        self.warps = d["warps"]
+        self.desc = TensorDescriptor(words, list(words.shape), list(words.stride()),
+                                     [16, 32 * self.warps], layout)
         tab = d["table"]
         pieces = int(max(-(-r[4] // r[2]) + 1 for r in tab.tolist() if r[0] != ATTN))
         self.part = torch.empty(pieces * 2 * cfg["INTER"], dtype=torch.float32, device=dev)
@@ -567,7 +583,7 @@ class Runner:
         self.lock = torch.zeros(LOCKS + cfg["KVH"], dtype=torch.int32, device=dev)
         self.cnt = torch.zeros(tab.shape[0], dtype=torch.int32, device=dev)
         self.vec = torch.zeros(self.off["size"], dtype=torch.bfloat16, device=dev)
-        self.ss = torch.zeros(H // D, dtype=torch.float32, device=dev)
+        self.ss = torch.zeros(H // (32 * self.warps), dtype=torch.float32, device=dev)
         self.step = torch.tensor([d["pos"], d["slot"]], dtype=torch.int64, device=dev)
         self.g0 = d["norms"][:H].float()
         self.times = torch.zeros(tab.shape[0], P, 2, dtype=torch.int64, device=dev)
@@ -582,15 +598,15 @@ class Runner:
         self.lock.zero_()  # (left at zero by a run with waits; not by one without)
         self.vec[:H].copy_(h0)
         self.vec[H:2 * H].copy_((h0.float() * self.g0).to(torch.bfloat16))
-        self.ss.copy_(h0.float().pow(2).view(-1, cfg["D"]).sum(1))
+        self.ss.copy_(h0.float().pow(2).view(self.ss.numel(), -1).sum(1))
         decode_layers_kernel[(self.P,)](
             self.desc, d["table"], d["table"].shape[0], d["scales"], d["zeros"], self.vec,
             d["norms"], self.ss, self.part, self.apart, self.lock, self.cnt, d["cos_sin"],
             self.step, d["block_table"], d["k_cache"], d["v_cache"], self.times, cfg["eps"],
-            1.0 / math.sqrt(cfg["D"]), self.P, S=self.stages, WARPS=4, H=H,
+            1.0 / math.sqrt(cfg["D"]), self.P, S=self.stages, WARPS=self.warps, H=H,
             HEADS=cfg["HEADS"], KVH=cfg["KVH"], D=cfg["D"], BS=cfg["BS"], SPLITS=self.splits,
-            TB=self.tb, WAIT=self.wait, TRACE=self.trace, X_AHEAD=self.x_ahead, num_warps=4,
-            maxnreg=self.regs)
+            TB=self.tb, WAIT=self.wait, TRACE=self.trace, X_AHEAD=self.x_ahead,
+            num_warps=self.warps, maxnreg=self.regs)
 
     def state(self) -> dict:
         """The kernel's outputs, as reference_layers gives them."""
@@ -645,17 +661,18 @@ def timeline(times: torch.Tensor, per: int) -> list[dict]:
 FORMS = {"ring": (True, False), "ring_free": (False, False), "ring_traced": (True, True)}
 
 
-def run(layers: int, ctx: int, stages: int, splits: int, iters: int, forms: list[str],
-        variants: list[tuple[int, int]], dev: torch.device) -> dict:
+def run(layers: int, ctx: int, warps: int, stages: int, splits: int, iters: int,
+        forms: list[str], variants: list[tuple[int, int]], dev: torch.device) -> dict:
     """For each (x steps ahead, registers a thread): check the kernel against reference_layers,
     then time each form (CUDA-graph replays)."""
     P = torch.cuda.get_device_properties(dev).multi_processor_count
     t0 = time.time()
-    d = build(layers, P, ctx, dev)
+    d = build(layers, P, ctx, dev, warps=warps)
     want = reference_layers(d)
     r = Runner(d, P, stages, splits)
     wbytes = (d["words"].numel() * 4 + d["scales"].numel() * 4) / layers
-    res = {"layers": layers, "ctx": ctx, "stages": stages, "splits": splits, "programs": P,
+    res = {"layers": layers, "ctx": ctx, "warps": warps, "stages": stages, "splits": splits,
+           "programs": P,
            "wall_us_per_layer": round(wbytes / 4.2e6, 2), "variants": []}
     for x_ahead, regs in variants:
         r.x_ahead, r.regs = x_ahead, regs
@@ -674,17 +691,19 @@ def run(layers: int, ctx: int, stages: int, splits: int, iters: int, forms: list
                 torch.cuda.synchronize()
                 v[f"{name}_timeline"] = timeline(r.times.cpu(), 5)
         res["variants"].append(v)
-        print(json.dumps(v), f"(layers {layers}, ring {stages}; {time.time() - t0:.0f} s)",
-              flush=True)
+        print(json.dumps(v), f"(layers {layers}, warps {warps}, ring {stages}; "
+              f"{time.time() - t0:.0f} s)", flush=True)
     return res
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--layers", default="1,32", help="layer counts to check and time")
+    p.add_argument("--layers", default="32", help="layer counts to check and time")
     p.add_argument("--ctx", type=int, default=256, help="tokens in the context, this one included")
-    p.add_argument("--stages", default="16")
+    p.add_argument("--rings", default="4x16,8x8",
+                   help="consumer warps x ring stages (chunks of 16 word rows of 32 channels a "
+                   "warp), comma-separated")
     p.add_argument("--splits", type=int, default=16)
     p.add_argument("--forms", default=",".join(FORMS))
     p.add_argument("--variants", default="4x128,8x168",
@@ -693,10 +712,11 @@ def main() -> None:
     ns = p.parse_args()
     dev = torch.device("cuda")
     results = []
+    variants = [tuple(int(v) for v in x.split("x")) for x in ns.variants.split(",")]
     for n in ns.layers.split(","):
-        for s in ns.stages.split(","):
-            variants = [tuple(int(v) for v in x.split("x")) for x in ns.variants.split(",")]
-            results.append(run(int(n), ns.ctx, int(s), ns.splits, ns.iters, ns.forms.split(","),
+        for ring in ns.rings.split(","):
+            w, s = (int(v) for v in ring.split("x"))
+            results.append(run(int(n), ns.ctx, w, s, ns.splits, ns.iters, ns.forms.split(","),
                                variants, dev))
             torch.cuda.empty_cache()
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)

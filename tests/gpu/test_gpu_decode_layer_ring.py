@@ -13,6 +13,8 @@ pytestmark = pytest.mark.gpu
 
 SMALL = {"H": 512, "HEADS": 8, "KVH": 2, "D": 128, "INTER": 1024, "BS": 16, "theta": 10000.0,
          "eps": 1e-6}
+# (consumer warps, ring stages, x's steps ahead, registers a thread)
+FORMS = ((4, 16, 4, 128), (4, 16, 8, 168), (8, 8, 4, 128), (8, 8, 8, 168))
 
 
 def _hopper() -> None:
@@ -20,11 +22,10 @@ def _hopper() -> None:
         pytest.skip("TMA and warp specialization need sm_90+")
 
 
-@pytest.mark.parametrize("x_ahead,regs", ((4, 128), (8, 168)))
-@pytest.mark.parametrize("ctx", (1, 40, 256))
-@pytest.mark.parametrize("shape", ("small", "llama3_8b"))
-def test_decode_layers_match_the_torch_layers(shape: str, ctx: int, x_ahead: int,
-                                              regs: int) -> None:
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("shape,ctx", (("small", 1), ("small", 40), ("small", 256),
+                                       ("llama3_8b", 256)))
+def test_decode_layers_match_the_torch_layers(shape: str, ctx: int, form: tuple) -> None:
     """Two layers: q, the K/V rows stored, the attention output, silu(gate) * up, h and the next
     norm's input within a few bf16 ulps of torch's (float32 sums in another order can flip a
     rounding); shares of the context left empty (ctx 1 and 40 over 16 splits) included; a
@@ -32,10 +33,11 @@ def test_decode_layers_match_the_torch_layers(shape: str, ctx: int, x_ahead: int
     _hopper()
     mod = load("decode_layer_ring")
     cfg = SMALL if shape == "small" else mod.LLAMA3_8B
+    warps, stages, x_ahead, regs = form
     P = torch.cuda.get_device_properties(DEV).multi_processor_count
-    d = mod.build(2, P, ctx, DEV, cfg)
+    d = mod.build(2, P, ctx, DEV, cfg, warps=warps)
     want = mod.reference_layers(d)
-    r = mod.Runner(d, P, x_ahead=x_ahead, regs=regs)
+    r = mod.Runner(d, P, stages, x_ahead=x_ahead, regs=regs)
     r()
     torch.cuda.synchronize()
     got = r.state()

@@ -12,34 +12,40 @@ from benchmark_scripts import load
 mod = load("decode_layer_ring")
 CFG = {"H": 256, "HEADS": 4, "KVH": 1, "D": 128, "INTER": 512, "BS": 16, "theta": 10000.0,
        "eps": 1e-6}
+# eight consumer warps: tiles of 256 channels, two heads
+CFG8 = dict(CFG, H=512, HEADS=8, KVH=2, INTER=1024)
 
 
-def test_a_gate_up_tile_is_64_gate_channels_then_the_same_up_channels() -> None:
+@pytest.mark.parametrize("half", (64, 128))
+def test_a_gate_up_tile_is_gate_channels_then_the_same_up_channels(half: int) -> None:
     inter = 512
-    order = mod.gate_up_order(inter)
+    order = mod.gate_up_order(inter, half)
     assert sorted(order.tolist()) == list(range(2 * inter))
-    tiles = order.view(-1, 128)
+    tiles = order.view(-1, 2 * half)
     for j, tile in enumerate(tiles.tolist()):
-        assert tile[:64] == list(range(64 * j, 64 * j + 64))
-        assert tile[64:] == [inter + c for c in range(64 * j, 64 * j + 64)]
+        assert tile[:half] == list(range(half * j, half * j + half))
+        assert tile[half:] == [inter + c for c in range(half * j, half * j + half)]
 
 
-def test_the_phase_table_walks_each_layer_in_five_phases() -> None:
-    d = mod.build(2, 8, 37, torch.device("cpu"), CFG)
+@pytest.mark.parametrize("warps", (4, 8))
+def test_the_phase_table_walks_each_layer_in_five_phases(warps: int) -> None:
+    cfg = CFG if warps == 4 else CFG8
+    d = mod.build(2, 8, 37, torch.device("cpu"), cfg, warps=warps)
     table = d["table"].tolist()
-    H, INTER = CFG["H"], CFG["INTER"]
-    off = mod.offsets(CFG)
+    H, INTER, QD, tile = cfg["H"], cfg["INTER"], cfg["HEADS"] * 128, 32 * warps
+    qkv = (cfg["HEADS"] + 2 * cfg["KVH"]) * 128
+    off = mod.offsets(cfg)
     assert [r[0] for r in table] == [mod.QKV, mod.ATTN, mod.O, mod.GU, mod.DOWN] * 2
     row = s = 0
     for f, r in enumerate(table):
         layer = f // 5
-        assert r[9] == layer * d["blocks_a_layer"] * CFG["BS"]  # the layer's own cache
+        assert r[9] == layer * d["blocks_a_layer"] * cfg["BS"]  # the layer's own cache
         if r[0] == mod.ATTN:
             assert r[2:4] == [0, 0]  # no weight units
             continue
-        k, n = {mod.QKV: (H, 6 * 128), mod.O: (4 * 128, H), mod.GU: (H, 2 * INTER),
+        k, n = {mod.QKV: (H, qkv), mod.O: (QD, H), mod.GU: (H, 2 * INTER),
                 mod.DOWN: (INTER, H)}[r[0]]
-        tiles, groups = n // 128, k // 128
+        tiles, groups = n // tile, k // 128
         assert r[1:7] == [row, mod.share(tiles, groups, 8), tiles * groups, groups, n, s]
         assert r[7] == {mod.QKV: off["xn"], mod.O: off["attn"], mod.GU: off["xn"],
                         mod.DOWN: off["act"]}[r[0]]
@@ -47,25 +53,28 @@ def test_the_phase_table_walks_each_layer_in_five_phases() -> None:
             assert r[8] == (2 * layer + (1 if r[0] == mod.O else 2)) * H
         row += tiles * groups * 16
         s += groups * n
-    assert d["words"].shape == (row, 128)
+    assert d["words"].shape == (row, tile)
+    with pytest.raises(ValueError, match="whole heads"):
+        mod.build(1, 8, 4, torch.device("cpu"), CFG, warps=8)  # one KV head: half a tile
     pos = d["pos"]
     assert d["slot"] == int(d["block_table"][pos // 16]) * 16 + pos % 16
 
 
-@pytest.mark.parametrize("ctx", (1, 37))
-def test_the_reference_without_roundings_is_transformers_llama(ctx: int) -> None:
+@pytest.mark.parametrize("ctx,warps", ((1, 4), (37, 4), (37, 8)))
+def test_the_reference_without_roundings_is_transformers_llama(ctx: int, warps: int) -> None:
     """Two layers with the dequantized weights and the cache's earlier K/V as transformers'
     past: the final hidden state after the final norm agrees to float32 rounding."""
     from transformers import DynamicCache, LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaModel
     layers = 2
-    d = mod.build(layers, 8, ctx, torch.device("cpu"), CFG)
+    cfg = CFG if warps == 4 else CFG8
+    d = mod.build(layers, 8, ctx, torch.device("cpu"), cfg, warps=warps)
     want = mod.reference_layers(d, rounding=False)
-    H, HEADS, KVH, D, INTER, BS = (CFG[k] for k in ("H", "HEADS", "KVH", "D", "INTER", "BS"))
+    H, HEADS, KVH, D, INTER, BS = (cfg[k] for k in ("H", "HEADS", "KVH", "D", "INTER", "BS"))
     hc = LlamaConfig(vocab_size=32, hidden_size=H, intermediate_size=INTER,
                      num_hidden_layers=layers, num_attention_heads=HEADS,
-                     num_key_value_heads=KVH, head_dim=D, rms_norm_eps=CFG["eps"],
-                     rope_theta=CFG["theta"], max_position_embeddings=1024)
+                     num_key_value_heads=KVH, head_dim=D, rms_norm_eps=cfg["eps"],
+                     rope_theta=cfg["theta"], max_position_embeddings=1024)
     model = LlamaModel(hc).float().eval()
     norms = d["norms"].float().view(-1, H)
     with torch.no_grad():
@@ -99,7 +108,7 @@ def test_the_reference_without_roundings_is_transformers_llama(ctx: int) -> None
                     position_ids=torch.tensor([[pos]]), use_cache=True, **kw)
     got = out.last_hidden_state[0, 0]
     h = want["h"]
-    mine = h * torch.rsqrt(h.pow(2).mean() + CFG["eps"]) * norms[2 * layers]
+    mine = h * torch.rsqrt(h.pow(2).mean() + cfg["eps"]) * norms[2 * layers]
     assert (got - mine).abs().max() <= 1e-4 * mine.abs().max()
     # and the rounded reference (the GPU kernel's) stays near it
     rounded = mod.reference_layers(d)
