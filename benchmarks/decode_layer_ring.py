@@ -661,39 +661,41 @@ def timeline(times: torch.Tensor, per: int) -> list[dict]:
 FORMS = {"ring": (True, False), "ring_free": (False, False), "ring_traced": (True, True)}
 
 
-def run(layers: int, ctx: int, warps: int, stages: int, splits: int, iters: int,
-        forms: list[str], variants: list[tuple[int, int]], dev: torch.device) -> dict:
-    """For each (x steps ahead, registers a thread): check the kernel against reference_layers,
-    then time each form (CUDA-graph replays)."""
+def run(layers: int, ctx: int, warps: int, stages: list[int], splits: int, iters: int,
+        forms: list[str], variants: list[tuple[int, int]], dev: torch.device) -> list[dict]:
+    """For each ring depth and (x steps ahead, registers a thread): check the kernel against
+    reference_layers, then time each form (CUDA-graph replays)."""
     P = torch.cuda.get_device_properties(dev).multi_processor_count
     t0 = time.time()
     d = build(layers, P, ctx, dev, warps=warps)
     want = reference_layers(d)
-    r = Runner(d, P, stages, splits)
     wbytes = (d["words"].numel() * 4 + d["scales"].numel() * 4) / layers
-    res = {"layers": layers, "ctx": ctx, "warps": warps, "stages": stages, "splits": splits,
-           "programs": P,
-           "wall_us_per_layer": round(wbytes / 4.2e6, 2), "variants": []}
-    for x_ahead, regs in variants:
-        r.x_ahead, r.regs = x_ahead, regs
-        r.wait, r.trace = True, False
-        r()
-        torch.cuda.synchronize()
-        v = {"x_ahead": x_ahead, "regs": regs, "errors": compare(r.state(), want)}
-        for name in forms:
-            r.wait, r.trace = FORMS[name]
-            ms = graph_replay_ms([r], iters)
-            v[name] = round(ms * 1e3 / layers, 2)
-            if name == "ring" and layers == 32:  # with the LM head at the wall and ~30 us a step
-                v["est_tok_s"] = round(1e6 / (ms * 1e3 + 250 + 30), 1)
-            if r.trace:
-                r()
-                torch.cuda.synchronize()
-                v[f"{name}_timeline"] = timeline(r.times.cpu(), 5)
-        res["variants"].append(v)
-        print(json.dumps(v), f"(layers {layers}, warps {warps}, ring {stages}; "
-              f"{time.time() - t0:.0f} s)", flush=True)
-    return res
+    out = []
+    for s in stages:
+        r = Runner(d, P, s, splits)
+        res = {"layers": layers, "ctx": ctx, "warps": warps, "stages": s, "splits": splits,
+               "programs": P, "wall_us_per_layer": round(wbytes / 4.2e6, 2), "variants": []}
+        for x_ahead, regs in variants:
+            r.x_ahead, r.regs = x_ahead, regs
+            r.wait, r.trace = True, False
+            r()
+            torch.cuda.synchronize()
+            v = {"x_ahead": x_ahead, "regs": regs, "errors": compare(r.state(), want)}
+            for name in forms:
+                r.wait, r.trace = FORMS[name]
+                ms = graph_replay_ms([r], iters)
+                v[name] = round(ms * 1e3 / layers, 2)
+                if name == "ring" and layers == 32:  # the LM head at the wall, ~30 us a step
+                    v["est_tok_s"] = round(1e6 / (ms * 1e3 + 250 + 30), 1)
+                if r.trace:
+                    r()
+                    torch.cuda.synchronize()
+                    v[f"{name}_timeline"] = timeline(r.times.cpu(), 5)
+            res["variants"].append(v)
+            print(json.dumps(v), f"(layers {layers}, warps {warps}, ring {s}; "
+                  f"{time.time() - t0:.0f} s)", flush=True)
+        out.append(res)
+    return out
 
 
 def main() -> None:
@@ -701,7 +703,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--layers", default="32", help="layer counts to check and time")
     p.add_argument("--ctx", type=int, default=256, help="tokens in the context, this one included")
-    p.add_argument("--rings", default="4x16,8x8",
+    p.add_argument("--rings", default="4x16,4x26,8x8,8x13",
                    help="consumer warps x ring stages (chunks of 16 word rows of 32 channels a "
                    "warp), comma-separated")
     p.add_argument("--splits", type=int, default=16)
@@ -713,11 +715,14 @@ def main() -> None:
     dev = torch.device("cuda")
     results = []
     variants = [tuple(int(v) for v in x.split("x")) for x in ns.variants.split(",")]
+    rings: dict[int, list[int]] = {}
+    for ring in ns.rings.split(","):
+        w, s = (int(v) for v in ring.split("x"))
+        rings.setdefault(w, []).append(s)
     for n in ns.layers.split(","):
-        for ring in ns.rings.split(","):
-            w, s = (int(v) for v in ring.split("x"))
-            results.append(run(int(n), ns.ctx, w, s, ns.splits, ns.iters, ns.forms.split(","),
-                               variants, dev))
+        for w, stages in rings.items():
+            results += run(int(n), ns.ctx, w, stages, ns.splits, ns.iters, ns.forms.split(","),
+                           variants, dev)
             torch.cuda.empty_cache()
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(dev),
