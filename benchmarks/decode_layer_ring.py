@@ -5,8 +5,8 @@ into five phases, with its real work.
 
 One program an SM. A producer warp copies the program's share of every projection's weight (the
 tiled words of `ring_int4_probe.py`: a (tile of 32 channels a consumer warp, group of 128
-inputs) unit a chunk) into a ring of shared-memory chunks, layer after layer, waiting only for a
-free chunk. The consumer warps (WARPS: 4 or 8, a tile of one or two heads) walk the phases; each
+inputs) unit a chunk, with the unit's row of scales and zero points beside it, `tile_scales`)
+into a ring of shared-memory chunks, layer after layer, waiting only for a free chunk. The consumer warps (WARPS: 4 or 8, a tile of one or two heads) walk the phases; each
 phase starts when every program has counted the phase before it done (a release add, polled
 with acquire loads), and reads what that phase wrote through L2.
 
@@ -51,14 +51,13 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_timing import graph_replay_ms  # noqa: E402
-from benchmarks.ring_int4_probe import (_poll, _producer, _share, _words, share,  # noqa: E402
-                                        tile_words)
+from benchmarks.ring_int4_probe import _poll, _share, _words, share, tile_words  # noqa: E402
 from benchmarks.ring_stream_probe import _now  # noqa: E402
 from peregrine.kernels.wna16_gemv_tc import (_PAIRS, _group_done, _ld_group, _push,  # noqa: E402
                                              _step, _store)
@@ -104,9 +103,31 @@ def _x_queue(xa, last, N: gl.constexpr):
 
 
 @gluon.jit
-def _gemv_piece(bufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off, x_base,
+def _shfl(v, src):
+    return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;",
+                                     "=r,r,r", [v, src], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _chunk_sz(sbuf, lane, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr):
+    """A group's scales and zero points from the chunk's row of them (tile_scales), as _ld_group
+    gives them: lane 4g + t of warp w reads word 32w + 4g + t, and the four lanes of a channel
+    quad exchange theirs."""
+    L1: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS], [1, 0])
+    v = gl.convert_layout(gl.reshape(sbuf.load(L1), [T]), L)
+    quad = lane - lane % 4
+    s01 = _shfl(v, quad)
+    s23 = _shfl(v, quad + 1)
+    z01 = _shfl(v, quad + 2)
+    z23 = _shfl(v, quad + 3)
+    return (s01, s23, s01, s01), (z01, z23, z01, z01)
+
+
+@gluon.jit
+def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off, x_base,
                 part_ptr, pid, idx, t, g, zero, ones, sel, LW: gl.constexpr, L: gl.constexpr,
-                T: gl.constexpr, S: gl.constexpr, X_AHEAD: gl.constexpr):
+                T: gl.constexpr, S: gl.constexpr, X_AHEAD: gl.constexpr, SZ: gl.constexpr,
+                WARPS: gl.constexpr):
     """The program's groups [g0, g1) of one tile from unit u on: its MMAs over the ring's
     chunks, its float32 sums stored as the tile's piece (pid - first). Returns (chunks
     consumed so far, groups done, tile, the tile's pieces)."""
@@ -118,19 +139,23 @@ def _gemv_piece(bufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off
     n_lane = pid_n * T + (idx // 32) * 32 + g * 4
     xa = x_base + (g0 * 16 + t).to(gl.int64) * 16
     g_step = (N * 2).to(gl.int64)
-    sa = s_ptr.to(gl.int64) + (s_off + (g0 * N).to(gl.int64) + n_lane) * 2
-    za = z_ptr.to(gl.int64) + (s_off + (g0 * N).to(gl.int64) + n_lane) * 2
     last = (g1 - g0) * 4 - 1
-    sz_n = _ld_group(sa, za, V, True)
+    if not SZ:  # scales and zero points from global memory, a group ahead
+        sa = s_ptr.to(gl.int64) + (s_off + (g0 * N).to(gl.int64) + n_lane) * 2
+        za = z_ptr.to(gl.int64) + (s_off + (g0 * N).to(gl.int64) + n_lane) * 2
+        sz_n = _ld_group(sa, za, V, True)
     x_q = _x_queue(xa, last, X_AHEAD)
     y = (zero, zero, zero, zero, zero, zero, zero, zero)
     for c in range(g1 - g0):
         slot = i % S
-        sz = sz_n
-        gn = gl.minimum(c + 1, g1 - g0 - 1)
-        sz_n = _ld_group(sa + gn * g_step, za + gn * g_step, V, True)
+        if not SZ:
+            sz = sz_n
+            gn = gl.minimum(c + 1, g1 - g0 - 1)
+            sz_n = _ld_group(sa + gn * g_step, za + gn * g_step, V, True)
         mbarrier.wait(ready.index(slot), (i // S) & 1)
         buf = bufs.index(slot)
+        if SZ:
+            sz = _chunk_sz(sbufs.index(slot), idx % 32, L, T, WARPS)
         c4 = (zero, zero, zero, zero)
         acc = (c4, c4, c4, c4)
         cx = c4
@@ -319,12 +344,12 @@ def _merge(apart_ptr, r0, d, SPLITS: gl.constexpr, GQA: gl.constexpr, D: gl.cons
 
 
 @gluon.jit
-def _consumer(bufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr, ss_ptr,
+def _consumer(bufs, sbufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr, ss_ptr,
               part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, step_ptr, bt_ptr, kc_ptr, vc_ptr,
               trace_ptr, eps, scale, P, S: gl.constexpr, WARPS: gl.constexpr, H: gl.constexpr,
               HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
               SPLITS: gl.constexpr, TB: gl.constexpr, WAIT: gl.constexpr, TRACE: gl.constexpr,
-              X_AHEAD: gl.constexpr):
+              X_AHEAD: gl.constexpr, SZ: gl.constexpr):
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     LW: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, WARPS], [0, 1])
@@ -364,10 +389,10 @@ def _consumer(bufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm
             start, end = _share(pid, W, total)
             u = start
             while u < end:
-                i, done, j, n_pieces = _gemv_piece(bufs, ready, empty, i, u, end, CHUNKS, N, W,
-                                                   s_ptr, z_ptr, s_off, x_base, part_ptr, pid,
-                                                   idx, t, g, zero, ones, sel, LW, L, T, S,
-                                                   X_AHEAD)
+                i, done, j, n_pieces = _gemv_piece(
+                    bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off,
+                    x_base, part_ptr, pid, idx, t, g, zero, ones, sel, LW, L, T, S, X_AHEAD, SZ,
+                    WARPS)
                 u += done
                 # NOTE: every thread's partial stores come before the ticket (barrier), and the
                 # ticket is a gpu-scope acq_rel atomic, so the last piece sees all partials.
@@ -385,38 +410,70 @@ def _consumer(bufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm
 
 
 @gluon.jit
-def _layer_producer(desc, bufs, ready, empty, tab_ptr, n_phases, S: gl.constexpr,
-                    T: gl.constexpr):
-    _producer(desc, bufs, ready, empty, tab_ptr + 1, n_phases, S, T, TABF)
+def _layer_producer(desc, sdesc, bufs, sbufs, ready, empty, tab_ptr, n_phases, S: gl.constexpr,
+                    T: gl.constexpr, SZ: gl.constexpr):
+    """Every phase's units of this program in order into the next free slot: the unit's 16 word
+    rows, and with SZ its row of scales and zero points (row base / 16 + unit)."""
+    pid = gl.program_id(0)
+    i = 0
+    for f in range(n_phases):
+        base = gl.load(tab_ptr + f * TABF + 1).to(gl.int32)
+        W = gl.load(tab_ptr + f * TABF + 2).to(gl.int32)
+        total = gl.load(tab_ptr + f * TABF + 3).to(gl.int32)
+        start, end = _share(pid, W, total)
+        for u in range(start, end):
+            slot = i % S
+            mbarrier.wait(empty.index(slot), ((i // S) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), (16 + SZ) * T * 4)
+            tma.async_copy_global_to_shared(desc, [base + u * 16, 0], ready.index(slot),
+                                            bufs.index(slot))
+            if SZ:
+                tma.async_copy_global_to_shared(sdesc, [base // 16 + u, 0], ready.index(slot),
+                                                sbufs.index(slot))
+            i += 1
 
 
 @gluon.jit
-def decode_layers_kernel(desc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr, ss_ptr,
+def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr, ss_ptr,
                          part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, step_ptr, bt_ptr,
                          kc_ptr, vc_ptr, trace_ptr, eps, scale, P, S: gl.constexpr,
                          WARPS: gl.constexpr, H: gl.constexpr, HEADS: gl.constexpr,
                          KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
                          SPLITS: gl.constexpr, TB: gl.constexpr, WAIT: gl.constexpr = True,
-                         TRACE: gl.constexpr = False, X_AHEAD: gl.constexpr = 4):
+                         TRACE: gl.constexpr = False, X_AHEAD: gl.constexpr = 4,
+                         SZ: gl.constexpr = 1):
     T: gl.constexpr = 32 * WARPS
     bufs = gl.allocate_shared_memory(gl.int32, [S, 16, T], desc.layout)
+    sbufs = gl.allocate_shared_memory(gl.int32, [S, 1, T], sdesc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(S):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
     gl.warp_specialize([
-        (_consumer, (bufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr,
+        (_consumer, (bufs, sbufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr,
                      ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, step_ptr, bt_ptr,
                      kc_ptr, vc_ptr, trace_ptr, eps, scale, P, S, WARPS, H, HEADS, KVH, D, BS,
-                     SPLITS, TB, WAIT, TRACE, X_AHEAD)),
-        (_layer_producer, (desc, bufs, ready, empty, tab_ptr, n_phases, S, T)),
+                     SPLITS, TB, WAIT, TRACE, X_AHEAD, SZ)),
+        (_layer_producer, (desc, sdesc, bufs, sbufs, ready, empty, tab_ptr, n_phases, S, T,
+                           SZ)),
     ], [1], [48])
 
 
 # Llama-3-8B's shapes
 LLAMA3_8B = {"H": 4096, "HEADS": 32, "KVH": 8, "D": 128, "INTER": 14336, "BS": 16,
              "theta": 500000.0, "eps": 1e-5}
+
+
+def tile_scales(w, tile: int) -> torch.Tensor:
+    """A layout's scales and zero points by (tile, group) unit, in tile_words' unit order:
+    (units, tile) int32, a quad of channels 4q .. 4q + 3 at words 4q .. 4q + 3 as (s0, s1),
+    (s2, s3), (z0, z1), (z2, z3), 16-bit pairs with the lower channel in the low half."""
+    groups, n = w.scales.shape
+    s32 = w.scales.contiguous().view(torch.int32).view(groups, n // 4, 2)
+    z32 = w.zeros.contiguous().view(torch.int32).view(groups, n // 4, 2)
+    sz = torch.cat([s32, z32], 2).reshape(groups, n // tile, tile)
+    return sz.permute(1, 0, 2).reshape(-1, tile).contiguous()
 
 
 def gate_up_order(inter: int, half: int = 64) -> torch.Tensor:
@@ -435,10 +492,11 @@ def offsets(cfg: dict) -> dict:
 
 
 def build(layers: int, P: int, ctx: int, dev: torch.device, cfg: dict = LLAMA3_8B,
-          seed: int = 0, warps: int = 4) -> dict:
+          seed: int = 0, warps: int = 4, sz: bool = True) -> dict:
     """Random 4-bit weights (scales, zero points), norm weights, a paged K/V cache holding ctx - 1
     tokens a layer, the step's position and slot, and the phase table (TABF int64 fields a
-    phase) for P programs."""
+    phase) for P programs. sz: each chunk's group's scales and zero points travel with it by
+    TMA (tile_scales), else the consumers read them from global memory."""
     from peregrine.layers.quantization.wna16 import WNA16Layout
     torch.manual_seed(seed)
     H, HEADS, KVH, D, INTER, BS = (cfg[k] for k in ("H", "HEADS", "KVH", "D", "INTER", "BS"))
@@ -453,7 +511,7 @@ def build(layers: int, P: int, ctx: int, dev: torch.device, cfg: dict = LLAMA3_8
             (DOWN, INTER, H))
     x_in = {QKV: off["xn"], O: off["attn"], GU: off["xn"], DOWN: off["act"]}
     blocks_a_layer = -(-ctx // BS) + 1
-    layouts, tiled, scales, zeros, table = [], [], [], [], []
+    layouts, tiled, sz_rows, scales, zeros, table = [], [], [], [], [], []
     row = s_off = 0
     for layer in range(layers):
         per = {}
@@ -467,6 +525,7 @@ def build(layers: int, P: int, ctx: int, dev: torch.device, cfg: dict = LLAMA3_8
             del q
             per[kind] = w
             tiled.append(tile_words(w.qweight, tile))
+            sz_rows.append(tile_scales(w, tile))
             scales.append(w.scales.reshape(-1))
             zeros.append(w.zeros.reshape(-1))
             groups, tiles = k // 128, n // tile
@@ -495,7 +554,7 @@ def build(layers: int, P: int, ctx: int, dev: torch.device, cfg: dict = LLAMA3_8
             "table": torch.tensor(table, dtype=torch.int64, device=dev), "k_cache": k_cache,
             "v_cache": v_cache, "block_table": block_table, "blocks_a_layer": blocks_a_layer,
             "pos": pos, "slot": slot, "cos_sin": cos_sin, "h0": h0, "order": order,
-            "warps": warps}
+            "warps": warps, "sz": sz, "sz_rows": torch.cat(sz_rows)}
 
 
 def _round(x: torch.Tensor) -> torch.Tensor:
@@ -573,8 +632,12 @@ class Runner:
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
         words = d["words"]
         self.warps = d["warps"]
+        self.sz = int(d["sz"])
         self.desc = TensorDescriptor(words, list(words.shape), list(words.stride()),
                                      [16, 32 * self.warps], layout)
+        rows = d["sz_rows"]
+        self.sdesc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()),
+                                      [1, 32 * self.warps], layout)
         tab = d["table"]
         pieces = int(max(-(-r[4] // r[2]) + 1 for r in tab.tolist() if r[0] != ATTN))
         self.part = torch.empty(pieces * 2 * cfg["INTER"], dtype=torch.float32, device=dev)
@@ -600,12 +663,13 @@ class Runner:
         self.vec[H:2 * H].copy_((h0.float() * self.g0).to(torch.bfloat16))
         self.ss.copy_(h0.float().pow(2).view(self.ss.numel(), -1).sum(1))
         decode_layers_kernel[(self.P,)](
-            self.desc, d["table"], d["table"].shape[0], d["scales"], d["zeros"], self.vec,
+            self.desc, self.sdesc, d["table"], d["table"].shape[0], d["scales"], d["zeros"],
+            self.vec,
             d["norms"], self.ss, self.part, self.apart, self.lock, self.cnt, d["cos_sin"],
             self.step, d["block_table"], d["k_cache"], d["v_cache"], self.times, cfg["eps"],
             1.0 / math.sqrt(cfg["D"]), self.P, S=self.stages, WARPS=self.warps, H=H,
             HEADS=cfg["HEADS"], KVH=cfg["KVH"], D=cfg["D"], BS=cfg["BS"], SPLITS=self.splits,
-            TB=self.tb, WAIT=self.wait, TRACE=self.trace, X_AHEAD=self.x_ahead,
+            TB=self.tb, WAIT=self.wait, TRACE=self.trace, X_AHEAD=self.x_ahead, SZ=self.sz,
             num_warps=self.warps, maxnreg=self.regs)
 
     def state(self) -> dict:
@@ -661,20 +725,22 @@ def timeline(times: torch.Tensor, per: int) -> list[dict]:
 FORMS = {"ring": (True, False), "ring_free": (False, False), "ring_traced": (True, True)}
 
 
-def run(layers: int, ctx: int, warps: int, stages: list[int], splits: int, iters: int,
-        forms: list[str], variants: list[tuple[int, int]], dev: torch.device) -> list[dict]:
+def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: int,
+        iters: int, forms: list[str], variants: list[tuple[int, int]],
+        dev: torch.device) -> list[dict]:
     """For each ring depth and (x steps ahead, registers a thread): check the kernel against
     reference_layers, then time each form (CUDA-graph replays)."""
     P = torch.cuda.get_device_properties(dev).multi_processor_count
     t0 = time.time()
-    d = build(layers, P, ctx, dev, warps=warps)
+    d = build(layers, P, ctx, dev, warps=warps, sz=sz)
     want = reference_layers(d)
-    wbytes = (d["words"].numel() * 4 + d["scales"].numel() * 4) / layers
+    wbytes = (d["words"].numel() + d["sz_rows"].numel()) * 4 / layers
     out = []
     for s in stages:
         r = Runner(d, P, s, splits)
-        res = {"layers": layers, "ctx": ctx, "warps": warps, "stages": s, "splits": splits,
-               "programs": P, "wall_us_per_layer": round(wbytes / 4.2e6, 2), "variants": []}
+        res = {"layers": layers, "ctx": ctx, "warps": warps, "scales_in_chunk": sz, "stages": s,
+               "splits": splits, "programs": P, "wall_us_per_layer": round(wbytes / 4.2e6, 2),
+               "variants": []}
         for x_ahead, regs in variants:
             r.x_ahead, r.regs = x_ahead, regs
             r.wait, r.trace = True, False
@@ -692,8 +758,8 @@ def run(layers: int, ctx: int, warps: int, stages: list[int], splits: int, iters
                     torch.cuda.synchronize()
                     v[f"{name}_timeline"] = timeline(r.times.cpu(), 5)
             res["variants"].append(v)
-            print(json.dumps(v), f"(layers {layers}, warps {warps}, ring {s}; "
-                  f"{time.time() - t0:.0f} s)", flush=True)
+            print(json.dumps(v), f"(layers {layers}, warps {warps}, scales in the chunk {sz}, "
+                  f"ring {s}; {time.time() - t0:.0f} s)", flush=True)
         out.append(res)
     return out
 
@@ -706,6 +772,8 @@ def main() -> None:
     p.add_argument("--rings", default="4x16,4x26,8x8,8x13",
                    help="consumer warps x ring stages (chunks of 16 word rows of 32 channels a "
                    "warp), comma-separated")
+    p.add_argument("--scales", default="chunk",
+                   help="chunk (each chunk carries its scales) and/or global, comma-separated")
     p.add_argument("--splits", type=int, default=16)
     p.add_argument("--forms", default=",".join(FORMS))
     p.add_argument("--variants", default="4x128,8x168",
@@ -720,9 +788,10 @@ def main() -> None:
         w, s = (int(v) for v in ring.split("x"))
         rings.setdefault(w, []).append(s)
     for n in ns.layers.split(","):
-        for w, stages in rings.items():
-            results += run(int(n), ns.ctx, w, stages, ns.splits, ns.iters, ns.forms.split(","),
-                           variants, dev)
+        for sz in ns.scales.split(","):
+            for w, stages in rings.items():
+                results += run(int(n), ns.ctx, w, sz == "chunk", stages, ns.splits, ns.iters,
+                               ns.forms.split(","), variants, dev)
             torch.cuda.empty_cache()
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(dev),

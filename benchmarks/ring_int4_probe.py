@@ -88,9 +88,10 @@ def _share(pid, W, total):
 
 @gluon.jit
 def _producer(desc, bufs, ready, empty, tab_ptr, n_phases, S: gl.constexpr, T: gl.constexpr,
-              STRIDE: gl.constexpr):
-    """Every phase's units of this program in order, a chunk each, into the next free slot
-    (a phase's row base, units a program and units at tab_ptr + STRIDE * phase)."""
+              STRIDE: gl.constexpr, ROWS: gl.constexpr = 16):
+    """Every phase's units of this program in order, a chunk (ROWS rows of T words) each, into
+    the next free slot (a phase's row base, units a program and units at tab_ptr + STRIDE *
+    phase)."""
     pid = gl.program_id(0)
     i = 0
     for f in range(n_phases):
@@ -101,8 +102,8 @@ def _producer(desc, bufs, ready, empty, tab_ptr, n_phases, S: gl.constexpr, T: g
         for u in range(start, end):
             slot = i % S
             mbarrier.wait(empty.index(slot), ((i // S) & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), 16 * T * 4)
-            tma.async_copy_global_to_shared(desc, [base + u * 16, 0], ready.index(slot),
+            mbarrier.expect(ready.index(slot), ROWS * T * 4)
+            tma.async_copy_global_to_shared(desc, [base + u * ROWS, 0], ready.index(slot),
                                             bufs.index(slot))
             i += 1
 
@@ -250,7 +251,7 @@ def ring_int4_kernel(desc, tab_ptr, n_phases, s_ptr, z_ptr, x_ptr, out_ptr, part
     gl.warp_specialize([
         (_consumer, (bufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, x_ptr, out_ptr,
                      part_ptr, lock_ptr, cnt_ptr, sink_ptr, P, S, WARPS, MATH, ACC2, X_AHEAD)),
-        (_producer, (desc, bufs, ready, empty, tab_ptr, n_phases, S, T, TAB)),
+        (_producer, (desc, bufs, ready, empty, tab_ptr, n_phases, S, T, TAB, 16)),
     ], [1], [48])
 
 

@@ -13,8 +13,9 @@ pytestmark = pytest.mark.gpu
 
 SMALL = {"H": 512, "HEADS": 8, "KVH": 2, "D": 128, "INTER": 1024, "BS": 16, "theta": 10000.0,
          "eps": 1e-6}
-# (consumer warps, ring stages, x's steps ahead, registers a thread)
-FORMS = ((4, 16, 4, 128), (4, 16, 8, 168), (8, 8, 4, 128), (8, 8, 8, 168))
+# (consumer warps, ring stages, x's steps ahead, registers a thread, scales with the chunks)
+FORMS = ((4, 16, 4, 128, True), (4, 16, 8, 168, True), (8, 8, 4, 128, True),
+         (8, 8, 8, 168, True), (4, 16, 4, 128, False), (8, 12, 4, 128, False))
 
 
 def _hopper() -> None:
@@ -33,9 +34,9 @@ def test_decode_layers_match_the_torch_layers(shape: str, ctx: int, form: tuple)
     _hopper()
     mod = load("decode_layer_ring")
     cfg = SMALL if shape == "small" else mod.LLAMA3_8B
-    warps, stages, x_ahead, regs = form
+    warps, stages, x_ahead, regs, sz = form
     P = torch.cuda.get_device_properties(DEV).multi_processor_count
-    d = mod.build(2, P, ctx, DEV, cfg, warps=warps)
+    d = mod.build(2, P, ctx, DEV, cfg, warps=warps, sz=sz)
     want = mod.reference_layers(d)
     r = mod.Runner(d, P, stages, x_ahead=x_ahead, regs=regs)
     r()

@@ -27,6 +27,27 @@ def test_a_gate_up_tile_is_gate_channels_then_the_same_up_channels(half: int) ->
         assert tile[half:] == [inter + c for c in range(half * j, half * j + half)]
 
 
+def test_a_units_scales_row_holds_each_channel_quads_scales_then_zero_points() -> None:
+    from peregrine.layers.quantization.wna16 import WNA16Layout
+    k, n, tile = 256, 96, 32
+    q = torch.randint(0, 16, (k, n), dtype=torch.int32)
+    zp = torch.randint(0, 16, (k // 128, n)).float()
+    w = WNA16Layout.build(q, torch.rand(k // 128, n) + 0.5, zp, None, 4, torch.bfloat16)
+    rows = mod.tile_scales(w, tile)
+    groups = k // 128
+    assert rows.shape == (groups * n // tile, tile)
+    s16 = (w.scales.view(torch.int16).to(torch.int64) & 0xFFFF).tolist()
+    z16 = (w.zeros.view(torch.int16).to(torch.int64) & 0xFFFF).tolist()
+    for u in range(rows.shape[0]):
+        i, j = divmod(u, groups)  # tile-major, as tile_words
+        for quad in range(tile // 4):
+            c = tile * i + 4 * quad
+            got = (rows[u, 4 * quad:4 * quad + 4].to(torch.int64) & 0xFFFFFFFF).tolist()
+            want = [s16[j][c] | s16[j][c + 1] << 16, s16[j][c + 2] | s16[j][c + 3] << 16,
+                    z16[j][c] | z16[j][c + 1] << 16, z16[j][c + 2] | z16[j][c + 3] << 16]
+            assert got == want, (u, quad)
+
+
 @pytest.mark.parametrize("warps", (4, 8))
 def test_the_phase_table_walks_each_layer_in_five_phases(warps: int) -> None:
     cfg = CFG if warps == 4 else CFG8
@@ -54,6 +75,7 @@ def test_the_phase_table_walks_each_layer_in_five_phases(warps: int) -> None:
         row += tiles * groups * 16
         s += groups * n
     assert d["words"].shape == (row, tile)
+    assert d["sz_rows"].shape == (row // 16, tile)  # a unit's scales row: its first row / 16
     with pytest.raises(ValueError, match="whole heads"):
         mod.build(1, 8, 4, torch.device("cpu"), CFG, warps=8)  # one KV head: half a tile
     pos = d["pos"]
