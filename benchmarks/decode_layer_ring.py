@@ -32,9 +32,11 @@ A projection's units are shared out evenly over the programs (stream-K); each pi
 float32 partials and the last piece of a tile to arrive (a ticket) adds them in piece order and
 does the tile's finish. Checked against `reference_layers` (torch, the same rounding points) on
 the GPU; timed as CUDA-graph replays of 32 Llama-3-8B layers, in the forms `ring` (as above),
-`ring_free` (no waits between phases: the stream and the phases' own work, the floor this design
-allows; its outputs are not the layers') and `ring_traced` (`ring` with %globaltimer stamps where
-each program's wait ended and its phase ended: a mean timeline of the middle layers).
+`ring_traced` (`ring` with %globaltimer stamps where each program's wait ended and its phase
+ended: a mean timeline of the middle layers), `ring_free` (no waits between phases: the stream
+and the phases' own work, the floor this design allows), and `no_finishes` / `no_attention`
+(`ring` without the tiles' finishes / without attention's work); the last three for their times
+only.
 
     python benchmarks/decode_layer_ring.py --out /tmp/out/decode_layer_ring.json
 """
@@ -349,7 +351,7 @@ def _consumer(bufs, sbufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_pt
               trace_ptr, eps, scale, P, S: gl.constexpr, WARPS: gl.constexpr, H: gl.constexpr,
               HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
               SPLITS: gl.constexpr, TB: gl.constexpr, WAIT: gl.constexpr, TRACE: gl.constexpr,
-              X_AHEAD: gl.constexpr, SZ: gl.constexpr):
+              X_AHEAD: gl.constexpr, SZ: gl.constexpr, SKIP: gl.constexpr):
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     LW: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, WARPS], [0, 1])
@@ -381,7 +383,7 @@ def _consumer(bufs, sbufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_pt
         if TRACE:
             gl.store(trace_ptr + (f * P + pid) * 2, _now())
         if kind == K_ATTN:
-            if pid < KVH * SPLITS:
+            if (pid < KVH * SPLITS) and (SKIP & 2 == 0):
                 _attention(pid, vec_ptr, kc_ptr + c_off, vc_ptr + c_off, bt_ptr, pos, apart_ptr,
                            lock_ptr + LOCKS_C, scale, H, HEADS, KVH, D, BS, SPLITS, TB, WARPS)
         else:
@@ -398,7 +400,7 @@ def _consumer(bufs, sbufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_pt
                 # ticket is a gpu-scope acq_rel atomic, so the last piece sees all partials.
                 gl.thread_barrier()
                 ticket = gl.atomic_add(lock_ptr + j, 1, sem="acq_rel", scope="gpu")
-                if ticket == n_pieces - 1:
+                if (ticket == n_pieces - 1) and (SKIP & 1 == 0):
                     _finish(kind, j, n_pieces, N, part_ptr, vec_ptr, norm_ptr + g_off, ss_ptr,
                             cs_ptr, pos, slot, kc_ptr + c_off, vc_ptr + c_off, eps, H, HEADS, KVH,
                             D, T, L)
@@ -441,7 +443,7 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
                          KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
                          SPLITS: gl.constexpr, TB: gl.constexpr, WAIT: gl.constexpr = True,
                          TRACE: gl.constexpr = False, X_AHEAD: gl.constexpr = 4,
-                         SZ: gl.constexpr = 1):
+                         SZ: gl.constexpr = 1, SKIP: gl.constexpr = 0):
     T: gl.constexpr = 32 * WARPS
     bufs = gl.allocate_shared_memory(gl.int32, [S, 16, T], desc.layout)
     sbufs = gl.allocate_shared_memory(gl.int32, [S, 1, T], sdesc.layout)
@@ -454,7 +456,7 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
         (_consumer, (bufs, sbufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr,
                      ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, step_ptr, bt_ptr,
                      kc_ptr, vc_ptr, trace_ptr, eps, scale, P, S, WARPS, H, HEADS, KVH, D, BS,
-                     SPLITS, TB, WAIT, TRACE, X_AHEAD, SZ)),
+                     SPLITS, TB, WAIT, TRACE, X_AHEAD, SZ, SKIP)),
         (_layer_producer, (desc, sdesc, bufs, sbufs, ready, empty, tab_ptr, n_phases, S, T,
                            SZ)),
     ], [1], [48])
@@ -626,6 +628,7 @@ class Runner:
         self.d, self.P, self.cfg = d, P, cfg
         self.stages, self.splits, self.tb = stages, splits, tb
         self.wait, self.trace = True, False  # the phases' waits; timestamps (see timeline)
+        self.skip = 0  # left out, for timing only: 1 the tiles' finishes, 2 attention's work
         self.x_ahead, self.regs = x_ahead, regs  # x's steps ahead (4, 8); registers a thread
         self.off = offsets(cfg)
         H, D = cfg["H"], cfg["D"]
@@ -670,6 +673,7 @@ class Runner:
             1.0 / math.sqrt(cfg["D"]), self.P, S=self.stages, WARPS=self.warps, H=H,
             HEADS=cfg["HEADS"], KVH=cfg["KVH"], D=cfg["D"], BS=cfg["BS"], SPLITS=self.splits,
             TB=self.tb, WAIT=self.wait, TRACE=self.trace, X_AHEAD=self.x_ahead, SZ=self.sz,
+            SKIP=self.skip,
             num_warps=self.warps, maxnreg=self.regs)
 
     def state(self) -> dict:
@@ -721,8 +725,10 @@ def timeline(times: torch.Tensor, per: int) -> list[dict]:
     return out
 
 
-# form: (the phases' waits, timestamps)
-FORMS = {"ring": (True, False), "ring_free": (False, False), "ring_traced": (True, True)}
+# form: (the phases' waits, timestamps, what is left out: 1 the tiles' finishes, 2 attention's
+# work; the last three forms' outputs are not the layers')
+FORMS = {"ring": (True, False, 0), "ring_traced": (True, True, 0), "ring_free": (False, False, 0),
+         "no_finishes": (True, False, 1), "no_attention": (True, False, 2)}
 
 
 def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: int,
@@ -743,12 +749,12 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
                "variants": []}
         for x_ahead, regs in variants:
             r.x_ahead, r.regs = x_ahead, regs
-            r.wait, r.trace = True, False
+            r.wait, r.trace, r.skip = True, False, 0
             r()
             torch.cuda.synchronize()
             v = {"x_ahead": x_ahead, "regs": regs, "errors": compare(r.state(), want)}
             for name in forms:
-                r.wait, r.trace = FORMS[name]
+                r.wait, r.trace, r.skip = FORMS[name]
                 ms = graph_replay_ms([r], iters)
                 v[name] = round(ms * 1e3 / layers, 2)
                 if name == "ring" and layers == 32:  # the LM head at the wall, ~30 us a step
