@@ -246,24 +246,56 @@ def _finish(kind, j, n_pieces, N, part_ptr, vec_ptr, g_ptr, ss_ptr, cs_ptr, pos,
 
 
 @gluon.jit
-def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, apart_ptr, lock_ptr, scale,
-               H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
-               BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr,
+def _attn_share(pid, pos, SPLITS: gl.constexpr):
+    """KV head pid // SPLITS and its share [t0, t1) of the context 0 .. pos."""
+    ctx = pos + 1
+    per = (ctx + SPLITS - 1) // SPLITS
+    t0 = gl.minimum((pid % SPLITS) * per, ctx)
+    return pid // SPLITS, t0, gl.minimum(t0 + per, ctx)
+
+
+@gluon.jit
+def _attn_kv(kc_ptr, vc_ptr, bt_ptr, kh, tok, ok, KVH: gl.constexpr, D: gl.constexpr,
+             BS: gl.constexpr, LK: gl.constexpr):
+    """The K and V rows (bf16, (TB, D)) of tokens tok where ok, through the block table."""
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, LK))
+    blk = gl.load(bt_ptr + tok // BS, mask=ok, other=0).to(gl.int64)
+    row = ((blk * BS + tok % BS) * KVH + kh) * D
+    addr = gl.expand_dims(row, 1) + gl.expand_dims(d, 0)
+    okk = gl.expand_dims(ok, 1)
+    kt = gl.load(kc_ptr + addr, mask=okk, other=0.0, cache_modifier=".cg")
+    vt = gl.load(vc_ptr + addr, mask=okk, other=0.0, cache_modifier=".cg")
+    return kt, vt
+
+
+@gluon.jit
+def _attn_early(pid, kc_ptr, vc_ptr, bt_ptr, pos, KVH: gl.constexpr, D: gl.constexpr,
+                BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr,
+                WARPS: gl.constexpr):
+    """The K and V rows of the share's first TB tokens but this step's own (written by the qkv
+    phase): earlier steps wrote them, so they are read before the wait for the qkv phase."""
+    LK: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
+    kh, t0, t1 = _attn_share(pid, pos, SPLITS)
+    tok = t0 + gl.arange(0, TB, layout=gl.SliceLayout(1, LK))
+    return _attn_kv(kc_ptr, vc_ptr, bt_ptr, kh, tok, (tok < t1) & (tok < pos), KVH, D, BS, LK)
+
+
+@gluon.jit
+def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, slot, kt0, vt0, apart_ptr, lock_ptr,
+               scale, H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr,
+               D: gl.constexpr, BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr,
                WARPS: gl.constexpr):
-    """KV head pid // SPLITS, its share pid % SPLITS of the context 0 .. pos for the head's
-    four query heads; the last share of a head to arrive merges the shares into the output."""
+    """KV head pid // SPLITS, its share of the context 0 .. pos for the head's four query
+    heads (the first TB tokens' K/V rows kt0, vt0 read early, this step's own row read now from
+    its slot); the last share of a head to arrive merges the shares into the output."""
     GQA: gl.constexpr = HEADS // KVH
     Q_OFF: gl.constexpr = 2 * H
     AT_OFF: gl.constexpr = Q_OFF + HEADS * D
     LK: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
     LT: gl.constexpr = gl.SliceLayout(1, LK)
     LD: gl.constexpr = gl.SliceLayout(0, LK)
-    kh = pid // SPLITS
+    kh, t0, t1 = _attn_share(pid, pos, SPLITS)
     sp = pid % SPLITS
-    ctx = pos + 1
-    per = (ctx + SPLITS - 1) // SPLITS
-    t0 = gl.minimum(sp * per, ctx)
-    t1 = gl.minimum(t0 + per, ctx)
     d = gl.arange(0, D, layout=LD)
     tt = gl.arange(0, TB, layout=LT)
     LOG2E: gl.constexpr = 1.4426950408889634
@@ -272,21 +304,27 @@ def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, apart_ptr, lock_ptr, s
     q1 = gl.load(qa + D, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
     q2 = gl.load(qa + 2 * D, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
     q3 = gl.load(qa + 3 * D, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
+    cur = (slot * KVH + kh) * D + d  # this step's K/V row, stored by the qkv phase
+    k_cur = gl.load(kc_ptr + cur, cache_modifier=".cg")
+    v_cur = gl.load(vc_ptr + cur, cache_modifier=".cg")
     zd = gl.zeros([D], gl.float32, layout=LD)
     ninf = gl.max(gl.full([TB], float("-inf"), gl.float32, layout=LT), 0)
     fzero = gl.sum(gl.zeros([TB], gl.float32, layout=LT), 0)
-    m0, m1, m2, m3 = ninf, ninf, ninf, ninf
-    l0, l1, l2, l3 = fzero, fzero, fzero, fzero
-    a0, a1, a2, a3 = zd, zd, zd, zd
-    for tb in range(t0, t1, TB):
+    tok = t0 + tt
+    ok = tok < t1
+    here = gl.expand_dims(tok == pos, 1)
+    kt = gl.where(here, gl.expand_dims(k_cur, 0), kt0).to(gl.float32)
+    vt = gl.where(here, gl.expand_dims(v_cur, 0), vt0).to(gl.float32)
+    m0, l0, a0 = _online(kt, vt, q0, ok, ninf, fzero, zd)
+    m1, l1, a1 = _online(kt, vt, q1, ok, ninf, fzero, zd)
+    m2, l2, a2 = _online(kt, vt, q2, ok, ninf, fzero, zd)
+    m3, l3, a3 = _online(kt, vt, q3, ok, ninf, fzero, zd)
+    for tb in range(t0 + TB, t1, TB):  # contexts longer than SPLITS * TB tokens
         tok = tb + tt
         ok = tok < t1
-        blk = gl.load(bt_ptr + tok // BS, mask=ok, other=0).to(gl.int64)
-        row = ((blk * BS + tok % BS) * KVH + kh) * D
-        addr = gl.expand_dims(row, 1) + gl.expand_dims(d, 0)
-        okk = gl.expand_dims(ok, 1)
-        kt = gl.load(kc_ptr + addr, mask=okk, other=0.0, cache_modifier=".cg").to(gl.float32)
-        vt = gl.load(vc_ptr + addr, mask=okk, other=0.0, cache_modifier=".cg").to(gl.float32)
+        kb, vb = _attn_kv(kc_ptr, vc_ptr, bt_ptr, kh, tok, ok, KVH, D, BS, LK)
+        kt = kb.to(gl.float32)
+        vt = vb.to(gl.float32)
         m0, l0, a0 = _online(kt, vt, q0, ok, m0, l0, a0)
         m1, l1, a1 = _online(kt, vt, q1, ok, m1, l1, a1)
         m2, l2, a2 = _online(kt, vt, q2, ok, m2, l2, a2)
@@ -355,6 +393,7 @@ def _consumer(bufs, sbufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_pt
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     LW: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, WARPS], [0, 1])
+    LK: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
     pid = gl.program_id(0)
     idx = gl.arange(0, T, layout=L)
     lane = idx % 32
@@ -376,6 +415,13 @@ def _consumer(bufs, sbufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_pt
         x_off = gl.load(tab_ptr + f * TABF + 7)
         g_off = gl.load(tab_ptr + f * TABF + 8)
         c_off = gl.load(tab_ptr + f * TABF + 9) * (KVH * D)  # the layer's cache
+        if SKIP & 2 == 0:
+            attn = (kind == K_ATTN) & (pid < KVH * SPLITS)
+            kt0 = gl.zeros([TB, D], gl.bfloat16, layout=LK)
+            vt0 = kt0
+            if attn:  # the earlier steps' K/V rows need no wait
+                kt0, vt0 = _attn_early(pid, kc_ptr + c_off, vc_ptr + c_off, bt_ptr, pos, KVH, D,
+                                       BS, SPLITS, TB, WARPS)
         if WAIT and f > 0:  # every program of the phase before is done
             seen = _poll(cnt_ptr + (f - 1))
             while seen < P:
@@ -383,9 +429,11 @@ def _consumer(bufs, sbufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_pt
         if TRACE:
             gl.store(trace_ptr + (f * P + pid) * 2, _now())
         if kind == K_ATTN:
-            if (pid < KVH * SPLITS) and (SKIP & 2 == 0):
-                _attention(pid, vec_ptr, kc_ptr + c_off, vc_ptr + c_off, bt_ptr, pos, apart_ptr,
-                           lock_ptr + LOCKS_C, scale, H, HEADS, KVH, D, BS, SPLITS, TB, WARPS)
+            if SKIP & 2 == 0:
+                if attn:
+                        _attention(pid, vec_ptr, kc_ptr + c_off, vc_ptr + c_off, bt_ptr, pos, slot,
+                               kt0, vt0, apart_ptr, lock_ptr + LOCKS_C, scale, H, HEADS, KVH, D,
+                               BS, SPLITS, TB, WARPS)
         else:
             x_base = vec_ptr.to(gl.int64) + x_off * 2
             start, end = _share(pid, W, total)
