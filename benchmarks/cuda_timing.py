@@ -27,3 +27,15 @@ def graph_replay_ms(calls: Sequence[Callable[[], object]], iters: int, warmup: i
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def write_results(path: str, device: torch.device, results: list) -> None:
+    """A probe's results as JSON at path, with the GPU and the torch and triton versions."""
+    import json
+    from pathlib import Path
+
+    import triton
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"gpu": torch.cuda.get_device_name(device),
+                                      "torch": torch.__version__, "triton": triton.__version__,
+                                      "results": results}, indent=1))

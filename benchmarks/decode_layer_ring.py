@@ -50,19 +50,17 @@ import time
 from pathlib import Path
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cuda_timing import graph_replay_ms  # noqa: E402
-from benchmarks.ring_int4_probe import _poll, _share, _words, share, tile_words  # noqa: E402
-from benchmarks.ring_stream_probe import _now  # noqa: E402
-from peregrine.kernels.wna16_gemv_tc import (_PAIRS, _group_done, _ld_group, _push,  # noqa: E402
-                                             _step, _store)
+from benchmarks.cuda_timing import graph_replay_ms, write_results  # noqa: E402
+from benchmarks.ring_int4_probe import (_gemv_piece, _share, _tile_sum, share,  # noqa: E402
+                                        tile_words)
+from benchmarks.ring_stream_probe import _now, _poll, ring_barriers  # noqa: E402
 
 V = gl.constexpr(2)
 QKV, ATTN, O, GU, DOWN = 0, 1, 2, 3, 4  # a phase's kind (the table's first field)
@@ -72,118 +70,6 @@ TABF = gl.constexpr(10)  # int64 fields a phase: kind, row base, units a program
 #                          cache slot
 LOCKS = 256  # split-K tickets (tiles); the attention's follow
 LOCKS_C = gl.constexpr(LOCKS)
-
-
-@gluon.jit
-def _ld_x(xa):
-    """The B pairs of the lane's word row (16 bytes of x at xa) read through L2: x was written
-    by another program of this kernel."""
-    r = gl.inline_asm_elementwise("ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];",
-                                  "=r,=r,=r,=r,l", [xa], dtype=(gl.int32,) * 4, is_pure=False,
-                                  pack=1)
-    p = gl.inline_asm_elementwise(_PAIRS, "=r,=r,=r,=r,r,r,r,r", [r[0], r[1], r[2], r[3]],
-                                  dtype=(gl.int32,) * 4, is_pure=True, pack=1)
-    return p[0], p[1], p[2], p[3]
-
-
-@gluon.jit
-def _x_queue(xa, last, N: gl.constexpr):
-    """Steps 0 .. N - 1's B pairs (4 or 8 steps; past the last step the last again)."""
-    q0 = _ld_x(xa)
-    q1 = _ld_x(xa + gl.minimum(1, last) * 64)
-    q2 = _ld_x(xa + gl.minimum(2, last) * 64)
-    q3 = _ld_x(xa + gl.minimum(3, last) * 64)
-    if N == 4:
-        r = (q0, q1, q2, q3)
-    else:
-        q4 = _ld_x(xa + gl.minimum(4, last) * 64)
-        q5 = _ld_x(xa + gl.minimum(5, last) * 64)
-        q6 = _ld_x(xa + gl.minimum(6, last) * 64)
-        q7 = _ld_x(xa + gl.minimum(7, last) * 64)
-        r = (q0, q1, q2, q3, q4, q5, q6, q7)
-    return r
-
-
-@gluon.jit
-def _shfl(v, src):
-    return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;",
-                                     "=r,r,r", [v, src], dtype=gl.int32, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _chunk_sz(sbuf, lane, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr):
-    """A group's scales and zero points from the chunk's row of them (tile_scales), as _ld_group
-    gives them: lane 4g + t of warp w reads word 32w + 4g + t, and the four lanes of a channel
-    quad exchange theirs."""
-    L1: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS], [1, 0])
-    v = gl.convert_layout(gl.reshape(sbuf.load(L1), [T]), L)
-    quad = lane - lane % 4
-    s01 = _shfl(v, quad)
-    s23 = _shfl(v, quad + 1)
-    z01 = _shfl(v, quad + 2)
-    z23 = _shfl(v, quad + 3)
-    return (s01, s23, s01, s01), (z01, z23, z01, z01)
-
-
-@gluon.jit
-def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off, x_base,
-                part_ptr, pid, idx, t, g, zero, ones, sel, LW: gl.constexpr, L: gl.constexpr,
-                T: gl.constexpr, S: gl.constexpr, X_AHEAD: gl.constexpr, SZ: gl.constexpr,
-                WARPS: gl.constexpr):
-    """The program's groups [g0, g1) of one tile from unit u on: its MMAs over the ring's
-    chunks, its float32 sums stored as the tile's piece (pid - first). Returns (chunks
-    consumed so far, groups done, tile, the tile's pieces)."""
-    pid_n = u // CHUNKS
-    g0 = u % CHUNKS
-    g1 = gl.minimum(CHUNKS, g0 + (end - u))
-    first = (pid_n * CHUNKS) // W
-    n_pieces = ((pid_n + 1) * CHUNKS - 1) // W - first + 1
-    n_lane = pid_n * T + (idx // 32) * 32 + g * 4
-    xa = x_base + (g0 * 16 + t).to(gl.int64) * 16
-    g_step = (N * 2).to(gl.int64)
-    last = (g1 - g0) * 4 - 1
-    if not SZ:  # scales and zero points from global memory, a group ahead
-        sa = s_ptr.to(gl.int64) + (s_off + (g0 * N).to(gl.int64) + n_lane) * 2
-        za = z_ptr.to(gl.int64) + (s_off + (g0 * N).to(gl.int64) + n_lane) * 2
-        sz_n = _ld_group(sa, za, V, True)
-    x_q = _x_queue(xa, last, X_AHEAD)
-    y = (zero, zero, zero, zero, zero, zero, zero, zero)
-    for c in range(g1 - g0):
-        slot = i % S
-        if not SZ:
-            sz = sz_n
-            gn = gl.minimum(c + 1, g1 - g0 - 1)
-            sz_n = _ld_group(sa + gn * g_step, za + gn * g_step, V, True)
-        mbarrier.wait(ready.index(slot), (i // S) & 1)
-        buf = bufs.index(slot)
-        if SZ:
-            sz = _chunk_sz(sbufs.index(slot), idx % 32, L, T, WARPS)
-        c4 = (zero, zero, zero, zero)
-        acc = (c4, c4, c4, c4)
-        cx = c4
-        for s in gl.static_range(4):
-            w_c = _words(buf, s * 4, LW, L, T)
-            x_c = x_q[0]
-            x_nxt = gl.minimum(c * 4 + s + X_AHEAD, last)
-            x_q = _push(x_q, _ld_x(xa + x_nxt * 64), X_AHEAD)
-            acc, cx = _step(acc, cx, ones, w_c, x_c, sel, V, True, 4)
-        # every consumer warp's loads of this chunk are done before it is refilled
-        gl.thread_barrier()
-        fence_async_shared()
-        mbarrier.arrive(empty.index(slot), count=1)
-        i += 1
-        y = _group_done(y, acc, cx, sz, 0, V, True, True, 4)
-    _store(part_ptr + (pid - first).to(gl.int64) * N, n_lane, y, t == 0, V, False)
-    return i, g1 - g0, pid_n, n_pieces
-
-
-@gluon.jit
-def _tile_sum(part_ptr, n_pieces, N, offs):
-    """A tile's float32 sums at offs: its pieces' partials added in piece order."""
-    tot = gl.load(part_ptr + offs, cache_modifier=".cg")
-    for q in range(1, n_pieces):
-        tot += gl.load(part_ptr + (q * N + offs), cache_modifier=".cg")
-    return tot
 
 
 @gluon.jit
@@ -495,11 +381,7 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
     T: gl.constexpr = 32 * WARPS
     bufs = gl.allocate_shared_memory(gl.int32, [S, 16, T], desc.layout)
     sbufs = gl.allocate_shared_memory(gl.int32, [S, 1, T], sdesc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(S):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+    ready, empty = ring_barriers(S)
     gl.warp_specialize([
         (_consumer, (bufs, sbufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr,
                      ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, step_ptr, bt_ptr,
@@ -847,11 +729,7 @@ def main() -> None:
                 results += run(int(n), ns.ctx, w, sz == "chunk", stages, ns.splits, ns.iters,
                                ns.forms.split(","), variants, dev)
             torch.cuda.empty_cache()
-    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(ns.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(dev),
-                                        "torch": torch.__version__,
-                                        "triton": triton.__version__,
-                                        "results": results}, indent=1))
+    write_results(ns.out, dev, results)
 
 
 if __name__ == "__main__":

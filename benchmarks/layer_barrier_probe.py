@@ -23,7 +23,6 @@ programs an SM (4 warps each).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cuda_timing import graph_replay_ms  # noqa: E402
+from benchmarks.cuda_timing import graph_replay_ms, write_results  # noqa: E402
 from peregrine.kernels._utils import gdc_launch_dependents, gdc_wait  # noqa: E402
 
 HBM_GBPS = 4200.0
@@ -236,11 +235,7 @@ def main() -> None:
     dev = torch.device("cuda")
     results = [run(int(b), ns.layers, int(k), ns.iters, dev)
                for b in ns.bits.split(",") for k in ns.per_sm.split(",")]
-    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(ns.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(dev),
-                                        "torch": torch.__version__,
-                                        "triton": triton.__version__,
-                                        "results": results}, indent=1))
+    write_results(ns.out, dev, results)
 
 
 if __name__ == "__main__":

@@ -7,15 +7,17 @@ at 29.4-30.0 us a layer against the kernel-a-phase chain's 47.1. The stand-in co
 the words. Here the consumers do the int4 tensor-core GEMV's own work (wna16_gemv_tc.py: each
 lane's words from the chunk as the MMAs take them, the magic-offset conversion, the MMAs, the
 zero point and scale once a group, the split epilogue), on real 4-bit weights with scales and
-zero points, so the number is what the persistent layer's GEMV phases would give.
+zero points, so the number is what the persistent layer's GEMV phases would give (its piece of
+work is the one `decode_layer_ring.py` runs).
 
 The weights are repacked so that each (tile of 32 x WARPS channels, group of 128 inputs) unit is
 one contiguous chunk of 16 word rows (the layout's own words, value j of a word in bits 4j), so
 one TMA descriptor covers every layer and projection. A phase's units, tile-major, are shared
 out evenly (stream-K); a tile's pieces add their float32 partials, the last to arrive adding
 them in order. Each phase then counts its programs done (a release add), and the next phase's
-consumers wait for all of them (acquire polls); its input row is read after that wait. The
-scales and zero points are read from global memory a group ahead, as the tc kernel reads them.
+consumers wait for all of them (acquire polls); its input row is read after that wait, through
+L2. The scales and zero points are read from global memory a group ahead, as the tc kernel
+reads them.
 
 Forms (CUDA-graph replays of 32 Llama-3-8B layers, qkv, o, gate/up, down; every output checked
 against x @ dequant(W) in float32):
@@ -30,13 +32,11 @@ against x @ dequant(W) in float32):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
@@ -44,9 +44,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cuda_timing import graph_replay_ms  # noqa: E402
-from peregrine.kernels.wna16_gemv_tc import (_group_done, _ld_group, _ld_x,  # noqa: E402
-                                             _ld_x_queue, _push, _step, _store)
+from benchmarks.cuda_timing import graph_replay_ms, write_results  # noqa: E402
+from benchmarks.ring_stream_probe import _poll, ring_barriers  # noqa: E402
+from peregrine.kernels.wna16_gemv_tc import (_PAIRS, _group_done, _ld_group, _push,  # noqa: E402
+                                             _step, _store)
 
 HBM_GBPS = 4200.0
 V = gl.constexpr(2)  # a lane's channels per M-tile pair: 32 a warp
@@ -55,12 +56,6 @@ PROJ = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down
 # int64 fields a phase: row base, units a program, units, groups, N, scale, input and output offsets
 TAB = gl.constexpr(8)
 FORMS = {"ring_mma": (True, False), "ring_mma_acc2": (True, True), "ring_sum": (False, False)}
-
-
-@gluon.jit
-def _poll(ptr):
-    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr],
-                                     dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -87,57 +82,150 @@ def _share(pid, W, total):
 
 
 @gluon.jit
-def _producer(desc, bufs, ready, empty, tab_ptr, n_phases, S: gl.constexpr, T: gl.constexpr,
-              STRIDE: gl.constexpr, ROWS: gl.constexpr = 16):
-    """Every phase's units of this program in order, a chunk (ROWS rows of T words) each, into
-    the next free slot (a phase's row base, units a program and units at tab_ptr + STRIDE *
-    phase)."""
+def _producer(desc, bufs, ready, empty, tab_ptr, n_phases, S: gl.constexpr, T: gl.constexpr):
+    """Every phase's units of this program in order, a chunk (16 word rows of T channels) each,
+    into the next free slot."""
     pid = gl.program_id(0)
     i = 0
     for f in range(n_phases):
-        base = gl.load(tab_ptr + f * STRIDE).to(gl.int32)
-        W = gl.load(tab_ptr + f * STRIDE + 1).to(gl.int32)
-        total = gl.load(tab_ptr + f * STRIDE + 2).to(gl.int32)
+        base = gl.load(tab_ptr + f * TAB).to(gl.int32)
+        W = gl.load(tab_ptr + f * TAB + 1).to(gl.int32)
+        total = gl.load(tab_ptr + f * TAB + 2).to(gl.int32)
         start, end = _share(pid, W, total)
         for u in range(start, end):
             slot = i % S
             mbarrier.wait(empty.index(slot), ((i // S) & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), ROWS * T * 4)
-            tma.async_copy_global_to_shared(desc, [base + u * ROWS, 0], ready.index(slot),
+            mbarrier.expect(ready.index(slot), 16 * T * 4)
+            tma.async_copy_global_to_shared(desc, [base + u * 16, 0], ready.index(slot),
                                             bufs.index(slot))
             i += 1
 
 
 @gluon.jit
-def _finish(y, n_lane, n_ok, t, N, piece, n_pieces, pid_n, part_ptr, lock_ptr, c_ptr,
-            WARPS: gl.constexpr):
-    """A tile's sums: stored where one program covered its whole K, else this piece's partials,
-    the tile's last piece to arrive adding them in piece order."""
-    T: gl.constexpr = 32 * WARPS
-    ok = n_ok & (t == 0)
-    if n_pieces == 1:
-        _store(c_ptr, n_lane, y, ok, V, True)
-    else:
-        _store(part_ptr + piece.to(gl.int64) * N, n_lane, y, ok, V, False)
-        # NOTE: the partial stores of every thread come before the ticket (barrier), and the
-        # ticket is a gpu-scope acq_rel atomic, so the last piece sees all partials.
-        gl.thread_barrier()
-        ticket = gl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if ticket == n_pieces - 1:
-            LC: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-            offs_n = pid_n * T + gl.arange(0, T, layout=LC)
-            n_mask = offs_n < N
-            total = gl.zeros([T], gl.float32, layout=LC)
-            for q in range(n_pieces):
-                total += gl.load(part_ptr + q * N + offs_n, mask=n_mask, other=0.0,
-                                 cache_modifier=".cg")
-            gl.store(c_ptr + offs_n, total.to(c_ptr.dtype.element_ty), mask=n_mask)
-            gl.atomic_xchg(lock_ptr + pid_n, 0)
+def _add4(a, b):
+    return a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3]
 
 
 @gluon.jit
-def _add4(a, b):
-    return a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3]
+def _ld_x(xa):
+    """The B pairs of the lane's word row (16 bytes of x at xa) read through L2: x was written
+    by another program of this kernel."""
+    r = gl.inline_asm_elementwise("ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];",
+                                  "=r,=r,=r,=r,l", [xa], dtype=(gl.int32,) * 4, is_pure=False,
+                                  pack=1)
+    p = gl.inline_asm_elementwise(_PAIRS, "=r,=r,=r,=r,r,r,r,r", [r[0], r[1], r[2], r[3]],
+                                  dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+    return p[0], p[1], p[2], p[3]
+
+
+@gluon.jit
+def _x_queue(xa, last, N: gl.constexpr):
+    """Steps 0 .. N - 1's B pairs (4 or 8 steps; past the last step the last again)."""
+    q0 = _ld_x(xa)
+    q1 = _ld_x(xa + gl.minimum(1, last) * 64)
+    q2 = _ld_x(xa + gl.minimum(2, last) * 64)
+    q3 = _ld_x(xa + gl.minimum(3, last) * 64)
+    if N == 4:
+        r = (q0, q1, q2, q3)
+    else:
+        q4 = _ld_x(xa + gl.minimum(4, last) * 64)
+        q5 = _ld_x(xa + gl.minimum(5, last) * 64)
+        q6 = _ld_x(xa + gl.minimum(6, last) * 64)
+        q7 = _ld_x(xa + gl.minimum(7, last) * 64)
+        r = (q0, q1, q2, q3, q4, q5, q6, q7)
+    return r
+
+
+@gluon.jit
+def _shfl(v, src):
+    return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;",
+                                     "=r,r,r", [v, src], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _chunk_sz(sbuf, lane, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr):
+    """A group's scales and zero points from the chunk's row of them (tile_scales), as _ld_group
+    gives them: lane 4g + t of warp w reads word 32w + 4g + t, and the four lanes of a channel
+    quad exchange theirs."""
+    L1: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS], [1, 0])
+    v = gl.convert_layout(gl.reshape(sbuf.load(L1), [T]), L)
+    quad = lane - lane % 4
+    s01 = _shfl(v, quad)
+    s23 = _shfl(v, quad + 1)
+    z01 = _shfl(v, quad + 2)
+    z23 = _shfl(v, quad + 3)
+    return (s01, s23, s01, s01), (z01, z23, z01, z01)
+
+
+@gluon.jit
+def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off, x_base,
+                part_ptr, pid, idx, t, g, zero, ones, sel, LW: gl.constexpr, L: gl.constexpr,
+                T: gl.constexpr, S: gl.constexpr, X_AHEAD: gl.constexpr, SZ: gl.constexpr,
+                WARPS: gl.constexpr, ACC2: gl.constexpr = False):
+    """The program's groups [g0, g1) of one tile from unit u on: its MMAs over the ring's
+    chunks (SZ: each chunk's scales and zero points in sbufs, else read from global memory a
+    group ahead; ACC2: even and odd steps on two sets of accumulators, half the MMA chain), its
+    float32 sums stored as the tile's piece (pid - first). Returns (chunks consumed so far,
+    groups done, tile, the tile's pieces)."""
+    pid_n = u // CHUNKS
+    g0 = u % CHUNKS
+    g1 = gl.minimum(CHUNKS, g0 + (end - u))
+    first = (pid_n * CHUNKS) // W
+    n_pieces = ((pid_n + 1) * CHUNKS - 1) // W - first + 1
+    n_lane = pid_n * T + (idx // 32) * 32 + g * 4
+    xa = x_base + (g0 * 16 + t).to(gl.int64) * 16
+    g_step = (N * 2).to(gl.int64)
+    last = (g1 - g0) * 4 - 1
+    if not SZ:  # scales and zero points from global memory, a group ahead
+        sa = s_ptr.to(gl.int64) + (s_off + (g0 * N).to(gl.int64) + n_lane) * 2
+        za = z_ptr.to(gl.int64) + (s_off + (g0 * N).to(gl.int64) + n_lane) * 2
+        sz_n = _ld_group(sa, za, V, True)
+    x_q = _x_queue(xa, last, X_AHEAD)
+    y = (zero, zero, zero, zero, zero, zero, zero, zero)
+    for c in range(g1 - g0):
+        slot = i % S
+        if not SZ:
+            sz = sz_n
+            gn = gl.minimum(c + 1, g1 - g0 - 1)
+            sz_n = _ld_group(sa + gn * g_step, za + gn * g_step, V, True)
+        mbarrier.wait(ready.index(slot), (i // S) & 1)
+        buf = bufs.index(slot)
+        if SZ:
+            sz = _chunk_sz(sbufs.index(slot), idx % 32, L, T, WARPS)
+        c4 = (zero, zero, zero, zero)
+        acc = (c4, c4, c4, c4)
+        cx = c4
+        acc_b = acc
+        cx_b = c4
+        for s in gl.static_range(4):
+            w_c = _words(buf, s * 4, LW, L, T)
+            x_c = x_q[0]
+            x_nxt = gl.minimum(c * 4 + s + X_AHEAD, last)
+            x_q = _push(x_q, _ld_x(xa + x_nxt * 64), X_AHEAD)
+            if ACC2 and (s % 2 == 1):
+                acc_b, cx_b = _step(acc_b, cx_b, ones, w_c, x_c, sel, V, True, 4)
+            else:
+                acc, cx = _step(acc, cx, ones, w_c, x_c, sel, V, True, 4)
+        if ACC2:
+            acc = (_add4(acc[0], acc_b[0]), _add4(acc[1], acc_b[1]), acc[2], acc[3])
+            cx = _add4(cx, cx_b)
+        # every consumer warp's loads of this chunk are done before it is refilled
+        gl.thread_barrier()
+        fence_async_shared()
+        mbarrier.arrive(empty.index(slot), count=1)
+        i += 1
+        y = _group_done(y, acc, cx, sz, 0, V, True, True, 4)
+    _store(part_ptr + (pid - first).to(gl.int64) * N, n_lane, y, t == 0, V, False)
+    return i, g1 - g0, pid_n, n_pieces
+
+
+@gluon.jit
+def _tile_sum(part_ptr, n_pieces, N, offs):
+    """A tile's float32 sums at offs: its pieces' partials added in piece order."""
+    tot = gl.load(part_ptr + offs, cache_modifier=".cg")
+    for q in range(1, n_pieces):
+        tot += gl.load(part_ptr + (q * N + offs), cache_modifier=".cg")
+    return tot
 
 
 @gluon.jit
@@ -166,71 +254,40 @@ def _consumer(bufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, x_ptr, out_pt
         s_off = gl.load(tab_ptr + f * TAB + 5)
         x_off = gl.load(tab_ptr + f * TAB + 6)
         o_off = gl.load(tab_ptr + f * TAB + 7)
-        K2 = CHUNKS * 256
-        g_step = (N * 2).to(gl.int64)
         if f > 0:  # every program of the phase before is done
             seen = _poll(cnt_ptr + (f - 1))
             while seen < P:
                 seen = _poll(cnt_ptr + (f - 1))
         start, end = _share(pid, W, total)
         u = start
-        while u < end:  # one piece a pass: the program's groups [g0, g1) of tile pid_n
-            pid_n = u // CHUNKS
-            g0 = u % CHUNKS
-            g1 = gl.minimum(CHUNKS, g0 + (end - u))
-            first = (pid_n * CHUNKS) // W
-            n_pieces = ((pid_n + 1) * CHUNKS - 1) // W - first + 1
-            n_lane = pid_n * T + (idx // 32) * 32 + g * 4
-            n_ok = n_lane < N
-            n_ld = gl.minimum(n_lane, N - 4)
+        while u < end:  # one piece a pass: the program's groups of one tile
             if MATH:
-                xa = x_ptr.to(gl.int64) + x_off * 2 + (g0 * 16 + t).to(gl.int64) * 16
-                sa = s_ptr.to(gl.int64) + (s_off + (g0 * N).to(gl.int64) + n_ld) * 2
-                za = z_ptr.to(gl.int64) + (s_off + (g0 * N).to(gl.int64) + n_ld) * 2
-                last = (g1 - g0) * 4 - 1
-                sz_n = _ld_group(sa, za, V, True)
-                x_q = _ld_x_queue(xa, K2, last, X_AHEAD, False, True)
-                y = (zero, zero, zero, zero, zero, zero, zero, zero)
-            for c in range(g1 - g0):
-                slot = i % S
-                if MATH:
-                    sz = sz_n
-                    gn = gl.minimum(c + 1, g1 - g0 - 1)
-                    sz_n = _ld_group(sa + gn * g_step, za + gn * g_step, V, True)
-                mbarrier.wait(ready.index(slot), (i // S) & 1)
-                buf = bufs.index(slot)
-                if MATH:
-                    c4 = (zero, zero, zero, zero)
-                    acc = (c4, c4, c4, c4)
-                    cx = c4
-                    acc_b = acc
-                    cx_b = c4
-                    for s in gl.static_range(4):
-                        w_c = _words(buf, s * 4, LW, L, T)
-                        x_c = x_q[0]
-                        x_nxt = gl.minimum(c * 4 + s + X_AHEAD, last)
-                        x_q = _push(x_q, _ld_x(xa + x_nxt * 64, K2, False, True), X_AHEAD)
-                        if ACC2 and (s % 2 == 1):
-                            acc_b, cx_b = _step(acc_b, cx_b, ones, w_c, x_c, sel, V, True, 4)
-                        else:
-                            acc, cx = _step(acc, cx, ones, w_c, x_c, sel, V, True, 4)
-                    if ACC2:
-                        acc = (_add4(acc[0], acc_b[0]), _add4(acc[1], acc_b[1]), acc[2], acc[3])
-                        cx = _add4(cx, cx_b)
-                else:
+                i, done, j, n_pieces = _gemv_piece(
+                    bufs, bufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off,
+                    x_ptr.to(gl.int64) + x_off * 2, part_ptr, pid, idx, t, g, zero, ones, sel,
+                    LW, L, T, S, X_AHEAD, 0, WARPS, ACC2)
+                # NOTE: every thread's partial stores come before the ticket (barrier), and the
+                # ticket is a gpu-scope acq_rel atomic, so the last piece sees all partials.
+                gl.thread_barrier()
+                ticket = gl.atomic_add(lock_ptr + j, 1, sem="acq_rel", scope="gpu")
+                if ticket == n_pieces - 1:
+                    n = j * T + idx
+                    y = _tile_sum(part_ptr, n_pieces, N, n)
+                    gl.store(out_ptr + o_off + n, y.to(gl.bfloat16))
+                    gl.atomic_xchg(lock_ptr + j, 0)
+            else:
+                done = gl.minimum(CHUNKS - u % CHUNKS, end - u)
+                for c in range(done):
+                    slot = i % S
+                    mbarrier.wait(ready.index(slot), (i // S) & 1)
+                    buf = bufs.index(slot)
                     for s in gl.static_range(4):
                         sink += buf.slice(s * 4, 4, dim=0).load(LW)
-                # every consumer warp's loads of this chunk are done before it is refilled
-                gl.thread_barrier()
-                fence_async_shared()
-                mbarrier.arrive(empty.index(slot), count=1)
-                i += 1
-                if MATH:
-                    y = _group_done(y, acc, cx, sz, 0, V, True, True, 4)
-            u += g1 - g0
-            if MATH:
-                _finish(y, n_lane, n_ok, t, N, pid - first, n_pieces, pid_n, part_ptr, lock_ptr,
-                        out_ptr + o_off, WARPS)
+                    gl.thread_barrier()
+                    fence_async_shared()
+                    mbarrier.arrive(empty.index(slot), count=1)
+                    i += 1
+            u += done
         gl.thread_barrier()
         gl.atomic_add(cnt_ptr + f, 1, sem="release", scope="gpu")
     if not MATH:
@@ -243,15 +300,11 @@ def ring_int4_kernel(desc, tab_ptr, n_phases, s_ptr, z_ptr, x_ptr, out_ptr, part
                      MATH: gl.constexpr, ACC2: gl.constexpr, X_AHEAD: gl.constexpr):
     T: gl.constexpr = 32 * WARPS
     bufs = gl.allocate_shared_memory(gl.int32, [S, 16, T], desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(S):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+    ready, empty = ring_barriers(S)
     gl.warp_specialize([
         (_consumer, (bufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, x_ptr, out_ptr,
                      part_ptr, lock_ptr, cnt_ptr, sink_ptr, P, S, WARPS, MATH, ACC2, X_AHEAD)),
-        (_producer, (desc, bufs, ready, empty, tab_ptr, n_phases, S, T, TAB, 16)),
+        (_producer, (desc, bufs, ready, empty, tab_ptr, n_phases, S, T)),
     ], [1], [48])
 
 
@@ -392,11 +445,7 @@ def main() -> None:
         w, s, xa = (int(v) for v in cfg.split("x"))
         results.append(run(ns.layers, w, s, xa, ns.iters, ns.forms.split(","), dev))
         torch.cuda.empty_cache()
-    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(ns.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(dev),
-                                        "torch": torch.__version__,
-                                        "triton": triton.__version__,
-                                        "results": results}, indent=1))
+    write_results(ns.out, dev, results)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ import time
 from pathlib import Path
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
@@ -52,7 +51,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cuda_timing import graph_replay_ms  # noqa: E402
+from benchmarks.cuda_timing import graph_replay_ms, write_results  # noqa: E402
 from benchmarks.layer_barrier_probe import (SHORT, STREAM, _short_kernel, _wrap32,  # noqa: E402
                                            layer_phases)
 from peregrine.kernels._gluon import pdl_release, pdl_wait  # noqa: E402
@@ -106,6 +105,18 @@ def _set_flag(ptr):
 def _now():
     return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
                                      is_pure=False, pack=1)
+
+
+@gluon.jit
+def ring_barriers(S: gl.constexpr):
+    """A ring's S slots' barriers, initialised: `ready` (a chunk landed) and `empty` (its slot
+    may be refilled), one arrival each."""
+    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(S):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    return ready, empty
 
 
 @gluon.jit
@@ -203,11 +214,7 @@ def _ring_kernel(desc, sched_ptr, n_stream, table_ptr, n_phases, a_ptr, out_ptr,
                  WAIT: gl.constexpr, BLOCK: gl.constexpr, FLAGS: gl.constexpr,
                  TRACE: gl.constexpr, PDL: gl.constexpr = False):
     bufs = gl.allocate_shared_memory(gl.int32, [S, R, COLS], desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(S):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+    ready, empty = ring_barriers(S)
     gl.warp_specialize([
         (_consumer, (bufs, ready, empty, table_ptr, n_phases, a_ptr, out_ptr, cnt_ptr, ctrace_ptr,
                      P, R, S, WAIT, BLOCK, FLAGS, TRACE, PDL)),
@@ -374,11 +381,7 @@ def main() -> None:
                 r, s = (int(x) for x in ring.split("x"))
                 results.append(run(int(b), kind, ns.layers, r, s, ns.iters, ns.forms.split(","),
                                    dev))
-    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(ns.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(dev),
-                                        "torch": torch.__version__,
-                                        "triton": triton.__version__,
-                                        "results": results}, indent=1))
+    write_results(ns.out, dev, results)
 
 
 if __name__ == "__main__":
