@@ -734,3 +734,25 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def unpack_phase(d: dict, f: int) -> torch.Tensor:
+    """Phase f's weight (K, N) float32 as the kernel reads it: each unit's 16 word rows from the
+    tiled words (value j of a word in bits 4j, inputs 8r .. 8r + 7 of word row r) and its row of
+    scales and zero points (tile_scales), dequantized as (q - zero) * scale."""
+    kind, base, _, total, groups, n = (int(v) for v in d["table"][f, :6].tolist())
+    if kind == ATTN:
+        raise ValueError("decode_layer_ring: an attention phase has no weight")
+    tile = d["words"].shape[1]
+    tiles = total // groups
+    words = d["words"][base:base + 16 * total].view(tiles, groups, 16, tile)
+    shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)
+    q = (words[..., None] >> shifts) & 0xF  # (tiles, groups, 16, tile, 8)
+    q = q.permute(0, 1, 2, 4, 3).reshape(tiles, groups * 128, tile)  # input 8r + j
+    sz = d["sz_rows"][base // 16:base // 16 + total].view(tiles, groups, tile // 4, 4)
+    halves = torch.stack([sz & 0xFFFF, (sz >> 16) & 0xFFFF], -1)  # (.., quad, word, half)
+    bf = halves.to(torch.int16).view(torch.bfloat16).float()
+    scale = bf[..., :2, :].reshape(tiles, groups, tile)  # words 0, 1: channels 4q .. 4q + 3
+    zero = bf[..., 2:, :].reshape(tiles, groups, tile)
+    w = (q.float().view(tiles, groups, 128, tile) - zero[:, :, None]) * scale[:, :, None]
+    return w.reshape(tiles, groups * 128, tile).permute(1, 0, 2).reshape(groups * 128, n)

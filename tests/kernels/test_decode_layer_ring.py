@@ -49,6 +49,24 @@ def test_a_units_scales_row_holds_each_channel_quads_scales_then_zero_points() -
 
 
 @pytest.mark.parametrize("warps", (4, 8))
+def test_the_packed_weights_are_each_projections_weight(warps: int) -> None:
+    """Every phase's words and scale rows, read as the kernel reads them through the table, are
+    the layout's dequantized weight bit for bit (gate/up in the kernel's channel order)."""
+    cfg = CFG if warps == 4 else CFG8
+    d = mod.build(2, 8, 20, torch.device("cpu"), cfg, warps=warps)
+    f = 0
+    for layer in range(2):
+        for kind in (mod.QKV, mod.ATTN, mod.O, mod.GU, mod.DOWN):
+            if kind == mod.ATTN:
+                with pytest.raises(ValueError, match="no weight"):
+                    mod.unpack_phase(d, f)
+            else:
+                want = d["layouts"][layer][kind].dequantize(torch.float32).t()
+                assert torch.equal(mod.unpack_phase(d, f), want), (layer, kind)
+            f += 1
+
+
+@pytest.mark.parametrize("warps", (4, 8))
 def test_the_phase_table_walks_each_layer_in_five_phases(warps: int) -> None:
     cfg = CFG if warps == 4 else CFG8
     d = mod.build(2, 8, 37, torch.device("cpu"), cfg, warps=warps)
