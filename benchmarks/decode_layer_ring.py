@@ -32,11 +32,13 @@ A projection's units are shared out evenly over the programs (stream-K); each pi
 float32 partials and the last piece of a tile to arrive (a ticket) adds them in piece order and
 does the tile's finish. Checked against `reference_layers` (torch, the same rounding points) on
 the GPU; timed as CUDA-graph replays of 32 Llama-3-8B layers, in the forms `ring` (as above),
-`ring_traced` (`ring` with %globaltimer stamps where each program's wait ended and its phase
-ended: a mean timeline of the middle layers), `ring_free` (no waits between phases: the stream
-and the phases' own work, the floor this design allows), and `no_finishes` / `no_attention`
-(`ring` without the tiles' finishes / without attention's work); the last three for their times
-only.
+`ring_fold` (the attention programs make their q, k and v rows from the qkv phase's partials,
+so the qkv tiles have no finish: a ticket, a read of the partials and a store less between the
+two phases), `ring_traced` / `ring_fold_traced` (with %globaltimer stamps where each program's
+wait ended and its phase ended: a mean timeline of the middle layers), `ring_free` (no waits
+between phases: the stream and the phases' own work, the floor this design allows), and
+`no_finishes` / `no_attention` (`ring` without the tiles' finishes / without attention's work);
+the last three for their times only.
 
     python benchmarks/decode_layer_ring.py --out /tmp/out/decode_layer_ring.json
 """
@@ -167,13 +169,93 @@ def _attn_early(pid, kc_ptr, vc_ptr, bt_ptr, pos, KVH: gl.constexpr, D: gl.const
 
 
 @gluon.jit
-def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, slot, kt0, vt0, apart_ptr, lock_ptr,
-               scale, H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr,
+def _attn_inputs(pid, vec_ptr, kc_ptr, vc_ptr, pos, slot, scale, H: gl.constexpr,
+                 HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
+                 SPLITS: gl.constexpr, WARPS: gl.constexpr):
+    """The head's four query rows (float32, scaled by scale * log2 e) as the qkv phase stored
+    them, and this step's K and V rows (bf16) from the cache at its slot."""
+    GQA: gl.constexpr = HEADS // KVH
+    Q_OFF: gl.constexpr = 2 * H
+    LD: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0]))
+    LOG2E: gl.constexpr = 1.4426950408889634
+    kh = pid // SPLITS
+    d = gl.arange(0, D, layout=LD)
+    qa = vec_ptr + Q_OFF + kh * GQA * D + d
+    q0 = gl.load(qa, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
+    q1 = gl.load(qa + D, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
+    q2 = gl.load(qa + 2 * D, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
+    q3 = gl.load(qa + 3 * D, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
+    cur = (slot * KVH + kh) * D + d
+    k_cur = gl.load(kc_ptr + cur, cache_modifier=".cg")
+    v_cur = gl.load(vc_ptr + cur, cache_modifier=".cg")
+    return q0, q1, q2, q3, k_cur, v_cur
+
+
+@gluon.jit
+def _qkv_head(part_ptr, h, W, CHUNKS, N, rr, cs_ptr, pos, d, ROPE: gl.constexpr,
+              T: gl.constexpr, D: gl.constexpr):
+    """Head h of the qkv projection from its tile's partials, as the qkv finish makes it:
+    scaled by 1 / rms, rounded, and (ROPE) rotated and rounded again; float32."""
+    n0 = h * D
+    j = n0 // T
+    first = (j * CHUNKS) // W
+    n_pieces = ((j + 1) * CHUNKS - 1) // W - first + 1
+    y = (_tile_sum(part_ptr, n_pieces, N, n0 + d) * rr).to(gl.bfloat16).to(gl.float32)
+    if ROPE:
+        partner = d + 64 - 2 * ((d // 64) * 64)  # d ^ 64
+        y_p = (_tile_sum(part_ptr, n_pieces, N, n0 + partner) * rr).to(gl.bfloat16)
+        cos = gl.load(cs_ptr + pos * D + (d % 64))
+        sin = gl.load(cs_ptr + pos * D + 64 + (d % 64))
+        sign = gl.where(d < 64, -1.0, 1.0)
+        y = (y * cos + sign * y_p.to(gl.float32) * sin).to(gl.bfloat16).to(gl.float32)
+    return y
+
+
+@gluon.jit
+def _attn_inputs_folded(pid, part_ptr, ss_ptr, cs_ptr, vec_ptr, kc_ptr, vc_ptr, pos, slot, W,
+                        CHUNKS, N, eps, scale, H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr,
+                        D: gl.constexpr, T: gl.constexpr, SPLITS: gl.constexpr,
+                        WARPS: gl.constexpr):
+    """As _attn_inputs, but made here from the qkv phase's partials (which then has no tile
+    finish): the head's four query rows, and its K and V rows, which the share holding this
+    step's token also stores into the cache at its slot."""
+    GQA: gl.constexpr = HEADS // KVH
+    LD: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0]))
+    LOG2E: gl.constexpr = 1.4426950408889634
+    kh, t0, t1 = _attn_share(pid, pos, SPLITS)
+    d = gl.arange(0, D, layout=LD)
+    rr = _rms(ss_ptr, d, H, eps, H // T)
+    q0 = _qkv_head(part_ptr, kh * GQA, W, CHUNKS, N, rr, cs_ptr, pos, d, True, T, D)
+    q1 = _qkv_head(part_ptr, kh * GQA + 1, W, CHUNKS, N, rr, cs_ptr, pos, d, True, T, D)
+    q2 = _qkv_head(part_ptr, kh * GQA + 2, W, CHUNKS, N, rr, cs_ptr, pos, d, True, T, D)
+    q3 = _qkv_head(part_ptr, kh * GQA + 3, W, CHUNKS, N, rr, cs_ptr, pos, d, True, T, D)
+    k_cur = _qkv_head(part_ptr, HEADS + kh, W, CHUNKS, N, rr, cs_ptr, pos, d, True, T,
+                      D).to(gl.bfloat16)
+    v_cur = _qkv_head(part_ptr, HEADS + KVH + kh, W, CHUNKS, N, rr, cs_ptr, pos, d, False, T,
+                      D).to(gl.bfloat16)
+    if (t0 <= pos) & (pos < t1):
+        cur = (slot * KVH + kh) * D + d
+        gl.store(kc_ptr + cur, k_cur)
+        gl.store(vc_ptr + cur, v_cur)
+        gl.thread_barrier()  # (read back by this program where the context is longer)
+    if pid % SPLITS == 0:  # q as the qkv finish would have stored it (for checks only)
+        qa = vec_ptr + 2 * H + kh * GQA * D + d
+        gl.store(qa, q0.to(gl.bfloat16))
+        gl.store(qa + D, q1.to(gl.bfloat16))
+        gl.store(qa + 2 * D, q2.to(gl.bfloat16))
+        gl.store(qa + 3 * D, q3.to(gl.bfloat16))
+    return (q0 * (scale * LOG2E), q1 * (scale * LOG2E), q2 * (scale * LOG2E),
+            q3 * (scale * LOG2E), k_cur, v_cur)
+
+
+@gluon.jit
+def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, q0, q1, q2, q3, k_cur, v_cur, kt0, vt0,
+               apart_ptr, lock_ptr, H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr,
                D: gl.constexpr, BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr,
                WARPS: gl.constexpr):
-    """KV head pid // SPLITS, its share of the context 0 .. pos for the head's four query
-    heads (the first TB tokens' K/V rows kt0, vt0 read early, this step's own row read now from
-    its slot); the last share of a head to arrive merges the shares into the output."""
+    """KV head pid // SPLITS, its share of the context 0 .. pos for the head's four query rows
+    q0 .. q3 (the share's first TB tokens' K/V rows kt0, vt0 read early, this step's own rows
+    k_cur, v_cur); the last share of a head to arrive merges the shares into the output."""
     GQA: gl.constexpr = HEADS // KVH
     Q_OFF: gl.constexpr = 2 * H
     AT_OFF: gl.constexpr = Q_OFF + HEADS * D
@@ -184,15 +266,6 @@ def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, slot, kt0, vt0, apart_
     sp = pid % SPLITS
     d = gl.arange(0, D, layout=LD)
     tt = gl.arange(0, TB, layout=LT)
-    LOG2E: gl.constexpr = 1.4426950408889634
-    qa = vec_ptr + Q_OFF + kh * GQA * D + d
-    q0 = gl.load(qa, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
-    q1 = gl.load(qa + D, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
-    q2 = gl.load(qa + 2 * D, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
-    q3 = gl.load(qa + 3 * D, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
-    cur = (slot * KVH + kh) * D + d  # this step's K/V row, stored by the qkv phase
-    k_cur = gl.load(kc_ptr + cur, cache_modifier=".cg")
-    v_cur = gl.load(vc_ptr + cur, cache_modifier=".cg")
     zd = gl.zeros([D], gl.float32, layout=LD)
     ninf = gl.max(gl.full([TB], float("-inf"), gl.float32, layout=LT), 0)
     fzero = gl.sum(gl.zeros([TB], gl.float32, layout=LT), 0)
@@ -275,7 +348,8 @@ def _consumer(bufs, sbufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_pt
               trace_ptr, eps, scale, P, S: gl.constexpr, WARPS: gl.constexpr, H: gl.constexpr,
               HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
               SPLITS: gl.constexpr, TB: gl.constexpr, WAIT: gl.constexpr, TRACE: gl.constexpr,
-              X_AHEAD: gl.constexpr, SZ: gl.constexpr, SKIP: gl.constexpr):
+              X_AHEAD: gl.constexpr, SZ: gl.constexpr, SKIP: gl.constexpr,
+              FOLD: gl.constexpr):
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     LW: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, WARPS], [0, 1])
@@ -317,9 +391,21 @@ def _consumer(bufs, sbufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_pt
         if kind == K_ATTN:
             if SKIP & 2 == 0:
                 if attn:
-                        _attention(pid, vec_ptr, kc_ptr + c_off, vc_ptr + c_off, bt_ptr, pos, slot,
-                               kt0, vt0, apart_ptr, lock_ptr + LOCKS_C, scale, H, HEADS, KVH, D,
-                               BS, SPLITS, TB, WARPS)
+                    if FOLD:  # the qkv phase's W, groups and N
+                        q_w = gl.load(tab_ptr + (f - 1) * TABF + 2).to(gl.int32)
+                        q_c = gl.load(tab_ptr + (f - 1) * TABF + 4).to(gl.int32)
+                        q_n = gl.load(tab_ptr + (f - 1) * TABF + 5).to(gl.int32)
+                        q0, q1, q2, q3, k_cur, v_cur = _attn_inputs_folded(
+                            pid, part_ptr, ss_ptr, cs_ptr, vec_ptr, kc_ptr + c_off, vc_ptr + c_off,
+                            pos, slot, q_w, q_c, q_n, eps, scale, H, HEADS, KVH, D, T, SPLITS,
+                            WARPS)
+                    else:
+                        q0, q1, q2, q3, k_cur, v_cur = _attn_inputs(
+                            pid, vec_ptr, kc_ptr + c_off, vc_ptr + c_off, pos, slot, scale, H,
+                            HEADS, KVH, D, SPLITS, WARPS)
+                    _attention(pid, vec_ptr, kc_ptr + c_off, vc_ptr + c_off, bt_ptr, pos, q0, q1,
+                               q2, q3, k_cur, v_cur, kt0, vt0, apart_ptr, lock_ptr + LOCKS_C, H,
+                               HEADS, KVH, D, BS, SPLITS, TB, WARPS)
         else:
             x_base = vec_ptr.to(gl.int64) + x_off * 2
             start, end = _share(pid, W, total)
@@ -330,15 +416,21 @@ def _consumer(bufs, sbufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_pt
                     x_base, part_ptr, pid, idx, t, g, zero, ones, sel, LW, L, T, S, X_AHEAD, SZ,
                     WARPS)
                 u += done
-                # NOTE: every thread's partial stores come before the ticket (barrier), and the
-                # ticket is a gpu-scope acq_rel atomic, so the last piece sees all partials.
-                gl.thread_barrier()
-                ticket = gl.atomic_add(lock_ptr + j, 1, sem="acq_rel", scope="gpu")
-                if (ticket == n_pieces - 1) and (SKIP & 1 == 0):
-                    _finish(kind, j, n_pieces, N, part_ptr, vec_ptr, norm_ptr + g_off, ss_ptr,
-                            cs_ptr, pos, slot, kc_ptr + c_off, vc_ptr + c_off, eps, H, HEADS, KVH,
-                            D, T, L)
-                    gl.atomic_xchg(lock_ptr + j, 0)
+                if FOLD:  # the attention phase finishes qkv's tiles itself
+                    tiled = kind != K_QKV
+                else:
+                    tiled = kind >= 0
+                if tiled:
+                    # NOTE: every thread's partial stores come before the ticket (barrier), and
+                    # the ticket is a gpu-scope acq_rel atomic, so the last piece sees all
+                    # partials.
+                    gl.thread_barrier()
+                    ticket = gl.atomic_add(lock_ptr + j, 1, sem="acq_rel", scope="gpu")
+                    if (ticket == n_pieces - 1) and (SKIP & 1 == 0):
+                        _finish(kind, j, n_pieces, N, part_ptr, vec_ptr, norm_ptr + g_off, ss_ptr,
+                                cs_ptr, pos, slot, kc_ptr + c_off, vc_ptr + c_off, eps, H, HEADS,
+                                KVH, D, T, L)
+                        gl.atomic_xchg(lock_ptr + j, 0)
         if TRACE:
             gl.store(trace_ptr + (f * P + pid) * 2 + 1, _now())
         gl.thread_barrier()
@@ -377,7 +469,8 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
                          KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
                          SPLITS: gl.constexpr, TB: gl.constexpr, WAIT: gl.constexpr = True,
                          TRACE: gl.constexpr = False, X_AHEAD: gl.constexpr = 4,
-                         SZ: gl.constexpr = 1, SKIP: gl.constexpr = 0):
+                         SZ: gl.constexpr = 1, SKIP: gl.constexpr = 0,
+                         FOLD: gl.constexpr = 0):
     T: gl.constexpr = 32 * WARPS
     bufs = gl.allocate_shared_memory(gl.int32, [S, 16, T], desc.layout)
     sbufs = gl.allocate_shared_memory(gl.int32, [S, 1, T], sdesc.layout)
@@ -386,7 +479,7 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
         (_consumer, (bufs, sbufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr,
                      ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, step_ptr, bt_ptr,
                      kc_ptr, vc_ptr, trace_ptr, eps, scale, P, S, WARPS, H, HEADS, KVH, D, BS,
-                     SPLITS, TB, WAIT, TRACE, X_AHEAD, SZ, SKIP)),
+                     SPLITS, TB, WAIT, TRACE, X_AHEAD, SZ, SKIP, FOLD)),
         (_layer_producer, (desc, sdesc, bufs, sbufs, ready, empty, tab_ptr, n_phases, S, T,
                            SZ)),
     ], [1], [48])
@@ -559,6 +652,7 @@ class Runner:
         self.stages, self.splits, self.tb = stages, splits, tb
         self.wait, self.trace = True, False  # the phases' waits; timestamps (see timeline)
         self.skip = 0  # left out, for timing only: 1 the tiles' finishes, 2 attention's work
+        self.fold = 0  # 1: the attention phase makes q, k and v from the qkv partials
         self.x_ahead, self.regs = x_ahead, regs  # x's steps ahead (4, 8); registers a thread
         self.off = offsets(cfg)
         H, D = cfg["H"], cfg["D"]
@@ -603,7 +697,7 @@ class Runner:
             1.0 / math.sqrt(cfg["D"]), self.P, S=self.stages, WARPS=self.warps, H=H,
             HEADS=cfg["HEADS"], KVH=cfg["KVH"], D=cfg["D"], BS=cfg["BS"], SPLITS=self.splits,
             TB=self.tb, WAIT=self.wait, TRACE=self.trace, X_AHEAD=self.x_ahead, SZ=self.sz,
-            SKIP=self.skip,
+            SKIP=self.skip, FOLD=self.fold,
             num_warps=self.warps, maxnreg=self.regs)
 
     def state(self) -> dict:
@@ -656,9 +750,12 @@ def timeline(times: torch.Tensor, per: int) -> list[dict]:
 
 
 # form: (the phases' waits, timestamps, what is left out: 1 the tiles' finishes, 2 attention's
-# work; the last three forms' outputs are not the layers')
-FORMS = {"ring": (True, False, 0), "ring_traced": (True, True, 0), "ring_free": (False, False, 0),
-         "no_finishes": (True, False, 1), "no_attention": (True, False, 2)}
+# work (the last three forms' outputs are not the layers'), attention making q, k and v from the
+# qkv partials)
+FORMS = {"ring": (True, False, 0, 0), "ring_fold": (True, False, 0, 1),
+         "ring_traced": (True, True, 0, 0), "ring_fold_traced": (True, True, 0, 1),
+         "ring_free": (False, False, 0, 0), "no_finishes": (True, False, 1, 0),
+         "no_attention": (True, False, 2, 0)}
 
 
 def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: int,
@@ -679,12 +776,14 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
                "variants": []}
         for x_ahead, regs in variants:
             r.x_ahead, r.regs = x_ahead, regs
-            r.wait, r.trace, r.skip = True, False, 0
-            r()
-            torch.cuda.synchronize()
-            v = {"x_ahead": x_ahead, "regs": regs, "errors": compare(r.state(), want)}
+            v = {"x_ahead": x_ahead, "regs": regs}
+            for fold in (0, 1):
+                r.wait, r.trace, r.skip, r.fold = True, False, 0, fold
+                r()
+                torch.cuda.synchronize()
+                v["errors_fold" if fold else "errors"] = compare(r.state(), want)
             for name in forms:
-                r.wait, r.trace, r.skip = FORMS[name]
+                r.wait, r.trace, r.skip, r.fold = FORMS[name]
                 ms = graph_replay_ms([r], iters)
                 v[name] = round(ms * 1e3 / layers, 2)
                 if name == "ring" and layers == 32:  # the LM head at the wall, ~30 us a step

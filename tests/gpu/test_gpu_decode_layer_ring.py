@@ -13,9 +13,11 @@ pytestmark = pytest.mark.gpu
 
 SMALL = {"H": 512, "HEADS": 8, "KVH": 2, "D": 128, "INTER": 1024, "BS": 16, "theta": 10000.0,
          "eps": 1e-6}
-# (consumer warps, ring stages, x's steps ahead, registers a thread, scales with the chunks)
-FORMS = ((4, 16, 4, 128, True), (4, 16, 8, 168, True), (8, 8, 4, 128, True),
-         (8, 8, 8, 168, True), (4, 16, 4, 128, False), (8, 12, 4, 128, False))
+# (consumer warps, ring stages, x's steps ahead, registers a thread, scales with the chunks,
+# attention making q, k and v from the qkv partials)
+FORMS = ((4, 16, 4, 128, True, 0), (4, 16, 4, 128, True, 1), (4, 16, 8, 168, True, 0),
+         (8, 8, 4, 128, True, 0), (8, 8, 8, 168, True, 1), (4, 16, 4, 128, False, 0),
+         (8, 12, 4, 128, False, 1))
 
 
 def _hopper() -> None:
@@ -34,11 +36,12 @@ def test_decode_layers_match_the_torch_layers(shape: str, ctx: int, form: tuple)
     _hopper()
     mod = load("decode_layer_ring")
     cfg = SMALL if shape == "small" else mod.LLAMA3_8B
-    warps, stages, x_ahead, regs, sz = form
+    warps, stages, x_ahead, regs, sz, fold = form
     P = torch.cuda.get_device_properties(DEV).multi_processor_count
     d = mod.build(2, P, ctx, DEV, cfg, warps=warps, sz=sz)
     want = mod.reference_layers(d)
     r = mod.Runner(d, P, stages, x_ahead=x_ahead, regs=regs)
+    r.fold = fold
     r()
     torch.cuda.synchronize()
     got = r.state()
