@@ -54,7 +54,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.cuda_timing import graph_replay_ms, write_results  # noqa: E402
 from benchmarks.layer_barrier_probe import (SHORT, STREAM, _short_kernel, _wrap32,  # noqa: E402
                                            layer_phases)
-from peregrine.kernels._gluon import pdl_release, pdl_wait  # noqa: E402
+from peregrine.kernels._gluon import globaltimer as _now  # noqa: E402
+from peregrine.kernels._gluon import pdl_release, pdl_wait, ring_barriers  # noqa: E402
+from peregrine.kernels._gluon import poll_acquire as _poll  # noqa: E402
 
 HBM_GBPS = 4200.0
 COLS = gl.constexpr(32)  # int32 words in a chunk row (128 bytes)
@@ -79,12 +81,6 @@ def layer_kind(kind: str, bits: int) -> list[tuple[str, int, int, int]]:
 
 
 @gluon.jit
-def _poll(ptr):
-    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr],
-                                     dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _flags_set(ptr, n, idx):
     """1 when the first n per-program flags at ptr are set (each read with acquire), else 0."""
     on = (idx < n).to(gl.int32)
@@ -99,24 +95,6 @@ def _flags_set(ptr, n, idx):
 def _set_flag(ptr):
     gl.inline_asm_elementwise("st.release.gpu.global.b32 [$1], 1; mov.u32 $0, 0;", "=r,l",
                               [ptr], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _now():
-    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
-def ring_barriers(S: gl.constexpr):
-    """A ring's S slots' barriers, initialised: `ready` (a chunk landed) and `empty` (its slot
-    may be refilled), one arrival each."""
-    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(S):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    return ready, empty
 
 
 @gluon.jit

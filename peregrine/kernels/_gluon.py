@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 
 @gluon.jit
@@ -19,3 +20,30 @@ def pdl_release(PDL: gl.constexpr):
     if PDL:
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                                   dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def poll_acquire(ptr):
+    """The int32 at ptr, read with acquire semantics at GPU scope (a flag or counter another
+    program releases)."""
+    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr],
+                                     dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def globaltimer():
+    """The GPU's nanosecond clock (%globaltimer), for timelines."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def ring_barriers(S: gl.constexpr):
+    """A shared-memory ring's S slots' barriers, initialised: `ready` (a chunk landed) and
+    `empty` (its slot may be refilled), one arrival each."""
+    ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(S):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    return ready, empty

@@ -1,6 +1,7 @@
-"""The persistent decode-layer kernel (benchmarks/decode_layer_ring.py; sm_90+): a step's layers
-at batch 1 in one kernel, weights streamed through a TMA ring, against the same layers in torch
-with the same rounding points; and the int4 ring probe's GEMV phases against x @ dequant(W)."""
+"""The persistent decode kernel (kernels/decode_layers.py; sm_90+): a step's layers at batch 1 in
+one kernel, weights streamed through a TMA ring, against the same layers in torch with the same
+rounding points (benchmarks/decode_layer_ring.py); and the int4 ring probe's GEMV phases
+against x @ dequant(W)."""
 from __future__ import annotations
 
 import pytest
@@ -34,27 +35,26 @@ def test_decode_layers_match_the_torch_layers(shape: str, ctx: int, form: tuple)
     rounding); shares of the context left empty (ctx 1 and 40 over 16 splits) included; a
     CUDA-graph replay gives the same bits."""
     _hopper()
-    mod = load("decode_layer_ring")
-    cfg = SMALL if shape == "small" else mod.LLAMA3_8B
+    bench = load("decode_layer_ring")
+    cfg = SMALL if shape == "small" else bench.LLAMA3_8B
     warps, stages, x_ahead, regs, sz, fold = form
     P = torch.cuda.get_device_properties(DEV).multi_processor_count
-    d = mod.build(2, P, ctx, DEV, cfg, warps=warps, sz=sz)
-    want = mod.reference_layers(d)
-    r = mod.Runner(d, P, stages, x_ahead=x_ahead, regs=regs)
-    r.fold = fold
-    r()
+    d = bench.build(2, P, ctx, DEV, cfg, warps=warps, stages=stages)
+    want = bench.reference_layers(d)
+    dl = d["dl"]
+    dl.x_ahead, dl.regs, dl.scales_in_chunk, dl.fold = x_ahead, regs, sz, fold
+    bench.call(d)
     torch.cuda.synchronize()
-    got = r.state()
-    errs = mod.compare(got, want)
-    for name, e in errs.items():
+    got = bench.state(d)
+    for name, e in bench.compare(got, want).items():
         assert e["max_ulps"] <= 4 and e["rel_rms"] <= 1e-2, (name, e)
     first = {k: v.clone() for k, v in got.items()}
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        r()
+        bench.call(d)
     graph.replay()
     torch.cuda.synchronize()
-    for k, v in r.state().items():
+    for k, v in bench.state(d).items():
         assert torch.equal(v, first[k]), k
 
 

@@ -1,0 +1,895 @@
+"""A decode step's layers in one persistent kernel at batch 1, for 4-bit Llama-style models on
+sm_90+ (Gluon): the weights stream through a TMA ring while the layer's short phases wait on
+each other.
+
+A kernel a phase leaves HBM idle at every boundary: the launch, the first loads' round trip and
+the tail of each GEMV, and the short kernels between them (RMSNorm, RoPE and the K/V store,
+attention's split and merge, SiLU-and-mul). Here one program an SM runs all the layers:
+
+- a producer warp copies the program's share of every projection's weight, in the order the
+  layers use them, into a ring of shared-memory chunks by TMA, waiting only for a free chunk: a
+  chunk is one (tile of 32 channels a consumer warp, group of 128 inputs) unit of the layout's
+  own words (`tile_words`, value j of a word in bits 4j), with the unit's scales and zero points
+  beside it (`tile_scales`);
+- WARPS consumer warps (4 or 8: a tile of one or two heads) walk the phases. A phase starts when
+  every program has counted the phase before it done (a release add, polled with acquire loads)
+  and reads what that phase wrote through L2.
+
+A layer is five phases (the RMSNorms, RoPE and the K/V store, the attention merge, SiLU-and-mul
+and the residual adds folded into the phases around them):
+
+1. qkv. The input is xn = h * g (the input norm's weight) rounded to bf16, written by the phase
+   that wrote h, with its tiles' sums of h^2; RMSNorm's 1 / rms is a scalar a row, so it scales
+   the projection's sums at the end. A tile holds whole heads: its last piece scales, rounds,
+   rotates q and k (the partner of channel c is c ^ 64, read from the same partials), and stores
+   q, or k and v into the paged cache at the step's slot. (FOLD: the attention programs do this
+   themselves from the partials, and the qkv tiles have no finish.)
+2. attention. KV heads x SPLITS programs each take a share of the context for the head's four
+   query heads (online softmax, float32; the earlier steps' K/V rows are read before the wait)
+   and store (m, l, acc); the last share of a head to arrive merges them (bf16).
+3. o. The tile's last piece adds the residual: h = h + o (bf16), xn = h * g (the post-attention
+   norm's weight), the tile's sum of h^2.
+4. gate/up. The weight's channels are reordered so a tile's first half holds gate channels and
+   its second half the same up channels (`gate_up_order`); its last piece scales by 1 / rms and
+   stores silu(gate) * up (bf16).
+5. down. As o, with the next layer's input norm weight (the final norm's after the last layer).
+
+A projection's units are shared out evenly over the programs (stream-K); each piece stores its
+float32 partials and the last piece of a tile to arrive (a ticket) adds them in piece order and
+does the tile's finish: the result does not depend on which program arrives last.
+
+The norms' rounding differs from the layer-by-layer path's (which rounds h * (1 / rms) before
+the weight): the input each projection reads is rounded once, as h * g. The GEMV work itself is
+the int4 tensor-core GEMV's (wna16_gemv_tc.py): each lane's words read from the chunk into the
+registers its MMAs take them from. `DecodeLayers` packs a model's layers and runs the kernel;
+`benchmarks/decode_layer_ring.py` checks and times it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from peregrine.kernels._gluon import globaltimer, poll_acquire, ring_barriers
+from peregrine.kernels.wna16_gemv_tc import (_PAIRS, _group_done, _ld_group, _push, _step,
+                                             _store)
+from peregrine.layers.quantization.wna16 import WNA16Layout
+
+V = gl.constexpr(2)  # a lane's channels per M-tile pair: 32 a warp
+QKV, ATTN, O, GU, DOWN = 0, 1, 2, 3, 4  # a phase's kind (the table's first field)
+K_QKV, K_ATTN, K_GU = gl.constexpr(QKV), gl.constexpr(ATTN), gl.constexpr(GU)
+# int64 fields a phase: kind, row base, units a program, units, groups, N, scale offset, input
+# offset, norm weight offset, the layer's K and V cache offsets (elements from layer 0's)
+TABF = gl.constexpr(11)
+LOCKS = 256  # split-K tickets (tiles); the attention's follow
+LOCKS_C = gl.constexpr(LOCKS)
+
+
+@gluon.jit
+def _words(buf, row: gl.constexpr, LW: gl.constexpr, L: gl.constexpr, T: gl.constexpr):
+    """A step's words of every lane from the chunk buf (16 word rows of T channels): lane 4g + t
+    of warp w reads row `row + t`, channels 32w + 4g .. + 3 (16 bytes), as the tc kernel's V = 2
+    step tuple (the reshapes only relabel registers: one ld.shared.v4 a lane)."""
+    w = buf.slice(row, 4, dim=0).load(LW)
+    w = gl.permute(gl.reshape(w, [4, T // 4, 4]), [1, 0, 2])
+    a, b = gl.split(gl.reshape(w, [T, 2, 2]))
+    e0, e2 = gl.split(a)
+    e1, e3 = gl.split(b)
+    e0 = gl.convert_layout(e0, L)
+    e1 = gl.convert_layout(e1, L)
+    e2 = gl.convert_layout(e2, L)
+    e3 = gl.convert_layout(e3, L)
+    return e0, e1, e0, e0, e2, e3, e0, e0
+
+
+@gluon.jit
+def _share(pid, W, total):
+    start = gl.minimum(pid * W, total)
+    return start, gl.minimum(start + W, total)
+
+
+@gluon.jit
+def _add4(a, b):
+    return a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3]
+
+
+@gluon.jit
+def _ld_x(xa):
+    """The B pairs of the lane's word row (16 bytes of x at xa) read through L2: x was written
+    by another program of this kernel."""
+    r = gl.inline_asm_elementwise("ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];",
+                                  "=r,=r,=r,=r,l", [xa], dtype=(gl.int32,) * 4, is_pure=False,
+                                  pack=1)
+    p = gl.inline_asm_elementwise(_PAIRS, "=r,=r,=r,=r,r,r,r,r", [r[0], r[1], r[2], r[3]],
+                                  dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+    return p[0], p[1], p[2], p[3]
+
+
+@gluon.jit
+def _x_queue(xa, last, N: gl.constexpr):
+    """Steps 0 .. N - 1's B pairs (4 or 8 steps; past the last step the last again)."""
+    q0 = _ld_x(xa)
+    q1 = _ld_x(xa + gl.minimum(1, last) * 64)
+    q2 = _ld_x(xa + gl.minimum(2, last) * 64)
+    q3 = _ld_x(xa + gl.minimum(3, last) * 64)
+    if N == 4:
+        r = (q0, q1, q2, q3)
+    else:
+        q4 = _ld_x(xa + gl.minimum(4, last) * 64)
+        q5 = _ld_x(xa + gl.minimum(5, last) * 64)
+        q6 = _ld_x(xa + gl.minimum(6, last) * 64)
+        q7 = _ld_x(xa + gl.minimum(7, last) * 64)
+        r = (q0, q1, q2, q3, q4, q5, q6, q7)
+    return r
+
+
+@gluon.jit
+def _shfl(v, src):
+    return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;",
+                                     "=r,r,r", [v, src], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _chunk_sz(sbuf, lane, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr):
+    """A group's scales and zero points from the chunk's row of them (tile_scales), as _ld_group
+    gives them: lane 4g + t of warp w reads word 32w + 4g + t, and the four lanes of a channel
+    quad exchange theirs."""
+    L1: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS], [1, 0])
+    v = gl.convert_layout(gl.reshape(sbuf.load(L1), [T]), L)
+    quad = lane - lane % 4
+    s01 = _shfl(v, quad)
+    s23 = _shfl(v, quad + 1)
+    z01 = _shfl(v, quad + 2)
+    z23 = _shfl(v, quad + 3)
+    return (s01, s23, s01, s01), (z01, z23, z01, z01)
+
+
+@gluon.jit
+def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off, x_base,
+                part_ptr, pid, idx, t, g, zero, ones, sel, LW: gl.constexpr, L: gl.constexpr,
+                T: gl.constexpr, S: gl.constexpr, X_AHEAD: gl.constexpr, SZ: gl.constexpr,
+                WARPS: gl.constexpr, ACC2: gl.constexpr = False):
+    """The program's groups [g0, g1) of one tile from unit u on: its MMAs over the ring's
+    chunks (SZ: each chunk's scales and zero points in sbufs, else read from global memory a
+    group ahead; ACC2: even and odd steps on two sets of accumulators, half the MMA chain), its
+    float32 sums stored as the tile's piece (pid - first). Returns (chunks consumed so far,
+    groups done, tile, the tile's pieces)."""
+    pid_n = u // CHUNKS
+    g0 = u % CHUNKS
+    g1 = gl.minimum(CHUNKS, g0 + (end - u))
+    first = (pid_n * CHUNKS) // W
+    n_pieces = ((pid_n + 1) * CHUNKS - 1) // W - first + 1
+    n_lane = pid_n * T + (idx // 32) * 32 + g * 4
+    xa = x_base + (g0 * 16 + t).to(gl.int64) * 16
+    g_step = (N * 2).to(gl.int64)
+    last = (g1 - g0) * 4 - 1
+    if not SZ:  # scales and zero points from global memory, a group ahead
+        sa = s_ptr.to(gl.int64) + (s_off + (g0 * N).to(gl.int64) + n_lane) * 2
+        za = z_ptr.to(gl.int64) + (s_off + (g0 * N).to(gl.int64) + n_lane) * 2
+        sz_n = _ld_group(sa, za, V, True)
+    x_q = _x_queue(xa, last, X_AHEAD)
+    y = (zero, zero, zero, zero, zero, zero, zero, zero)
+    for c in range(g1 - g0):
+        slot = i % S
+        if not SZ:
+            sz = sz_n
+            gn = gl.minimum(c + 1, g1 - g0 - 1)
+            sz_n = _ld_group(sa + gn * g_step, za + gn * g_step, V, True)
+        mbarrier.wait(ready.index(slot), (i // S) & 1)
+        buf = bufs.index(slot)
+        if SZ:
+            sz = _chunk_sz(sbufs.index(slot), idx % 32, L, T, WARPS)
+        c4 = (zero, zero, zero, zero)
+        acc = (c4, c4, c4, c4)
+        cx = c4
+        acc_b = acc
+        cx_b = c4
+        for s in gl.static_range(4):
+            w_c = _words(buf, s * 4, LW, L, T)
+            x_c = x_q[0]
+            x_nxt = gl.minimum(c * 4 + s + X_AHEAD, last)
+            x_q = _push(x_q, _ld_x(xa + x_nxt * 64), X_AHEAD)
+            if ACC2 and (s % 2 == 1):
+                acc_b, cx_b = _step(acc_b, cx_b, ones, w_c, x_c, sel, V, True, 4)
+            else:
+                acc, cx = _step(acc, cx, ones, w_c, x_c, sel, V, True, 4)
+        if ACC2:
+            acc = (_add4(acc[0], acc_b[0]), _add4(acc[1], acc_b[1]), acc[2], acc[3])
+            cx = _add4(cx, cx_b)
+        # every consumer warp's loads of this chunk are done before it is refilled
+        gl.thread_barrier()
+        fence_async_shared()
+        mbarrier.arrive(empty.index(slot), count=1)
+        i += 1
+        y = _group_done(y, acc, cx, sz, 0, V, True, True, 4)
+    _store(part_ptr + (pid - first).to(gl.int64) * N, n_lane, y, t == 0, V, False)
+    return i, g1 - g0, pid_n, n_pieces
+
+
+@gluon.jit
+def _tile_sum(part_ptr, n_pieces, N, offs):
+    """A tile's float32 sums at offs: its pieces' partials added in piece order."""
+    tot = gl.load(part_ptr + offs, cache_modifier=".cg")
+    for q in range(1, n_pieces):
+        tot += gl.load(part_ptr + (q * N + offs), cache_modifier=".cg")
+    return tot
+
+
+@gluon.jit
+def _rms(ss_ptr, c, H, eps, TILES_H: gl.constexpr):
+    """1 / rms of h from the tiles' sums of squares."""
+    sq = gl.load(ss_ptr + c, mask=c < TILES_H, other=0.0, cache_modifier=".cg")
+    return gl.rsqrt(gl.sum(sq, 0) / H + eps)
+
+
+@gluon.jit
+def _finish(kind, j, n_pieces, N, part_ptr, vec_ptr, g_ptr, ss_ptr, cs_ptr, pos, slot,
+            kc_ptr, vc_ptr, eps, H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr,
+            D: gl.constexpr, T: gl.constexpr, L: gl.constexpr):
+    """Tile j's finish, once its sums are all in (see the module docstring): T channels (whole
+    heads of D = 128), one a thread; a channel's RoPE partner is c ^ 64, a gate channel's up
+    channel c + T / 2."""
+    HALF: gl.constexpr = T // 2
+    c = gl.arange(0, T, layout=L)
+    n = j * T + c  # the projection's channel
+    e = c % D  # the channel within its head
+    y = _tile_sum(part_ptr, n_pieces, N, n)
+    Q_OFF: gl.constexpr = 2 * H
+    AT_OFF: gl.constexpr = Q_OFF + HEADS * D
+    ACT_OFF: gl.constexpr = AT_OFF + HEADS * D
+    if (kind == K_QKV) | (kind == K_GU):
+        rr = _rms(ss_ptr, c, H, eps, H // T)
+        if kind == K_QKV:
+            partner = n + 64 - 2 * ((e // 64) * 64)  # n ^ 64
+        else:
+            partner = n + HALF - 2 * ((c // HALF) * HALF)  # gate <-> up
+        y_p = _tile_sum(part_ptr, n_pieces, N, partner)
+        y = (y * rr).to(gl.bfloat16).to(gl.float32)
+        y_p = (y_p * rr).to(gl.bfloat16).to(gl.float32)
+        if kind == K_QKV:
+            head = n // D  # q heads, then k heads, then v heads; a tile holds one kind
+            if j * T < (HEADS + KVH) * D:  # q or k: RoPE (rotate-half) at the step's position
+                cos = gl.load(cs_ptr + pos * D + (e % 64))
+                sin = gl.load(cs_ptr + pos * D + 64 + (e % 64))
+                sign = gl.where(e < 64, -1.0, 1.0)
+                r = (y * cos + sign * y_p * sin).to(gl.bfloat16)
+                if j * T < HEADS * D:
+                    gl.store(vec_ptr + Q_OFF + n, r)
+                else:
+                    gl.store(kc_ptr + (slot * KVH + (head - HEADS)) * D + e, r)
+            else:
+                gl.store(vc_ptr + (slot * KVH + (head - HEADS - KVH)) * D + e,
+                         y.to(gl.bfloat16))
+        else:  # gate channels in the tile's first half, the same up channels in its second
+            act = y / (1.0 + gl.exp(-y)) * y_p
+            gl.store(vec_ptr + ACT_OFF + j * HALF + c, act.to(gl.bfloat16), mask=c < HALF)
+    else:  # o or down: the residual add, the next norm's input and the tile's sum of h^2
+        y = y.to(gl.bfloat16).to(gl.float32)
+        h = gl.load(vec_ptr + n, cache_modifier=".cg").to(gl.float32)
+        hb = (h + y).to(gl.bfloat16)
+        gl.store(vec_ptr + n, hb)
+        hf = hb.to(gl.float32)
+        gw = gl.load(g_ptr + n).to(gl.float32)
+        gl.store(vec_ptr + H + n, (hf * gw).to(gl.bfloat16))
+        gl.store(ss_ptr + j, gl.sum(hf * hf, 0))
+
+
+@gluon.jit
+def _attn_share(pid, pos, SPLITS: gl.constexpr):
+    """KV head pid // SPLITS and its share [t0, t1) of the context 0 .. pos."""
+    ctx = pos + 1
+    per = (ctx + SPLITS - 1) // SPLITS
+    t0 = gl.minimum((pid % SPLITS) * per, ctx)
+    return pid // SPLITS, t0, gl.minimum(t0 + per, ctx)
+
+
+@gluon.jit
+def _attn_kv(kc_ptr, vc_ptr, bt_ptr, kh, tok, ok, KVH: gl.constexpr, D: gl.constexpr,
+             BS: gl.constexpr, LK: gl.constexpr):
+    """The K and V rows (bf16, (TB, D)) of tokens tok where ok, through the block table."""
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, LK))
+    blk = gl.load(bt_ptr + tok // BS, mask=ok, other=0).to(gl.int64)
+    row = ((blk * BS + tok % BS) * KVH + kh) * D
+    addr = gl.expand_dims(row, 1) + gl.expand_dims(d, 0)
+    okk = gl.expand_dims(ok, 1)
+    kt = gl.load(kc_ptr + addr, mask=okk, other=0.0, cache_modifier=".cg")
+    vt = gl.load(vc_ptr + addr, mask=okk, other=0.0, cache_modifier=".cg")
+    return kt, vt
+
+
+@gluon.jit
+def _attn_early(pid, kc_ptr, vc_ptr, bt_ptr, pos, KVH: gl.constexpr, D: gl.constexpr,
+                BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr,
+                WARPS: gl.constexpr):
+    """The K and V rows of the share's first TB tokens but this step's own (written by the qkv
+    phase): earlier steps wrote them, so they are read before the wait for the qkv phase."""
+    LK: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
+    kh, t0, t1 = _attn_share(pid, pos, SPLITS)
+    tok = t0 + gl.arange(0, TB, layout=gl.SliceLayout(1, LK))
+    return _attn_kv(kc_ptr, vc_ptr, bt_ptr, kh, tok, (tok < t1) & (tok < pos), KVH, D, BS, LK)
+
+
+@gluon.jit
+def _attn_inputs(pid, vec_ptr, kc_ptr, vc_ptr, pos, slot, scale, H: gl.constexpr,
+                 HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
+                 SPLITS: gl.constexpr, WARPS: gl.constexpr):
+    """The head's four query rows (float32, scaled by scale * log2 e) as the qkv phase stored
+    them, and this step's K and V rows (bf16) from the cache at its slot."""
+    GQA: gl.constexpr = HEADS // KVH
+    Q_OFF: gl.constexpr = 2 * H
+    LD: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0]))
+    LOG2E: gl.constexpr = 1.4426950408889634
+    kh = pid // SPLITS
+    d = gl.arange(0, D, layout=LD)
+    qa = vec_ptr + Q_OFF + kh * GQA * D + d
+    q0 = gl.load(qa, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
+    q1 = gl.load(qa + D, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
+    q2 = gl.load(qa + 2 * D, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
+    q3 = gl.load(qa + 3 * D, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
+    cur = (slot * KVH + kh) * D + d
+    k_cur = gl.load(kc_ptr + cur, cache_modifier=".cg")
+    v_cur = gl.load(vc_ptr + cur, cache_modifier=".cg")
+    return q0, q1, q2, q3, k_cur, v_cur
+
+
+@gluon.jit
+def _qkv_head(part_ptr, h, W, CHUNKS, N, rr, cs_ptr, pos, d, ROPE: gl.constexpr,
+              T: gl.constexpr, D: gl.constexpr):
+    """Head h of the qkv projection from its tile's partials, as the qkv finish makes it:
+    scaled by 1 / rms, rounded, and (ROPE) rotated and rounded again; float32."""
+    n0 = h * D
+    j = n0 // T
+    first = (j * CHUNKS) // W
+    n_pieces = ((j + 1) * CHUNKS - 1) // W - first + 1
+    y = (_tile_sum(part_ptr, n_pieces, N, n0 + d) * rr).to(gl.bfloat16).to(gl.float32)
+    if ROPE:
+        partner = d + 64 - 2 * ((d // 64) * 64)  # d ^ 64
+        y_p = (_tile_sum(part_ptr, n_pieces, N, n0 + partner) * rr).to(gl.bfloat16)
+        cos = gl.load(cs_ptr + pos * D + (d % 64))
+        sin = gl.load(cs_ptr + pos * D + 64 + (d % 64))
+        sign = gl.where(d < 64, -1.0, 1.0)
+        y = (y * cos + sign * y_p.to(gl.float32) * sin).to(gl.bfloat16).to(gl.float32)
+    return y
+
+
+@gluon.jit
+def _attn_inputs_folded(pid, part_ptr, ss_ptr, cs_ptr, vec_ptr, kc_ptr, vc_ptr, pos, slot, W,
+                        CHUNKS, N, eps, scale, H: gl.constexpr, HEADS: gl.constexpr,
+                        KVH: gl.constexpr, D: gl.constexpr, T: gl.constexpr, SPLITS: gl.constexpr,
+                        WARPS: gl.constexpr):
+    """As _attn_inputs, but made here from the qkv phase's partials (which then has no tile
+    finish): the head's four query rows, and its K and V rows, which the share holding this
+    step's token also stores into the cache at its slot."""
+    GQA: gl.constexpr = HEADS // KVH
+    LD: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0]))
+    LOG2E: gl.constexpr = 1.4426950408889634
+    kh, t0, t1 = _attn_share(pid, pos, SPLITS)
+    d = gl.arange(0, D, layout=LD)
+    rr = _rms(ss_ptr, d, H, eps, H // T)
+    q0 = _qkv_head(part_ptr, kh * GQA, W, CHUNKS, N, rr, cs_ptr, pos, d, True, T, D)
+    q1 = _qkv_head(part_ptr, kh * GQA + 1, W, CHUNKS, N, rr, cs_ptr, pos, d, True, T, D)
+    q2 = _qkv_head(part_ptr, kh * GQA + 2, W, CHUNKS, N, rr, cs_ptr, pos, d, True, T, D)
+    q3 = _qkv_head(part_ptr, kh * GQA + 3, W, CHUNKS, N, rr, cs_ptr, pos, d, True, T, D)
+    k_cur = _qkv_head(part_ptr, HEADS + kh, W, CHUNKS, N, rr, cs_ptr, pos, d, True, T,
+                      D).to(gl.bfloat16)
+    v_cur = _qkv_head(part_ptr, HEADS + KVH + kh, W, CHUNKS, N, rr, cs_ptr, pos, d, False, T,
+                      D).to(gl.bfloat16)
+    if (t0 <= pos) & (pos < t1):
+        cur = (slot * KVH + kh) * D + d
+        gl.store(kc_ptr + cur, k_cur)
+        gl.store(vc_ptr + cur, v_cur)
+        gl.thread_barrier()  # (read back by this program where the context is longer)
+    if pid % SPLITS == 0:  # q as the qkv finish would have stored it (for checks only)
+        qa = vec_ptr + 2 * H + kh * GQA * D + d
+        gl.store(qa, q0.to(gl.bfloat16))
+        gl.store(qa + D, q1.to(gl.bfloat16))
+        gl.store(qa + 2 * D, q2.to(gl.bfloat16))
+        gl.store(qa + 3 * D, q3.to(gl.bfloat16))
+    return (q0 * (scale * LOG2E), q1 * (scale * LOG2E), q2 * (scale * LOG2E),
+            q3 * (scale * LOG2E), k_cur, v_cur)
+
+
+@gluon.jit
+def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, q0, q1, q2, q3, k_cur, v_cur, kt0, vt0,
+               apart_ptr, lock_ptr, H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr,
+               D: gl.constexpr, BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr,
+               WARPS: gl.constexpr):
+    """KV head pid // SPLITS, its share of the context 0 .. pos for the head's four query rows
+    q0 .. q3 (the share's first TB tokens' K/V rows kt0, vt0 read early, this step's own rows
+    k_cur, v_cur); the last share of a head to arrive merges the shares into the output."""
+    GQA: gl.constexpr = HEADS // KVH
+    Q_OFF: gl.constexpr = 2 * H
+    AT_OFF: gl.constexpr = Q_OFF + HEADS * D
+    LK: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
+    LT: gl.constexpr = gl.SliceLayout(1, LK)
+    LD: gl.constexpr = gl.SliceLayout(0, LK)
+    kh, t0, t1 = _attn_share(pid, pos, SPLITS)
+    sp = pid % SPLITS
+    d = gl.arange(0, D, layout=LD)
+    tt = gl.arange(0, TB, layout=LT)
+    zd = gl.zeros([D], gl.float32, layout=LD)
+    ninf = gl.max(gl.full([TB], float("-inf"), gl.float32, layout=LT), 0)
+    fzero = gl.sum(gl.zeros([TB], gl.float32, layout=LT), 0)
+    tok = t0 + tt
+    ok = tok < t1
+    here = gl.expand_dims(tok == pos, 1)
+    kt = gl.where(here, gl.expand_dims(k_cur, 0), kt0).to(gl.float32)
+    vt = gl.where(here, gl.expand_dims(v_cur, 0), vt0).to(gl.float32)
+    m0, l0, a0 = _online(kt, vt, q0, ok, ninf, fzero, zd)
+    m1, l1, a1 = _online(kt, vt, q1, ok, ninf, fzero, zd)
+    m2, l2, a2 = _online(kt, vt, q2, ok, ninf, fzero, zd)
+    m3, l3, a3 = _online(kt, vt, q3, ok, ninf, fzero, zd)
+    for tb in range(t0 + TB, t1, TB):  # contexts longer than SPLITS * TB tokens
+        tok = tb + tt
+        ok = tok < t1
+        kb, vb = _attn_kv(kc_ptr, vc_ptr, bt_ptr, kh, tok, ok, KVH, D, BS, LK)
+        kt = kb.to(gl.float32)
+        vt = vb.to(gl.float32)
+        m0, l0, a0 = _online(kt, vt, q0, ok, m0, l0, a0)
+        m1, l1, a1 = _online(kt, vt, q1, ok, m1, l1, a1)
+        m2, l2, a2 = _online(kt, vt, q2, ok, m2, l2, a2)
+        m3, l3, a3 = _online(kt, vt, q3, ok, m3, l3, a3)
+    base = (kh * SPLITS + sp) * GQA
+    _put(apart_ptr, base + 0, m0, l0, a0, d, D)
+    _put(apart_ptr, base + 1, m1, l1, a1, d, D)
+    _put(apart_ptr, base + 2, m2, l2, a2, d, D)
+    _put(apart_ptr, base + 3, m3, l3, a3, d, D)
+    gl.thread_barrier()
+    ticket = gl.atomic_add(lock_ptr + kh, 1, sem="acq_rel", scope="gpu")
+    if ticket == SPLITS - 1:
+        for h in gl.static_range(GQA):
+            out = _merge(apart_ptr, kh * SPLITS * GQA + h, d, SPLITS, GQA, D)
+            gl.store(vec_ptr + AT_OFF + (kh * GQA + h) * D + d, out.to(gl.bfloat16))
+        gl.atomic_xchg(lock_ptr + kh, 0)
+
+
+@gluon.jit
+def _online(kt, vt, q, ok, m, l, acc):
+    """One block of tokens for one query head: scores (log2 units), online softmax."""
+    s = gl.sum(kt * gl.expand_dims(q, 0), 1)
+    s = gl.where(ok, s, float("-inf"))
+    m_new = gl.maximum(m, gl.max(s, 0))
+    alpha = gl.exp2(m - m_new)
+    p = gl.exp2(s - m_new)
+    l = l * alpha + gl.sum(p, 0)
+    acc = acc * alpha + gl.sum(gl.expand_dims(p, 1) * vt, 0)
+    return m_new, l, acc
+
+
+@gluon.jit
+def _put(apart_ptr, r, m, l, acc, d, D: gl.constexpr):
+    """A share's (m, l) and acc for one query head: row r of the (m, l, acc) partials."""
+    rec = apart_ptr + r * (D + 2)
+    gl.store(rec + d, acc)
+    gl.store(rec + D, m)
+    gl.store(rec + D + 1, l)
+
+
+@gluon.jit
+def _merge(apart_ptr, r0, d, SPLITS: gl.constexpr, GQA: gl.constexpr, D: gl.constexpr):
+    """The shares' (m, l, acc) of one query head merged: sum_s 2^(m_s - M) acc_s / sum_s
+    2^(m_s - M) l_s."""
+    big = gl.load(apart_ptr + r0 * (D + 2) + D, cache_modifier=".cg")
+    for s in range(1, SPLITS):
+        big = gl.maximum(big, gl.load(apart_ptr + (r0 + s * GQA) * (D + 2) + D,
+                                      cache_modifier=".cg"))
+    num = gl.zeros_like(d.to(gl.float32))
+    den = gl.sum(num, 0)
+    for s in range(SPLITS):
+        rec = apart_ptr + (r0 + s * GQA) * (D + 2)
+        w = gl.exp2(gl.load(rec + D, cache_modifier=".cg") - big)
+        num += w * gl.load(rec + d, cache_modifier=".cg")
+        den += w * gl.load(rec + D + 1, cache_modifier=".cg")
+    return num / den
+
+
+@gluon.jit
+def _consumer(bufs, sbufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr,
+              ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr,
+              kc_ptr, vc_ptr, trace_ptr, eps, scale, P, S: gl.constexpr, WARPS: gl.constexpr,
+              H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
+              BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr, WAIT: gl.constexpr,
+              TRACE: gl.constexpr, X_AHEAD: gl.constexpr, SZ: gl.constexpr, SKIP: gl.constexpr,
+              FOLD: gl.constexpr):
+    """The consumer warps: the phases in order (see decode_layers_kernel)."""
+    T: gl.constexpr = 32 * WARPS
+    L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    LW: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, WARPS], [0, 1])
+    LK: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
+    pid = gl.program_id(0)
+    idx = gl.arange(0, T, layout=L)
+    lane = idx % 32
+    g = lane // 4
+    t = lane % 4
+    sel = gl.where(t % 2 == 0, 0x4140, 0x4342)
+    zero = gl.zeros([T], gl.float32, layout=L)
+    ones = gl.full([T], 0x3F803F80, gl.int32, layout=L)
+    pos = gl.load(pos_ptr).to(gl.int64)
+    slot = gl.load(slot_ptr).to(gl.int64)
+    i = 0
+    for f in range(n_phases):
+        kind = gl.load(tab_ptr + f * TABF).to(gl.int32)
+        W = gl.load(tab_ptr + f * TABF + 2).to(gl.int32)
+        total = gl.load(tab_ptr + f * TABF + 3).to(gl.int32)
+        CHUNKS = gl.load(tab_ptr + f * TABF + 4).to(gl.int32)
+        N = gl.load(tab_ptr + f * TABF + 5).to(gl.int32)
+        s_off = gl.load(tab_ptr + f * TABF + 6)
+        x_off = gl.load(tab_ptr + f * TABF + 7)
+        g_off = gl.load(tab_ptr + f * TABF + 8)
+        kc_l = kc_ptr + gl.load(tab_ptr + f * TABF + 9)  # the layer's caches
+        vc_l = vc_ptr + gl.load(tab_ptr + f * TABF + 10)
+        if SKIP & 2 == 0:
+            attn = (kind == K_ATTN) & (pid < KVH * SPLITS)
+            kt0 = gl.zeros([TB, D], gl.bfloat16, layout=LK)
+            vt0 = kt0
+            if attn:  # the earlier steps' K/V rows need no wait
+                kt0, vt0 = _attn_early(pid, kc_l, vc_l, bt_ptr, pos, KVH, D,
+                                       BS, SPLITS, TB, WARPS)
+        if WAIT and f > 0:  # every program of the phase before is done
+            seen = poll_acquire(cnt_ptr + (f - 1))
+            while seen < P:
+                seen = poll_acquire(cnt_ptr + (f - 1))
+        if TRACE:
+            gl.store(trace_ptr + (f * P + pid) * 2, globaltimer())
+        if kind == K_ATTN:
+            if SKIP & 2 == 0:
+                if attn:
+                    if FOLD:  # the qkv phase's W, groups and N
+                        q_w = gl.load(tab_ptr + (f - 1) * TABF + 2).to(gl.int32)
+                        q_c = gl.load(tab_ptr + (f - 1) * TABF + 4).to(gl.int32)
+                        q_n = gl.load(tab_ptr + (f - 1) * TABF + 5).to(gl.int32)
+                        q0, q1, q2, q3, k_cur, v_cur = _attn_inputs_folded(
+                            pid, part_ptr, ss_ptr, cs_ptr, vec_ptr, kc_l, vc_l,
+                            pos, slot, q_w, q_c, q_n, eps, scale, H, HEADS, KVH, D, T, SPLITS,
+                            WARPS)
+                    else:
+                        q0, q1, q2, q3, k_cur, v_cur = _attn_inputs(
+                            pid, vec_ptr, kc_l, vc_l, pos, slot, scale, H,
+                            HEADS, KVH, D, SPLITS, WARPS)
+                    _attention(pid, vec_ptr, kc_l, vc_l, bt_ptr, pos, q0, q1,
+                               q2, q3, k_cur, v_cur, kt0, vt0, apart_ptr, lock_ptr + LOCKS_C, H,
+                               HEADS, KVH, D, BS, SPLITS, TB, WARPS)
+        else:
+            x_base = vec_ptr.to(gl.int64) + x_off * 2
+            start, end = _share(pid, W, total)
+            u = start
+            while u < end:
+                i, done, j, n_pieces = _gemv_piece(
+                    bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off,
+                    x_base, part_ptr, pid, idx, t, g, zero, ones, sel, LW, L, T, S, X_AHEAD, SZ,
+                    WARPS)
+                u += done
+                if FOLD:  # the attention phase finishes qkv's tiles itself
+                    tiled = kind != K_QKV
+                else:
+                    tiled = kind >= 0
+                if tiled:
+                    # NOTE: every thread's partial stores come before the ticket (barrier), and
+                    # the ticket is a gpu-scope acq_rel atomic, so the last piece sees all
+                    # partials.
+                    gl.thread_barrier()
+                    ticket = gl.atomic_add(lock_ptr + j, 1, sem="acq_rel", scope="gpu")
+                    if (ticket == n_pieces - 1) and (SKIP & 1 == 0):
+                        _finish(kind, j, n_pieces, N, part_ptr, vec_ptr, norm_ptr + g_off, ss_ptr,
+                                cs_ptr, pos, slot, kc_l, vc_l, eps, H, HEADS,
+                                KVH, D, T, L)
+                        gl.atomic_xchg(lock_ptr + j, 0)
+        if TRACE:
+            gl.store(trace_ptr + (f * P + pid) * 2 + 1, globaltimer())
+        gl.thread_barrier()
+        gl.atomic_add(cnt_ptr + f, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _layer_producer(desc, sdesc, bufs, sbufs, ready, empty, tab_ptr, n_phases, S: gl.constexpr,
+                    T: gl.constexpr, SZ: gl.constexpr):
+    """Every phase's units of this program in order into the next free slot: the unit's 16 word
+    rows, and with SZ its row of scales and zero points (row base / 16 + unit)."""
+    pid = gl.program_id(0)
+    i = 0
+    for f in range(n_phases):
+        base = gl.load(tab_ptr + f * TABF + 1).to(gl.int32)
+        W = gl.load(tab_ptr + f * TABF + 2).to(gl.int32)
+        total = gl.load(tab_ptr + f * TABF + 3).to(gl.int32)
+        start, end = _share(pid, W, total)
+        for u in range(start, end):
+            slot = i % S
+            mbarrier.wait(empty.index(slot), ((i // S) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), (16 + SZ) * T * 4)
+            tma.async_copy_global_to_shared(desc, [base + u * 16, 0], ready.index(slot),
+                                            bufs.index(slot))
+            if SZ:
+                tma.async_copy_global_to_shared(sdesc, [base // 16 + u, 0], ready.index(slot),
+                                                sbufs.index(slot))
+            i += 1
+
+
+@gluon.jit
+def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr,
+                         ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr,
+                         slot_ptr, bt_ptr, kc_ptr, vc_ptr, trace_ptr, eps, scale, P,
+                         S: gl.constexpr,
+                         WARPS: gl.constexpr, H: gl.constexpr, HEADS: gl.constexpr,
+                         KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
+                         SPLITS: gl.constexpr, TB: gl.constexpr, WAIT: gl.constexpr = True,
+                         TRACE: gl.constexpr = False, X_AHEAD: gl.constexpr = 4,
+                         SZ: gl.constexpr = 1, SKIP: gl.constexpr = 0,
+                         FOLD: gl.constexpr = 0):
+    """The layers of the phase table at tab_ptr (TABF int64 fields a phase), from the residual
+    stream h and the first norm's input xn and sums of squares (in vec and ss) to the last
+    layer's h (see the module docstring). WAIT / TRACE / SKIP are for measurement: without the
+    phases' waits, with timestamps, with the tiles' finishes (1) or attention's work (2) left
+    out. X_AHEAD: x's steps loaded ahead (4 or 8); SZ: the scales by TMA with the words (else
+    read from global memory); FOLD: attention makes q, k and v from the qkv partials."""
+    T: gl.constexpr = 32 * WARPS
+    bufs = gl.allocate_shared_memory(gl.int32, [S, 16, T], desc.layout)
+    sbufs = gl.allocate_shared_memory(gl.int32, [S, 1, T], sdesc.layout)
+    ready, empty = ring_barriers(S)
+    gl.warp_specialize([
+        (_consumer, (bufs, sbufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr,
+                     norm_ptr, ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr,
+                     slot_ptr, bt_ptr, kc_ptr, vc_ptr, trace_ptr, eps, scale, P, S, WARPS, H,
+                     HEADS, KVH, D, BS, SPLITS, TB, WAIT, TRACE, X_AHEAD, SZ, SKIP, FOLD)),
+        (_layer_producer, (desc, sdesc, bufs, sbufs, ready, empty, tab_ptr, n_phases, S, T,
+                           SZ)),
+    ], [1], [48])
+
+
+def tile_words(qweight: torch.Tensor, tile: int) -> torch.Tensor:
+    """(K/8, N) words -> (units * 16, tile): unit (tile i, group j), tile-major, is rows
+    [16 (i * groups + j), + 16), the words of group j's 16 word rows and tile i's channels."""
+    k8, n = qweight.shape
+    groups = k8 // 16
+    return (qweight.view(groups, 16, n // tile, tile).permute(2, 0, 1, 3)
+            .reshape(-1, tile).contiguous())
+
+
+def share(tiles: int, groups: int, programs: int) -> int:
+    """Units a program: an even share, at least two."""
+    return max(2, -(-tiles * groups // programs))
+
+
+def tile_scales(scales: torch.Tensor, zeros: torch.Tensor, tile: int) -> torch.Tensor:
+    """Scales and zero points (groups, N) by (tile, group) unit, in tile_words' unit order:
+    (units, tile) int32, a quad of channels 4q .. 4q + 3 at words 4q .. 4q + 3 as (s0, s1),
+    (s2, s3), (z0, z1), (z2, z3), 16-bit pairs with the lower channel in the low half."""
+    groups, n = scales.shape
+    s32 = scales.contiguous().view(torch.int32).view(groups, n // 4, 2)
+    z32 = zeros.contiguous().view(torch.int32).view(groups, n // 4, 2)
+    sz = torch.cat([s32, z32], 2).reshape(groups, n // tile, tile)
+    return sz.permute(1, 0, 2).reshape(-1, tile).contiguous()
+
+
+def gate_up_order(inter: int, half: int = 64) -> torch.Tensor:
+    """The gate/up weight's channel order in the kernel: tile j (2 * half channels) holds gate
+    channels half * j .. half * (j + 1) - 1, then the same up channels (inter + half * j ..)."""
+    gate = torch.arange(inter).view(-1, half)
+    return torch.stack([gate, gate + inter], 1).reshape(-1)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """A Llama-style model's decode shapes."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    block_size: int
+    eps: float
+
+
+class LayerWeights(NamedTuple):
+    """One decoder layer's weights: the projections' 4-bit layouts ((q | k | v) and (gate | up)
+    channels, as the layer-by-layer path keeps them) and its two RMSNorm weights."""
+
+    qkv: WNA16Layout
+    o: WNA16Layout
+    gate_up: WNA16Layout
+    down: WNA16Layout
+    norm_in: torch.Tensor
+    norm_post: torch.Tensor
+
+
+def offsets(dims: Dims) -> dict[str, int]:
+    """Where each vector lives in the kernel's bf16 arena: h, xn, q, the attention output and
+    silu(gate) * up (the kernel's own offsets)."""
+    h, qd = dims.hidden, dims.heads * dims.head_dim
+    return {"h": 0, "xn": h, "q": 2 * h, "attn": 2 * h + qd, "act": 2 * h + 2 * qd,
+            "size": 2 * h + 2 * qd + dims.inter}
+
+
+def unsupported(dims: Dims, layers: list[LayerWeights], dtype: torch.dtype, warps: int = 4,
+                programs: int | None = None, splits: int = 16) -> str | None:
+    """Why the kernel cannot run these layers (None: it can)."""
+    tile = 32 * warps
+    if warps not in (4, 8):
+        return f"{warps} consumer warps (4 or 8)"
+    if dtype != torch.bfloat16:
+        return f"activations in {dtype} (bf16 only)"
+    if dims.head_dim != 128 or dims.heads != 4 * dims.kv_heads:
+        return (f"{dims.heads} query heads over {dims.kv_heads} KV heads of {dims.head_dim} "
+                "channels (four query heads a KV head of 128)")
+    for name, n, unit in (("hidden size", dims.hidden, tile),
+                          ("KV width", dims.kv_heads * 128, tile),
+                          ("intermediate size", dims.inter, max(tile // 2, 128))):
+        if n % unit:
+            return f"{name} {n} is not a multiple of {unit}"
+    if programs is not None and programs < dims.kv_heads * splits:
+        return f"{programs} SMs, fewer than the attention's {dims.kv_heads * splits} programs"
+    q_out = (dims.heads + 2 * dims.kv_heads) * dims.head_dim
+    shapes = {"qkv": (dims.hidden, q_out), "o": (dims.heads * dims.head_dim, dims.hidden),
+              "gate_up": (dims.hidden, 2 * dims.inter), "down": (dims.inter, dims.hidden)}
+    for i, layer in enumerate(layers):
+        for name, (k, n) in shapes.items():
+            w: WNA16Layout = getattr(layer, name)
+            if w.bits != 4 or w.group_size != 128 or w.g_idx is not None:
+                return (f"layer {i} {name}: {w.bits}-bit weights in groups of {w.group_size}"
+                        f"{' with act-order' if w.g_idx is not None else ''} (4-bit, groups of "
+                        "128 in order)")
+            if (w.in_features, w.out_features) != (k, n):
+                return (f"layer {i} {name}: {w.in_features} x {w.out_features}, expected "
+                        f"{k} x {n}")
+            if w.scales.dtype != torch.bfloat16:
+                return f"layer {i} {name}: scales in {w.scales.dtype}"
+    return None
+
+
+class DecodeLayers:
+    """A model's decoder layers packed for decode_layers_kernel, and the call that runs a
+    one-row decode step through all of them. The packed weights are a second copy of the
+    layers' 4-bit words (the same bytes, in chunk order), beside the scales and zero points.
+
+    warps: consumer warps a program (4 or 8); stages: the ring's chunks (16 word rows of 32
+    channels a warp: 8 KB at 4 warps); splits: attention programs a KV head. The attributes
+    wait, trace, skip, fold, x_ahead, regs and scales_in_chunk choose the kernel's forms
+    (decode_layers_kernel; benchmarks/decode_layer_ring.py times them)."""
+
+    def __init__(self, dims: Dims, layers: list[LayerWeights], final_norm: torch.Tensor,
+                 device: torch.device, *, warps: int = 4, stages: int = 16, splits: int = 16,
+                 tb: int = 16, programs: int | None = None) -> None:
+        if programs is None:
+            programs = torch.cuda.get_device_properties(device).multi_processor_count
+        reason = unsupported(dims, layers, layers[0].qkv.scales.dtype if layers else
+                             torch.bfloat16, warps, programs, splits)
+        if not layers:
+            reason = "no layers"
+        if reason is not None:
+            raise ValueError(f"decode_layers: {reason}")
+        self.dims, self.warps, self.stages, self.splits, self.tb = dims, warps, stages, splits, tb
+        self.programs = programs
+        self.wait, self.trace, self.skip, self.fold = True, False, 0, 0
+        self.x_ahead, self.regs, self.scales_in_chunk = 4, 128, True
+        tile = 32 * warps
+        self.order = gate_up_order(dims.inter, tile // 2).to(device)
+        off = offsets(dims)
+        x_in = {QKV: off["xn"], O: off["attn"], GU: off["xn"], DOWN: off["act"]}
+        words, sz_rows, scales, zeros, table = [], [], [], [], []
+        row = s_off = 0
+        for i, layer in enumerate(layers):
+            for kind, w in ((QKV, layer.qkv), (O, layer.o), (GU, layer.gate_up),
+                            (DOWN, layer.down)):
+                q, sc = w.qweight, w.scales
+                zp = w.zeros if w.zeros is not None else torch.full_like(sc, 8.0)
+                if kind == GU:
+                    q, sc, zp = q[:, self.order], sc[:, self.order], zp[:, self.order]
+                groups, tiles = w.in_features // 128, w.out_features // tile
+                words.append(tile_words(q.contiguous(), tile))
+                sz_rows.append(tile_scales(sc, zp, tile))
+                scales.append(sc.reshape(-1))
+                zeros.append(zp.reshape(-1))
+                if kind == O:
+                    table.append([ATTN, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0])
+                g_off = {QKV: 2 * i, O: 2 * i + 1, GU: 0, DOWN: 2 * i + 2}[kind] * dims.hidden
+                table.append([kind, row, share(tiles, groups, programs), tiles * groups, groups,
+                              w.out_features, s_off, x_in[kind], g_off, 0, 0])
+                row += tiles * groups * 16
+                s_off += groups * w.out_features
+        self.words = torch.cat(words)
+        self.sz_rows = torch.cat(sz_rows)
+        self.scales = torch.cat(scales)
+        self.zeros = torch.cat(zeros)
+        self.norms = torch.cat([torch.cat([lw.norm_in, lw.norm_post]) for lw in layers]
+                               + [final_norm]).to(torch.bfloat16)
+        self.table = torch.tensor(table, dtype=torch.int64, device=device)
+        pieces = max(-(-r[4] // r[2]) + 1 for r in table if r[0] != ATTN)
+        n_max = max(r[5] for r in table)
+        f32 = dict(dtype=torch.float32, device=device)
+        self.part = torch.empty(pieces * n_max, **f32)
+        self.apart = torch.empty(dims.kv_heads * splits * 4 * (dims.head_dim + 2), **f32)
+        self.lock = torch.zeros(LOCKS + dims.kv_heads, dtype=torch.int32, device=device)
+        self.cnt = torch.zeros(len(table), dtype=torch.int32, device=device)
+        self.vec = torch.zeros(off["size"], dtype=torch.bfloat16, device=device)
+        self.ss = torch.zeros(dims.hidden // tile, **f32)
+        self.times = torch.zeros(len(table), programs, 2, dtype=torch.int64, device=device)
+        self.caches: tuple[torch.Tensor, torch.Tensor] | None = None
+        if LOCKS < max(r[3] // r[4] for r in table):
+            raise ValueError("decode_layers: more tiles than split-K tickets")
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        self.descs = (TensorDescriptor(self.words, list(self.words.shape),
+                                       list(self.words.stride()), [16, tile], layout),
+                      TensorDescriptor(self.sz_rows, list(self.sz_rows.shape),
+                                       list(self.sz_rows.stride()), [1, tile], layout))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the packed copy of the weights."""
+        return sum(t.numel() * t.element_size()
+                   for t in (self.words, self.sz_rows, self.scales, self.zeros))
+
+    def bind_caches(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Each layer's (k_cache, v_cache), (blocks, block_size, kv_heads, head_dim) bf16: their
+        element offsets from layer 0's go into the table."""
+        d = self.dims
+        layers = (len(self.table) // 5)
+        if len(caches) != layers:
+            raise ValueError(f"decode_layers: {len(caches)} layers' caches for {layers} layers")
+        k0, v0 = caches[0]
+        for i, (k, v) in enumerate(caches):
+            for name, c in (("K", k), ("V", v)):
+                if (c.dtype != torch.bfloat16 or c.dim() != 4 or not c.is_contiguous()
+                        or tuple(c.shape[1:]) != (d.block_size, d.kv_heads, d.head_dim)):
+                    raise ValueError(f"decode_layers: layer {i}'s {name} cache "
+                                     f"{tuple(c.shape)} {c.dtype} is not a contiguous bf16 "
+                                     f"(blocks, {d.block_size}, {d.kv_heads}, {d.head_dim})")
+            for f in range(5 * i, 5 * i + 5):
+                self.table[f, 9] = (k.data_ptr() - k0.data_ptr()) // 2
+                self.table[f, 10] = (v.data_ptr() - v0.data_ptr()) // 2
+        self.caches = (k0, v0)
+
+    def __call__(self, h0: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_table: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """The residual stream (1, hidden) after every layer for one decode row h0 (1, hidden)
+        at positions[0], its K/V stored at slot_mapping[0], its context in block_table's first
+        row; cos_sin: the RoPE table (max_pos, head_dim), cos then sin. A view of the kernel's
+        arena: read it before the next call."""
+        if self.caches is None:
+            raise RuntimeError("decode_layers: bind_caches first")
+        d, tile = self.dims, 32 * self.warps
+        H = d.hidden
+        self.cnt.zero_()
+        self.lock.zero_()  # (left at zero by a run with waits; not by one without)
+        h = h0.reshape(H)
+        self.vec[:H].copy_(h)
+        hf = h.float()
+        self.vec[H:2 * H].copy_((hf * self.norms[:H].float()).to(torch.bfloat16))
+        self.ss.copy_(hf.pow(2).view(-1, tile).sum(1))
+        k0, v0 = self.caches
+        decode_layers_kernel[(self.programs,)](
+            *self.descs, self.table, len(self.table), self.scales, self.zeros, self.vec,
+            self.norms, self.ss, self.part, self.apart, self.lock, self.cnt, cos_sin, positions,
+            slot_mapping, block_table, k0, v0, self.times, d.eps, 1.0 / math.sqrt(d.head_dim),
+            self.programs, S=self.stages, WARPS=self.warps, H=H, HEADS=d.heads, KVH=d.kv_heads,
+            D=d.head_dim, BS=d.block_size, SPLITS=self.splits, TB=self.tb, WAIT=self.wait,
+            TRACE=self.trace, X_AHEAD=self.x_ahead, SZ=int(self.scales_in_chunk),
+            SKIP=self.skip, FOLD=self.fold, num_warps=self.warps, maxnreg=self.regs)
+        return self.vec[:H].view(1, H)
+
+    def unpack(self, f: int) -> torch.Tensor:
+        """Phase f's weight (K, N) float32 as the kernel reads it: each unit's 16 word rows
+        (value j of a word in bits 4j, inputs 8r .. 8r + 7 of word row r) and its row of scales
+        and zero points, dequantized as (q - zero) * scale (gate/up in the kernel's order)."""
+        kind, base, _, total, groups, n = (int(v) for v in self.table[f, :6].tolist())
+        if kind == ATTN:
+            raise ValueError("decode_layers: an attention phase has no weight")
+        tile = self.words.shape[1]
+        tiles = total // groups
+        words = self.words[base:base + 16 * total].view(tiles, groups, 16, tile)
+        shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)
+        q = (words[..., None] >> shifts) & 0xF  # (tiles, groups, 16, tile, 8)
+        q = q.permute(0, 1, 2, 4, 3).reshape(tiles, groups * 128, tile)  # input 8r + j
+        sz = self.sz_rows[base // 16:base // 16 + total].view(tiles, groups, tile // 4, 4)
+        halves = torch.stack([sz & 0xFFFF, (sz >> 16) & 0xFFFF], -1)  # (.., quad, word, half)
+        bf = halves.to(torch.int16).view(torch.bfloat16).float()
+        scale = bf[..., :2, :].reshape(tiles, groups, tile)  # words 0, 1: channels 4q .. + 3
+        zero = bf[..., 2:, :].reshape(tiles, groups, tile)
+        w = (q.float().view(tiles, groups, 128, tile) - zero[:, :, None]) * scale[:, :, None]
+        return w.reshape(tiles, groups * 128, tile).permute(1, 0, 2).reshape(groups * 128, n)
+
