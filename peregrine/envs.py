@@ -35,6 +35,14 @@ def wna16_gemv_variant() -> str | None:
     return os.environ.get("PEREGRINE_WNA16_GEMV") or None
 
 
+def decode_layers() -> bool:
+    """PEREGRINE_DECODE_LAYERS: a decode step of one sequence runs all the decoder layers of a
+    4-bit Llama-style model in one persistent kernel on sm_90+ (models/one_kernel_decode.py),
+    where the model qualifies; its packed copy of the weights costs their size again (default
+    off; 1: on)."""
+    return _flag("PEREGRINE_DECODE_LAYERS", False)
+
+
 def graph_paths_on_cpu() -> bool:
     """PEREGRINE_GRAPH_PATHS_ON_CPU: for tests on a CPU machine, a worker without CUDA builds the
     CUDA-graph runners anyway and runs their steps eagerly over the same fixed buffers, so the

@@ -9,7 +9,7 @@ def test_defaults(monkeypatch) -> None:
                  "PEREGRINE_CACHE_DIR", "PEREGRINE_API_KEY", "TRITON_INTERPRET",
                  "PEREGRINE_CORE_PACING", "PEREGRINE_PP_LAYER_PARTITION",
                  "PEREGRINE_DEPENDENT_LAUNCH", "PEREGRINE_GRAPH_PATHS_ON_CPU",
-                 "PEREGRINE_WNA16_GEMV"):
+                 "PEREGRINE_WNA16_GEMV", "PEREGRINE_DECODE_LAYERS"):
         monkeypatch.delenv(name, raising=False)
     assert envs.attention_backend() is None and envs.cache_dir() is None
     assert envs.api_key() is None
@@ -18,6 +18,7 @@ def test_defaults(monkeypatch) -> None:
     assert envs.pp_layer_partition() is None
     assert envs.dependent_launch() and not envs.graph_paths_on_cpu()
     assert envs.wna16_gemv_variant() is None
+    assert not envs.decode_layers()
 
 
 def test_values_are_read_when_called(monkeypatch) -> None:
@@ -31,6 +32,8 @@ def test_values_are_read_when_called(monkeypatch) -> None:
     monkeypatch.setenv("PEREGRINE_DEPENDENT_LAUNCH", "0")
     monkeypatch.setenv("PEREGRINE_GRAPH_PATHS_ON_CPU", "1")
     monkeypatch.setenv("PEREGRINE_WNA16_GEMV", "half2_async")
+    monkeypatch.setenv("PEREGRINE_DECODE_LAYERS", "1")
+    assert envs.decode_layers()
     assert not envs.dependent_launch() and envs.graph_paths_on_cpu()
     assert envs.wna16_gemv_variant() == "half2_async"
     assert envs.attention_backend() == "torch" and envs.api_key() == "secret"

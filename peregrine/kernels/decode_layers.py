@@ -260,9 +260,9 @@ def _finish(kind, j, n_pieces, N, part_ptr, vec_ptr, g_ptr, ss_ptr, cs_ptr, pos,
                 r = (y * cos + sign * y_p * sin).to(gl.bfloat16)
                 if j * T < HEADS * D:
                     gl.store(vec_ptr + Q_OFF + n, r)
-                else:
+                elif slot >= 0:  # (slot -1: a padding row stores no K/V)
                     gl.store(kc_ptr + (slot * KVH + (head - HEADS)) * D + e, r)
-            else:
+            elif slot >= 0:
                 gl.store(vc_ptr + (slot * KVH + (head - HEADS - KVH)) * D + e,
                          y.to(gl.bfloat16))
         else:  # gate channels in the tile's first half, the same up channels in its second
@@ -331,7 +331,7 @@ def _attn_inputs(pid, vec_ptr, kc_ptr, vc_ptr, pos, slot, scale, H: gl.constexpr
     q1 = gl.load(qa + D, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
     q2 = gl.load(qa + 2 * D, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
     q3 = gl.load(qa + 3 * D, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
-    cur = (slot * KVH + kh) * D + d
+    cur = (gl.maximum(slot, 0) * KVH + kh) * D + d  # (a padding row, slot -1, reads slot 0)
     k_cur = gl.load(kc_ptr + cur, cache_modifier=".cg")
     v_cur = gl.load(vc_ptr + cur, cache_modifier=".cg")
     return q0, q1, q2, q3, k_cur, v_cur
@@ -379,7 +379,7 @@ def _attn_inputs_folded(pid, part_ptr, ss_ptr, cs_ptr, vec_ptr, kc_ptr, vc_ptr, 
                       D).to(gl.bfloat16)
     v_cur = _qkv_head(part_ptr, HEADS + KVH + kh, W, CHUNKS, N, rr, cs_ptr, pos, d, False, T,
                       D).to(gl.bfloat16)
-    if (t0 <= pos) & (pos < t1):
+    if (t0 <= pos) & (pos < t1) & (slot >= 0):
         cur = (slot * KVH + kh) * D + d
         gl.store(kc_ptr + cur, k_cur)
         gl.store(vc_ptr + cur, v_cur)

@@ -275,6 +275,9 @@ class DecoderForCausalLM(nn.Module):
     pipeline stage (`BuildOptions.stage`) builds and loads only its own part."""
 
     parts = DecoderParts()
+    # One-row decode steps through one persistent kernel (models/one_kernel_decode.py): set
+    # when the worker turned it on.
+    decode_layers = None
 
     def __init__(self, hf: dict[str, Any], opts: BuildOptions) -> None:
         super().__init__()
@@ -336,6 +339,9 @@ class DecoderForCausalLM(nn.Module):
         """Hidden states (T, hidden) for the flat step batch; a stage but the last returns
         (2, T, hidden) = (hidden, residual) for the next stage, one but the first starts from
         the previous stage's."""
+        if self.decode_layers is not None and input_ids.shape[0] == 1 and meta.num_decodes == 1:
+            from peregrine.models.one_kernel_decode import run
+            return run(self, input_ids, positions, meta.slot_mapping, meta.block_table)
         if self.stage.is_first:
             x, residual = self.embed_tokens(input_ids), None  # (T, hidden)
         else:

@@ -54,6 +54,8 @@ class Worker:
         # NOTE: load_model chooses the fused kernels for the device when it builds the layers.
         with STARTUP.phase("model", dev):
             self.model = load_model(config.model, backend, dev, stage=self.stage)
+            if envs.decode_layers():
+                self._prepare_decode_layers()
         # The KV cache holds this rank's heads of its stage's layers.
         self.kv_model_config = rank_model_config(config, len(self.model.layers))
         with STARTUP.phase("runner", dev):
@@ -65,6 +67,21 @@ class Worker:
                 self.proposer.load_model(self.model)
                 self.model_runner.proposer = self.proposer
         self.num_blocks: int | None = None
+
+    def _prepare_decode_layers(self) -> None:
+        """Pack the model's layers for one-row decode steps in one kernel, where it qualifies
+        (before the KV cache is sized: the packed copy takes memory)."""
+        from peregrine.models import one_kernel_decode
+        cfg = self.config
+        reason = one_kernel_decode.prepare(self.model, cfg.cache.block_size,
+                                           kv_cache_torch_dtype(cfg.cache, cfg.model),
+                                           self.device)
+        if reason is not None:
+            logger.info("PEREGRINE_DECODE_LAYERS: not for this model: %s", reason)
+            return
+        packed = self.model.decode_layers_packed
+        logger.info("PEREGRINE_DECODE_LAYERS: layers packed for one-row decode steps "
+                    "(%.2f GiB more weights)", packed.weight_bytes / 2**30)
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit on this device (profiles a worst-case step on a GPU)."""
@@ -152,6 +169,10 @@ class Worker:
                 self.proposer.initialize_kv_cache(num_blocks)
         with STARTUP.phase("swap_space", self.device):
             r.initialize_kv_cache(kv)
+        from peregrine.models import one_kernel_decode
+        if one_kernel_decode.bind(self.model, kv):
+            logger.info("decode steps of one sequence: one kernel for all %d layers",
+                        len(self.model.layers))
         self.num_blocks = num_blocks
         if self.device.type != "cuda":
             if self._captures_graphs():

@@ -1,0 +1,111 @@
+"""The one-kernel decode path in the engine (PEREGRINE_DECODE_LAYERS=1, models/one_kernel_decode.py;
+sm_90+): a bf16 4-bit AWQ Llama-shaped model decoding one sequence at a time takes it, picks
+near-exact top-1 tokens of the float32 dequantized model as the layer-by-layer path does, gives
+the same tokens in CUDA graphs as eagerly, and serves batches of several sequences and
+prefix-cache hits around it."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gpu_cases import DEV
+
+pytestmark = pytest.mark.gpu
+
+LAYERS = 4
+
+
+def _hopper() -> None:
+    if torch.cuda.get_device_capability(DEV) < (9, 0):
+        pytest.skip("the one-kernel decode path needs sm_90+")
+
+
+@pytest.fixture(scope="module")
+def bf16_awq(tmp_path_factory: pytest.TempPathFactory):
+    """(AWQ checkpoint, its float32 dequantized reference, prompts, params): Llama-shaped, four
+    query heads a KV head of 128 channels, groups of 128."""
+    from peregrine import SamplingParams
+    from peregrine.testing.checkpoints import build_tiny_checkpoint
+    from peregrine.testing.quant_pack import write_quantized_checkpoint
+    root = tmp_path_factory.mktemp("awq-bf16")
+    src = build_tiny_checkpoint(root / "src", "llama", hidden_size=512, head_dim=128,
+                                num_attention_heads=8, num_key_value_heads=2,
+                                intermediate_size=1024, num_hidden_layers=LAYERS,
+                                max_position_embeddings=1024)
+    path, ref = write_quantized_checkpoint(src, root / "awq", "awq", group_size=128)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(5, 500, (n,), generator=g).tolist() for n in (3, 17, 40, 200)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    return str(path), ref, prompts, params
+
+
+def _tokens(path: str, prompts, params, monkeypatch, on: bool, together: bool = False,
+            **engine_args) -> tuple[list[list[int]], bool]:
+    """Greedy tokens of each prompt (one at a time, so its decode steps are one row; together:
+    all at once) and whether the one-kernel path was on."""
+    from peregrine import LLM
+    monkeypatch.setenv("PEREGRINE_DECODE_LAYERS", "1" if on else "0")
+    engine_args.setdefault("num_gpu_blocks_override", 256)
+    llm = LLM(path, dtype="bfloat16", max_model_len=512, seed=0, **engine_args)
+    try:
+        model = llm.engine.core_client.core.executor.worker.model_runner.model
+        used = model.decode_layers is not None
+        batches = [prompts] if together else [[p] for p in prompts]
+        tokens = [list(o.outputs[0].token_ids) for batch in batches
+                  for o in llm.generate(batch, params, use_tqdm=False)]
+        return tokens, used
+    finally:
+        del llm
+        torch.cuda.empty_cache()
+
+
+def _gaps(ref: str, prompts, tokens: list[list[int]]) -> list[float]:
+    """Each picked token's logit gap below the float32 dequantized model's top-1, over the
+    row's RMS (0 where it is the top-1)."""
+    from transformers import AutoModelForCausalLM
+    exact = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).to(DEV).eval()
+    gaps = []
+    with torch.no_grad():
+        for prompt, out in zip(prompts, tokens):
+            seq = torch.tensor([prompt + out], device=DEV)
+            rows = exact(seq).logits[0, len(prompt) - 1:-1].float()
+            picked = rows.gather(1, torch.tensor(out, device=DEV)[:, None])[:, 0]
+            gaps += ((rows.max(-1).values - picked) / rows.pow(2).mean(-1).sqrt()).tolist()
+    del exact
+    torch.cuda.empty_cache()
+    return gaps
+
+
+def test_one_row_decode_picks_near_exact_tokens_as_the_layer_path_does(bf16_awq,
+                                                                       monkeypatch) -> None:
+    """bf16's rounding model (test_gpu_wna16.py's at bf16's unit roundoff), to 6 sigma; no
+    more tokens off the exact top-1 than twice the layer-by-layer path's (or a tenth)."""
+    _hopper()
+    path, ref, prompts, params = bf16_awq
+    ours, used = _tokens(path, prompts, params, monkeypatch, on=True)
+    assert used
+    theirs, used = _tokens(path, prompts, params, monkeypatch, on=False)
+    assert not used
+    sigma = math.sqrt(2 * (13 * LAYERS + 3) / 3) * 2.0 ** -8
+    g_ours, g_theirs = _gaps(ref, prompts, ours), _gaps(ref, prompts, theirs)
+    assert len(g_ours) == len(prompts) * params.max_tokens
+    assert max(g_ours) <= 6 * sigma, (max(g_ours), 6 * sigma)
+    off = sum(g > 0 for g in g_ours)
+    assert off <= max(2 * sum(g > 0 for g in g_theirs), len(g_ours) // 10), off
+
+
+def test_graphs_eager_batches_and_prefix_hits(bf16_awq, monkeypatch) -> None:
+    """The path in CUDA graphs gives its eager tokens; several sequences at once (the
+    layer-by-layer path's steps until one is left) and a repeated prompt (a prefix-cache hit)
+    keep near-exact tokens."""
+    _hopper()
+    path, ref, prompts, params = bf16_awq
+    graphs, used = _tokens(path, prompts, params, monkeypatch, on=True)
+    eager, _ = _tokens(path, prompts, params, monkeypatch, on=True, enforce_eager=True)
+    assert used and graphs == eager
+    together, _ = _tokens(path, prompts + prompts[:1], params, monkeypatch, on=True,
+                          together=True, enable_prefix_caching=True)
+    sigma = math.sqrt(2 * (13 * LAYERS + 3) / 3) * 2.0 ** -8
+    assert max(_gaps(ref, prompts + prompts[:1], together)) <= 6 * sigma
