@@ -770,31 +770,37 @@ class DecodeLayers:
         self.order = gate_up_order(dims.inter, tile // 2).to(device)
         off = offsets(dims)
         x_in = {QKV: off["xn"], O: off["attn"], GU: off["xn"], DOWN: off["act"]}
-        words, sz_rows, scales, zeros, table = [], [], [], [], []
+        projections = [(kind, w) for layer in layers
+                       for kind, w in ((QKV, layer.qkv), (O, layer.o), (GU, layer.gate_up),
+                                       (DOWN, layer.down))]
+        units = sum(w.in_features // 128 * (w.out_features // tile) for _, w in projections)
+        values = sum(w.scales.numel() for _, w in projections)
+        # NOTE: filled in place, so that packing needs the packed size once, not twice
+        self.words = torch.empty(16 * units, tile, dtype=torch.int32, device=device)
+        self.sz_rows = torch.empty(units, tile, dtype=torch.int32, device=device)
+        self.scales = torch.empty(values, dtype=layers[0].qkv.scales.dtype, device=device)
+        self.zeros = torch.empty_like(self.scales)
+        table = []
         row = s_off = 0
-        for i, layer in enumerate(layers):
-            for kind, w in ((QKV, layer.qkv), (O, layer.o), (GU, layer.gate_up),
-                            (DOWN, layer.down)):
-                q, sc = w.qweight, w.scales
-                zp = w.zeros if w.zeros is not None else torch.full_like(sc, 8.0)
-                if kind == GU:
-                    q, sc, zp = q[:, self.order], sc[:, self.order], zp[:, self.order]
-                groups, tiles = w.in_features // 128, w.out_features // tile
-                words.append(tile_words(q.contiguous(), tile))
-                sz_rows.append(tile_scales(sc, zp, tile))
-                scales.append(sc.reshape(-1))
-                zeros.append(zp.reshape(-1))
-                if kind == O:
-                    table.append([ATTN, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0])
-                g_off = {QKV: 2 * i, O: 2 * i + 1, GU: 0, DOWN: 2 * i + 2}[kind] * dims.hidden
-                table.append([kind, row, share(tiles, groups, programs), tiles * groups, groups,
-                              w.out_features, s_off, x_in[kind], g_off, 0, 0])
-                row += tiles * groups * 16
-                s_off += groups * w.out_features
-        self.words = torch.cat(words)
-        self.sz_rows = torch.cat(sz_rows)
-        self.scales = torch.cat(scales)
-        self.zeros = torch.cat(zeros)
+        for f, (kind, w) in enumerate(projections):
+            i = f // 4
+            q, sc = w.qweight, w.scales
+            zp = w.zeros if w.zeros is not None else torch.full_like(sc, 8.0)
+            if kind == GU:
+                q, sc, zp = q[:, self.order], sc[:, self.order], zp[:, self.order]
+            groups, tiles = w.in_features // 128, w.out_features // tile
+            n_units = tiles * groups
+            self.words[row:row + 16 * n_units] = tile_words(q.contiguous(), tile)
+            self.sz_rows[row // 16:row // 16 + n_units] = tile_scales(sc, zp, tile)
+            self.scales[s_off:s_off + sc.numel()] = sc.reshape(-1)
+            self.zeros[s_off:s_off + sc.numel()] = zp.reshape(-1)
+            if kind == O:
+                table.append([ATTN, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0])
+            g_off = {QKV: 2 * i, O: 2 * i + 1, GU: 0, DOWN: 2 * i + 2}[kind] * dims.hidden
+            table.append([kind, row, share(tiles, groups, programs), n_units, groups,
+                          w.out_features, s_off, x_in[kind], g_off, 0, 0])
+            row += 16 * n_units
+            s_off += sc.numel()
         self.norms = torch.cat([torch.cat([lw.norm_in, lw.norm_post]) for lw in layers]
                                + [final_norm]).to(torch.bfloat16)
         self.table = torch.tensor(table, dtype=torch.int64, device=device)
