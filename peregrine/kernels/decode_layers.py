@@ -450,12 +450,14 @@ def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, q0, q1, q2, q3, k_cur,
 
 @gluon.jit
 def _online(kt, vt, q, ok, m, l, acc):
-    """One block of tokens for one query head: scores (log2 units), online softmax."""
+    """One block of tokens for one query head: scores (log2 units), online softmax (a block
+    with no token, an empty share's, leaves m at -inf and l and acc at 0)."""
     s = gl.sum(kt * gl.expand_dims(q, 0), 1)
     s = gl.where(ok, s, float("-inf"))
     m_new = gl.maximum(m, gl.max(s, 0))
-    alpha = gl.exp2(m - m_new)
-    p = gl.exp2(s - m_new)
+    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)  # (-inf - -inf would be NaN)
+    alpha = gl.exp2(m - m_sub)
+    p = gl.exp2(s - m_sub)
     l = l * alpha + gl.sum(p, 0)
     acc = acc * alpha + gl.sum(gl.expand_dims(p, 1) * vt, 0)
     return m_new, l, acc
