@@ -46,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_timing import graph_replay_ms, write_results  # noqa: E402
 from peregrine.kernels._gluon import poll_acquire as _poll, ring_barriers  # noqa: E402
-from peregrine.kernels.decode_layers import (_gemv_piece, _share, _tile_sum, share,  # noqa: E402
-                                             tile_words)
+from peregrine.kernels.ring_gemv import (_gemv_piece, _share, _tile_sum, share,  # noqa: E402
+                                         tile_words)
 
 HBM_GBPS = 4200.0
 V = gl.constexpr(2)  # a lane's channels per M-tile pair: 32 a warp

@@ -93,14 +93,27 @@ def prepare(model: nn.Module, block_size: int, cache_dtype: torch.dtype,
     return None
 
 
-def bind(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-    """Give the packed layers (if any) the KV caches and turn the path on; whether it is on."""
+def bind(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
+    """Give the packed layers (if any) the KV caches, compile and run the kernel once on a
+    padding row (position 0, slot -1: it stores no K/V), and turn the path on. None when it is
+    on, else why not (nothing packed, or the kernel failed: the layer-by-layer path stays)."""
     dl = getattr(model, "decode_layers_packed", None)
     if dl is None:
-        return False
-    dl.bind_caches([(k, v) for k, v in kv_caches])
+        return "nothing packed"
+    try:
+        dl.bind_caches([(k, v) for k, v in kv_caches])
+        dev = dl.vec.device
+        x = torch.zeros(1, dl.dims.hidden, dtype=torch.bfloat16, device=dev)
+        cos_sin = model.layers[0].self_attn.rotary_emb.cos_sin_cache
+        dl(x, torch.zeros(1, dtype=torch.int64, device=dev),
+           torch.full((1,), -1, dtype=torch.int64, device=dev),
+           torch.zeros(1, 1, dtype=torch.int32, device=dev), cos_sin)
+        torch.cuda.synchronize(dev)
+    except Exception as e:  # noqa: BLE001 - any failure keeps the layer-by-layer path
+        del model.decode_layers_packed
+        return f"{type(e).__name__}: {e}"
     model.decode_layers = dl
-    return True
+    return None
 
 
 def run(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -169,10 +169,15 @@ class Worker:
                 self.proposer.initialize_kv_cache(num_blocks)
         with STARTUP.phase("swap_space", self.device):
             r.initialize_kv_cache(kv)
-        from peregrine.models import one_kernel_decode
-        if one_kernel_decode.bind(self.model, kv):
-            logger.info("decode steps of one sequence: one kernel for all %d layers",
-                        len(self.model.layers))
+        if getattr(self.model, "decode_layers_packed", None) is not None:
+            from peregrine.models import one_kernel_decode
+            reason = one_kernel_decode.bind(self.model, kv)
+            if reason is None:
+                logger.info("PEREGRINE_DECODE_LAYERS: decode steps of one sequence run all %d "
+                            "layers in one kernel", len(self.model.layers))
+            else:
+                logger.warning("PEREGRINE_DECODE_LAYERS: the one-kernel decode failed its first "
+                               "run (%s); the layers run one kernel a phase", reason)
         self.num_blocks = num_blocks
         if self.device.type != "cuda":
             if self._captures_graphs():

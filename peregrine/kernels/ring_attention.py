@@ -1,0 +1,231 @@
+"""Batch-1 paged decode attention as a phase of the persistent decode kernel (decode_layers.py;
+Gluon, sm_90+): KV heads x SPLITS programs each take a share of the context for the KV head's
+four query heads (online softmax in float32, log2 units; the earlier steps' K/V rows read
+before the wait for the qkv phase, this step's own row after it), store (m, l, acc), and the
+last share of a head to arrive merges them. Its inputs are the qkv phase's q and this step's
+K/V row, or (`_attn_inputs_folded`) made here from the qkv projection's partials.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from peregrine.kernels.ring_gemv import _tile_sum
+
+
+@gluon.jit
+def _rms(ss_ptr, c, H, eps, TILES_H: gl.constexpr):
+    """1 / rms of h from the tiles' sums of squares."""
+    sq = gl.load(ss_ptr + c, mask=c < TILES_H, other=0.0, cache_modifier=".cg")
+    return gl.rsqrt(gl.sum(sq, 0) / H + eps)
+
+
+@gluon.jit
+def _attn_share(pid, pos, SPLITS: gl.constexpr):
+    """KV head pid // SPLITS and its share [t0, t1) of the context 0 .. pos."""
+    ctx = pos + 1
+    per = (ctx + SPLITS - 1) // SPLITS
+    t0 = gl.minimum((pid % SPLITS) * per, ctx)
+    return pid // SPLITS, t0, gl.minimum(t0 + per, ctx)
+
+
+@gluon.jit
+def _attn_kv(kc_ptr, vc_ptr, bt_ptr, kh, tok, ok, KVH: gl.constexpr, D: gl.constexpr,
+             BS: gl.constexpr, LK: gl.constexpr):
+    """The K and V rows (bf16, (TB, D)) of tokens tok where ok, through the block table."""
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, LK))
+    blk = gl.load(bt_ptr + tok // BS, mask=ok, other=0).to(gl.int64)
+    row = ((blk * BS + tok % BS) * KVH + kh) * D
+    addr = gl.expand_dims(row, 1) + gl.expand_dims(d, 0)
+    okk = gl.expand_dims(ok, 1)
+    kt = gl.load(kc_ptr + addr, mask=okk, other=0.0, cache_modifier=".cg")
+    vt = gl.load(vc_ptr + addr, mask=okk, other=0.0, cache_modifier=".cg")
+    return kt, vt
+
+
+@gluon.jit
+def _attn_early(pid, kc_ptr, vc_ptr, bt_ptr, pos, KVH: gl.constexpr, D: gl.constexpr,
+                BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr,
+                WARPS: gl.constexpr):
+    """The K and V rows of the share's first TB tokens but this step's own (written by the qkv
+    phase): earlier steps wrote them, so they are read before the wait for the qkv phase."""
+    LK: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
+    kh, t0, t1 = _attn_share(pid, pos, SPLITS)
+    tok = t0 + gl.arange(0, TB, layout=gl.SliceLayout(1, LK))
+    return _attn_kv(kc_ptr, vc_ptr, bt_ptr, kh, tok, (tok < t1) & (tok < pos), KVH, D, BS, LK)
+
+
+@gluon.jit
+def _attn_inputs(pid, vec_ptr, kc_ptr, vc_ptr, pos, slot, scale, H: gl.constexpr,
+                 HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
+                 SPLITS: gl.constexpr, WARPS: gl.constexpr):
+    """The head's four query rows (float32, scaled by scale * log2 e) as the qkv phase stored
+    them, and this step's K and V rows (bf16) from the cache at its slot."""
+    GQA: gl.constexpr = HEADS // KVH
+    Q_OFF: gl.constexpr = 2 * H
+    LD: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0]))
+    LOG2E: gl.constexpr = 1.4426950408889634
+    kh = pid // SPLITS
+    d = gl.arange(0, D, layout=LD)
+    qa = vec_ptr + Q_OFF + kh * GQA * D + d
+    q0 = gl.load(qa, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
+    q1 = gl.load(qa + D, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
+    q2 = gl.load(qa + 2 * D, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
+    q3 = gl.load(qa + 3 * D, cache_modifier=".cg").to(gl.float32) * (scale * LOG2E)
+    cur = (gl.maximum(slot, 0) * KVH + kh) * D + d  # (a padding row, slot -1, reads slot 0)
+    k_cur = gl.load(kc_ptr + cur, cache_modifier=".cg")
+    v_cur = gl.load(vc_ptr + cur, cache_modifier=".cg")
+    return q0, q1, q2, q3, k_cur, v_cur
+
+
+@gluon.jit
+def _qkv_head(part_ptr, h, W, CHUNKS, N, rr, cs_ptr, pos, d, ROPE: gl.constexpr,
+              T: gl.constexpr, D: gl.constexpr):
+    """Head h of the qkv projection from its tile's partials, as the qkv finish makes it:
+    scaled by 1 / rms, rounded, and (ROPE) rotated and rounded again; float32."""
+    n0 = h * D
+    j = n0 // T
+    first = (j * CHUNKS) // W
+    n_pieces = ((j + 1) * CHUNKS - 1) // W - first + 1
+    y = (_tile_sum(part_ptr, n_pieces, N, n0 + d) * rr).to(gl.bfloat16).to(gl.float32)
+    if ROPE:
+        partner = d + 64 - 2 * ((d // 64) * 64)  # d ^ 64
+        y_p = (_tile_sum(part_ptr, n_pieces, N, n0 + partner) * rr).to(gl.bfloat16)
+        cos = gl.load(cs_ptr + pos * D + (d % 64))
+        sin = gl.load(cs_ptr + pos * D + 64 + (d % 64))
+        sign = gl.where(d < 64, -1.0, 1.0)
+        y = (y * cos + sign * y_p.to(gl.float32) * sin).to(gl.bfloat16).to(gl.float32)
+    return y
+
+
+@gluon.jit
+def _attn_inputs_folded(pid, part_ptr, ss_ptr, cs_ptr, vec_ptr, kc_ptr, vc_ptr, pos, slot, W,
+                        CHUNKS, N, eps, scale, H: gl.constexpr, HEADS: gl.constexpr,
+                        KVH: gl.constexpr, D: gl.constexpr, T: gl.constexpr, SPLITS: gl.constexpr,
+                        WARPS: gl.constexpr):
+    """As _attn_inputs, but made here from the qkv phase's partials (which then has no tile
+    finish): the head's four query rows, and its K and V rows, which the share holding this
+    step's token also stores into the cache at its slot."""
+    GQA: gl.constexpr = HEADS // KVH
+    LD: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0]))
+    LOG2E: gl.constexpr = 1.4426950408889634
+    kh, t0, t1 = _attn_share(pid, pos, SPLITS)
+    d = gl.arange(0, D, layout=LD)
+    rr = _rms(ss_ptr, d, H, eps, H // T)
+    q0 = _qkv_head(part_ptr, kh * GQA, W, CHUNKS, N, rr, cs_ptr, pos, d, True, T, D)
+    q1 = _qkv_head(part_ptr, kh * GQA + 1, W, CHUNKS, N, rr, cs_ptr, pos, d, True, T, D)
+    q2 = _qkv_head(part_ptr, kh * GQA + 2, W, CHUNKS, N, rr, cs_ptr, pos, d, True, T, D)
+    q3 = _qkv_head(part_ptr, kh * GQA + 3, W, CHUNKS, N, rr, cs_ptr, pos, d, True, T, D)
+    k_cur = _qkv_head(part_ptr, HEADS + kh, W, CHUNKS, N, rr, cs_ptr, pos, d, True, T,
+                      D).to(gl.bfloat16)
+    v_cur = _qkv_head(part_ptr, HEADS + KVH + kh, W, CHUNKS, N, rr, cs_ptr, pos, d, False, T,
+                      D).to(gl.bfloat16)
+    if (t0 <= pos) & (pos < t1) & (slot >= 0):
+        cur = (slot * KVH + kh) * D + d
+        gl.store(kc_ptr + cur, k_cur)
+        gl.store(vc_ptr + cur, v_cur)
+        gl.thread_barrier()  # (read back by this program where the context is longer)
+    if pid % SPLITS == 0:  # q as the qkv finish would have stored it (for checks only)
+        qa = vec_ptr + 2 * H + kh * GQA * D + d
+        gl.store(qa, q0.to(gl.bfloat16))
+        gl.store(qa + D, q1.to(gl.bfloat16))
+        gl.store(qa + 2 * D, q2.to(gl.bfloat16))
+        gl.store(qa + 3 * D, q3.to(gl.bfloat16))
+    return (q0 * (scale * LOG2E), q1 * (scale * LOG2E), q2 * (scale * LOG2E),
+            q3 * (scale * LOG2E), k_cur, v_cur)
+
+
+@gluon.jit
+def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, q0, q1, q2, q3, k_cur, v_cur, kt0, vt0,
+               apart_ptr, lock_ptr, H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr,
+               D: gl.constexpr, BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr,
+               WARPS: gl.constexpr):
+    """KV head pid // SPLITS, its share of the context 0 .. pos for the head's four query rows
+    q0 .. q3 (the share's first TB tokens' K/V rows kt0, vt0 read early, this step's own rows
+    k_cur, v_cur); the last share of a head to arrive merges the shares into the output."""
+    GQA: gl.constexpr = HEADS // KVH
+    Q_OFF: gl.constexpr = 2 * H
+    AT_OFF: gl.constexpr = Q_OFF + HEADS * D
+    LK: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
+    LT: gl.constexpr = gl.SliceLayout(1, LK)
+    LD: gl.constexpr = gl.SliceLayout(0, LK)
+    kh, t0, t1 = _attn_share(pid, pos, SPLITS)
+    sp = pid % SPLITS
+    d = gl.arange(0, D, layout=LD)
+    tt = gl.arange(0, TB, layout=LT)
+    zd = gl.zeros([D], gl.float32, layout=LD)
+    ninf = gl.max(gl.full([TB], float("-inf"), gl.float32, layout=LT), 0)
+    fzero = gl.sum(gl.zeros([TB], gl.float32, layout=LT), 0)
+    tok = t0 + tt
+    ok = tok < t1
+    here = gl.expand_dims(tok == pos, 1)
+    kt = gl.where(here, gl.expand_dims(k_cur, 0), kt0).to(gl.float32)
+    vt = gl.where(here, gl.expand_dims(v_cur, 0), vt0).to(gl.float32)
+    m0, l0, a0 = _online(kt, vt, q0, ok, ninf, fzero, zd)
+    m1, l1, a1 = _online(kt, vt, q1, ok, ninf, fzero, zd)
+    m2, l2, a2 = _online(kt, vt, q2, ok, ninf, fzero, zd)
+    m3, l3, a3 = _online(kt, vt, q3, ok, ninf, fzero, zd)
+    for tb in range(t0 + TB, t1, TB):  # contexts longer than SPLITS * TB tokens
+        tok = tb + tt
+        ok = tok < t1
+        kb, vb = _attn_kv(kc_ptr, vc_ptr, bt_ptr, kh, tok, ok, KVH, D, BS, LK)
+        kt = kb.to(gl.float32)
+        vt = vb.to(gl.float32)
+        m0, l0, a0 = _online(kt, vt, q0, ok, m0, l0, a0)
+        m1, l1, a1 = _online(kt, vt, q1, ok, m1, l1, a1)
+        m2, l2, a2 = _online(kt, vt, q2, ok, m2, l2, a2)
+        m3, l3, a3 = _online(kt, vt, q3, ok, m3, l3, a3)
+    base = (kh * SPLITS + sp) * GQA
+    _put(apart_ptr, base + 0, m0, l0, a0, d, D)
+    _put(apart_ptr, base + 1, m1, l1, a1, d, D)
+    _put(apart_ptr, base + 2, m2, l2, a2, d, D)
+    _put(apart_ptr, base + 3, m3, l3, a3, d, D)
+    gl.thread_barrier()
+    ticket = gl.atomic_add(lock_ptr + kh, 1, sem="acq_rel", scope="gpu")
+    if ticket == SPLITS - 1:
+        for h in gl.static_range(GQA):
+            out = _merge(apart_ptr, kh * SPLITS * GQA + h, d, SPLITS, GQA, D)
+            gl.store(vec_ptr + AT_OFF + (kh * GQA + h) * D + d, out.to(gl.bfloat16))
+        gl.atomic_xchg(lock_ptr + kh, 0)
+
+
+@gluon.jit
+def _online(kt, vt, q, ok, m, l, acc):
+    """One block of tokens for one query head: scores (log2 units), online softmax (a block
+    with no token, an empty share's, leaves m at -inf and l and acc at 0)."""
+    s = gl.sum(kt * gl.expand_dims(q, 0), 1)
+    s = gl.where(ok, s, float("-inf"))
+    m_new = gl.maximum(m, gl.max(s, 0))
+    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)  # (-inf - -inf would be NaN)
+    alpha = gl.exp2(m - m_sub)
+    p = gl.exp2(s - m_sub)
+    l = l * alpha + gl.sum(p, 0)
+    acc = acc * alpha + gl.sum(gl.expand_dims(p, 1) * vt, 0)
+    return m_new, l, acc
+
+
+@gluon.jit
+def _put(apart_ptr, r, m, l, acc, d, D: gl.constexpr):
+    """A share's (m, l) and acc for one query head: row r of the (m, l, acc) partials."""
+    rec = apart_ptr + r * (D + 2)
+    gl.store(rec + d, acc)
+    gl.store(rec + D, m)
+    gl.store(rec + D + 1, l)
+
+
+@gluon.jit
+def _merge(apart_ptr, r0, d, SPLITS: gl.constexpr, GQA: gl.constexpr, D: gl.constexpr):
+    """The shares' (m, l, acc) of one query head merged: sum_s 2^(m_s - M) acc_s / sum_s
+    2^(m_s - M) l_s."""
+    big = gl.load(apart_ptr + r0 * (D + 2) + D, cache_modifier=".cg")
+    for s in range(1, SPLITS):
+        big = gl.maximum(big, gl.load(apart_ptr + (r0 + s * GQA) * (D + 2) + D,
+                                      cache_modifier=".cg"))
+    num = gl.zeros_like(d.to(gl.float32))
+    den = gl.sum(num, 0)
+    for s in range(SPLITS):
+        rec = apart_ptr + (r0 + s * GQA) * (D + 2)
+        w = gl.exp2(gl.load(rec + D, cache_modifier=".cg") - big)
+        num += w * gl.load(rec + d, cache_modifier=".cg")
+        den += w * gl.load(rec + D + 1, cache_modifier=".cg")
+    return num / den

@@ -1,0 +1,199 @@
+"""The one-row int4 tensor-core GEMV's work on a TMA ring's chunks (Gluon, sm_90+), as the
+persistent decode kernel (decode_layers.py) runs it in its projection phases.
+
+A projection's weight is cut into (tile of 32 channels a consumer warp, group of 128 inputs)
+units, tile-major (`tile_words`: each unit 16 rows of the layout's own words, value j of a word
+in bits 4j; `tile_scales`: each unit's scales and zero points in one row, four words a quad of
+channels), shared out evenly over the programs (`share`, stream-K). A program's consumer warps
+take a unit's chunk from the ring as it lands and do the tc kernel's per-lane arithmetic on it
+(wna16_gemv_tc.py: each lane's words read into the registers its MMAs take them from, one
+`ld.shared.v4` a lane a step; the zero point and scale once a group), x read through L2 four or
+eight steps ahead; a piece of a tile stores its float32 partials, which `_tile_sum` adds in
+piece order.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+from peregrine.kernels.wna16_gemv_tc import (_PAIRS, _group_done, _ld_group, _push, _step,
+                                             _store)
+
+V = gl.constexpr(2)  # a lane's channels per M-tile pair: 32 a warp
+
+
+@gluon.jit
+def _words(buf, row: gl.constexpr, LW: gl.constexpr, L: gl.constexpr, T: gl.constexpr):
+    """A step's words of every lane from the chunk buf (16 word rows of T channels): lane 4g + t
+    of warp w reads row `row + t`, channels 32w + 4g .. + 3 (16 bytes), as the tc kernel's V = 2
+    step tuple (the reshapes only relabel registers: one ld.shared.v4 a lane)."""
+    w = buf.slice(row, 4, dim=0).load(LW)
+    w = gl.permute(gl.reshape(w, [4, T // 4, 4]), [1, 0, 2])
+    a, b = gl.split(gl.reshape(w, [T, 2, 2]))
+    e0, e2 = gl.split(a)
+    e1, e3 = gl.split(b)
+    e0 = gl.convert_layout(e0, L)
+    e1 = gl.convert_layout(e1, L)
+    e2 = gl.convert_layout(e2, L)
+    e3 = gl.convert_layout(e3, L)
+    return e0, e1, e0, e0, e2, e3, e0, e0
+
+
+@gluon.jit
+def _share(pid, W, total):
+    start = gl.minimum(pid * W, total)
+    return start, gl.minimum(start + W, total)
+
+
+@gluon.jit
+def _add4(a, b):
+    return a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3]
+
+
+@gluon.jit
+def _ld_x(xa):
+    """The B pairs of the lane's word row (16 bytes of x at xa) read through L2: x was written
+    by another program of this kernel."""
+    r = gl.inline_asm_elementwise("ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];",
+                                  "=r,=r,=r,=r,l", [xa], dtype=(gl.int32,) * 4, is_pure=False,
+                                  pack=1)
+    p = gl.inline_asm_elementwise(_PAIRS, "=r,=r,=r,=r,r,r,r,r", [r[0], r[1], r[2], r[3]],
+                                  dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+    return p[0], p[1], p[2], p[3]
+
+
+@gluon.jit
+def _x_queue(xa, last, N: gl.constexpr):
+    """Steps 0 .. N - 1's B pairs (4 or 8 steps; past the last step the last again)."""
+    q0 = _ld_x(xa)
+    q1 = _ld_x(xa + gl.minimum(1, last) * 64)
+    q2 = _ld_x(xa + gl.minimum(2, last) * 64)
+    q3 = _ld_x(xa + gl.minimum(3, last) * 64)
+    if N == 4:
+        r = (q0, q1, q2, q3)
+    else:
+        q4 = _ld_x(xa + gl.minimum(4, last) * 64)
+        q5 = _ld_x(xa + gl.minimum(5, last) * 64)
+        q6 = _ld_x(xa + gl.minimum(6, last) * 64)
+        q7 = _ld_x(xa + gl.minimum(7, last) * 64)
+        r = (q0, q1, q2, q3, q4, q5, q6, q7)
+    return r
+
+
+@gluon.jit
+def _shfl(v, src):
+    return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;",
+                                     "=r,r,r", [v, src], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _chunk_sz(sbuf, lane, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr):
+    """A group's scales and zero points from the chunk's row of them (tile_scales), as _ld_group
+    gives them: lane 4g + t of warp w reads word 32w + 4g + t, and the four lanes of a channel
+    quad exchange theirs."""
+    L1: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, WARPS], [1, 0])
+    v = gl.convert_layout(gl.reshape(sbuf.load(L1), [T]), L)
+    quad = lane - lane % 4
+    s01 = _shfl(v, quad)
+    s23 = _shfl(v, quad + 1)
+    z01 = _shfl(v, quad + 2)
+    z23 = _shfl(v, quad + 3)
+    return (s01, s23, s01, s01), (z01, z23, z01, z01)
+
+
+@gluon.jit
+def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off, x_base,
+                part_ptr, pid, idx, t, g, zero, ones, sel, LW: gl.constexpr, L: gl.constexpr,
+                T: gl.constexpr, S: gl.constexpr, X_AHEAD: gl.constexpr, SZ: gl.constexpr,
+                WARPS: gl.constexpr, ACC2: gl.constexpr = False):
+    """The program's groups [g0, g1) of one tile from unit u on: its MMAs over the ring's
+    chunks (SZ: each chunk's scales and zero points in sbufs, else read from global memory a
+    group ahead; ACC2: even and odd steps on two sets of accumulators, half the MMA chain), its
+    float32 sums stored as the tile's piece (pid - first). Returns (chunks consumed so far,
+    groups done, tile, the tile's pieces)."""
+    pid_n = u // CHUNKS
+    g0 = u % CHUNKS
+    g1 = gl.minimum(CHUNKS, g0 + (end - u))
+    first = (pid_n * CHUNKS) // W
+    n_pieces = ((pid_n + 1) * CHUNKS - 1) // W - first + 1
+    n_lane = pid_n * T + (idx // 32) * 32 + g * 4
+    xa = x_base + (g0 * 16 + t).to(gl.int64) * 16
+    g_step = (N * 2).to(gl.int64)
+    last = (g1 - g0) * 4 - 1
+    if not SZ:  # scales and zero points from global memory, a group ahead
+        sa = s_ptr.to(gl.int64) + (s_off + (g0 * N).to(gl.int64) + n_lane) * 2
+        za = z_ptr.to(gl.int64) + (s_off + (g0 * N).to(gl.int64) + n_lane) * 2
+        sz_n = _ld_group(sa, za, V, True)
+    x_q = _x_queue(xa, last, X_AHEAD)
+    y = (zero, zero, zero, zero, zero, zero, zero, zero)
+    for c in range(g1 - g0):
+        slot = i % S
+        if not SZ:
+            sz = sz_n
+            gn = gl.minimum(c + 1, g1 - g0 - 1)
+            sz_n = _ld_group(sa + gn * g_step, za + gn * g_step, V, True)
+        mbarrier.wait(ready.index(slot), (i // S) & 1)
+        buf = bufs.index(slot)
+        if SZ:
+            sz = _chunk_sz(sbufs.index(slot), idx % 32, L, T, WARPS)
+        c4 = (zero, zero, zero, zero)
+        acc = (c4, c4, c4, c4)
+        cx = c4
+        acc_b = acc
+        cx_b = c4
+        for s in gl.static_range(4):
+            w_c = _words(buf, s * 4, LW, L, T)
+            x_c = x_q[0]
+            x_nxt = gl.minimum(c * 4 + s + X_AHEAD, last)
+            x_q = _push(x_q, _ld_x(xa + x_nxt * 64), X_AHEAD)
+            if ACC2 and (s % 2 == 1):
+                acc_b, cx_b = _step(acc_b, cx_b, ones, w_c, x_c, sel, V, True, 4)
+            else:
+                acc, cx = _step(acc, cx, ones, w_c, x_c, sel, V, True, 4)
+        if ACC2:
+            acc = (_add4(acc[0], acc_b[0]), _add4(acc[1], acc_b[1]), acc[2], acc[3])
+            cx = _add4(cx, cx_b)
+        # every consumer warp's loads of this chunk are done before it is refilled
+        gl.thread_barrier()
+        fence_async_shared()
+        mbarrier.arrive(empty.index(slot), count=1)
+        i += 1
+        y = _group_done(y, acc, cx, sz, 0, V, True, True, 4)
+    _store(part_ptr + (pid - first).to(gl.int64) * N, n_lane, y, t == 0, V, False)
+    return i, g1 - g0, pid_n, n_pieces
+
+
+@gluon.jit
+def _tile_sum(part_ptr, n_pieces, N, offs):
+    """A tile's float32 sums at offs: its pieces' partials added in piece order."""
+    tot = gl.load(part_ptr + offs, cache_modifier=".cg")
+    for q in range(1, n_pieces):
+        tot += gl.load(part_ptr + (q * N + offs), cache_modifier=".cg")
+    return tot
+
+
+def tile_words(qweight: torch.Tensor, tile: int) -> torch.Tensor:
+    """(K/8, N) words -> (units * 16, tile): unit (tile i, group j), tile-major, is rows
+    [16 (i * groups + j), + 16), the words of group j's 16 word rows and tile i's channels."""
+    k8, n = qweight.shape
+    groups = k8 // 16
+    return (qweight.view(groups, 16, n // tile, tile).permute(2, 0, 1, 3)
+            .reshape(-1, tile).contiguous())
+
+
+def share(tiles: int, groups: int, programs: int) -> int:
+    """Units a program: an even share, at least two."""
+    return max(2, -(-tiles * groups // programs))
+
+
+def tile_scales(scales: torch.Tensor, zeros: torch.Tensor, tile: int) -> torch.Tensor:
+    """Scales and zero points (groups, N) by (tile, group) unit, in tile_words' unit order:
+    (units, tile) int32, a quad of channels 4q .. 4q + 3 at words 4q .. 4q + 3 as (s0, s1),
+    (s2, s3), (z0, z1), (z2, z3), 16-bit pairs with the lower channel in the low half."""
+    groups, n = scales.shape
+    s32 = scales.contiguous().view(torch.int32).view(groups, n // 4, 2)
+    z32 = zeros.contiguous().view(torch.int32).view(groups, n // 4, 2)
+    sz = torch.cat([s32, z32], 2).reshape(groups, n // tile, tile)
+    return sz.permute(1, 0, 2).reshape(-1, tile).contiguous()
