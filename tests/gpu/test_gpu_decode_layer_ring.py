@@ -27,27 +27,30 @@ def _hopper() -> None:
 
 
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("shape,ctx", (("small", 1), ("small", 40), ("small", 256),
-                                       ("llama3_8b", 256)))
-def test_decode_layers_match_the_torch_layers(shape: str, ctx: int, form: tuple) -> None:
-    """Two layers: q, the K/V rows stored, the attention output, silu(gate) * up, h and the next
-    norm's input within a few bf16 ulps of torch's (float32 sums in another order can flip a
-    rounding); shares of the context left empty (ctx 1 and 40 over 16 splits) included; a
-    CUDA-graph replay gives the same bits."""
+@pytest.mark.parametrize("shape,ctx,layers", (("small", 1, 1), ("small", 40, 1), ("small", 256, 1),
+                                              ("small", 40, 3), ("llama3_8b", 256, 1),
+                                              ("llama3_8b", 256, 2)))
+def test_decode_layers_match_the_torch_layers(shape: str, ctx: int, layers: int,
+                                              form: tuple) -> None:
+    """q, the K/V rows stored, the attention output, silu(gate) * up, h and the next norm's
+    input against torch's: one layer within a few ulps, several within a relative RMS (float32
+    sums in another order flip a rounding now and then, and a flip moves what follows it);
+    shares of the context left empty (ctx 1 and 40 over 16 splits) included; a CUDA-graph
+    replay gives the same bits."""
     _hopper()
     bench = load("decode_layer_ring")
     cfg = SMALL if shape == "small" else bench.LLAMA3_8B
     warps, stages, x_ahead, regs, sz, fold = form
     P = torch.cuda.get_device_properties(DEV).multi_processor_count
-    d = bench.build(2, P, ctx, DEV, cfg, warps=warps, stages=stages)
+    d = bench.build(layers, P, ctx, DEV, cfg, warps=warps, stages=stages)
     want = bench.reference_layers(d)
     dl = d["dl"]
     dl.x_ahead, dl.regs, dl.scales_in_chunk, dl.fold = x_ahead, regs, sz, fold
     bench.call(d)
     torch.cuda.synchronize()
     got = bench.state(d)
-    for name, e in bench.compare(got, want).items():
-        assert e["max_ulps"] <= 4 and e["rel_rms"] <= 1e-2, (name, e)
+    bad = bench.mismatches(got, want, *(bench.ONE_LAYER if layers == 1 else bench.LAYERS))
+    assert not bad, bad
     first = {k: v.clone() for k, v in got.items()}
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
