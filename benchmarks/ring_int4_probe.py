@@ -7,8 +7,8 @@ at 29.4-30.0 us a layer against the kernel-a-phase chain's 47.1. The stand-in co
 the words. Here the consumers do the int4 tensor-core GEMV's own work (wna16_gemv_tc.py: each
 lane's words from the chunk as the MMAs take them, the magic-offset conversion, the MMAs, the
 zero point and scale once a group, the split epilogue), on real 4-bit weights with scales and
-zero points, so the number is what the persistent layer's GEMV phases would give (its piece of
-work is the one `decode_layer_ring.py` runs).
+zero points, so the number is what the persistent layer's GEMV phases would give (the piece of
+work is kernels/ring_gemv.py's, which the persistent decode kernel runs).
 
 The weights are repacked so that each (tile of 32 x WARPS channels, group of 128 inputs) unit is
 one contiguous chunk of 16 word rows (the layout's own words, value j of a word in bits 4j), so
