@@ -50,7 +50,6 @@ from peregrine.kernels.ring_gemv import (_gemv_piece, _share, _tile_sum, share, 
                                          tile_words)
 
 HBM_GBPS = 4200.0
-V = gl.constexpr(2)  # a lane's channels per M-tile pair: 32 a warp
 # Llama-3-8B's projections at one decode row: (name, K, N)
 PROJ = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096))
 # int64 fields a phase: row base, units a program, units, groups, N, scale, input and output offsets
