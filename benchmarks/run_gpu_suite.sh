@@ -4,7 +4,7 @@
 #   steps: tests (all GPU tests) kernels sampler engine enginefp32 kernelbench layerbench splitsbench
 #          samplerbench w2 w2hf w1 w1prof w1trace w1hf serve ttft pacing pacetrace coldstart asyncprobe poolcost
 #          w5 (int4 AWQ layout, batch 1) w8a8 gemvbench stagegraphs w8a8lat w6 w1fp8 w5prof
-#          streamprobe w5ablate logitsbench w8tc replayprobe stepgap
+#          streamprobe w5ablate logitsbench w8tc replayprobe stepgap decodelayers
 #          two GPUs: tptests tp2lat tp2serve 70btp2 70bserve ppbench arbench
 #            (SPLITS_70B="tp2 pp2": the 70B splits, as tags; TP_SIZES="2 1"; PP_MODEL, PP_SETUPS)
 # Logs, JUnit XML (tests) and JSON results go under $OUT (default /tmp/out).
@@ -77,6 +77,17 @@ for s in $steps; do
              run stepgap_w5 200 python benchmarks/step_gap_probe.py "$OUT/stepgap_w5.json" -- --model "$OUT/llama-3-8b-awq.json"
              run stepgap_fp8 200 python benchmarks/step_gap_probe.py "$OUT/stepgap_fp8.json" -- --model "$CFG/llama-3-8b.json" --quantization fp8 ;;
     streamprobe) run streamprobe 200 python benchmarks/gemv_stream_probe.py --out "$OUT/stream_probe.json" ;;
+    # the persistent decode kernel: its GPU checks, its forms over 32 Llama-3-8B layers (DL_RINGS:
+    # warps x stages; DL_VARIANTS: x steps ahead x registers), W5 with the one-kernel decode path
+    # on and off, alternating, and the engine's check of the path
+    decodelayers) awq_config
+             gputest decode_layers 400 tests/gpu/test_gpu_decode_layer_ring.py
+             run decode_layers_bench 330 python benchmarks/decode_layer_ring.py --out "$OUT/decode_layers.json" --rings "${DL_RINGS:-4x16}" --variants "${DL_VARIANTS:-4x128}"
+             for flag in 1 0 1 0; do
+               PEREGRINE_DECODE_LAYERS=$flag timeout 150 python -m peregrine.entrypoints.cli bench latency --model "$OUT/llama-3-8b-awq.json" --output-json "$OUT/w5_layers$flag.json" > "$OUT/w5_layers$flag.log" 2>&1
+               python -c "import json,sys; print('w5 one kernel' if sys.argv[2] == '1' else 'w5 kernel a phase', round(json.load(open(sys.argv[1]))['decode_tokens_per_s'], 1))" "$OUT/w5_layers$flag.json" "$flag"
+             done
+             gputest one_kernel_decode 500 tests/gpu/test_gpu_one_kernel_decode.py ;;
     w5ablate) awq_config  # W5 with parts of the step left out (time only): each part's share
              for p in ${ABLATE_PARTS:-none norm attention rope_store gemv norm,attention,rope_store gemv,norm,attention,rope_store,lm_head}; do
                timeout 150 python benchmarks/ablate.py "$p" -- bench latency --model "$OUT/llama-3-8b-awq.json" --output-json "$OUT/w5_ablate_${p//,/+}.json" > "$OUT/w5_ablate_${p//,/+}.log" 2>&1
