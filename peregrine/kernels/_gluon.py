@@ -31,6 +31,21 @@ def poll_acquire(ptr):
 
 
 @gluon.jit
+def wait_count(ptr, target, LIMIT: gl.constexpr = 1 << 26):
+    """Spin until the int32 counter at ptr (acquire loads, GPU scope) reaches target. A wait
+    longer than LIMIT polls (seconds, where a phase takes microseconds: a program that never
+    arrives) traps, so that the launch fails with an error instead of hanging the GPU."""
+    seen = poll_acquire(ptr)
+    n = 0
+    while seen < target:
+        seen = poll_acquire(ptr)
+        n += 1
+        if n > LIMIT:
+            gl.inline_asm_elementwise("trap; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                      pack=1)
+
+
+@gluon.jit
 def globaltimer():
     """The GPU's nanosecond clock (%globaltimer), for timelines."""
     return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,

@@ -41,7 +41,11 @@ does the tile's finish: the result does not depend on which program arrives last
 The norms' rounding differs from the layer-by-layer path's (which rounds h * (1 / rms) before
 the weight): the input each projection reads is rounded once, as h * g. The GEMV work itself is
 the int4 tensor-core GEMV's (wna16_gemv_tc.py): each lane's words read from the chunk into the
-registers its MMAs take them from. `DecodeLayers` packs a model's layers and runs the kernel;
+registers its MMAs take them from. A one-program-a-tile prologue kernel writes the first
+phase's inputs (h, the token's embedding row; xn; the tiles' sums of h^2) and zeroes the
+counters and tickets, one launch before the persistent one. A phase that waits far longer than
+any phase takes (a program that never arrives) traps rather than hanging the GPU.
+`DecodeLayers` packs a model's layers and runs the two kernels;
 `benchmarks/decode_layer_ring.py` checks and times it.
 """
 from __future__ import annotations
@@ -51,11 +55,13 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from peregrine.kernels._gluon import globaltimer, poll_acquire, ring_barriers
+from peregrine.kernels._gluon import globaltimer, ring_barriers, wait_count
 from peregrine.kernels.ring_attention import (_attention, _attn_early, _attn_inputs,
                                               _attn_inputs_folded, _rms)
 from peregrine.kernels.ring_gemv import (_gemv_piece, _share, _tile_sum, share, tile_scales,
@@ -165,9 +171,7 @@ def _consumer(bufs, sbufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_pt
                 kt0, vt0 = _attn_early(pid, kc_l, vc_l, bt_ptr, pos, KVH, D,
                                        BS, SPLITS, TB, WARPS)
         if WAIT and f > 0:  # every program of the phase before is done
-            seen = poll_acquire(cnt_ptr + (f - 1))
-            while seen < P:
-                seen = poll_acquire(cnt_ptr + (f - 1))
+            wait_count(cnt_ptr + (f - 1), P)
         if TRACE:
             gl.store(trace_ptr + (f * P + pid) * 2, globaltimer())
         if kind == K_ATTN:
@@ -272,6 +276,29 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
         (_layer_producer, (desc, sdesc, bufs, sbufs, ready, empty, tab_ptr, n_phases, S, T,
                            SZ)),
     ], [1], [48])
+
+
+@triton.jit
+def decode_prologue_kernel(table_ptr, tok_ptr, g_ptr, vec_ptr, ss_ptr, lock_ptr, cnt_ptr,
+                           n_lock, n_cnt, H: tl.constexpr, T: tl.constexpr,
+                           CLEAR: tl.constexpr):
+    """The persistent kernel's inputs, one program a tile of T channels: h = row tok[0] of
+    table (the embedding, or the step's row itself with tok 0), xn = h * g rounded to bf16 and
+    the tile's sum of h^2; program 0 also zeroes the phases' counters and the tickets."""
+    j = tl.program_id(0)
+    c = j * T + tl.arange(0, T)
+    row = tl.load(tok_ptr).to(tl.int64)
+    h = tl.load(table_ptr + row * H + c)
+    tl.store(vec_ptr + c, h)
+    hf = h.to(tl.float32)
+    g = tl.load(g_ptr + c).to(tl.float32)
+    tl.store(vec_ptr + H + c, (hf * g).to(tl.bfloat16))
+    tl.store(ss_ptr + j, tl.sum(hf * hf, 0))
+    if CLEAR and j == 0:
+        for k in range(0, n_lock, T):
+            tl.store(lock_ptr + k + tl.arange(0, T), 0, mask=k + tl.arange(0, T) < n_lock)
+        for k in range(0, n_cnt, T):
+            tl.store(cnt_ptr + k + tl.arange(0, T), 0, mask=k + tl.arange(0, T) < n_cnt)
 
 
 def gate_up_order(inter: int, half: int = 64) -> torch.Tensor:
@@ -423,6 +450,7 @@ class DecodeLayers:
         self.vec = torch.zeros(off["size"], dtype=torch.bfloat16, device=device)
         self.ss = torch.zeros(dims.hidden // tile, **f32)
         self.times = torch.zeros(len(table), programs, 2, dtype=torch.int64, device=device)
+        self.zero_token = torch.zeros(1, dtype=torch.int64, device=device)
         self.caches: tuple[torch.Tensor, torch.Tensor] | None = None
         if LOCKS < max(r[3] // r[4] for r in table):
             raise ValueError("decode_layers: more tiles than split-K tickets")
@@ -459,23 +487,28 @@ class DecodeLayers:
                 self.table[f, 10] = (v.data_ptr() - v0.data_ptr()) // 2
         self.caches = (k0, v0)
 
-    def __call__(self, h0: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                 block_table: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        """The residual stream (1, hidden) after every layer for one decode row h0 (1, hidden)
-        at positions[0], its K/V stored at slot_mapping[0], its context in block_table's first
-        row; cos_sin: the RoPE table (max_pos, head_dim), cos then sin. A view of the kernel's
-        arena: read it before the next call."""
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_table: torch.Tensor, cos_sin: torch.Tensor,
+                 token: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream (1, hidden) after every layer for one decode row at positions[0],
+        its K/V stored at slot_mapping[0], its context in block_table's first row: the row is x
+        (1, hidden), or with token, row token[0] of x (the embedding table, (vocab, hidden)).
+        cos_sin: the RoPE table (max_pos, head_dim), cos then sin. A view of the kernel's arena:
+        read it before the next call."""
         if self.caches is None:
             raise RuntimeError("decode_layers: bind_caches first")
         d, tile = self.dims, 32 * self.warps
         H = d.hidden
-        self.cnt.zero_()
-        self.lock.zero_()  # (left at zero by a run with waits; not by one without)
-        h = h0.reshape(H)
-        self.vec[:H].copy_(h)
-        hf = h.float()
-        self.vec[H:2 * H].copy_((hf * self.norms[:H].float()).to(torch.bfloat16))
-        self.ss.copy_(hf.pow(2).view(-1, tile).sum(1))
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != H or not x.is_contiguous():
+            raise ValueError(f"decode_layers: the input {tuple(x.shape)} {x.dtype} is not a "
+                             f"contiguous bf16 (rows, {H})")
+        if token is None:
+            token = self.zero_token
+        # NOTE: a run with waits leaves the tickets at zero and one without does not, so the
+        # prologue clears them (and the phases' counters) every call, inside a CUDA graph too
+        decode_prologue_kernel[(H // tile,)](
+            x, token, self.norms, self.vec, self.ss, self.lock, self.cnt, self.lock.numel(),
+            self.cnt.numel(), H=H, T=tile, CLEAR=True, num_warps=4)
         k0, v0 = self.caches
         decode_layers_kernel[(self.programs,)](
             *self.descs, self.table, len(self.table), self.scales, self.zeros, self.vec,

@@ -1,7 +1,8 @@
 """One-row decode steps of a 4-bit Llama-style model through one persistent kernel.
 
 A decode step of one sequence runs every decoder layer in `kernels/decode_layers.py`'s kernel
-instead of a kernel a phase; the embedding, the final norm and the LM head stay as they are.
+instead of a kernel a phase (its prologue looks the token's embedding up); the final norm and
+the LM head stay as they are.
 `prepare` checks that the model is one the kernel serves and packs its layers (a second copy of
 the 4-bit weights, so the memory the KV cache is sized from counts it); `bind` gives the packed
 layers the KV caches once they exist and turns the path on (`DecoderForCausalLM.forward` then
@@ -33,6 +34,9 @@ def unsupported(model: nn.Module, block_size: int, cache_dtype: torch.dtype) -> 
         return "the model is split into pipeline stages"
     if tp_size() != 1:
         return "tensor parallelism"
+    from peregrine.layers.embedding import VocabParallelEmbedding
+    if type(getattr(model, "embed_tokens", None)) is not VocabParallelEmbedding:
+        return "the embedding is not a plain lookup"
     if str(model.hf.get("hidden_act", "silu")) != "silu":
         return f"activation {model.hf.get('hidden_act')!r} (SiLU only)"
     if cache_dtype != torch.bfloat16:
@@ -118,8 +122,9 @@ def bind(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -
 
 def run(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
         slot_mapping: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """The final-normed hidden state (1, hidden) of a one-row decode step."""
-    x = model.embed_tokens(input_ids)  # (1, hidden)
+    """The final-normed hidden state (1, hidden) of a one-row decode step (the kernel's
+    prologue reads the token's embedding row itself)."""
     cos_sin = model.layers[0].self_attn.rotary_emb.cos_sin_cache
-    h = model.decode_layers(x, positions, slot_mapping, block_table, cos_sin)
+    h = model.decode_layers(model.embed_tokens.weight, positions, slot_mapping, block_table,
+                            cos_sin, token=input_ids)
     return model.norm(h)

@@ -178,6 +178,30 @@ def test_the_reference_without_roundings_is_transformers_llama(ctx: int, warps: 
     assert (rounded["h"] - h).pow(2).mean().sqrt() <= 2e-2 * h.pow(2).mean().sqrt()
 
 
+@pytest.mark.parametrize("warps", (4, 8))
+def test_the_prologue_reads_the_tokens_row_and_clears_the_tickets(warps: int) -> None:
+    """The prologue kernel (interpreted here): h is the token's embedding row, xn = h * g (the
+    first input norm's weight) rounded once, each tile's sum of h^2; and the phases' counters
+    and tickets a run left behind are zero again."""
+    d, cfg = _build(warps, layers=1)
+    dl, H, tile = d["dl"], cfg["H"], 32 * warps
+    table = torch.randn(11, H).to(torch.bfloat16)
+    dl.lock.fill_(3)
+    dl.cnt.fill_(7)
+    dl.vec.fill_(5.0)
+    kd.decode_prologue_kernel[(H // tile,)](
+        table, torch.tensor([6]), dl.norms, dl.vec, dl.ss, dl.lock, dl.cnt, dl.lock.numel(),
+        dl.cnt.numel(), H=H, T=tile, CLEAR=True)
+    h = table[6].float()
+    assert torch.equal(dl.vec[:H].float(), h)
+    # (within one bf16 step: the interpreter's float32 -> bf16 conversion may truncate)
+    torch.testing.assert_close(dl.vec[H:2 * H].float(), (h * dl.norms[:H].float()).bfloat16()
+                               .float(), rtol=2 ** -7, atol=0)
+    torch.testing.assert_close(dl.ss, h.pow(2).view(-1, tile).sum(1), rtol=1e-5, atol=0)
+    assert not dl.lock.any() and not dl.cnt.any()
+    assert (dl.vec[2 * H:] == 5.0).all()  # nothing past xn is touched
+
+
 def _emulate(d: dict, fold: int) -> dict:
     """The kernel's phases transcribed in torch, driven by DecodeLayers' table and buffers as
     the kernel reads them (each projection's weight through `unpack`, its input at the table's

@@ -56,6 +56,15 @@ def test_other_models_and_settings_are_refused_with_their_reason(awq_llama) -> N
     assert "not weight-only integer" in okd.unsupported(plain, 16, torch.bfloat16)
     qwen3 = _model(tiny_checkpoint("qwen3"))
     assert "not Llama's layer" in okd.unsupported(qwen3, 16, torch.bfloat16)
+    # an embedding that does more than look the row up (the kernel's prologue only looks up)
+    from peregrine.layers.embedding import VocabParallelEmbedding
+    emb = awq_llama.embed_tokens
+    emb.__class__ = type("ScaledEmbedding", (VocabParallelEmbedding,), {})
+    try:
+        assert "not a plain lookup" in okd.unsupported(awq_llama, 16, torch.bfloat16)
+    finally:
+        emb.__class__ = VocabParallelEmbedding
+    assert okd.unsupported(awq_llama, 16, torch.bfloat16) is None
 
 
 def test_without_a_gpu_nothing_is_packed(awq_llama) -> None:
