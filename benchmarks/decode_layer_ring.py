@@ -215,10 +215,13 @@ def timeline(times: torch.Tensor, per: int) -> list[dict]:
 
 
 def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: int,
-        iters: int, forms: list[str], variants: list[tuple[int, int]],
+        iters: int, forms: list[str], variants: list[tuple[int, int]], x_sources: list[str],
         dev: torch.device) -> list[dict]:
-    """For each ring depth and (x steps ahead, registers a thread): check the kernel against
-    reference_layers (folded or not), then time each form (CUDA-graph replays)."""
+    """For each ring depth, where x comes from (`smem`: copied into shared memory once a phase;
+    `l2`: read through L2 x_ahead steps ahead) and (x steps ahead, registers a thread): check
+    the kernel against reference_layers (folded or not), then time each form (CUDA-graph
+    replays). A form that does not launch (a deep ring beside x's copy outgrows shared memory)
+    is recorded with its error."""
     P = torch.cuda.get_device_properties(dev).multi_processor_count
     t0 = time.time()
     d = build(layers, P, ctx, dev, warps=warps, splits=splits)
@@ -232,9 +235,19 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
         res = {"layers": layers, "ctx": ctx, "warps": warps, "scales_in_chunk": sz, "stages": s,
                "splits": splits, "programs": P, "wall_us_per_layer": round(wbytes / 4.2e6, 2),
                "variants": []}
-        for x_ahead, regs in variants:
-            dl.x_ahead, dl.regs = x_ahead, regs
-            v = {"x_ahead": x_ahead, "regs": regs}
+        for src, (x_ahead, regs) in [(src, v) for src in x_sources for v in variants]:
+            if src == "smem" and x_ahead != variants[0][0]:
+                continue  # (x_ahead is the L2 form's)
+            dl.x_smem, dl.x_ahead, dl.regs = src == "smem", x_ahead, regs
+            v = {"x": src, "x_ahead": x_ahead, "regs": regs}
+            try:
+                call(d)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: record, go on
+                v["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                res["variants"].append(v)
+                print(json.dumps(v), flush=True)
+                continue
             for fold in (0, 1):
                 dl.wait, dl.trace, dl.skip, dl.fold = True, False, 0, fold
                 call(d)
@@ -262,7 +275,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--layers", default="32", help="layer counts to check and time")
     p.add_argument("--ctx", type=int, default=256, help="tokens in the context, this one included")
-    p.add_argument("--rings", default="4x16,4x26,8x8,8x13",
+    p.add_argument("--rings", default="4x16,4x20,8x8,8x10",
                    help="consumer warps x ring stages (chunks of 16 word rows of 32 channels a "
                    "warp), comma-separated")
     p.add_argument("--scales", default="chunk",
@@ -271,6 +284,8 @@ def main() -> None:
     p.add_argument("--forms", default=",".join(FORMS))
     p.add_argument("--variants", default="4x128,8x168",
                    help="x's steps ahead x registers a thread, comma-separated")
+    p.add_argument("--x", default="smem,l2",
+                   help="where the GEMVs read x: smem (copied once a phase) and/or l2")
     p.add_argument("--iters", type=int, default=20)
     ns = p.parse_args()
     dev = torch.device("cuda")
@@ -284,7 +299,7 @@ def main() -> None:
         for sz in ns.scales.split(","):
             for w, stages in rings.items():
                 results += run(int(n), ns.ctx, w, sz == "chunk", stages, ns.splits, ns.iters,
-                               ns.forms.split(","), variants, dev)
+                               ns.forms.split(","), variants, ns.x.split(","), dev)
             torch.cuda.empty_cache()
     write_results(ns.out, dev, results)
 

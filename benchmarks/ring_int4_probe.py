@@ -23,6 +23,8 @@ Forms (CUDA-graph replays of 32 Llama-3-8B layers, qkv, o, gate/up, down; every 
 against x @ dequant(W) in float32):
 - `ring_mma`: as above;
 - `ring_mma_acc2`: two sets of accumulators, even and odd steps (half the MMA chain a warp);
+- `ring_mma_xs` / `ring_mma_acc2_xs`: the input row copied into shared memory once a phase
+  (cp.async) and read from there, no step waiting on L2;
 - `ring_sum`: the same shares, waits and stream, the consumer only summing the words (the
   stand-in, for comparison on this machine);
 - `tc_chain`: the engine's int4 tensor-core GEMV, a kernel a projection, dependent launches.
@@ -46,15 +48,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_timing import graph_replay_ms, write_results  # noqa: E402
 from peregrine.kernels._gluon import poll_acquire as _poll, ring_barriers  # noqa: E402
-from peregrine.kernels.ring_gemv import (_gemv_piece, _share, _tile_sum, share,  # noqa: E402
-                                         tile_words)
+from peregrine.kernels.ring_gemv import (_gemv_piece, _share, _tile_sum, _x_to_smem,  # noqa: E402
+                                         share, tile_words, x_groups)
 
 HBM_GBPS = 4200.0
 # Llama-3-8B's projections at one decode row: (name, K, N)
 PROJ = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096))
 # int64 fields a phase: row base, units a program, units, groups, N, scale, input and output offsets
 TAB = gl.constexpr(8)
-FORMS = {"ring_mma": (True, False), "ring_mma_acc2": (True, True), "ring_sum": (False, False)}
+# form: (the MMAs, two sets of accumulators, x from a shared-memory copy)
+FORMS = {"ring_mma": (True, False, False), "ring_mma_acc2": (True, True, False),
+         "ring_mma_xs": (True, False, True), "ring_mma_acc2_xs": (True, True, True),
+         "ring_sum": (False, False, False)}
 
 
 @gluon.jit
@@ -78,9 +83,10 @@ def _producer(desc, bufs, ready, empty, tab_ptr, n_phases, S: gl.constexpr, T: g
 
 
 @gluon.jit
-def _consumer(bufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, x_ptr, out_ptr, part_ptr,
+def _consumer(bufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, x_ptr, out_ptr, part_ptr,
               lock_ptr, cnt_ptr, sink_ptr, P, S: gl.constexpr, WARPS: gl.constexpr,
-              MATH: gl.constexpr, ACC2: gl.constexpr, X_AHEAD: gl.constexpr):
+              MATH: gl.constexpr, ACC2: gl.constexpr, X_AHEAD: gl.constexpr,
+              XS: gl.constexpr):
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     LW: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, WARPS], [0, 1])
@@ -108,13 +114,15 @@ def _consumer(bufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, x_ptr, out_pt
             while seen < P:
                 seen = _poll(cnt_ptr + (f - 1))
         start, end = _share(pid, W, total)
+        if XS and start < end:
+            _x_to_smem(xs, x_ptr, x_off, CHUNKS, T, WARPS)
         u = start
         while u < end:  # one piece a pass: the program's groups of one tile
             if MATH:
                 i, done, j, n_pieces = _gemv_piece(
                     bufs, bufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off,
                     x_ptr.to(gl.int64) + x_off * 2, part_ptr, pid, idx, t, g, zero, ones, sel,
-                    LW, L, T, S, X_AHEAD, 0, WARPS, ACC2)
+                    LW, L, T, S, X_AHEAD, 0, WARPS, ACC2, xs, XS)
                 # NOTE: every thread's partial stores come before the ticket (barrier), and the
                 # ticket is a gpu-scope acq_rel atomic, so the last piece sees all partials.
                 gl.thread_barrier()
@@ -146,13 +154,16 @@ def _consumer(bufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, x_ptr, out_pt
 @gluon.jit
 def ring_int4_kernel(desc, tab_ptr, n_phases, s_ptr, z_ptr, x_ptr, out_ptr, part_ptr, lock_ptr,
                      cnt_ptr, sink_ptr, P, S: gl.constexpr, WARPS: gl.constexpr,
-                     MATH: gl.constexpr, ACC2: gl.constexpr, X_AHEAD: gl.constexpr):
+                     MATH: gl.constexpr, ACC2: gl.constexpr, X_AHEAD: gl.constexpr,
+                     XS: gl.constexpr = False, NG: gl.constexpr = 8):
     T: gl.constexpr = 32 * WARPS
     bufs = gl.allocate_shared_memory(gl.int32, [S, 16, T], desc.layout)
+    xs = gl.allocate_shared_memory(gl.int32, [NG, 16, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     ready, empty = ring_barriers(S)
     gl.warp_specialize([
-        (_consumer, (bufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, x_ptr, out_ptr,
-                     part_ptr, lock_ptr, cnt_ptr, sink_ptr, P, S, WARPS, MATH, ACC2, X_AHEAD)),
+        (_consumer, (bufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, x_ptr, out_ptr,
+                     part_ptr, lock_ptr, cnt_ptr, sink_ptr, P, S, WARPS, MATH, ACC2, X_AHEAD,
+                     XS)),
         (_producer, (desc, bufs, ready, empty, tab_ptr, n_phases, S, T)),
     ], [1], [48])
 
@@ -237,14 +248,15 @@ def run(layers: int, warps: int, stages: int, x_ahead: int, iters: int, forms: l
             err = max(_ulps(ys[j], d["xs"][j], w)
                       for j, w in enumerate(sum(d["layouts"], [])) if j % 13 == 0)
         else:
-            math, acc2 = FORMS[name]
+            math, acc2, x_smem = FORMS[name]
+            ng = x_groups(max(k for _, k, _ in PROJ), tile) if x_smem else tile // 16
 
             def call():
                 cnt.zero_()
                 ring_int4_kernel[(P,)](desc, table, n_phases, d["scales"], d["zeros"], d["x"],
                                        out, part, lock, cnt, sink, P, S=stages, WARPS=warps,
-                                       MATH=math, ACC2=acc2, X_AHEAD=x_ahead, num_warps=warps,
-                                       maxnreg=regs)
+                                       MATH=math, ACC2=acc2, X_AHEAD=x_ahead, XS=x_smem,
+                                       NG=ng, num_warps=warps, maxnreg=regs)
             out.zero_()
             call()
             torch.cuda.synchronize()
@@ -271,7 +283,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--configs", default="4x16x4,8x8x4",
                    help="consumer warps x ring stages x x-ahead steps, comma-separated")
-    p.add_argument("--forms", default="ring_mma,ring_mma_acc2,ring_sum,tc_chain")
+    p.add_argument("--forms", default="ring_mma,ring_mma_acc2,ring_mma_xs,ring_mma_acc2_xs,"
+                   "ring_sum,tc_chain")
     p.add_argument("--iters", type=int, default=20)
     ns = p.parse_args()
     dev = torch.device("cuda")

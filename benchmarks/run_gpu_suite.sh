@@ -78,11 +78,12 @@ for s in $steps; do
              run stepgap_fp8 200 python benchmarks/step_gap_probe.py "$OUT/stepgap_fp8.json" -- --model "$CFG/llama-3-8b.json" --quantization fp8 ;;
     streamprobe) run streamprobe 200 python benchmarks/gemv_stream_probe.py --out "$OUT/stream_probe.json" ;;
     # the persistent decode kernel: its GPU checks, its forms over 32 Llama-3-8B layers (DL_RINGS:
-    # warps x stages; DL_VARIANTS: x steps ahead x registers), W5 with the one-kernel decode path
+    # warps x stages; DL_VARIANTS: x steps ahead x registers; DL_X: smem and/or l2, where the
+    # GEMVs read x), W5 with the one-kernel decode path
     # on and off, alternating, and the engine's check of the path
     decodelayers) awq_config
-             gputest decode_layers 400 tests/gpu/test_gpu_decode_layer_ring.py
-             run decode_layers_bench 330 python benchmarks/decode_layer_ring.py --out "$OUT/decode_layers.json" --rings "${DL_RINGS:-4x16}" --variants "${DL_VARIANTS:-4x128}"
+             gputest decode_layers 400 tests/gpu/test_gpu_decode_layer_ring.py tests/gpu/test_gpu_wait_count.py
+             run decode_layers_bench 330 python benchmarks/decode_layer_ring.py --out "$OUT/decode_layers.json" --rings "${DL_RINGS:-4x16}" --variants "${DL_VARIANTS:-4x128}" --x "${DL_X:-smem,l2}"
              for flag in 1 0 1 0; do
                PEREGRINE_DECODE_LAYERS=$flag timeout 150 python -m peregrine.entrypoints.cli bench latency --model "$OUT/llama-3-8b-awq.json" --output-json "$OUT/w5_layers$flag.json" > "$OUT/w5_layers$flag.log" 2>&1
                python -c "import json,sys; print('w5 one kernel' if sys.argv[2] == '1' else 'w5 kernel a phase', round(json.load(open(sys.argv[1]))['decode_tokens_per_s'], 1))" "$OUT/w5_layers$flag.json" "$flag"

@@ -41,10 +41,11 @@ does the tile's finish: the result does not depend on which program arrives last
 The norms' rounding differs from the layer-by-layer path's (which rounds h * (1 / rms) before
 the weight): the input each projection reads is rounded once, as h * g. The GEMV work itself is
 the int4 tensor-core GEMV's (wna16_gemv_tc.py): each lane's words read from the chunk into the
-registers its MMAs take them from. A one-program-a-tile prologue kernel writes the first
-phase's inputs (h, the token's embedding row; xn; the tiles' sums of h^2) and zeroes the
-counters and tickets, one launch before the persistent one. A phase that waits far longer than
-any phase takes (a program that never arrives) traps rather than hanging the GPU.
+registers its MMAs take them from, x from a copy in shared memory made once a phase (or, a
+form for comparison, through L2 a few steps ahead). A one-program-a-tile prologue kernel
+writes the first phase's inputs (h, the token's embedding row; xn; the tiles' sums of h^2) and
+zeroes the counters and tickets, one launch before the persistent one. A phase that waits far
+longer than any phase takes (a program that never arrives) traps rather than hanging the GPU.
 `DecodeLayers` packs a model's layers and runs the two kernels;
 `benchmarks/decode_layer_ring.py` checks and times it.
 """
@@ -64,8 +65,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from peregrine.kernels._gluon import globaltimer, ring_barriers, wait_count
 from peregrine.kernels.ring_attention import (_attention, _attn_early, _attn_inputs,
                                               _attn_inputs_folded, _rms)
-from peregrine.kernels.ring_gemv import (_gemv_piece, _share, _tile_sum, share, tile_scales,
-                                         tile_words)
+from peregrine.kernels.ring_gemv import (_gemv_piece, _share, _tile_sum, _x_to_smem, share,
+                                         tile_scales, tile_words, x_groups)
 from peregrine.layers.quantization.wna16 import WNA16Layout
 QKV, ATTN, O, GU, DOWN = 0, 1, 2, 3, 4  # a phase's kind (the table's first field)
 K_QKV, K_ATTN, K_GU = gl.constexpr(QKV), gl.constexpr(ATTN), gl.constexpr(GU)
@@ -129,13 +130,13 @@ def _finish(kind, j, n_pieces, N, part_ptr, vec_ptr, g_ptr, ss_ptr, cs_ptr, pos,
 
 
 @gluon.jit
-def _consumer(bufs, sbufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr,
+def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr,
               ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr,
               kc_ptr, vc_ptr, trace_ptr, eps, scale, P, S: gl.constexpr, WARPS: gl.constexpr,
               H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
               BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr, WAIT: gl.constexpr,
               TRACE: gl.constexpr, X_AHEAD: gl.constexpr, SZ: gl.constexpr, SKIP: gl.constexpr,
-              FOLD: gl.constexpr):
+              FOLD: gl.constexpr, XS: gl.constexpr):
     """The consumer warps: the phases in order (see decode_layers_kernel)."""
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -195,12 +196,14 @@ def _consumer(bufs, sbufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_pt
         else:
             x_base = vec_ptr.to(gl.int64) + x_off * 2
             start, end = _share(pid, W, total)
+            if XS and start < end:  # the phase's input into shared memory, once
+                _x_to_smem(xs, vec_ptr, x_off, CHUNKS, T, WARPS)
             u = start
             while u < end:
                 i, done, j, n_pieces = _gemv_piece(
                     bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off,
                     x_base, part_ptr, pid, idx, t, g, zero, ones, sel, LW, L, T, S, X_AHEAD, SZ,
-                    WARPS)
+                    WARPS, False, xs, XS)
                 u += done
                 if FOLD:  # the attention phase finishes qkv's tiles itself
                     tiled = kind != K_QKV
@@ -257,22 +260,25 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
                          SPLITS: gl.constexpr, TB: gl.constexpr, WAIT: gl.constexpr = True,
                          TRACE: gl.constexpr = False, X_AHEAD: gl.constexpr = 4,
                          SZ: gl.constexpr = 1, SKIP: gl.constexpr = 0,
-                         FOLD: gl.constexpr = 0):
+                         FOLD: gl.constexpr = 0, XS: gl.constexpr = 0, NG: gl.constexpr = 8):
     """The layers of the phase table at tab_ptr (TABF int64 fields a phase), from the residual
     stream h and the first norm's input xn and sums of squares (in vec and ss) to the last
     layer's h (see the module docstring). WAIT / TRACE / SKIP are for measurement: without the
     phases' waits, with timestamps, with the tiles' finishes (1) or attention's work (2) left
-    out. X_AHEAD: x's steps loaded ahead (4 or 8); SZ: the scales by TMA with the words (else
-    read from global memory); FOLD: attention makes q, k and v from the qkv partials."""
+    out. X_AHEAD: x's steps loaded ahead through L2 (4 or 8) or, with XS, x copied into shared
+    memory once a phase (NG groups of 128 inputs: the widest projection's, a power of two); SZ:
+    the scales by TMA with the words (else read from global memory); FOLD: attention makes q, k
+    and v from the qkv partials."""
     T: gl.constexpr = 32 * WARPS
     bufs = gl.allocate_shared_memory(gl.int32, [S, 16, T], desc.layout)
     sbufs = gl.allocate_shared_memory(gl.int32, [S, 1, T], sdesc.layout)
+    xs = gl.allocate_shared_memory(gl.int32, [NG, 16, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     ready, empty = ring_barriers(S)
     gl.warp_specialize([
-        (_consumer, (bufs, sbufs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr,
+        (_consumer, (bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr,
                      norm_ptr, ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr,
                      slot_ptr, bt_ptr, kc_ptr, vc_ptr, trace_ptr, eps, scale, P, S, WARPS, H,
-                     HEADS, KVH, D, BS, SPLITS, TB, WAIT, TRACE, X_AHEAD, SZ, SKIP, FOLD)),
+                     HEADS, KVH, D, BS, SPLITS, TB, WAIT, TRACE, X_AHEAD, SZ, SKIP, FOLD, XS)),
         (_layer_producer, (desc, sdesc, bufs, sbufs, ready, empty, tab_ptr, n_phases, S, T,
                            SZ)),
     ], [1], [48])
@@ -384,8 +390,10 @@ class DecodeLayers:
 
     warps: consumer warps a program (4 or 8); stages: the ring's chunks (16 word rows of 32
     channels a warp: 8 KB at 4 warps); splits: attention programs a KV head. The attributes
-    wait, trace, skip, fold, x_ahead, regs and scales_in_chunk choose the kernel's forms
-    (decode_layers_kernel; benchmarks/decode_layer_ring.py times them)."""
+    wait, trace, skip, fold, x_ahead, regs, scales_in_chunk and x_smem choose the kernel's forms
+    (decode_layers_kernel; benchmarks/decode_layer_ring.py times them). Shared memory a program:
+    the ring's stages (chunk and scale row) and, with x_smem, the widest input (32 KB for
+    Llama-3-8B): 16 stages of 4 warps or 8 of 8 fit beside it."""
 
     def __init__(self, dims: Dims, layers: list[LayerWeights], final_norm: torch.Tensor,
                  device: torch.device, *, warps: int = 4, stages: int = 16, splits: int = 16,
@@ -401,8 +409,9 @@ class DecodeLayers:
         self.dims, self.warps, self.stages, self.splits, self.tb = dims, warps, stages, splits, tb
         self.programs = programs
         self.wait, self.trace, self.skip, self.fold = True, False, 0, 0
-        self.x_ahead, self.regs, self.scales_in_chunk = 4, 128, True
+        self.x_ahead, self.regs, self.scales_in_chunk, self.x_smem = 4, 128, True, True
         tile = 32 * warps
+        self.k_max = max(dims.hidden, dims.heads * dims.head_dim, dims.inter)
         self.order = gate_up_order(dims.inter, tile // 2).to(device)
         off = offsets(dims)
         x_in = {QKV: off["xn"], O: off["attn"], GU: off["xn"], DOWN: off["act"]}
@@ -517,7 +526,9 @@ class DecodeLayers:
             self.programs, S=self.stages, WARPS=self.warps, H=H, HEADS=d.heads, KVH=d.kv_heads,
             D=d.head_dim, BS=d.block_size, SPLITS=self.splits, TB=self.tb, WAIT=self.wait,
             TRACE=self.trace, X_AHEAD=self.x_ahead, SZ=int(self.scales_in_chunk),
-            SKIP=self.skip, FOLD=self.fold, num_warps=self.warps, maxnreg=self.regs)
+            SKIP=self.skip, FOLD=self.fold, XS=int(self.x_smem),
+            NG=x_groups(self.k_max, tile) if self.x_smem else tile // 16, num_warps=self.warps,
+            maxnreg=self.regs)
         return self.vec[:H].view(1, H)
 
     def unpack(self, f: int) -> torch.Tensor:

@@ -8,7 +8,9 @@ channels), shared out evenly over the programs (`share`, stream-K). A program's 
 take a unit's chunk from the ring as it lands and do the tc kernel's per-lane arithmetic on it
 (wna16_gemv_tc.py: each lane's words read into the registers its MMAs take them from, one
 `ld.shared.v4` a lane a step; the zero point and scale once a group), x read through L2 four or
-eight steps ahead; a piece of a tile stores its float32 partials, which `_tile_sum` adds in
+eight steps ahead, or (`_x_to_smem`, `_x_smem`) from a shared-memory copy of it made once a
+phase by cp.async, so that no step waits on a round trip to L2 (which the weight stream's TMA
+traffic makes long); a piece of a tile stores its float32 partials, which `_tile_sum` adds in
 piece order.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from peregrine.kernels.wna16_gemv_tc import (_PAIRS, _group_done, _ld_group, _push, _step,
@@ -82,6 +85,60 @@ def _x_queue(xa, last, N: gl.constexpr):
     return r
 
 
+def x_groups(k_max: int, tile: int) -> int:
+    """Groups of 128 inputs the shared-memory copy of x holds: the widest projection's, a power
+    of two, at least a tile's rows (16 a group) so that the copy's blocks are whole."""
+    g = max(-(-k_max // 128), tile // 16)
+    return 1 << (g - 1).bit_length()
+
+
+@gluon.jit
+def _x_to_smem(xs, x_ptr, x_off, CHUNKS, T: gl.constexpr, WARPS: gl.constexpr):
+    """x (CHUNKS groups of 128 bf16 at element x_off of x_ptr, 16-byte aligned) into xs ((groups,
+    16, 4) int32: a group's 16 rows of 8 inputs) by cp.async, a 16-byte row a thread a block of
+    T rows, all in flight at once; returns when every warp's copies have landed."""
+    LC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [WARPS, 1], [1, 0])
+    blocks = xs._reinterpret(gl.int32, [xs.shape[0] * 16 // T, T, 4],
+                             gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    r = gl.arange(0, T, layout=gl.SliceLayout(1, LC))
+    w = gl.arange(0, 4, layout=gl.SliceLayout(0, LC))
+    off = gl.expand_dims(r, 1) * 4 + gl.expand_dims(w, 0)
+    src = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + gl.multiple_of(x_off // 2, 4)
+    for b in range(0, (CHUNKS * 16 + T - 1) // T):
+        ok = gl.expand_dims(b * T + r < CHUNKS * 16, 1)
+        async_copy.async_copy_global_to_shared(blocks.index(b), src + b * (T * 4) + off,
+                                               mask=ok, cache_modifier=".cg")
+    async_copy.commit_group()
+    async_copy.wait_group(0)
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _lanes(f, B2: gl.constexpr, L: gl.constexpr, T: gl.constexpr):
+    """A word of x's rows 0..3 ([4], lanes 0..3 of each quad) as the [T] tensor whose lane 4g + t
+    holds row t's (the reshapes only relabel registers)."""
+    f = gl.convert_layout(f, gl.SliceLayout(0, B2))
+    f = gl.expand_dims(f, 0).broadcast_to([T // 4, 4])
+    return gl.convert_layout(gl.reshape(f, [T]), L)
+
+
+@gluon.jit
+def _x_smem(xs, grp, s: gl.constexpr, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr):
+    """Step s's B pairs of group grp from the shared-memory copy of x: lane 4g + t reads row
+    4s + t of the group (one ld.shared.v4, the same 16 bytes for the quad's eight lanes)."""
+    LX: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, WARPS], [0, 1])
+    B2: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [WARPS, 1], [1, 0])
+    v = xs.index(grp).slice(4 * s, 4, dim=0).load(LX)  # (rows, words)
+    a, b = gl.split(gl.reshape(v, [4, 2, 2]))
+    w0, w2 = gl.split(a)
+    w1, w3 = gl.split(b)
+    p = gl.inline_asm_elementwise(
+        _PAIRS, "=r,=r,=r,=r,r,r,r,r",
+        [_lanes(w0, B2, L, T), _lanes(w1, B2, L, T), _lanes(w2, B2, L, T), _lanes(w3, B2, L, T)],
+        dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+    return p[0], p[1], p[2], p[3]
+
+
 @gluon.jit
 def _shfl(v, src):
     return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;",
@@ -107,12 +164,14 @@ def _chunk_sz(sbuf, lane, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr)
 def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off, x_base,
                 part_ptr, pid, idx, t, g, zero, ones, sel, LW: gl.constexpr, L: gl.constexpr,
                 T: gl.constexpr, S: gl.constexpr, X_AHEAD: gl.constexpr, SZ: gl.constexpr,
-                WARPS: gl.constexpr, ACC2: gl.constexpr = False):
+                WARPS: gl.constexpr, ACC2: gl.constexpr = False, xs=None,
+                XS: gl.constexpr = False):
     """The program's groups [g0, g1) of one tile from unit u on: its MMAs over the ring's
     chunks (SZ: each chunk's scales and zero points in sbufs, else read from global memory a
-    group ahead; ACC2: even and odd steps on two sets of accumulators, half the MMA chain), its
-    float32 sums stored as the tile's piece (pid - first). Returns (chunks consumed so far,
-    groups done, tile, the tile's pieces)."""
+    group ahead; ACC2: even and odd steps on two sets of accumulators, half the MMA chain; XS:
+    x from its shared-memory copy xs, else through L2 X_AHEAD steps ahead), its float32 sums
+    stored as the tile's piece (pid - first). Returns (chunks consumed so far, groups done,
+    tile, the tile's pieces)."""
     pid_n = u // CHUNKS
     g0 = u % CHUNKS
     g1 = gl.minimum(CHUNKS, g0 + (end - u))
@@ -126,7 +185,8 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
         sa = s_ptr.to(gl.int64) + (s_off + (g0 * N).to(gl.int64) + n_lane) * 2
         za = z_ptr.to(gl.int64) + (s_off + (g0 * N).to(gl.int64) + n_lane) * 2
         sz_n = _ld_group(sa, za, V, True)
-    x_q = _x_queue(xa, last, X_AHEAD)
+    if not XS:
+        x_q = _x_queue(xa, last, X_AHEAD)
     y = (zero, zero, zero, zero, zero, zero, zero, zero)
     for c in range(g1 - g0):
         slot = i % S
@@ -145,9 +205,12 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
         cx_b = c4
         for s in gl.static_range(4):
             w_c = _words(buf, s * 4, LW, L, T)
-            x_c = x_q[0]
-            x_nxt = gl.minimum(c * 4 + s + X_AHEAD, last)
-            x_q = _push(x_q, _ld_x(xa + x_nxt * 64), X_AHEAD)
+            if XS:
+                x_c = _x_smem(xs, g0 + c, s, L, T, WARPS)
+            else:
+                x_c = x_q[0]
+                x_nxt = gl.minimum(c * 4 + s + X_AHEAD, last)
+                x_q = _push(x_q, _ld_x(xa + x_nxt * 64), X_AHEAD)
             if ACC2 and (s % 2 == 1):
                 acc_b, cx_b = _step(acc_b, cx_b, ones, w_c, x_c, sel, V, True, 4)
             else:

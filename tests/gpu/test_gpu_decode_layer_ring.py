@@ -14,11 +14,12 @@ pytestmark = pytest.mark.gpu
 
 SMALL = {"H": 512, "HEADS": 8, "KVH": 2, "D": 128, "INTER": 1024, "BS": 16, "theta": 10000.0,
          "eps": 1e-6}
-# (consumer warps, ring stages, x's steps ahead, registers a thread, scales with the chunks,
-# attention making q, k and v from the qkv partials)
-FORMS = ((4, 16, 4, 128, True, 0), (4, 16, 4, 128, True, 1), (4, 16, 8, 168, True, 0),
-         (8, 8, 4, 128, True, 0), (8, 8, 8, 168, True, 1), (4, 16, 4, 128, False, 0),
-         (8, 12, 4, 128, False, 1))
+# (consumer warps, ring stages, x's steps ahead through L2 (0: x copied into shared memory),
+# registers a thread, scales with the chunks, attention making q, k and v from the qkv partials)
+FORMS = ((4, 16, 0, 128, True, 0), (4, 16, 0, 128, True, 1), (8, 8, 0, 168, True, 0),
+         (8, 8, 0, 128, False, 1), (4, 16, 4, 128, True, 0), (4, 16, 4, 128, True, 1),
+         (4, 16, 8, 168, True, 0), (8, 8, 4, 128, True, 0), (8, 8, 8, 168, True, 1),
+         (4, 16, 4, 128, False, 0), (8, 12, 4, 128, False, 1))
 
 
 def _hopper() -> None:
@@ -45,7 +46,8 @@ def test_decode_layers_match_the_torch_layers(shape: str, ctx: int, layers: int,
     d = bench.build(layers, P, ctx, DEV, cfg, warps=warps, stages=stages)
     want = bench.reference_layers(d)
     dl = d["dl"]
-    dl.x_ahead, dl.regs, dl.scales_in_chunk, dl.fold = x_ahead, regs, sz, fold
+    dl.x_ahead, dl.regs, dl.scales_in_chunk, dl.fold = max(x_ahead, 4), regs, sz, fold
+    dl.x_smem = x_ahead == 0
     bench.call(d)
     torch.cuda.synchronize()
     got = bench.state(d)
@@ -63,10 +65,12 @@ def test_decode_layers_match_the_torch_layers(shape: str, ctx: int, layers: int,
 
 def test_ring_int4_gemv_phases_are_the_exact_products() -> None:
     """Two layers of the four projections, 4 and 8 consumer warps, one and two accumulator
-    sets: every output within an output ulp of x @ dequant(W)."""
+    sets, x through L2 or from its shared-memory copy: every output within an output ulp of
+    x @ dequant(W)."""
     _hopper()
     probe = load("ring_int4_probe")
+    forms = ["ring_mma", "ring_mma_acc2", "ring_mma_xs", "ring_mma_acc2_xs"]
     for warps, stages in ((4, 16), (8, 8)):
-        res = probe.run(2, warps, stages, 4, 2, ["ring_mma", "ring_mma_acc2"], DEV)
-        for form in ("ring_mma", "ring_mma_acc2"):
+        res = probe.run(2, warps, stages, 4, 2, forms, DEV)
+        for form in forms:
             assert res[form]["max_ulps"] <= 1.0, (warps, form, res[form])

@@ -91,3 +91,14 @@ def test_each_tile_is_cut_into_the_pieces_its_ticket_counts() -> None:
             assert len(mine) <= bound
             assert mine[0][1] == 0 and mine[-1][2] == groups
             assert all(a[2] == b[1] for a, b in zip(mine, mine[1:]))
+
+
+def test_the_shared_copy_of_x_holds_the_widest_input_in_whole_blocks() -> None:
+    """Groups of 128 inputs in x's shared-memory copy: every projection's input fits, a power of
+    two (the copy's shape), and whole blocks of a tile's rows (16 a group; one row a thread)."""
+    for k_max, tile in ((14336, 128), (14336, 256), (4096, 128), (512, 256), (28672, 128)):
+        g = kd.x_groups(k_max, tile)
+        assert g * 128 >= k_max and g & (g - 1) == 0
+        assert (g * 16) % tile == 0
+        assert g // 2 * 128 < k_max or g == tile // 16  # the smallest such
+    assert kd.x_groups(14336, 128) * 16 * 16 == 32 * 1024  # Llama-3-8B: 32 KB a program
