@@ -8,6 +8,7 @@ context's earlier tokens and the step's position and slot, and packs them with
 it, then timed as CUDA-graph replays of 32 layers:
 
 - `ring`: the kernel as the engine runs it;
+- `ring_now`: each piece's ticket read at once (not after the program's next piece);
 - `ring_fold`: the attention programs make their q, k and v rows from the qkv phase's partials,
   so the qkv tiles have no finish (a ticket, a read of the partials and a store less between
   the two phases);
@@ -40,11 +41,11 @@ from peregrine.kernels.decode_layers import (DecodeLayers, Dims, LayerWeights,  
 LLAMA3_8B = {"H": 4096, "HEADS": 32, "KVH": 8, "D": 128, "INTER": 14336, "BS": 16,
              "theta": 500000.0, "eps": 1e-5}
 # form: (the phases' waits, timestamps, what is left out: 1 the tiles' finishes, 2 attention's
-# work, attention making q, k and v from the qkv partials)
-FORMS = {"ring": (True, False, 0, 0), "ring_fold": (True, False, 0, 1),
-         "ring_traced": (True, True, 0, 0), "ring_fold_traced": (True, True, 0, 1),
-         "ring_free": (False, False, 0, 0), "no_finishes": (True, False, 1, 0),
-         "no_attention": (True, False, 2, 0)}
+# work, attention making q, k and v from the qkv partials, tickets read after the next piece)
+FORMS = {"ring": (True, False, 0, 0, True), "ring_now": (True, False, 0, 0, False),
+         "ring_fold": (True, False, 0, 1, True), "ring_traced": (True, True, 0, 0, True),
+         "ring_fold_traced": (True, True, 0, 1, True), "ring_free": (False, False, 0, 0, True),
+         "no_finishes": (True, False, 1, 0, True), "no_attention": (True, False, 2, 0, True)}
 
 
 def dims_of(cfg: dict) -> Dims:
@@ -249,12 +250,12 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
                 print(json.dumps(v), flush=True)
                 continue
             for fold in (0, 1):
-                dl.wait, dl.trace, dl.skip, dl.fold = True, False, 0, fold
+                dl.wait, dl.trace, dl.skip, dl.fold, dl.defer = True, False, 0, fold, True
                 call(d)
                 torch.cuda.synchronize()
                 v["errors_fold" if fold else "errors"] = compare(state(d), want)
             for name in forms:
-                dl.wait, dl.trace, dl.skip, dl.fold = FORMS[name]
+                dl.wait, dl.trace, dl.skip, dl.fold, dl.defer = FORMS[name]
                 ms = graph_replay_ms([lambda: call(d)], iters)
                 v[name] = round(ms * 1e3 / layers, 2)
                 if name == "ring" and layers == 32:  # the LM head at the wall, ~30 us a step

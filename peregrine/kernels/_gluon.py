@@ -31,6 +31,28 @@ def poll_acquire(ptr):
 
 
 @gluon.jit
+def ticket_release(ptr, flag):
+    """A release increment of the counter at ptr in the threads whose flag is nonzero: the count
+    before it (-1 in the other threads). An `inc` with a bound it never reaches, written out,
+    so that nothing waits for the value until it is used (an `add` is aggregated over the warp
+    by ptxas, whose shuffle of the old value waits for it at once)."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, -1; "
+        "@p atom.release.gpu.global.inc.u32 $0, [$1], 2147483647; }", "=r,l,r", [ptr, flag],
+        dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def fence_acq_rel_gpu_if(flag):
+    """fence.acq_rel.gpu in the threads whose flag (an int32 tensor) is nonzero: after a release
+    atomic whose value says other programs' writes are done, an acquire fence, so that those
+    writes are visible to what follows a barrier with this thread."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $1, 0; @p fence.acq_rel.gpu; mov.b32 $0, 0; }", "=r,r",
+        [flag], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def wait_count(ptr, target, LIMIT: gl.constexpr = 1 << 26):
     """Spin until the int32 counter at ptr (acquire loads, GPU scope) reaches target. A wait
     longer than LIMIT polls (seconds, where a phase takes microseconds: a program that never

@@ -36,7 +36,9 @@ and the residual adds folded into the phases around them):
 
 A projection's units are shared out evenly over the programs (stream-K); each piece stores its
 float32 partials and the last piece of a tile to arrive (a ticket) adds them in piece order and
-does the tile's finish: the result does not depend on which program arrives last.
+does the tile's finish: the result does not depend on which program arrives last. A program
+reads a piece's ticket only after its next piece's work, so that the atomic's round trip
+(long while the weight stream fills the memory system) costs no wait.
 
 The norms' rounding differs from the layer-by-layer path's (which rounds h * (1 / rms) before
 the weight): the input each projection reads is rounded once, as h * g. The GEMV work itself is
@@ -62,7 +64,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from peregrine.kernels._gluon import globaltimer, ring_barriers, wait_count
+from peregrine.kernels._gluon import (fence_acq_rel_gpu_if, globaltimer, ring_barriers,
+                                      ticket_release, wait_count)
 from peregrine.kernels.ring_attention import (_attention, _attn_early, _attn_inputs,
                                               _attn_inputs_folded, _rms)
 from peregrine.kernels.ring_gemv import (_gemv_piece, _share, _tile_sum, _x_to_smem, share,
@@ -130,13 +133,32 @@ def _finish(kind, j, n_pieces, N, part_ptr, vec_ptr, g_ptr, ss_ptr, cs_ptr, pos,
 
 
 @gluon.jit
+def _settle(j, n_pieces, tk, kind, N, part_ptr, vec_ptr, g_ptr, ss_ptr, cs_ptr, pos, slot,
+            kc_ptr, vc_ptr, lock_ptr, idx, eps, H: gl.constexpr, HEADS: gl.constexpr,
+            KVH: gl.constexpr, D: gl.constexpr, T: gl.constexpr, L: gl.constexpr,
+            SKIP: gl.constexpr):
+    """Tile j's piece's ticket tk (thread 0's, the count before it; -1 in the other threads):
+    where it was the tile's last piece, thread 0 fences (acquire: the other pieces' partials
+    are visible to it, and so, past the reduction's barrier, to every thread), the tile's
+    finish, and its ticket back to zero. j < 0: no piece."""
+    if j >= 0:
+        fence_acq_rel_gpu_if((tk == n_pieces - 1).to(gl.int32))
+        ticket = gl.max(tk, 0)
+        if (ticket == n_pieces - 1) and (SKIP & 1 == 0):
+            _finish(kind, j, n_pieces, N, part_ptr, vec_ptr, g_ptr, ss_ptr, cs_ptr, pos, slot,
+                    kc_ptr, vc_ptr, eps, H, HEADS, KVH, D, T, L)
+            # (relaxed: the phase-end release add publishes it before the ticket is used again)
+            gl.atomic_xchg(lock_ptr + j, 0, sem="relaxed", scope="gpu")
+
+
+@gluon.jit
 def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr,
               ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr,
               kc_ptr, vc_ptr, trace_ptr, eps, scale, P, S: gl.constexpr, WARPS: gl.constexpr,
               H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
               BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr, WAIT: gl.constexpr,
               TRACE: gl.constexpr, X_AHEAD: gl.constexpr, SZ: gl.constexpr, SKIP: gl.constexpr,
-              FOLD: gl.constexpr, XS: gl.constexpr):
+              FOLD: gl.constexpr, XS: gl.constexpr, DEFER: gl.constexpr):
     """The consumer warps: the phases in order (see decode_layers_kernel)."""
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -198,28 +220,41 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
             start, end = _share(pid, W, total)
             if XS and start < end:  # the phase's input into shared memory, once
                 _x_to_smem(xs, vec_ptr, x_off, CHUNKS, T, WARPS)
+            if FOLD:  # the attention phase finishes qkv's tiles itself
+                tiled = kind != K_QKV
+            else:
+                tiled = kind >= 0
             u = start
+            pj = -1  # (DEFER) the piece whose ticket is still out: its tile, pieces, ticket
+            pn = 0
+            ptk = gl.zeros([T], gl.int32, layout=L)
             while u < end:
                 i, done, j, n_pieces = _gemv_piece(
                     bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off,
                     x_base, part_ptr, pid, idx, t, g, zero, ones, sel, LW, L, T, S, X_AHEAD, SZ,
                     WARPS, False, xs, XS)
                 u += done
-                if FOLD:  # the attention phase finishes qkv's tiles itself
-                    tiled = kind != K_QKV
-                else:
-                    tiled = kind >= 0
                 if tiled:
                     # NOTE: every thread's partial stores come before the ticket (barrier), and
-                    # the ticket is a gpu-scope acq_rel atomic, so the last piece sees all
-                    # partials.
+                    # the ticket is a gpu-scope release atomic (thread 0's), so the last piece
+                    # sees all partials once it has fenced (_settle).
                     gl.thread_barrier()
-                    ticket = gl.atomic_add(lock_ptr + j, 1, sem="acq_rel", scope="gpu")
-                    if (ticket == n_pieces - 1) and (SKIP & 1 == 0):
-                        _finish(kind, j, n_pieces, N, part_ptr, vec_ptr, norm_ptr + g_off, ss_ptr,
-                                cs_ptr, pos, slot, kc_l, vc_l, eps, H, HEADS,
-                                KVH, D, T, L)
-                        gl.atomic_xchg(lock_ptr + j, 0)
+                    tk = ticket_release(lock_ptr + j + idx * 0, (idx == 0).to(gl.int32))
+                    if DEFER:  # the piece before's ticket now, this one's after the next piece
+                        _settle(pj, pn, ptk, kind, N, part_ptr, vec_ptr, norm_ptr + g_off, ss_ptr,
+                                cs_ptr, pos, slot, kc_l, vc_l, lock_ptr, idx, eps, H, HEADS,
+                                KVH, D, T, L, SKIP)
+                        pj = j
+                        pn = n_pieces
+                        ptk = tk
+                    else:
+                        _settle(j, n_pieces, tk, kind, N, part_ptr, vec_ptr, norm_ptr + g_off,
+                                ss_ptr, cs_ptr, pos, slot, kc_l, vc_l, lock_ptr, idx, eps, H,
+                                HEADS, KVH, D, T, L, SKIP)
+            if DEFER:
+                _settle(pj, pn, ptk, kind, N, part_ptr, vec_ptr, norm_ptr + g_off, ss_ptr,
+                        cs_ptr, pos, slot, kc_l, vc_l, lock_ptr, idx, eps, H, HEADS, KVH, D, T,
+                        L, SKIP)
         if TRACE:
             gl.store(trace_ptr + (f * P + pid) * 2 + 1, globaltimer())
         gl.thread_barrier()
@@ -260,7 +295,8 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
                          SPLITS: gl.constexpr, TB: gl.constexpr, WAIT: gl.constexpr = True,
                          TRACE: gl.constexpr = False, X_AHEAD: gl.constexpr = 4,
                          SZ: gl.constexpr = 1, SKIP: gl.constexpr = 0,
-                         FOLD: gl.constexpr = 0, XS: gl.constexpr = 0, NG: gl.constexpr = 8):
+                         FOLD: gl.constexpr = 0, XS: gl.constexpr = 0, NG: gl.constexpr = 8,
+                         DEFER: gl.constexpr = 0):
     """The layers of the phase table at tab_ptr (TABF int64 fields a phase), from the residual
     stream h and the first norm's input xn and sums of squares (in vec and ss) to the last
     layer's h (see the module docstring). WAIT / TRACE / SKIP are for measurement: without the
@@ -268,7 +304,8 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
     out. X_AHEAD: x's steps loaded ahead through L2 (4 or 8) or, with XS, x copied into shared
     memory once a phase (NG groups of 128 inputs: the widest projection's, a power of two); SZ:
     the scales by TMA with the words (else read from global memory); FOLD: attention makes q, k
-    and v from the qkv partials."""
+    and v from the qkv partials; DEFER: a piece's ticket is read after the program's next piece
+    (its round trip hidden behind that piece's work), else at once."""
     T: gl.constexpr = 32 * WARPS
     bufs = gl.allocate_shared_memory(gl.int32, [S, 16, T], desc.layout)
     sbufs = gl.allocate_shared_memory(gl.int32, [S, 1, T], sdesc.layout)
@@ -278,7 +315,8 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
         (_consumer, (bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr,
                      norm_ptr, ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr,
                      slot_ptr, bt_ptr, kc_ptr, vc_ptr, trace_ptr, eps, scale, P, S, WARPS, H,
-                     HEADS, KVH, D, BS, SPLITS, TB, WAIT, TRACE, X_AHEAD, SZ, SKIP, FOLD, XS)),
+                     HEADS, KVH, D, BS, SPLITS, TB, WAIT, TRACE, X_AHEAD, SZ, SKIP, FOLD, XS,
+                     DEFER)),
         (_layer_producer, (desc, sdesc, bufs, sbufs, ready, empty, tab_ptr, n_phases, S, T,
                            SZ)),
     ], [1], [48])
@@ -390,10 +428,10 @@ class DecodeLayers:
 
     warps: consumer warps a program (4 or 8); stages: the ring's chunks (16 word rows of 32
     channels a warp: 8 KB at 4 warps); splits: attention programs a KV head. The attributes
-    wait, trace, skip, fold, x_ahead, regs, scales_in_chunk and x_smem choose the kernel's forms
-    (decode_layers_kernel; benchmarks/decode_layer_ring.py times them). Shared memory a program:
-    the ring's stages (chunk and scale row) and, with x_smem, the widest input (32 KB for
-    Llama-3-8B): 16 stages of 4 warps or 8 of 8 fit beside it."""
+    wait, trace, skip, fold, x_ahead, regs, scales_in_chunk, x_smem and defer choose the
+    kernel's forms (decode_layers_kernel; benchmarks/decode_layer_ring.py times them). Shared
+    memory a program: the ring's stages (chunk and scale row) and, with x_smem, the widest
+    input (32 KB for Llama-3-8B): 16 stages of 4 warps or 8 of 8 fit beside it."""
 
     def __init__(self, dims: Dims, layers: list[LayerWeights], final_norm: torch.Tensor,
                  device: torch.device, *, warps: int = 4, stages: int = 16, splits: int = 16,
@@ -410,6 +448,7 @@ class DecodeLayers:
         self.programs = programs
         self.wait, self.trace, self.skip, self.fold = True, False, 0, 0
         self.x_ahead, self.regs, self.scales_in_chunk, self.x_smem = 4, 128, True, True
+        self.defer = True
         tile = 32 * warps
         self.k_max = max(dims.hidden, dims.heads * dims.head_dim, dims.inter)
         self.order = gate_up_order(dims.inter, tile // 2).to(device)
@@ -526,7 +565,7 @@ class DecodeLayers:
             self.programs, S=self.stages, WARPS=self.warps, H=H, HEADS=d.heads, KVH=d.kv_heads,
             D=d.head_dim, BS=d.block_size, SPLITS=self.splits, TB=self.tb, WAIT=self.wait,
             TRACE=self.trace, X_AHEAD=self.x_ahead, SZ=int(self.scales_in_chunk),
-            SKIP=self.skip, FOLD=self.fold, XS=int(self.x_smem),
+            SKIP=self.skip, FOLD=self.fold, XS=int(self.x_smem), DEFER=int(self.defer),
             NG=x_groups(self.k_max, tile) if self.x_smem else tile // 16, num_warps=self.warps,
             maxnreg=self.regs)
         return self.vec[:H].view(1, H)

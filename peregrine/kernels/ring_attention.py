@@ -186,7 +186,7 @@ def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, q0, q1, q2, q3, k_cur,
         for h in gl.static_range(GQA):
             out = _merge(apart_ptr, kh * SPLITS * GQA + h, d, SPLITS, GQA, D)
             gl.store(vec_ptr + AT_OFF + (kh * GQA + h) * D + d, out.to(gl.bfloat16))
-        gl.atomic_xchg(lock_ptr + kh, 0)
+        gl.atomic_xchg(lock_ptr + kh, 0, sem="relaxed", scope="gpu")  # (see decode_layers._settle)
 
 
 @gluon.jit
