@@ -218,12 +218,12 @@ def _merge(apart_ptr, r0, d, SPLITS: gl.constexpr, GQA: gl.constexpr, D: gl.cons
     """The shares' (m, l, acc) of one query head merged: sum_s 2^(m_s - M) acc_s / sum_s
     2^(m_s - M) l_s."""
     big = gl.load(apart_ptr + r0 * (D + 2) + D, cache_modifier=".cg")
-    for s in range(1, SPLITS):
+    for s in gl.static_range(1, SPLITS):  # (unrolled: the loads in flight together)
         big = gl.maximum(big, gl.load(apart_ptr + (r0 + s * GQA) * (D + 2) + D,
                                       cache_modifier=".cg"))
     num = gl.zeros_like(d.to(gl.float32))
     den = gl.sum(num, 0)
-    for s in range(SPLITS):
+    for s in gl.static_range(SPLITS):
         rec = apart_ptr + (r0 + s * GQA) * (D + 2)
         w = gl.exp2(gl.load(rec + D, cache_modifier=".cg") - big)
         num += w * gl.load(rec + d, cache_modifier=".cg")
