@@ -217,9 +217,10 @@ def timeline(times: torch.Tensor, per: int) -> list[dict]:
 
 def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: int,
         iters: int, forms: list[str], variants: list[tuple[int, int]], x_sources: list[str],
-        dev: torch.device) -> list[dict]:
+        acc2s: list[bool], dev: torch.device) -> list[dict]:
     """For each ring depth, where x comes from (`smem`: copied into shared memory once a phase;
-    `l2`: read through L2 x_ahead steps ahead) and (x steps ahead, registers a thread): check
+    `l2`: read through L2 x_ahead steps ahead), one or two sets of accumulators and (x steps
+    ahead, registers a thread): check
     the kernel against reference_layers (folded or not), then time each form (CUDA-graph
     replays). A form that does not launch (a deep ring beside x's copy outgrows shared memory)
     is recorded with its error."""
@@ -236,11 +237,12 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
         res = {"layers": layers, "ctx": ctx, "warps": warps, "scales_in_chunk": sz, "stages": s,
                "splits": splits, "programs": P, "wall_us_per_layer": round(wbytes / 4.2e6, 2),
                "variants": []}
-        for src, (x_ahead, regs) in [(src, v) for src in x_sources for v in variants]:
+        for src, acc2, (x_ahead, regs) in [(src, a, v) for src in x_sources for a in acc2s
+                                           for v in variants]:
             if src == "smem" and x_ahead != variants[0][0]:
                 continue  # (x_ahead is the L2 form's)
-            dl.x_smem, dl.x_ahead, dl.regs = src == "smem", x_ahead, regs
-            v = {"x": src, "x_ahead": x_ahead, "regs": regs}
+            dl.x_smem, dl.acc2, dl.x_ahead, dl.regs = src == "smem", acc2, x_ahead, regs
+            v = {"x": src, "acc2": acc2, "x_ahead": x_ahead, "regs": regs}
             try:
                 call(d)
                 torch.cuda.synchronize()
@@ -287,6 +289,8 @@ def main() -> None:
                    help="x's steps ahead x registers a thread, comma-separated")
     p.add_argument("--x", default="smem,l2",
                    help="where the GEMVs read x: smem (copied once a phase) and/or l2")
+    p.add_argument("--acc2", default="0,1",
+                   help="one (0) and/or two (1) sets of accumulators a chunk, comma-separated")
     p.add_argument("--iters", type=int, default=20)
     ns = p.parse_args()
     dev = torch.device("cuda")
@@ -300,7 +304,8 @@ def main() -> None:
         for sz in ns.scales.split(","):
             for w, stages in rings.items():
                 results += run(int(n), ns.ctx, w, sz == "chunk", stages, ns.splits, ns.iters,
-                               ns.forms.split(","), variants, ns.x.split(","), dev)
+                               ns.forms.split(","), variants, ns.x.split(","),
+                               [a == "1" for a in ns.acc2.split(",")], dev)
             torch.cuda.empty_cache()
     write_results(ns.out, dev, results)
 

@@ -16,13 +16,14 @@ SMALL = {"H": 512, "HEADS": 8, "KVH": 2, "D": 128, "INTER": 1024, "BS": 16, "the
          "eps": 1e-6}
 # (consumer warps, ring stages, x's steps ahead through L2 (0: x copied into shared memory),
 # registers a thread, scales with the chunks, attention making q, k and v from the qkv partials,
-# tickets read after the program's next piece)
-FORMS = ((4, 16, 0, 128, True, 0, True), (4, 16, 0, 128, True, 1, True),
-         (4, 16, 0, 128, True, 0, False), (8, 8, 0, 168, True, 0, True),
-         (8, 8, 0, 128, False, 1, False), (4, 16, 4, 128, True, 0, True),
-         (4, 16, 4, 128, True, 1, False), (4, 16, 8, 168, True, 0, True),
-         (8, 8, 4, 128, True, 0, False), (8, 8, 8, 168, True, 1, True),
-         (4, 16, 4, 128, False, 0, True), (8, 12, 4, 128, False, 1, True))
+# tickets read after the program's next piece, two sets of accumulators)
+FORMS = ((4, 16, 0, 128, True, 0, True, False), (4, 16, 0, 128, True, 1, True, False),
+         (4, 16, 0, 128, True, 0, False, True), (4, 16, 0, 128, True, 0, True, True),
+         (8, 8, 0, 168, True, 0, True, False), (8, 8, 0, 128, False, 1, False, True),
+         (4, 16, 4, 128, True, 0, True, False), (4, 16, 4, 128, True, 1, False, False),
+         (4, 16, 8, 168, True, 0, True, True), (8, 8, 4, 128, True, 0, False, False),
+         (8, 8, 8, 168, True, 1, True, False), (4, 16, 4, 128, False, 0, True, False),
+         (8, 12, 4, 128, False, 1, True, False))
 
 
 def _hopper() -> None:
@@ -44,13 +45,13 @@ def test_decode_layers_match_the_torch_layers(shape: str, ctx: int, layers: int,
     _hopper()
     bench = load("decode_layer_ring")
     cfg = SMALL if shape == "small" else bench.LLAMA3_8B
-    warps, stages, x_ahead, regs, sz, fold, defer = form
+    warps, stages, x_ahead, regs, sz, fold, defer, acc2 = form
     P = torch.cuda.get_device_properties(DEV).multi_processor_count
     d = bench.build(layers, P, ctx, DEV, cfg, warps=warps, stages=stages)
     want = bench.reference_layers(d)
     dl = d["dl"]
     dl.x_ahead, dl.regs, dl.scales_in_chunk, dl.fold = max(x_ahead, 4), regs, sz, fold
-    dl.x_smem, dl.defer = x_ahead == 0, defer
+    dl.x_smem, dl.defer, dl.acc2 = x_ahead == 0, defer, acc2
     bench.call(d)
     torch.cuda.synchronize()
     got = bench.state(d)
