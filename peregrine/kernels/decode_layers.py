@@ -325,8 +325,7 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
 
 @triton.jit
 def decode_prologue_kernel(table_ptr, tok_ptr, g_ptr, vec_ptr, ss_ptr, lock_ptr, cnt_ptr,
-                           n_lock, n_cnt, H: tl.constexpr, T: tl.constexpr,
-                           CLEAR: tl.constexpr):
+                           n_lock, n_cnt, H: tl.constexpr, T: tl.constexpr):
     """The persistent kernel's inputs, one program a tile of T channels: h = row tok[0] of
     table (the embedding, or the step's row itself with tok 0), xn = h * g rounded to bf16 and
     the tile's sum of h^2; program 0 also zeroes the phases' counters and the tickets."""
@@ -339,7 +338,7 @@ def decode_prologue_kernel(table_ptr, tok_ptr, g_ptr, vec_ptr, ss_ptr, lock_ptr,
     g = tl.load(g_ptr + c).to(tl.float32)
     tl.store(vec_ptr + H + c, (hf * g).to(tl.bfloat16))
     tl.store(ss_ptr + j, tl.sum(hf * hf, 0))
-    if CLEAR and j == 0:
+    if j == 0:
         for k in range(0, n_lock, T):
             tl.store(lock_ptr + k + tl.arange(0, T), 0, mask=k + tl.arange(0, T) < n_lock)
         for k in range(0, n_cnt, T):
@@ -557,7 +556,7 @@ class DecodeLayers:
         # prologue clears them (and the phases' counters) every call, inside a CUDA graph too
         decode_prologue_kernel[(H // tile,)](
             x, token, self.norms, self.vec, self.ss, self.lock, self.cnt, self.lock.numel(),
-            self.cnt.numel(), H=H, T=tile, CLEAR=True, num_warps=4)
+            self.cnt.numel(), H=H, T=tile, num_warps=4)
         k0, v0 = self.caches
         decode_layers_kernel[(self.programs,)](
             *self.descs, self.table, len(self.table), self.scales, self.zeros, self.vec,

@@ -191,7 +191,7 @@ def test_the_prologue_reads_the_tokens_row_and_clears_the_tickets(warps: int) ->
     dl.vec.fill_(5.0)
     kd.decode_prologue_kernel[(H // tile,)](
         table, torch.tensor([6]), dl.norms, dl.vec, dl.ss, dl.lock, dl.cnt, dl.lock.numel(),
-        dl.cnt.numel(), H=H, T=tile, CLEAR=True)
+        dl.cnt.numel(), H=H, T=tile)
     h = table[6].float()
     assert torch.equal(dl.vec[:H].float(), h)
     # (within one bf16 step: the interpreter's float32 -> bf16 conversion may truncate)
