@@ -217,7 +217,7 @@ def timeline(times: torch.Tensor, per: int) -> list[dict]:
 
 def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: int,
         iters: int, forms: list[str], variants: list[tuple[int, int]], x_sources: list[str],
-        acc2s: list[bool], dev: torch.device) -> list[dict]:
+        acc2s: list[bool], tb: int, dev: torch.device) -> list[dict]:
     """For each ring depth, where x comes from (`smem`: copied into shared memory once a phase;
     `l2`: read through L2 x_ahead steps ahead), one or two sets of accumulators and (x steps
     ahead, registers a thread): check
@@ -229,14 +229,14 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
     d = build(layers, P, ctx, dev, warps=warps, splits=splits)
     want = reference_layers(d)
     dl = d["dl"]
-    dl.scales_in_chunk = sz
+    dl.scales_in_chunk, dl.tb = sz, tb
     wbytes = (dl.words.numel() + dl.sz_rows.numel()) * 4 / layers
     out = []
     for s in stages:
         dl.stages = s
-        res = {"layers": layers, "ctx": ctx, "warps": warps, "scales_in_chunk": sz, "stages": s,
-               "splits": splits, "programs": P, "wall_us_per_layer": round(wbytes / 4.2e6, 2),
-               "variants": []}
+        res = {"layers": layers, "ctx": ctx, "tb": tb, "warps": warps, "scales_in_chunk": sz,
+               "stages": s, "splits": splits, "programs": P,
+               "wall_us_per_layer": round(wbytes / 4.2e6, 2), "variants": []}
         for src, acc2, (x_ahead, regs) in [(src, a, v) for src in x_sources for a in acc2s
                                            for v in variants]:
             if src == "smem" and x_ahead != variants[0][0]:
@@ -291,6 +291,8 @@ def main() -> None:
                    help="where the GEMVs read x: smem (copied once a phase) and/or l2")
     p.add_argument("--acc2", default="0,1",
                    help="one (0) and/or two (1) sets of accumulators a chunk, comma-separated")
+    p.add_argument("--tb", type=int, default=16,
+                   help="tokens an attention program reads a block (the first before its wait)")
     p.add_argument("--iters", type=int, default=20)
     ns = p.parse_args()
     dev = torch.device("cuda")
@@ -305,7 +307,7 @@ def main() -> None:
             for w, stages in rings.items():
                 results += run(int(n), ns.ctx, w, sz == "chunk", stages, ns.splits, ns.iters,
                                ns.forms.split(","), variants, ns.x.split(","),
-                               [a == "1" for a in ns.acc2.split(",")], dev)
+                               [a == "1" for a in ns.acc2.split(",")], ns.tb, dev)
             torch.cuda.empty_cache()
     write_results(ns.out, dev, results)
 
