@@ -78,3 +78,25 @@ def test_ring_int4_gemv_phases_are_the_exact_products() -> None:
         res = probe.run(2, warps, stages, 4, 2, forms, DEV)
         for form in forms:
             assert res[form]["max_ulps"] <= 1.0, (warps, form, res[form])
+
+
+def test_the_prologue_looks_the_tokens_row_up() -> None:
+    """A call given the embedding table and a token gives the bits of a call given that row."""
+    _hopper()
+    bench = load("decode_layer_ring")
+    P = torch.cuda.get_device_properties(DEV).multi_processor_count
+    d = bench.build(2, P, 40, DEV, SMALL)
+    bench.call(d)
+    torch.cuda.synchronize()
+    want = {k: v.clone() for k, v in bench.state(d).items()}
+    table = torch.randn(50, SMALL["H"], device=DEV).to(torch.bfloat16)
+    table[37] = d["h0"][0]
+    for kc, vc in d["caches"]:  # the step's own K/V rows and the arena written afresh
+        kc.reshape(-1, SMALL["KVH"], SMALL["D"])[d["slot"]] = 0
+        vc.reshape(-1, SMALL["KVH"], SMALL["D"])[d["slot"]] = 0
+    d["dl"].vec.zero_()
+    d["dl"](table, d["positions"], d["slots"], d["block_table"], d["cos_sin"],
+            token=torch.tensor([37], device=DEV))
+    torch.cuda.synchronize()
+    for k, v in bench.state(d).items():
+        assert torch.equal(v, want[k]), k
