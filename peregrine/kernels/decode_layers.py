@@ -385,6 +385,12 @@ def offsets(dims: Dims) -> dict[str, int]:
             "size": 2 * h + 2 * qd + dims.inter}
 
 
+def attention_splits(programs: int, kv_heads: int, most: int = 16) -> int:
+    """Attention programs a KV head: as many as the SMs allow, at most `most` (16 on a 132-SM
+    H100 or H200 with 8 KV heads; 14 on a 114-SM one)."""
+    return min(most, programs // kv_heads)
+
+
 def unsupported(dims: Dims, layers: list[LayerWeights], dtype: torch.dtype, warps: int = 4,
                 programs: int | None = None, splits: int = 16) -> str | None:
     """Why the kernel cannot run these layers (None: it can)."""
@@ -401,6 +407,8 @@ def unsupported(dims: Dims, layers: list[LayerWeights], dtype: torch.dtype, warp
                           ("intermediate size", dims.inter, max(tile // 2, 128))):
         if n % unit:
             return f"{name} {n} is not a multiple of {unit}"
+    if splits < 1:
+        return f"{splits} attention programs a KV head"
     if programs is not None and programs < dims.kv_heads * splits:
         return f"{programs} SMs, fewer than the attention's {dims.kv_heads * splits} programs"
     q_out = (dims.heads + 2 * dims.kv_heads) * dims.head_dim

@@ -89,11 +89,13 @@ def prepare(model: nn.Module, block_size: int, cache_dtype: torch.dtype,
                               layer.post_attention_layernorm.weight.data)
               for layer in model.layers]
     programs = torch.cuda.get_device_properties(device).multi_processor_count
-    reason = kd.unsupported(dims, layers, layers[0].qkv.scales.dtype, programs=programs)
+    splits = kd.attention_splits(programs, dims.kv_heads)
+    reason = kd.unsupported(dims, layers, layers[0].qkv.scales.dtype, programs=programs,
+                            splits=splits)
     if reason is not None:
         return reason
     model.decode_layers_packed = kd.DecodeLayers(dims, layers, model.norm.weight.data, device,
-                                                 programs=programs)
+                                                 programs=programs, splits=splits)
     return None
 
 

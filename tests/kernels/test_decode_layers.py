@@ -111,6 +111,7 @@ def test_what_the_kernel_refuses() -> None:
     assert "four query heads" in kd.unsupported(bench.dims_of(dict(cfg, KVH=4)), w,
                                                 torch.bfloat16)
     assert "fewer than the attention" in kd.unsupported(dims, w, torch.bfloat16, programs=8)
+    assert "0 attention programs" in kd.unsupported(dims, w, torch.bfloat16, splits=0)
     assert "KV width" in kd.unsupported(dims, w, torch.bfloat16, warps=8)  # one KV head
     q = w[0].o.unpacked()
     eight = WNA16Layout.build(q, w[0].o.scales.float(), None, None, 8, torch.bfloat16)
@@ -124,6 +125,14 @@ def test_what_the_kernel_refuses() -> None:
         dl.bind_caches(d["caches"] * 2)
     with pytest.raises(ValueError, match="contiguous bf16"):
         dl.bind_caches([(c[0].float(), c[1]) for c in d["caches"]])
+
+
+def test_the_attention_takes_as_many_programs_a_kv_head_as_the_sms_allow() -> None:
+    assert kd.attention_splits(132, 8) == 16  # H100 / H200 SXM
+    assert kd.attention_splits(114, 8) == 14  # H100 PCIe
+    assert kd.attention_splits(78, 8) == 9
+    assert kd.attention_splits(132, 1) == 16
+    assert kd.attention_splits(4, 8) == 0  # (refused: fewer SMs than KV heads)
 
 
 @pytest.mark.parametrize("ctx,warps", ((1, 4), (37, 4), (37, 8)))
