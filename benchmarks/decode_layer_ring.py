@@ -220,10 +220,9 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
         acc2s: list[bool], tb: int, dev: torch.device) -> list[dict]:
     """For each ring depth, where x comes from (`smem`: copied into shared memory once a phase;
     `l2`: read through L2 x_ahead steps ahead), one or two sets of accumulators and (x steps
-    ahead, registers a thread): check
-    the kernel against reference_layers (folded or not), then time each form (CUDA-graph
-    replays). A form that does not launch (a deep ring beside x's copy outgrows shared memory)
-    is recorded with its error."""
+    ahead, registers a thread): check the kernel against reference_layers (folded or not), then
+    time each form (CUDA-graph replays). A form that does not launch (a deep ring beside x's
+    copy outgrows shared memory) is recorded with its error."""
     P = torch.cuda.get_device_properties(dev).multi_processor_count
     t0 = time.time()
     d = build(layers, P, ctx, dev, warps=warps, splits=splits)
