@@ -100,3 +100,18 @@ def test_the_prologue_looks_the_tokens_row_up() -> None:
     torch.cuda.synchronize()
     for k, v in bench.state(d).items():
         assert torch.equal(v, want[k]), k
+
+
+@pytest.mark.parametrize("splits,ctx", ((14, 40), (14, 300), (9, 256)))
+def test_attention_over_fewer_programs_a_kv_head(splits: int, ctx: int) -> None:
+    """As many attention programs a KV head as a GPU with fewer SMs allows (14 on 114 SMs, 9 on
+    78): the same layers."""
+    _hopper()
+    bench = load("decode_layer_ring")
+    P = torch.cuda.get_device_properties(DEV).multi_processor_count
+    d = bench.build(2, P, ctx, DEV, bench.LLAMA3_8B, splits=splits)
+    want = bench.reference_layers(d)
+    bench.call(d)
+    torch.cuda.synchronize()
+    bad = bench.mismatches(bench.state(d), want, *bench.LAYERS)
+    assert not bad, bad
