@@ -229,15 +229,15 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
 
 
 @gluon.jit
-def _tile_sum(part_ptr, n_pieces, N, offs):
-    """A tile's float32 sums at offs: its pieces' partials added in piece order. The first eight
-    pieces' loads are unrolled (masked), so that they are in flight together rather than one
-    round trip after another; more pieces than that are added by a loop."""
+def _tile_sum(part_ptr, n_pieces, N, offs, UNROLL: gl.constexpr = 8):
+    """A tile's float32 sums at offs: its pieces' partials added in piece order. The first
+    UNROLL pieces' loads are unrolled (masked), so that they are in flight together rather than
+    one round trip after another; more pieces than that are added by a loop."""
     tot = gl.load(part_ptr + offs, cache_modifier=".cg")
-    for q in gl.static_range(1, 8):
+    for q in gl.static_range(1, UNROLL):
         tot += gl.load(part_ptr + (q * N + offs), mask=(offs * 0 + q) < n_pieces, other=0.0,
                        cache_modifier=".cg")
-    for q in range(8, n_pieces):
+    for q in range(UNROLL, n_pieces):
         tot += gl.load(part_ptr + (q * N + offs), cache_modifier=".cg")
     return tot
 
