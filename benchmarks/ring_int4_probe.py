@@ -41,13 +41,14 @@ from pathlib import Path
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_timing import graph_replay_ms, write_results  # noqa: E402
-from peregrine.kernels._gluon import poll_acquire as _poll, ring_barriers  # noqa: E402
+from peregrine.kernels._gluon import cta_barrier, ring_barriers, tma_load  # noqa: E402
+from peregrine.kernels._gluon import poll_acquire as _poll  # noqa: E402
 from peregrine.kernels.ring_gemv import (_gemv_piece, _share, _tile_sum, _x_to_smem,  # noqa: E402
                                          share, tile_words, x_groups)
 
@@ -77,8 +78,7 @@ def _producer(desc, bufs, ready, empty, tab_ptr, n_phases, S: gl.constexpr, T: g
             slot = i % S
             mbarrier.wait(empty.index(slot), ((i // S) & 1) ^ 1)
             mbarrier.expect(ready.index(slot), 16 * T * 4)
-            tma.async_copy_global_to_shared(desc, [base + u * 16, 0], ready.index(slot),
-                                            bufs.index(slot))
+            tma_load(desc, [base + u * 16, 0], ready.index(slot), bufs.index(slot))
             i += 1
 
 
@@ -125,7 +125,7 @@ def _consumer(bufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, x_ptr, ou
                     LW, L, T, S, X_AHEAD, 0, WARPS, ACC2, xs, XS)
                 # NOTE: every thread's partial stores come before the ticket (barrier), and the
                 # ticket is a gpu-scope acq_rel atomic, so the last piece sees all partials.
-                gl.thread_barrier()
+                cta_barrier()
                 ticket = gl.atomic_add(lock_ptr + j, 1, sem="acq_rel", scope="gpu")
                 if ticket == n_pieces - 1:
                     n = j * T + idx
@@ -140,12 +140,12 @@ def _consumer(bufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, x_ptr, ou
                     buf = bufs.index(slot)
                     for s in gl.static_range(4):
                         sink += buf.slice(s * 4, 4, dim=0).load(LW)
-                    gl.thread_barrier()
+                    cta_barrier()
                     fence_async_shared()
                     mbarrier.arrive(empty.index(slot), count=1)
                     i += 1
             u += done
-        gl.thread_barrier()
+        cta_barrier()
         gl.atomic_add(cnt_ptr + f, 1, sem="release", scope="gpu")
     if not MATH:
         gl.store(sink_ptr + pid, gl.sum(gl.sum(sink, 1), 0))

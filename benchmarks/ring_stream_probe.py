@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -55,7 +55,8 @@ from benchmarks.cuda_timing import graph_replay_ms, write_results  # noqa: E402
 from benchmarks.layer_barrier_probe import (SHORT, STREAM, _short_kernel, _wrap32,  # noqa: E402
                                            layer_phases)
 from peregrine.kernels._gluon import globaltimer as _now  # noqa: E402
-from peregrine.kernels._gluon import pdl_release, pdl_wait, ring_barriers  # noqa: E402
+from peregrine.kernels._gluon import (cta_barrier, pdl_release, pdl_wait,  # noqa: E402
+                                      ring_barriers, tma_load)
 from peregrine.kernels._gluon import poll_acquire as _poll  # noqa: E402
 
 HBM_GBPS = 4200.0
@@ -117,8 +118,7 @@ def _producer(desc, bufs, ready, empty, sched_ptr, n_stream, ptrace_ptr, P, R: g
                 if c == nch - 1:
                     gl.store(ptrace_ptr + (f * P + pid) * 2 + 1, _now())
             mbarrier.expect(ready.index(slot), R * COLS * 4)
-            tma.async_copy_global_to_shared(desc, [row0 + c * R, 0], ready.index(slot),
-                                            bufs.index(slot))
+            tma_load(desc, [row0 + c * R, 0], ready.index(slot), bufs.index(slot))
             i += 1
 
 
@@ -164,7 +164,7 @@ def _consumer(bufs, ready, empty, table_ptr, n_phases, a_ptr, out_ptr, cnt_ptr, 
                     slot = i % S
                     mbarrier.wait(ready.index(slot), (i // S) & 1)
                     acc += bufs.index(slot).load(L2)
-                    gl.thread_barrier()
+                    cta_barrier()
                     fence_async_shared()
                     mbarrier.arrive(empty.index(slot), count=1)
                     i += 1
@@ -178,7 +178,7 @@ def _consumer(bufs, ready, empty, table_ptr, n_phases, a_ptr, out_ptr, cnt_ptr, 
             gl.store(out_ptr + f * P + pid, total)
             if TRACE:
                 gl.store(ctrace_ptr + (f * P + pid) * 2 + 1, _now())
-            gl.thread_barrier()
+            cta_barrier()
             if FLAGS:
                 _set_flag(cnt_ptr + f * FLAG_SLOTS + pid)
             else:

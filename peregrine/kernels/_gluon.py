@@ -3,7 +3,26 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.language.core import builtin
+
+# Names Gluon changed between Triton 3.6 and 3.8 (the newer name where this Triton has it):
+# the barrier of a program's threads (thread_barrier, barrier);
+cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+# a cp.async copy of pointers' values into shared memory (async_copy_global_to_shared,
+# async_load);
+cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+# a TMA copy of a descriptor's box into shared memory, completing on an mbarrier (the same).
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@builtin
+def smem_reinterpret(desc, dtype, shape, layout, _semantic=None):
+    """The shared memory of desc seen as another dtype, shape and layout (the descriptor's
+    `_reinterpret` in Triton 3.6 and 3.8, `reinterpret` in 3.9)."""
+    view = getattr(desc, "reinterpret", None) or desc._reinterpret
+    return view(dtype, shape, layout, _semantic=_semantic)
 
 
 @gluon.jit

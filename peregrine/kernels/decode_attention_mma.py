@@ -38,7 +38,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from peregrine.kernels._gluon import pdl_wait
+from peregrine.kernels._gluon import cp_async, cta_barrier, pdl_wait
 from peregrine.kernels._utils import FP8_DTYPES, has_fp8_convert
 
 HEAD_DIMS = (64, 128, 256)
@@ -172,10 +172,8 @@ def _copy_tile(k_stage, v_stage, k_words_ptr, v_words_ptr, blk, n0, end, k_lane,
     """_load_tile's words copied into shared memory stages without passing through registers
     (cp.async: V past the end is zero-filled), as one commit group."""
     slot = n0 % BLOCK_SIZE
-    async_copy.async_copy_global_to_shared(
-        k_stage, k_words_ptr + (blk * stride_kc_b + slot * stride_kc_s) + k_lane)
-    async_copy.async_copy_global_to_shared(
-        v_stage, v_words_ptr + (blk * stride_vc_b + slot * stride_vc_s) + v_lane,
+    cp_async(k_stage, k_words_ptr + (blk * stride_kc_b + slot * stride_kc_s) + k_lane)
+    cp_async(v_stage, v_words_ptr + (blk * stride_vc_b + slot * stride_vc_s) + v_lane,
         mask=(n0 + v_tok < end)[:, None])
     async_copy.commit_group()
 
@@ -309,7 +307,7 @@ def decode_split_mma_kernel(
                        stride_vc_b, stride_vc_s, BLOCK_SIZE)
             blk_next = _block_of(bt_row, ahead + BLOCK_N, end, BLOCK_SIZE)
             async_copy.wait_group(STAGES - 1)  # this tile's copies have landed
-            gl.thread_barrier()  # ... and every lane's are visible
+            cta_barrier()  # ... and every lane's are visible
             # NOTE: the stage overwritten next iteration is this one: its words are in
             # registers before any later instruction of this (single) warp issues.
             k_cur = k_smem.index(tile % STAGES).load(KW)

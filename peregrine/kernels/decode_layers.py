@@ -62,10 +62,10 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from peregrine.kernels._gluon import (fence_acq_rel_gpu_if, globaltimer, ring_barriers,
-                                      ticket_release, wait_count)
+from peregrine.kernels._gluon import (cta_barrier, fence_acq_rel_gpu_if, globaltimer,
+                                      ring_barriers, ticket_release, tma_load, wait_count)
 from peregrine.kernels.ring_attention import (_attention, _attn_early, _attn_inputs,
                                               _attn_inputs_folded, _rms)
 from peregrine.kernels.ring_gemv import (_gemv_piece, _share, _tile_sum, _x_to_smem, share,
@@ -238,7 +238,7 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
                     # NOTE: every thread's partial stores come before the ticket (barrier), and
                     # the ticket is a gpu-scope release atomic (thread 0's), so the last piece
                     # sees all partials once it has fenced (_settle).
-                    gl.thread_barrier()
+                    cta_barrier()
                     tk = ticket_release(lock_ptr + j + idx * 0, (idx == 0).to(gl.int32))
                     if DEFER:  # the piece before's ticket now, this one's after the next piece
                         _settle(pj, pn, ptk, kind, N, part_ptr, vec_ptr, norm_ptr + g_off, ss_ptr,
@@ -257,7 +257,7 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
                         L, SKIP)
         if TRACE:
             gl.store(trace_ptr + (f * P + pid) * 2 + 1, globaltimer())
-        gl.thread_barrier()
+        cta_barrier()
         gl.atomic_add(cnt_ptr + f, 1, sem="release", scope="gpu")
 
 
@@ -277,11 +277,9 @@ def _layer_producer(desc, sdesc, bufs, sbufs, ready, empty, tab_ptr, n_phases, S
             slot = i % S
             mbarrier.wait(empty.index(slot), ((i // S) & 1) ^ 1)
             mbarrier.expect(ready.index(slot), (16 + SZ) * T * 4)
-            tma.async_copy_global_to_shared(desc, [base + u * 16, 0], ready.index(slot),
-                                            bufs.index(slot))
+            tma_load(desc, [base + u * 16, 0], ready.index(slot), bufs.index(slot))
             if SZ:
-                tma.async_copy_global_to_shared(sdesc, [base // 16 + u, 0], ready.index(slot),
-                                                sbufs.index(slot))
+                tma_load(sdesc, [base // 16 + u, 0], ready.index(slot), sbufs.index(slot))
             i += 1
 
 

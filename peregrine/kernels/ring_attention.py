@@ -10,6 +10,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from peregrine.kernels._gluon import cta_barrier
 from peregrine.kernels.ring_gemv import _tile_sum
 
 
@@ -125,7 +126,7 @@ def _attn_inputs_folded(pid, part_ptr, ss_ptr, cs_ptr, vec_ptr, kc_ptr, vc_ptr, 
         cur = (slot * KVH + kh) * D + d
         gl.store(kc_ptr + cur, k_cur)
         gl.store(vc_ptr + cur, v_cur)
-        gl.thread_barrier()  # (read back by this program where the context is longer)
+        cta_barrier()  # (read back by this program where the context is longer)
     if pid % SPLITS == 0:  # q as the qkv finish would have stored it (for checks only)
         qa = vec_ptr + 2 * H + kh * GQA * D + d
         gl.store(qa, q0.to(gl.bfloat16))
@@ -181,7 +182,7 @@ def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, q0, q1, q2, q3, k_cur,
     _put(apart_ptr, base + 1, m1, l1, a1, d, D)
     _put(apart_ptr, base + 2, m2, l2, a2, d, D)
     _put(apart_ptr, base + 3, m3, l3, a3, d, D)
-    gl.thread_barrier()
+    cta_barrier()
     ticket = gl.atomic_add(lock_ptr + kh, 1, sem="acq_rel", scope="gpu")
     if ticket == SPLITS - 1:
         for h in gl.static_range(GQA):

@@ -21,6 +21,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+from peregrine.kernels._gluon import cp_async, cta_barrier, smem_reinterpret
 from peregrine.kernels.wna16_gemv_tc import (_PAIRS, _group_done, _ld_group, _push, _step,
                                              _store)
 
@@ -98,19 +99,18 @@ def _x_to_smem(xs, x_ptr, x_off, CHUNKS, T: gl.constexpr, WARPS: gl.constexpr):
     16, 4) int32: a group's 16 rows of 8 inputs) by cp.async, a 16-byte row a thread a block of
     T rows, all in flight at once; returns when every warp's copies have landed."""
     LC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [WARPS, 1], [1, 0])
-    blocks = xs._reinterpret(gl.int32, [xs.shape[0] * 16 // T, T, 4],
-                             gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    blocks = smem_reinterpret(xs, gl.int32, [xs.shape[0] * 16 // T, T, 4],
+                              gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     r = gl.arange(0, T, layout=gl.SliceLayout(1, LC))
     w = gl.arange(0, 4, layout=gl.SliceLayout(0, LC))
     off = gl.expand_dims(r, 1) * 4 + gl.expand_dims(w, 0)
     src = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True) + gl.multiple_of(x_off // 2, 4)
     for b in range(0, (CHUNKS * 16 + T - 1) // T):
         ok = gl.expand_dims(b * T + r < CHUNKS * 16, 1)
-        async_copy.async_copy_global_to_shared(blocks.index(b), src + b * (T * 4) + off,
-                                               mask=ok, cache_modifier=".cg")
+        cp_async(blocks.index(b), src + b * (T * 4) + off, mask=ok, cache_modifier=".cg")
     async_copy.commit_group()
     async_copy.wait_group(0)
-    gl.thread_barrier()
+    cta_barrier()
 
 
 @gluon.jit
@@ -219,7 +219,7 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
             acc = (_add4(acc[0], acc_b[0]), _add4(acc[1], acc_b[1]), acc[2], acc[3])
             cx = _add4(cx, cx_b)
         # every consumer warp's loads of this chunk are done before it is refilled
-        gl.thread_barrier()
+        cta_barrier()
         fence_async_shared()
         mbarrier.arrive(empty.index(slot), count=1)
         i += 1

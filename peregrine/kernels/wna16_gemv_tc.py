@@ -41,7 +41,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from peregrine.kernels._gluon import pdl_release, pdl_wait
+from peregrine.kernels._gluon import cta_barrier, pdl_release, pdl_wait
 
 
 def _tile_asm(bf16: bool) -> str:
@@ -384,7 +384,7 @@ def _store_rows(y, y_odd, n_lane, n_ok, t, M, N, split, pid_n, part_ptr, lock_pt
         # NOTE: every thread's partial stores are issued before the ticket (barrier), and the
         # ticket is a gpu-scope acq_rel atomic, so the last program sees all partials (read
         # from L2, never a stale L1 line).
-        gl.thread_barrier()
+        cta_barrier()
         ticket = gl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if ticket == SPLIT_K - 1:
             TILE: gl.constexpr = WARPS * 16 * V

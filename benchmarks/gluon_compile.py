@@ -1,0 +1,186 @@
+"""The Gluon kernels compiled offline for an sm_90a GPU: no GPU needed, only Triton and the
+ptxas, cuobjdump and nvdisasm its wheel bundles (peregrine/testing/offline_compile.py).
+
+    python benchmarks/gluon_compile.py --out /tmp/out/gluon_compile.json
+    python benchmarks/gluon_compile.py --jobs layers:engine,layers:fold --shapes llama3-8b \\
+        --regs 128,168
+
+Jobs: `gemv_tc4` / `gemv_tc6` (the 4- and 6-bit tensor-core GEMV, one row), `w8_tc` (the FP8
+tensor-core GEMV), `attn_fp8` (the FP8-cache decode attention's split kernel) and
+`layers:<form>` (the persistent decode kernel, kernels/decode_layers.py, in a form of FORMS,
+at each register cap of --regs). Per job: registers, stack bytes (the spills' room), spill
+stores and loads, shared memory, a few SASS instructions' counts and the PTX pieces the design
+depends on; or the compiler's error. Shapes: `small` (a 512-wide model, fast) or `llama3-8b`
+(the persistent kernel packed for 132 programs from Llama-3-8B's shapes). Triton must not be
+in interpreter mode (TRITON_INTERPRET unset): its reductions would be the interpreter's.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.decode_layer_ring import LLAMA3_8B, build, call  # noqa: E402
+from peregrine.testing.offline_compile import offline_compile, resources  # noqa: E402
+
+_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+# the persistent kernel's forms: DecodeLayers attributes (the engine's: the defaults)
+FORMS = {
+    "engine": {},
+    "now": {"defer": False},
+    "fold": {"fold": 1},
+    "acc2": {"acc2": True},
+    "l2": {"x_smem": False},
+    "traced": {"trace": True},
+    "free": {"wait": False},
+}
+SHAPES = {"small": dict(LLAMA3_8B, H=512, HEADS=8, KVH=2, INTER=1024), "llama3-8b": LLAMA3_8B}
+# SASS opcode prefixes counted
+OPS = ("UTMALDG", "HMMA", "ATOM", "RED", "LDG", "LDS", "STG", "MEMBAR", "FENCE", "BAR",
+       "SYNCS", "LDL", "STL")
+# PTX pieces counted
+PTX = {"tma": "cp.async.bulk.tensor", "cp_async": "cp.async.cg", "mma": "mma.sync.aligned",
+       "release_inc": "atom.release.gpu.global.inc", "acquire_loads": "ld.acquire.gpu",
+       "fence_acq_rel": "fence.acq_rel.gpu", "ld_shared_v4": "ld.shared.v4"}
+
+
+def report(kernel) -> dict:
+    """Registers, spills, shared memory and instruction counts of a compiled kernel."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        Path(path).write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([str(_BIN / "nvdisasm"), "-c", path], capture_output=True,
+                              text=True, check=True).stdout
+    ops = collections.Counter()
+    for ln in sass.splitlines():
+        m = re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", ln)
+        if m:
+            for name in OPS:
+                if m.group(1).startswith(name):
+                    ops[name] += 1
+    ptx = kernel.asm["ptx"]
+    return {"kernel": kernel.name, **resources(kernel), "spill_stores": ops["STL"],
+            "spill_loads": ops["LDL"], "ops": dict(sorted(ops.items())),
+            "ptx": {name: ptx.count(piece) for name, piece in PTX.items()}}
+
+
+@contextlib.contextmanager
+def _patched(module, name: str, value):
+    """module.name = value inside (a check that asks a CUDA device, answered for sm_90)."""
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+def _gemv_tc(bits: int) -> None:
+    from peregrine.kernels.gemv import GemvConfig
+    from peregrine.kernels.wna16_gemv import _tc_launch
+    from peregrine.layers.quantization.wna16 import WNA16Layout
+    k, n = 1024, 512
+    q = torch.randint(0, 1 << bits, (k, n), dtype=torch.int32)
+    zp = torch.randint(0, 1 << bits, (k // 128, n)).float()
+    w = WNA16Layout.build(q, torch.rand(k // 128, n), zp, None, bits, torch.bfloat16)
+    _tc_launch(torch.zeros(1, k, dtype=torch.bfloat16), w, GemvConfig(128, 128, 2, 4, 4), False)
+
+
+def _w8_tc() -> None:
+    from peregrine.kernels import w8_gemv_tc as w8
+    n, k = 256, 1024
+    with _patched(w8, "fp8_tc_weight_ok", lambda *a, **kw: True):
+        w8.w8_gemv_tc(torch.zeros(1, k, dtype=torch.bfloat16),
+                      torch.randn(n, k).to(torch.float8_e4m3fn), torch.rand(n))
+
+
+def _attn_fp8() -> None:
+    from peregrine.kernels import decode_attention_mma as dam
+    from peregrine.kernels.decode_attention import paged_decode_attention
+    cache = torch.zeros(8, 16, 2, 128).to(torch.float8_e4m3fn)
+    with _patched(dam, "has_fp8_convert", lambda device: True):
+        paged_decode_attention(torch.zeros(2, 8, 128, dtype=torch.bfloat16), cache,
+                               cache.clone(), torch.zeros(2, 4, dtype=torch.int32),
+                               torch.tensor([20, 30], dtype=torch.int32), 0.1,
+                               variant="mma_fp8")
+
+
+KERNELS = {"gemv_tc4": (lambda: _gemv_tc(4), "wna16_gemv_tc_kernel"),
+           "gemv_tc6": (lambda: _gemv_tc(6), "wna16_gemv_tc_kernel"),
+           "w8_tc": (_w8_tc, "w8_gemv_tc_kernel"),
+           "attn_fp8": (_attn_fp8, "decode_split_mma_kernel")}
+
+
+def _compiled(fn, name: str) -> dict:
+    with offline_compile() as kernels:
+        fn()
+    found = [k for k in kernels if k.name == name]
+    if len(found) != 1:
+        raise RuntimeError(f"expected one {name}, compiled {[k.name for k in kernels]}")
+    return report(found[0])
+
+
+def run(jobs: list[str], shapes: str = "small", regs: tuple[int, ...] = (128,),
+        warps: int = 4, stages: int = 16) -> dict:
+    """Each job's report, or the compiler's error (the other jobs go on)."""
+    out = {}
+    layers = None
+    for job in jobs:
+        caps = regs if job.startswith("layers:") else (None,)
+        for r in caps:
+            key = job if r is None else f"{job}:r{r}"
+            try:
+                if job.startswith("layers:"):
+                    if layers is None:
+                        P, splits = (8, 4) if shapes == "small" else (132, 16)
+                        layers = build(1, P, 37, torch.device("cpu"), SHAPES[shapes],
+                                       warps=warps, stages=stages, splits=splits)
+                        engine = {n: getattr(layers["dl"], n)
+                                  for form in FORMS.values() for n in (*form, "regs")}
+                    for name, value in {**engine, "regs": r, **FORMS[job[7:]]}.items():
+                        setattr(layers["dl"], name, value)
+                    out[key] = _compiled(lambda: call(layers), "decode_layers_kernel")
+                else:
+                    out[key] = _compiled(*KERNELS[job])
+            except Exception as e:  # noqa: BLE001 - reported, the other jobs go on
+                out[key] = {"error": f"{type(e).__name__}: {str(e)[-3000:]}"}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--jobs", default=",".join([*KERNELS, "layers:engine", "layers:fold"]))
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="small")
+    ap.add_argument("--regs", default="128", help="the persistent kernel's register caps")
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=16)
+    ap.add_argument("--out", default=None, help="a JSON file (else printed)")
+    a = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("gluon_compile: unset TRITON_INTERPRET (the kernels compile for a GPU)")
+    res = {"triton": triton.__version__, "shapes": a.shapes, "warps": a.warps,
+           "stages": a.stages,
+           "jobs": run(a.jobs.split(","), a.shapes, tuple(int(r) for r in a.regs.split(",")),
+                       a.warps, a.stages)}
+    text = json.dumps(res, indent=1)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(text)
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

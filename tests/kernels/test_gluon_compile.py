@@ -1,0 +1,64 @@
+"""The Gluon kernels (the 4/6-bit and FP8 tensor-core GEMVs, the FP8-cache attention, the
+persistent decode kernel in three forms) compile for an sm_90a GPU with the installed Triton,
+on the CPU (benchmarks/gluon_compile.py, in a process without TRITON_INTERPRET): a Triton
+release that renames what they use fails here rather than at a GPU's first call. Their numbers
+are checked on the GPU (tests/gpu)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton.experimental.gluon")
+
+ROOT = Path(__file__).resolve().parents[2]
+JOBS = ("gemv_tc4", "gemv_tc6", "w8_tc", "attn_fp8", "layers:engine", "layers:fold",
+        "layers:l2")
+SM90_SHARED = 227 * 1024  # the most shared memory a program may take on sm_90
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("gluon") / "compile.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gluon_compile.py"),
+                           "--jobs", ",".join(JOBS), "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())["jobs"]
+
+
+def _job(compiled: dict, name: str) -> dict:
+    key = name if not name.startswith("layers:") else f"{name}:r128"
+    job = compiled[key]
+    assert "error" not in job, job.get("error")
+    return job
+
+
+@pytest.mark.parametrize("name", ("gemv_tc4", "gemv_tc6", "w8_tc"))
+def test_the_tensor_core_gemvs_compile(compiled: dict, name: str) -> None:
+    job = _job(compiled, name)
+    assert job["ptx"]["mma"] > 0 and job["registers"] > 0
+
+
+def test_the_fp8_cache_attention_compiles(compiled: dict) -> None:
+    job = _job(compiled, "attn_fp8")
+    # K/V tiles by cp.async into shared memory, read back into tensor-core MMAs
+    assert job["ptx"]["cp_async"] > 0 and job["ptx"]["mma"] > 0
+    assert job["shared_bytes"] <= SM90_SHARED
+
+
+@pytest.mark.parametrize("form", ("engine", "fold", "l2"))
+def test_the_persistent_decode_kernel_compiles(compiled: dict, form: str) -> None:
+    job = _job(compiled, f"layers:{form}")
+    ptx = job["ptx"]
+    # the weight ring's TMA copies (words, scales), the phases' waits and tickets, the MMAs
+    assert ptx["tma"] >= 2 and ptx["acquire_loads"] > 0 and ptx["release_inc"] > 0
+    assert ptx["mma"] > 0
+    # x into shared memory once a phase by cp.async, except in the form that reads it via L2
+    assert (ptx["cp_async"] > 0) == (form != "l2")
+    assert job["shared_bytes"] <= SM90_SHARED
