@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton.experimental.gluon")
+pytestmark = pytest.mark.slow  # (about 15 s of compiling, uncached)
 
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = ("gemv_tc4", "gemv_tc6", "w8_tc", "attn_fp8", "layers:engine", "layers:fold",
