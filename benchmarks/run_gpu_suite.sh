@@ -4,7 +4,8 @@
 #   steps: tests (all GPU tests) kernels sampler engine enginefp32 kernelbench layerbench splitsbench
 #          samplerbench w2 w2hf w1 w1prof w1trace w1hf serve ttft pacing pacetrace coldstart asyncprobe poolcost
 #          w5 (int4 AWQ layout, batch 1) w8a8 gemvbench stagegraphs w8a8lat w6 w1fp8 w5prof
-#          streamprobe w5ablate logitsbench w8tc replayprobe stepgap decodelayers
+#          streamprobe w5ablate logitsbench w8tc replayprobe stepgap decodelayers (dltests dlbench
+#          dlw5 dlengine)
 #          two GPUs: tptests tp2lat tp2serve 70btp2 70bserve ppbench arbench
 #            (SPLITS_70B="tp2 pp2": the 70B splits, as tags; TP_SIZES="2 1"; PP_MODEL, PP_SETUPS)
 # Logs, JUnit XML (tests) and JSON results go under $OUT (default /tmp/out).
@@ -81,14 +82,17 @@ for s in $steps; do
     # warps x stages; DL_VARIANTS: x steps ahead x registers; DL_X: smem and/or l2, where the
     # GEMVs read x), W5 with the one-kernel decode path
     # on and off, alternating, and the engine's check of the path
-    decodelayers) awq_config
-             gputest decode_layers 400 tests/gpu/test_gpu_decode_layer_ring.py tests/gpu/test_gpu_wait_count.py
-             run decode_layers_bench 330 python benchmarks/decode_layer_ring.py --out "$OUT/decode_layers.json" --rings "${DL_RINGS:-4x16}" --variants "${DL_VARIANTS:-4x128}" --x "${DL_X:-smem,l2}"
+    # the persistent decode kernel: its checks, its forms' timings, W5 with it on and off, the
+    # engine's path through it (each part fits one 10-minute call; decodelayers runs all four)
+    decodelayers|dltests) gputest decode_layers 400 tests/gpu/test_gpu_wait_count.py tests/gpu/test_gpu_decode_layer_ring.py ;;&
+    decodelayers|dlbench) run decode_layers_bench 330 python benchmarks/decode_layer_ring.py --out "$OUT/decode_layers.json" --rings "${DL_RINGS:-4x16}" --variants "${DL_VARIANTS:-4x128}" --x "${DL_X:-smem,l2}" ;;&
+    decodelayers|dlw5) awq_config
              for flag in 1 0 1 0; do
                PEREGRINE_DECODE_LAYERS=$flag timeout 150 python -m peregrine.entrypoints.cli bench latency --model "$OUT/llama-3-8b-awq.json" --output-json "$OUT/w5_layers$flag.json" > "$OUT/w5_layers$flag.log" 2>&1
                python -c "import json,sys; print('w5 one kernel' if sys.argv[2] == '1' else 'w5 kernel a phase', round(json.load(open(sys.argv[1]))['decode_tokens_per_s'], 1))" "$OUT/w5_layers$flag.json" "$flag"
-             done
-             gputest one_kernel_decode 500 tests/gpu/test_gpu_one_kernel_decode.py ;;
+             done ;;&
+    decodelayers|dlengine) gputest one_kernel_decode 500 tests/gpu/test_gpu_one_kernel_decode.py ;;&
+    decodelayers|dltests|dlbench|dlw5|dlengine) ;;
     w5ablate) awq_config  # W5 with parts of the step left out (time only): each part's share
              for p in ${ABLATE_PARTS:-none norm attention rope_store gemv norm,attention,rope_store gemv,norm,attention,rope_store,lm_head}; do
                timeout 150 python benchmarks/ablate.py "$p" -- bench latency --model "$OUT/llama-3-8b-awq.json" --output-json "$OUT/w5_ablate_${p//,/+}.json" > "$OUT/w5_ablate_${p//,/+}.log" 2>&1
