@@ -1,6 +1,7 @@
-"""Models by Hugging Face id: a local folder is used as it is, an id is fetched (or found in the
-local cache) through huggingface_hub. Only what the engine reads is downloaded: config and
-generation config, safetensors weights and the tokenizer files."""
+"""Models by Hugging Face id: a local folder is used as it is, the built-in models' names
+(`peregrine-demo`, `peregrine-demo-draft`) name their packaged folders, and an id is fetched (or
+found in the local cache) through huggingface_hub. Only what the engine reads is downloaded:
+config and generation config, safetensors weights and the tokenizer files."""
 from __future__ import annotations
 
 import re
@@ -17,14 +18,22 @@ def is_repo_id(name: str) -> bool:
     return bool(_REPO_ID.match(name)) and ".." not in name and not Path(name).exists()
 
 
+# The built-in models by name (the demo model is served as `peregrine-demo`).
+BUILT_IN = {"peregrine-demo": "demo_model_path", "peregrine-demo-draft": "demo_draft_path"}
+
+
 def resolve_model_path(name: str, revision: str | None = None,
                        download_dir: str | None = None) -> str:
-    """A local folder for `name`: the folder itself, or the hub id's snapshot (fetched or cached).
+    """A local folder for `name`: the folder itself, a built-in model's packaged folder, or the
+    hub id's snapshot (fetched or cached).
 
     huggingface_hub reads HF_TOKEN, HF_HUB_OFFLINE and HF_ENDPOINT from the environment itself.
     """
     if Path(name).is_dir():
         return name
+    if name in BUILT_IN:
+        from peregrine import demo
+        return str(getattr(demo, BUILT_IN[name])())
     if not is_repo_id(name):
         raise ValueError(f"model {name!r} is neither a local folder nor a Hugging Face model id "
                          "(org/name)")

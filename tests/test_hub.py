@@ -83,3 +83,28 @@ def test_what_counts_as_a_hub_id(name: str, expected: bool) -> None:
 
 def test_allow_patterns_take_no_pickle_weights() -> None:
     assert not any(p.endswith((".bin", ".pt", ".pth")) for p in ALLOW_PATTERNS)
+
+
+def test_the_built_in_models_by_name(monkeypatch, tmp_path) -> None:
+    from peregrine.demo import demo_draft_path, demo_model_path
+
+    def no_hub(*a, **kw):  # a built-in name never reaches the Hub
+        raise AssertionError("the Hub was asked")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_hub)
+    assert Path(resolve_model_path("peregrine-demo")) == demo_model_path()
+    assert Path(resolve_model_path("peregrine-demo-draft")) == demo_draft_path()
+    # the name the server lists the demo model under loads it, and a draft by name speculates
+    llm = LLM("peregrine-demo", device="cpu", dtype="float32", max_model_len=64,
+              speculative_config={"model": "peregrine-demo-draft", "num_speculative_tokens": 2})
+    assert llm.engine.config.model.served_model_name == "peregrine-demo"
+    assert Path(llm.engine.config.model.model) == demo_model_path()
+    spec = llm.engine.config.speculative
+    assert spec.method == "draft_model" and Path(spec.draft.model) == demo_draft_path()
+    out = llm.generate(["def f"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    # a local folder of that name comes first
+    folder = tmp_path / "peregrine-demo"
+    folder.mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model_path("peregrine-demo") == "peregrine-demo"
