@@ -1,6 +1,7 @@
 """LLMEngine: the front end over an engine core (tokenize, validate, detokenize, stop strings)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import threading
@@ -381,6 +382,12 @@ class LLMEngine:
 
     # ---- introspection --------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
+        """The last step's snapshot; with no request left (the last ones aborted between steps,
+        so no step came after), no request is running, waiting or swapped either."""
+        if not self._groups and (self._stats.num_running or self._stats.num_waiting
+                                 or self._stats.num_swapped):
+            self._stats = dataclasses.replace(self._stats, num_running=0, num_waiting=0,
+                                              num_swapped=0)
         return self._stats
 
     def reset_prefix_cache(self) -> None:

@@ -174,7 +174,7 @@ def _copy_tile(k_stage, v_stage, k_words_ptr, v_words_ptr, blk, n0, end, k_lane,
     slot = n0 % BLOCK_SIZE
     cp_async(k_stage, k_words_ptr + (blk * stride_kc_b + slot * stride_kc_s) + k_lane)
     cp_async(v_stage, v_words_ptr + (blk * stride_vc_b + slot * stride_vc_s) + v_lane,
-        mask=(n0 + v_tok < end)[:, None])
+             mask=(n0 + v_tok < end)[:, None])
     async_copy.commit_group()
 
 

@@ -42,3 +42,26 @@ def test_n_above_the_queue_limit_is_a_plain_error_not_queue_full() -> None:
     with pytest.raises(ValueError, match="never") as info:
         engine.add_request("n", [5, 6], SamplingParams(n=3, max_tokens=2))
     assert not isinstance(info.value, QueueFullError)
+
+
+@pytest.mark.parametrize("core_process", (False, True))
+def test_after_an_abort_leaves_nothing_the_gauges_read_zero(core_process: bool) -> None:
+    # the running and waiting counts come from the last step's snapshot: a request aborted
+    # between steps, with nothing else in flight, must not stay counted while the engine idles
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=tiny_checkpoint("llama"), dtype="float32", device="cpu", max_model_len=128,
+        engine_core_process=core_process))
+    try:
+        engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+        engine.add_request("b", [5, 6, 8], SamplingParams(max_tokens=50, ignore_eos=True))
+        for _ in range(20):
+            engine.step()
+            if engine.get_stats().num_running == 2:
+                break
+        assert engine.get_stats().num_running == 2
+        engine.abort_request(["a", "b"])
+        assert not engine.has_unfinished_requests()
+        stats = engine.get_stats()
+        assert (stats.num_running, stats.num_waiting, stats.num_swapped) == (0, 0, 0)
+    finally:
+        engine.shutdown()
