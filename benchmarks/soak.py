@@ -8,7 +8,9 @@ canary text every round, memory flat.
 
 Arguments after `--` go to `peregrine serve` (the script picks the port and starts it), or
 --url names a server that is already running (--server-pid adds its memory to the checks).
-Prints a table per round and writes JSON; exits 1 when a check fails.
+Prints a table per round and writes JSON; exits 1 when a check fails. On the CPU a server takes
+its KV cache's memory as blocks are first written, so that the first rounds' growth is the
+cache's: give it few blocks (`-- MODEL --num-gpu-blocks-override 256`) for the memory check.
 """
 from __future__ import annotations
 
