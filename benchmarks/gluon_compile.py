@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import os
 import re
@@ -26,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import torch
 import triton
@@ -76,17 +76,6 @@ def report(kernel) -> dict:
             "ptx": {name: ptx.count(piece) for name, piece in PTX.items()}}
 
 
-@contextlib.contextmanager
-def _patched(module, name: str, value):
-    """module.name = value inside (a check that asks a CUDA device, answered for sm_90)."""
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
-
-
 def _gemv_tc(bits: int) -> None:
     from peregrine.kernels.gemv import GemvConfig
     from peregrine.kernels.wna16_gemv import _tc_launch
@@ -101,7 +90,8 @@ def _gemv_tc(bits: int) -> None:
 def _w8_tc() -> None:
     from peregrine.kernels import w8_gemv_tc as w8
     n, k = 256, 1024
-    with _patched(w8, "fp8_tc_weight_ok", lambda *a, **kw: True):
+    # (its check asks a CUDA device for sm_89+: answered for sm_90)
+    with mock.patch.object(w8, "fp8_tc_weight_ok", lambda *a, **kw: True):
         w8.w8_gemv_tc(torch.zeros(1, k, dtype=torch.bfloat16),
                       torch.randn(n, k).to(torch.float8_e4m3fn), torch.rand(n))
 
@@ -110,7 +100,7 @@ def _attn_fp8() -> None:
     from peregrine.kernels import decode_attention_mma as dam
     from peregrine.kernels.decode_attention import paged_decode_attention
     cache = torch.zeros(8, 16, 2, 128).to(torch.float8_e4m3fn)
-    with _patched(dam, "has_fp8_convert", lambda device: True):
+    with mock.patch.object(dam, "has_fp8_convert", lambda device: True):
         paged_decode_attention(torch.zeros(2, 8, 128, dtype=torch.bfloat16), cache,
                                cache.clone(), torch.zeros(2, 4, dtype=torch.int32),
                                torch.tensor([20, 30], dtype=torch.int32), 0.1,

@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from peregrine.demo import demo_draft_path, demo_model_path
+
 # NOTE: no pickle weights (*.bin, *.pt): the loader refuses them anyway.
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "merges.txt",
                   "vocab.txt", "*.jinja"]
@@ -19,7 +21,7 @@ def is_repo_id(name: str) -> bool:
 
 
 # The built-in models by name (the demo model is served as `peregrine-demo`).
-BUILT_IN = {"peregrine-demo": "demo_model_path", "peregrine-demo-draft": "demo_draft_path"}
+BUILT_IN = {"peregrine-demo": demo_model_path, "peregrine-demo-draft": demo_draft_path}
 
 
 def resolve_model_path(name: str, revision: str | None = None,
@@ -32,8 +34,7 @@ def resolve_model_path(name: str, revision: str | None = None,
     if Path(name).is_dir():
         return name
     if name in BUILT_IN:
-        from peregrine import demo
-        return str(getattr(demo, BUILT_IN[name])())
+        return str(BUILT_IN[name]())
     if not is_repo_id(name):
         raise ValueError(f"model {name!r} is neither a local folder nor a Hugging Face model id "
                          "(org/name)")
