@@ -20,6 +20,13 @@ it, then timed as CUDA-graph replays of 32 layers:
 The last three are for their times only (their outputs are not the layers').
 
     python benchmarks/decode_layer_ring.py --out /tmp/out/decode_layer_ring.json
+
+`--ncu`: one launch of the first ring, variant and form between cudaProfilerStart/Stop (no
+timing, no reference), for a profiler attached from outside:
+
+    ncu --clock-control none --profile-from-start off -k regex:decode_layers_kernel \
+        --section WarpStateStats --section SourceCounters -o /tmp/out/ring \
+        python benchmarks/decode_layer_ring.py --ncu --out /tmp/out/ncu.json --rings 4x16
 """
 from __future__ import annotations
 
@@ -217,7 +224,8 @@ def timeline(times: torch.Tensor, per: int) -> list[dict]:
 
 def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: int,
         iters: int, forms: list[str], variants: list[tuple[int, int]], x_sources: list[str],
-        acc2s: list[bool], tb: int, dev: torch.device) -> list[dict]:
+        acc2s: list[bool], tb: int, dev: torch.device, pairs: tuple[bool, ...] = (False,)
+        ) -> list[dict]:
     """For each ring depth, where x comes from (`smem`: copied into shared memory once a phase;
     `l2`: read through L2 x_ahead steps ahead), one or two sets of accumulators and (x steps
     ahead, registers a thread): check the kernel against reference_layers (folded or not), then
@@ -236,12 +244,14 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
         res = {"layers": layers, "ctx": ctx, "tb": tb, "warps": warps, "scales_in_chunk": sz,
                "stages": s, "splits": splits, "programs": P,
                "wall_us_per_layer": round(wbytes / 4.2e6, 2), "variants": []}
-        for src, acc2, (x_ahead, regs) in [(src, a, v) for src in x_sources for a in acc2s
-                                           for v in variants]:
+        for src, acc2, pair, (x_ahead, regs) in [(src, a, pr, v) for src in x_sources
+                                                 for a in acc2s for pr in pairs
+                                                 for v in variants]:
             if src == "smem" and x_ahead != variants[0][0]:
                 continue  # (x_ahead is the L2 form's)
             dl.x_smem, dl.acc2, dl.x_ahead, dl.regs = src == "smem", acc2, x_ahead, regs
-            v = {"x": src, "acc2": acc2, "x_ahead": x_ahead, "regs": regs}
+            dl.pair = pair
+            v = {"x": src, "acc2": acc2, "pair": pair, "x_ahead": x_ahead, "regs": regs}
             try:
                 call(d)
                 torch.cuda.synchronize()
@@ -272,6 +282,30 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
     return out
 
 
+def profile_once(ns: argparse.Namespace, dev: torch.device) -> dict:
+    """One launch of the first ring, variant, x source and form, for an outside profiler."""
+    w, s = (int(v) for v in ns.rings.split(",")[0].split("x"))
+    x_ahead, regs = (int(v) for v in ns.variants.split(",")[0].split("x"))
+    P = torch.cuda.get_device_properties(dev).multi_processor_count
+    d = build(int(ns.layers.split(",")[0]), P, ns.ctx, dev, warps=w, splits=ns.splits)
+    dl = d["dl"]
+    form = ns.forms.split(",")[0]
+    dl.stages, dl.scales_in_chunk, dl.tb = s, ns.scales.split(",")[0] == "chunk", ns.tb
+    dl.x_smem, dl.acc2 = ns.x.split(",")[0] == "smem", ns.acc2.split(",")[0] == "1"
+    dl.x_ahead, dl.regs, dl.pair = x_ahead, regs, ns.pair.split(",")[0] == "1"
+    dl.wait, dl.trace, dl.skip, dl.fold, dl.defer = FORMS[form]
+    for _ in range(3):
+        call(d)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    call(d)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    return {"profiled": form, "warps": w, "stages": s, "x_smem": dl.x_smem, "acc2": dl.acc2,
+            "pair": dl.pair,
+            "x_ahead": x_ahead, "regs": regs}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -290,11 +324,20 @@ def main() -> None:
                    help="where the GEMVs read x: smem (copied once a phase) and/or l2")
     p.add_argument("--acc2", default="0,1",
                    help="one (0) and/or two (1) sets of accumulators a chunk, comma-separated")
+    p.add_argument("--pair", default="0",
+                   help="one (0) and/or two (1) ring chunks between the consumers' barriers")
     p.add_argument("--tb", type=int, default=16,
                    help="tokens an attention program reads a block (the first before its wait)")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--ncu", action="store_true",
+                   help="one launch of the first choice of each option, for a profiler")
     ns = p.parse_args()
     dev = torch.device("cuda")
+    if ns.ncu:
+        rec = profile_once(ns, dev)
+        print(json.dumps(rec), flush=True)
+        write_results(ns.out, dev, [rec])
+        return
     results = []
     variants = [tuple(int(v) for v in x.split("x")) for x in ns.variants.split(",")]
     rings: dict[int, list[int]] = {}
@@ -306,7 +349,8 @@ def main() -> None:
             for w, stages in rings.items():
                 results += run(int(n), ns.ctx, w, sz == "chunk", stages, ns.splits, ns.iters,
                                ns.forms.split(","), variants, ns.x.split(","),
-                               [a == "1" for a in ns.acc2.split(",")], ns.tb, dev)
+                               [a == "1" for a in ns.acc2.split(",")], ns.tb, dev,
+                               tuple(x == "1" for x in ns.pair.split(",")))
             torch.cuda.empty_cache()
     write_results(ns.out, dev, results)
 

@@ -42,6 +42,7 @@ FORMS = {
     "now": {"defer": False},
     "fold": {"fold": 1},
     "acc2": {"acc2": True},
+    "pair": {"pair": True},
     "l2": {"x_smem": False},
     "traced": {"trace": True},
     "free": {"wait": False},

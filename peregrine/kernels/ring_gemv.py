@@ -165,13 +165,15 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
                 part_ptr, pid, idx, t, g, zero, ones, sel, LW: gl.constexpr, L: gl.constexpr,
                 T: gl.constexpr, S: gl.constexpr, X_AHEAD: gl.constexpr, SZ: gl.constexpr,
                 WARPS: gl.constexpr, ACC2: gl.constexpr = False, xs=None,
-                XS: gl.constexpr = False):
+                XS: gl.constexpr = False, PAIR: gl.constexpr = False):
     """The program's groups [g0, g1) of one tile from unit u on: its MMAs over the ring's
     chunks (SZ: each chunk's scales and zero points in sbufs, else read from global memory a
     group ahead; ACC2: even and odd steps on two sets of accumulators, half the MMA chain; XS:
-    x from its shared-memory copy xs, else through L2 X_AHEAD steps ahead), its float32 sums
-    stored as the tile's piece (pid - first). Returns (chunks consumed so far, groups done,
-    tile, the tile's pieces)."""
+    x from its shared-memory copy xs, else through L2 X_AHEAD steps ahead; PAIR, with SZ: two
+    chunks between the consumer warps' barriers, both waited for first so that the second's
+    loads and conversions overlap the first's MMAs), its float32 sums stored as the tile's
+    piece (pid - first). Returns (chunks consumed so far, groups done, tile, the tile's
+    pieces)."""
     pid_n = u // CHUNKS
     g0 = u % CHUNKS
     g1 = gl.minimum(CHUNKS, g0 + (end - u))
@@ -188,7 +190,35 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
     if not XS:
         x_q = _x_queue(xa, last, X_AHEAD)
     y = (zero, zero, zero, zero, zero, zero, zero, zero)
-    for c in range(g1 - g0):
+    c_first = 0
+    if PAIR:
+        if not XS:
+            x_q0 = x_q
+        else:
+            x_q0 = zero
+        for cp in range((g1 - g0) // 2):
+            s0 = i % S
+            s1 = (i + 1) % S
+            mbarrier.wait(ready.index(s0), (i // S) & 1)
+            mbarrier.wait(ready.index(s1), ((i + 1) // S) & 1)
+            sz0 = _chunk_sz(sbufs.index(s0), idx % 32, L, T, WARPS)
+            sz1 = _chunk_sz(sbufs.index(s1), idx % 32, L, T, WARPS)
+            acc0, cx0, x_q0 = _chunk_mma(bufs.index(s0), xs, x_q0, xa, g0, 2 * cp, last, zero,
+                                         ones, sel, LW, L, T, X_AHEAD, WARPS, XS)
+            acc1, cx1, x_q0 = _chunk_mma(bufs.index(s1), xs, x_q0, xa, g0, 2 * cp + 1, last,
+                                         zero, ones, sel, LW, L, T, X_AHEAD, WARPS, XS)
+            # every consumer warp's loads of both chunks are done before they are refilled
+            cta_barrier()
+            fence_async_shared()
+            mbarrier.arrive(empty.index(s0), count=1)
+            mbarrier.arrive(empty.index(s1), count=1)
+            i += 2
+            y = _group_done(y, acc0, cx0, sz0, 0, V, True, True, 4)
+            y = _group_done(y, acc1, cx1, sz1, 0, V, True, True, 4)
+        if not XS:
+            x_q = x_q0
+        c_first = ((g1 - g0) // 2) * 2
+    for c in range(c_first, g1 - g0):
         slot = i % S
         if not SZ:
             sz = sz_n
@@ -226,6 +256,27 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
         y = _group_done(y, acc, cx, sz, 0, V, True, True, 4)
     _store(part_ptr + (pid - first).to(gl.int64) * N, n_lane, y, t == 0, V, False)
     return i, g1 - g0, pid_n, n_pieces
+
+
+@gluon.jit
+def _chunk_mma(buf, xs, x_q, xa, g0, c, last, zero, ones, sel, LW: gl.constexpr,
+               L: gl.constexpr, T: gl.constexpr, X_AHEAD: gl.constexpr, WARPS: gl.constexpr,
+               XS: gl.constexpr):
+    """Chunk c's four steps (the piece's group g0 + c) on fresh accumulators: (acc, cx, x's
+    queue; without XS the queue is passed through)."""
+    c4 = (zero, zero, zero, zero)
+    acc = (c4, c4, c4, c4)
+    cx = c4
+    for s in gl.static_range(4):
+        w_c = _words(buf, s * 4, LW, L, T)
+        if XS:
+            x_c = _x_smem(xs, g0 + c, s, L, T, WARPS)
+        else:
+            x_c = x_q[0]
+            x_nxt = gl.minimum(c * 4 + s + X_AHEAD, last)
+            x_q = _push(x_q, _ld_x(xa + x_nxt * 64), X_AHEAD)
+        acc, cx = _step(acc, cx, ones, w_c, x_c, sel, V, True, 4)
+    return acc, cx, x_q
 
 
 @gluon.jit

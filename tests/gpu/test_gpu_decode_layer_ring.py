@@ -67,6 +67,35 @@ def test_decode_layers_match_the_torch_layers(shape: str, ctx: int, layers: int,
         assert torch.equal(v, first[k]), k
 
 
+@pytest.mark.parametrize("warps,stages,x_smem", ((4, 16, True), (4, 16, False), (8, 8, False)))
+@pytest.mark.parametrize("shape,ctx,layers", (("small", 40, 1), ("small", 40, 3),
+                                              ("llama3_8b", 256, 2)))
+def test_two_chunks_between_barriers_match_the_torch_layers(shape: str, ctx: int, layers: int,
+                                                            warps: int, stages: int,
+                                                            x_smem: bool) -> None:
+    """The form that takes two ring chunks between the consumer warps' barriers (pieces of odd
+    and even lengths) gives the one-chunk form's bits."""
+    _hopper()
+    bench = load("decode_layer_ring")
+    cfg = SMALL if shape == "small" else bench.LLAMA3_8B
+    P = torch.cuda.get_device_properties(DEV).multi_processor_count
+    d = bench.build(layers, P, ctx, DEV, cfg, warps=warps, stages=stages)
+    dl = d["dl"]
+    dl.x_smem = x_smem
+    bench.call(d)
+    torch.cuda.synchronize()
+    one = {k: v.clone() for k, v in bench.state(d).items()}
+    dl.pair = True
+    bench.call(d)
+    torch.cuda.synchronize()
+    two = bench.state(d)
+    for k, v in one.items():
+        assert torch.equal(two[k], v), k
+    bad = bench.mismatches(two, bench.reference_layers(d),
+                           *(bench.ONE_LAYER if layers == 1 else bench.LAYERS))
+    assert not bad, bad
+
+
 def test_ring_int4_gemv_phases_are_the_exact_products() -> None:
     """Two layers of the four projections, 4 and 8 consumer warps, one and two accumulator
     sets, x through L2 or from its shared-memory copy: every output within an output ulp of
