@@ -191,11 +191,11 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
         x_q = _x_queue(xa, last, X_AHEAD)
     y = (zero, zero, zero, zero, zero, zero, zero, zero)
     c_first = 0
+    if not XS:
+        x_q0 = x_q
+    else:
+        x_q0 = zero
     if PAIR:
-        if not XS:
-            x_q0 = x_q
-        else:
-            x_q0 = zero
         for cp in range((g1 - g0) // 2):
             s0 = i % S
             s1 = (i + 1) % S
@@ -215,8 +215,6 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
             i += 2
             y = _group_done(y, acc0, cx0, sz0, 0, V, True, True, 4)
             y = _group_done(y, acc1, cx1, sz1, 0, V, True, True, 4)
-        if not XS:
-            x_q = x_q0
         c_first = ((g1 - g0) // 2) * 2
     for c in range(c_first, g1 - g0):
         slot = i % S
@@ -228,26 +226,8 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
         buf = bufs.index(slot)
         if SZ:
             sz = _chunk_sz(sbufs.index(slot), idx % 32, L, T, WARPS)
-        c4 = (zero, zero, zero, zero)
-        acc = (c4, c4, c4, c4)
-        cx = c4
-        acc_b = acc
-        cx_b = c4
-        for s in gl.static_range(4):
-            w_c = _words(buf, s * 4, LW, L, T)
-            if XS:
-                x_c = _x_smem(xs, g0 + c, s, L, T, WARPS)
-            else:
-                x_c = x_q[0]
-                x_nxt = gl.minimum(c * 4 + s + X_AHEAD, last)
-                x_q = _push(x_q, _ld_x(xa + x_nxt * 64), X_AHEAD)
-            if ACC2 and (s % 2 == 1):
-                acc_b, cx_b = _step(acc_b, cx_b, ones, w_c, x_c, sel, V, True, 4)
-            else:
-                acc, cx = _step(acc, cx, ones, w_c, x_c, sel, V, True, 4)
-        if ACC2:
-            acc = (_add4(acc[0], acc_b[0]), _add4(acc[1], acc_b[1]), acc[2], acc[3])
-            cx = _add4(cx, cx_b)
+        acc, cx, x_q0 = _chunk_mma(buf, xs, x_q0, xa, g0, c, last, zero, ones, sel, LW, L, T,
+                                   X_AHEAD, WARPS, XS, ACC2)
         # every consumer warp's loads of this chunk are done before it is refilled
         cta_barrier()
         fence_async_shared()
@@ -261,12 +241,15 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
 @gluon.jit
 def _chunk_mma(buf, xs, x_q, xa, g0, c, last, zero, ones, sel, LW: gl.constexpr,
                L: gl.constexpr, T: gl.constexpr, X_AHEAD: gl.constexpr, WARPS: gl.constexpr,
-               XS: gl.constexpr):
-    """Chunk c's four steps (the piece's group g0 + c) on fresh accumulators: (acc, cx, x's
-    queue; without XS the queue is passed through)."""
+               XS: gl.constexpr, ACC2: gl.constexpr = False):
+    """Chunk c's four steps (the piece's group g0 + c) on fresh accumulators (ACC2: odd steps
+    on a second set, added at the end): (acc, cx, x's queue; with XS the queue is passed
+    through)."""
     c4 = (zero, zero, zero, zero)
     acc = (c4, c4, c4, c4)
     cx = c4
+    acc_b = acc
+    cx_b = c4
     for s in gl.static_range(4):
         w_c = _words(buf, s * 4, LW, L, T)
         if XS:
@@ -275,7 +258,13 @@ def _chunk_mma(buf, xs, x_q, xa, g0, c, last, zero, ones, sel, LW: gl.constexpr,
             x_c = x_q[0]
             x_nxt = gl.minimum(c * 4 + s + X_AHEAD, last)
             x_q = _push(x_q, _ld_x(xa + x_nxt * 64), X_AHEAD)
-        acc, cx = _step(acc, cx, ones, w_c, x_c, sel, V, True, 4)
+        if ACC2 and (s % 2 == 1):
+            acc_b, cx_b = _step(acc_b, cx_b, ones, w_c, x_c, sel, V, True, 4)
+        else:
+            acc, cx = _step(acc, cx, ones, w_c, x_c, sel, V, True, 4)
+    if ACC2:
+        acc = (_add4(acc[0], acc_b[0]), _add4(acc[1], acc_b[1]), acc[2], acc[3])
+        cx = _add4(cx, cx_b)
     return acc, cx, x_q
 
 
