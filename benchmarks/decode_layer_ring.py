@@ -302,8 +302,7 @@ def profile_once(ns: argparse.Namespace, dev: torch.device) -> dict:
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
     return {"profiled": form, "warps": w, "stages": s, "x_smem": dl.x_smem, "acc2": dl.acc2,
-            "pair": dl.pair,
-            "x_ahead": x_ahead, "regs": regs}
+            "pair": dl.pair, "x_ahead": x_ahead, "regs": regs}
 
 
 def main() -> None:

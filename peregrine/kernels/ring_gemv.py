@@ -204,9 +204,9 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
             sz0 = _chunk_sz(sbufs.index(s0), idx % 32, L, T, WARPS)
             sz1 = _chunk_sz(sbufs.index(s1), idx % 32, L, T, WARPS)
             acc0, cx0, x_q0 = _chunk_mma(bufs.index(s0), xs, x_q0, xa, g0, 2 * cp, last, zero,
-                                         ones, sel, LW, L, T, X_AHEAD, WARPS, XS)
+                                         ones, sel, LW, L, T, X_AHEAD, WARPS, XS, ACC2)
             acc1, cx1, x_q0 = _chunk_mma(bufs.index(s1), xs, x_q0, xa, g0, 2 * cp + 1, last,
-                                         zero, ones, sel, LW, L, T, X_AHEAD, WARPS, XS)
+                                         zero, ones, sel, LW, L, T, X_AHEAD, WARPS, XS, ACC2)
             # every consumer warp's loads of both chunks are done before they are refilled
             cta_barrier()
             fence_async_shared()
