@@ -50,7 +50,7 @@ from benchmarks.cuda_timing import graph_replay_ms, write_results  # noqa: E402
 from peregrine.kernels._gluon import cta_barrier, ring_barriers, tma_load  # noqa: E402
 from peregrine.kernels._gluon import poll_acquire as _poll  # noqa: E402
 from peregrine.kernels.ring_gemv import (_gemv_piece, _share, _tile_sum, _x_to_smem,  # noqa: E402
-                                         share, tile_words, x_groups)
+                                         share, tile_words, word_layout, x_groups)
 
 HBM_GBPS = 4200.0
 # Llama-3-8B's projections at one decode row: (name, K, N)
@@ -89,7 +89,7 @@ def _consumer(bufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, x_ptr, ou
               XS: gl.constexpr):
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    LW: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, WARPS], [0, 1])
+    LW: gl.constexpr = word_layout(WARPS)
     pid = gl.program_id(0)
     idx = gl.arange(0, T, layout=L)
     lane = idx % 32

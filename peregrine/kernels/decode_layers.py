@@ -69,7 +69,8 @@ from peregrine.kernels._gluon import (cta_barrier, fence_acq_rel_gpu_if, globalt
 from peregrine.kernels.ring_attention import (_attention, _attn_early, _attn_inputs,
                                               _attn_inputs_folded, _rms)
 from peregrine.kernels.ring_gemv import (_gemv_piece, _share, _tile_sum, _x_to_smem, share,
-                                         tile_scales, tile_words, x_groups)
+                                         tile_scales, tile_words, unit_rows, word_layout,
+                                         x_groups)
 from peregrine.layers.quantization.wna16 import WNA16Layout
 QKV, ATTN, O, GU, DOWN = 0, 1, 2, 3, 4  # a phase's kind (the table's first field)
 K_QKV, K_ATTN, K_GU = gl.constexpr(QKV), gl.constexpr(ATTN), gl.constexpr(GU)
@@ -163,7 +164,7 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
     """The consumer warps: the phases in order (see decode_layers_kernel)."""
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    LW: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, WARPS], [0, 1])
+    LW: gl.constexpr = word_layout(WARPS)
     LK: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
     pid = gl.program_id(0)
     idx = gl.arange(0, T, layout=L)
@@ -582,14 +583,16 @@ class DecodeLayers:
 
     def unpack(self, f: int) -> torch.Tensor:
         """Phase f's weight (K, N) float32 as the kernel reads it: each unit's 16 word rows
-        (value j of a word in bits 4j, inputs 8r .. 8r + 7 of word row r) and its row of scales
-        and zero points, dequantized as (q - zero) * scale (gate/up in the kernel's order)."""
+        (tile_words' order undone; value j of a word in bits 4j, inputs 8r .. 8r + 7 of word
+        row r) and its row of scales and zero points, dequantized as (q - zero) * scale
+        (gate/up in the kernel's order)."""
         kind, base, _, total, groups, n = (int(v) for v in self.table[f, :6].tolist())
         if kind == ATTN:
             raise ValueError("decode_layers: an attention phase has no weight")
         tile = self.words.shape[1]
         tiles = total // groups
-        words = self.words[base:base + 16 * total].view(tiles, groups, 16, tile)
+        words = unit_rows(self.words[base:base + 16 * total], tile)
+        words = words.view(tiles, groups, 16, tile)
         shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)
         q = (words[..., None] >> shifts) & 0xF  # (tiles, groups, 16, tile, 8)
         q = q.permute(0, 1, 2, 4, 3).reshape(tiles, groups * 128, tile)  # input 8r + j

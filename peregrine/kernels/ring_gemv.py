@@ -3,8 +3,8 @@ persistent decode kernel (decode_layers.py) runs it in its projection phases.
 
 A projection's weight is cut into (tile of 32 channels a consumer warp, group of 128 inputs)
 units, tile-major (`tile_words`: each unit 16 rows of the layout's own words, value j of a word
-in bits 4j; `tile_scales`: each unit's scales and zero points in one row, four words a quad of
-channels), shared out evenly over the programs (`share`, stream-K). A program's consumer warps
+in bits 4j, in the order the lanes read them; `tile_scales`: each unit's scales and zero points
+in one row, four words a quad of channels), shared out evenly over the programs (`share`, stream-K). A program's consumer warps
 take a unit's chunk from the ring as it lands and do the tc kernel's per-lane arithmetic on it
 (wna16_gemv_tc.py: each lane's words read into the registers its MMAs take them from, one
 `ld.shared.v4` a lane a step; the zero point and scale once a group), x read through L2 four or
@@ -30,11 +30,12 @@ V = gl.constexpr(2)  # a lane's channels per M-tile pair: 32 a warp
 
 @gluon.jit
 def _words(buf, row: gl.constexpr, LW: gl.constexpr, L: gl.constexpr, T: gl.constexpr):
-    """A step's words of every lane from the chunk buf (16 word rows of T channels): lane 4g + t
-    of warp w reads row `row + t`, channels 32w + 4g .. + 3 (16 bytes), as the tc kernel's V = 2
-    step tuple (the reshapes only relabel registers: one ld.shared.v4 a lane)."""
+    """A step's words of every lane from the chunk buf (in tile_words' order, the step's 4 word
+    rows at rows `row` .. + 3): lane 4g + t of warp w reads the 16 bytes at 16 (32w + 4g + t)
+    of them, word row `row + t`'s channels 32w + 4g .. + 3, as the tc kernel's V = 2 step tuple
+    (LW: word_layout; the reshapes only relabel registers: one ld.shared.v4 a lane, a warp's
+    512 contiguous bytes, free of bank conflicts)."""
     w = buf.slice(row, 4, dim=0).load(LW)
-    w = gl.permute(gl.reshape(w, [4, T // 4, 4]), [1, 0, 2])
     a, b = gl.split(gl.reshape(w, [T, 2, 2]))
     e0, e2 = gl.split(a)
     e1, e3 = gl.split(b)
@@ -284,11 +285,30 @@ def _tile_sum(part_ptr, n_pieces, N, offs, UNROLL: gl.constexpr = 8):
 
 def tile_words(qweight: torch.Tensor, tile: int) -> torch.Tensor:
     """(K/8, N) words -> (units * 16, tile): unit (tile i, group j), tile-major, is rows
-    [16 (i * groups + j), + 16), the words of group j's 16 word rows and tile i's channels."""
+    [16 (i * groups + j), + 16), the words of group j's 16 word rows and tile i's channels in
+    the order the consumer lanes read them (_words): step s (word rows 4s .. 4s + 3), warp w
+    (32 channels), channel quad g, word row 4s + t, the quad's 4 words. A step's row reads a
+    warp's 512 bytes whole, where a plain (row, channel) order would put the four rows a
+    quarter-warp reads in the same shared-memory banks."""
     k8, n = qweight.shape
     groups = k8 // 16
-    return (qweight.view(groups, 16, n // tile, tile).permute(2, 0, 1, 3)
-            .reshape(-1, tile).contiguous())
+    units = qweight.view(groups, 16, n // tile, tile).permute(2, 0, 1, 3)
+    return (units.reshape(n // tile, groups, 4, 4, tile // 32, 8, 4)  # (.., s, t, w, g, word)
+            .permute(0, 1, 2, 4, 5, 3, 6).reshape(-1, tile).contiguous())
+
+
+def unit_rows(words: torch.Tensor, tile: int) -> torch.Tensor:
+    """tile_words' units back in (word row, channel) order: (units, 16, tile)."""
+    units = words.shape[0] // 16
+    return (words.reshape(units, 4, tile // 32, 8, 4, 4)  # (unit, s, w, g, t, word)
+            .permute(0, 1, 4, 2, 3, 5).reshape(units, 16, tile))
+
+
+@gluon.constexpr_function
+def word_layout(warps):
+    """The register layout of a step's 4 rows of a chunk (4, 32 * warps), as _words reads
+    them: a warp's 512 bytes, 16 contiguous bytes a lane."""
+    return gl.BlockedLayout([1, 4], [1, 32], [4, int(warps) // 4], [1, 0])
 
 
 def share(tiles: int, groups: int, programs: int) -> int:

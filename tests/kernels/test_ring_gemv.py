@@ -9,16 +9,22 @@ from peregrine.kernels import ring_gemv as kd
 
 
 def test_a_unit_is_its_group_and_tile_of_the_words() -> None:
-    k8, n, tile = 64, 96, 32
+    k8, n, tile = 64, 192, 64
     q = torch.randint(-2**31, 2**31 - 1, (k8, n), dtype=torch.int32)
     tiled = kd.tile_words(q, tile)
     groups = k8 // 16
     assert tiled.shape == (groups * (n // tile) * 16, tile)
+    rows = kd.unit_rows(tiled, tile)
     for i in range(n // tile):
         for j in range(groups):
             u = i * groups + j
             want = q[16 * j:16 * j + 16, tile * i:tile * (i + 1)]
-            assert torch.equal(tiled[16 * u:16 * u + 16], want)
+            assert torch.equal(rows[u], want)
+            flat = tiled[16 * u:16 * u + 16].reshape(-1)
+            # a lane's 16 bytes: step s, warp w, quad g, word row 4s + t, the quad's 4 words
+            for s, w, g, t in ((0, 0, 0, 0), (1, 0, 2, 3), (3, tile // 32 - 1, 7, 1)):
+                at = 4 * tile * s + 128 * w + 16 * g + 4 * t
+                assert torch.equal(flat[at:at + 4], want[4 * s + t, 32 * w + 4 * g:][:4])
 
 
 def test_a_units_scales_row_holds_each_channel_quads_scales_then_zero_points() -> None:
