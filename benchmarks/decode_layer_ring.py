@@ -224,8 +224,8 @@ def timeline(times: torch.Tensor, per: int) -> list[dict]:
 
 def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: int,
         iters: int, forms: list[str], variants: list[tuple[int, int]], x_sources: list[str],
-        acc2s: list[bool], tb: int, dev: torch.device, pairs: tuple[bool, ...] = (False,)
-        ) -> list[dict]:
+        acc2s: list[bool], tb: int, dev: torch.device, pairs: tuple[bool, ...] = (False,),
+        f16s: tuple[bool, ...] = (False,)) -> list[dict]:
     """For each ring depth, where x comes from (`smem`: copied into shared memory once a phase;
     `l2`: read through L2 x_ahead steps ahead), one or two sets of accumulators and (x steps
     ahead, registers a thread): check the kernel against reference_layers (folded or not), then
@@ -244,14 +244,18 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
         res = {"layers": layers, "ctx": ctx, "tb": tb, "warps": warps, "scales_in_chunk": sz,
                "stages": s, "splits": splits, "programs": P,
                "wall_us_per_layer": round(wbytes / 4.2e6, 2), "variants": []}
-        for src, acc2, pair, (x_ahead, regs) in [(src, a, pr, v) for src in x_sources
-                                                 for a in acc2s for pr in pairs
+        for src, acc2, pair, f16, (x_ahead, regs) in [(src, a, pr, h, v) for src in x_sources
+                                                      for a in acc2s for pr in pairs
+                                                      for h in f16s
                                                  for v in variants]:
             if src == "smem" and x_ahead != variants[0][0]:
                 continue  # (x_ahead is the L2 form's)
             dl.x_smem, dl.acc2, dl.x_ahead, dl.regs = src == "smem", acc2, x_ahead, regs
-            dl.pair = pair
-            v = {"x": src, "acc2": acc2, "pair": pair, "x_ahead": x_ahead, "regs": regs}
+            if f16 and src != "smem":
+                continue  # (the fp16 form reads x from shared memory only)
+            dl.pair, dl.f16 = pair, f16
+            v = {"x": src, "acc2": acc2, "pair": pair, "f16": f16, "x_ahead": x_ahead,
+                 "regs": regs}
             try:
                 call(d)
                 torch.cuda.synchronize()
@@ -293,6 +297,7 @@ def profile_once(ns: argparse.Namespace, dev: torch.device) -> dict:
     dl.stages, dl.scales_in_chunk, dl.tb = s, ns.scales.split(",")[0] == "chunk", ns.tb
     dl.x_smem, dl.acc2 = ns.x.split(",")[0] == "smem", ns.acc2.split(",")[0] == "1"
     dl.x_ahead, dl.regs, dl.pair = x_ahead, regs, ns.pair.split(",")[0] == "1"
+    dl.f16 = ns.f16.split(",")[0] == "1"
     dl.wait, dl.trace, dl.skip, dl.fold, dl.defer = FORMS[form]
     for _ in range(3):
         call(d)
@@ -302,7 +307,7 @@ def profile_once(ns: argparse.Namespace, dev: torch.device) -> dict:
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
     return {"profiled": form, "warps": w, "stages": s, "x_smem": dl.x_smem, "acc2": dl.acc2,
-            "pair": dl.pair, "x_ahead": x_ahead, "regs": regs}
+            "pair": dl.pair, "f16": dl.f16, "x_ahead": x_ahead, "regs": regs}
 
 
 def main() -> None:
@@ -325,6 +330,8 @@ def main() -> None:
                    help="one (0) and/or two (1) sets of accumulators a chunk, comma-separated")
     p.add_argument("--pair", default="0",
                    help="one (0) and/or two (1) ring chunks between the consumers' barriers")
+    p.add_argument("--f16", default="0",
+                   help="bf16 (0) and/or fp16 (1) MMA operands (x from shared memory only)")
     p.add_argument("--tb", type=int, default=16,
                    help="tokens an attention program reads a block (the first before its wait)")
     p.add_argument("--iters", type=int, default=20)
@@ -349,7 +356,8 @@ def main() -> None:
                 results += run(int(n), ns.ctx, w, sz == "chunk", stages, ns.splits, ns.iters,
                                ns.forms.split(","), variants, ns.x.split(","),
                                [a == "1" for a in ns.acc2.split(",")], ns.tb, dev,
-                               tuple(x == "1" for x in ns.pair.split(",")))
+                               tuple(x == "1" for x in ns.pair.split(",")),
+                               tuple(x == "1" for x in ns.f16.split(",")))
             torch.cuda.empty_cache()
     write_results(ns.out, dev, results)
 

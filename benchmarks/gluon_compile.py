@@ -43,6 +43,8 @@ FORMS = {
     "fold": {"fold": 1},
     "acc2": {"acc2": True},
     "pair": {"pair": True},
+    "f16": {"f16": True},
+    "f16pair": {"f16": True, "pair": True},
     "l2": {"x_smem": False},
     "traced": {"trace": True},
     "free": {"wait": False},

@@ -160,7 +160,7 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
               BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr, WAIT: gl.constexpr,
               TRACE: gl.constexpr, X_AHEAD: gl.constexpr, SZ: gl.constexpr, SKIP: gl.constexpr,
               FOLD: gl.constexpr, XS: gl.constexpr, DEFER: gl.constexpr, ACC2: gl.constexpr,
-              PAIR: gl.constexpr):
+              PAIR: gl.constexpr, F16: gl.constexpr):
     """The consumer warps: the phases in order (see decode_layers_kernel)."""
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -221,7 +221,7 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
             x_base = vec_ptr.to(gl.int64) + x_off * 2
             start, end = _share(pid, W, total)
             if XS and start < end:  # the phase's input into shared memory, once
-                _x_to_smem(xs, vec_ptr, x_off, CHUNKS, T, WARPS)
+                _x_to_smem(xs, vec_ptr, x_off, CHUNKS, T, WARPS, F16)
             if FOLD:  # the attention phase finishes qkv's tiles itself
                 tiled = kind != K_QKV
             else:
@@ -234,7 +234,7 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
                 i, done, j, n_pieces = _gemv_piece(
                     bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off,
                     x_base, part_ptr, pid, idx, t, g, zero, ones, sel, LW, L, T, S, X_AHEAD, SZ,
-                    WARPS, ACC2, xs, XS, PAIR)
+                    WARPS, ACC2, xs, XS, PAIR, F16)
                 u += done
                 if tiled:
                     # NOTE: every thread's partial stores come before the ticket (barrier), and
@@ -297,7 +297,7 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
                          SZ: gl.constexpr = 1, SKIP: gl.constexpr = 0,
                          FOLD: gl.constexpr = 0, XS: gl.constexpr = 0, NG: gl.constexpr = 8,
                          DEFER: gl.constexpr = 0, ACC2: gl.constexpr = 0,
-                         PAIR: gl.constexpr = 0):
+                         PAIR: gl.constexpr = 0, F16: gl.constexpr = 0):
     """The layers of the phase table at tab_ptr (TABF int64 fields a phase), from the residual
     stream h and the first norm's input xn and sums of squares (in vec and ss) to the last
     layer's h (see the module docstring). WAIT / TRACE / SKIP are for measurement: without the
@@ -308,7 +308,9 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
     and v from the qkv partials; DEFER: a piece's ticket is read after the program's next piece
     (its round trip hidden behind that piece's work), else at once; ACC2: a chunk's even and odd
     steps on two sets of accumulators (half the MMA chain); PAIR (with SZ): two chunks between
-    the consumer warps' barriers."""
+    the consumer warps' barriers; F16 (with XS and SZ): the MMAs on fp16 operands, x rewritten
+    as fp16 pairs in its shared-memory copy and the weights' values decoded with fewer
+    instructions (ring_gemv._tile_f16_asm)."""
     T: gl.constexpr = 32 * WARPS
     bufs = gl.allocate_shared_memory(gl.int32, [S, 16, T], desc.layout)
     sbufs = gl.allocate_shared_memory(gl.int32, [S, 1, T], sdesc.layout)
@@ -319,7 +321,7 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
                      norm_ptr, ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr,
                      slot_ptr, bt_ptr, kc_ptr, vc_ptr, trace_ptr, eps, scale, P, S, WARPS, H,
                      HEADS, KVH, D, BS, SPLITS, TB, WAIT, TRACE, X_AHEAD, SZ, SKIP, FOLD, XS,
-                     DEFER, ACC2, PAIR)),
+                     DEFER, ACC2, PAIR, F16)),
         (_layer_producer, (desc, sdesc, bufs, sbufs, ready, empty, tab_ptr, n_phases, S, T,
                            SZ)),
     ], [1], [48])
@@ -438,8 +440,8 @@ class DecodeLayers:
 
     warps: consumer warps a program (4 or 8); stages: the ring's chunks (16 word rows of 32
     channels a warp: 8 KB at 4 warps); splits: attention programs a KV head. The attributes
-    wait, trace, skip, fold, x_ahead, regs, scales_in_chunk, x_smem, defer, acc2 and pair choose
-    the kernel's forms (decode_layers_kernel; benchmarks/decode_layer_ring.py times them). Shared
+    wait, trace, skip, fold, x_ahead, regs, scales_in_chunk, x_smem, defer, acc2, pair and f16
+    choose the kernel's forms (decode_layers_kernel; benchmarks/decode_layer_ring.py times them). Shared
     memory a program: the ring's stages (chunk and scale row) and, with x_smem, the widest
     input (32 KB for Llama-3-8B): 16 stages of 4 warps or 8 of 8 fit beside it."""
 
@@ -458,7 +460,7 @@ class DecodeLayers:
         self.programs = programs
         self.wait, self.trace, self.skip, self.fold = True, False, 0, 0
         self.x_ahead, self.regs, self.scales_in_chunk, self.x_smem = 4, 128, True, True
-        self.defer, self.acc2, self.pair = True, False, False
+        self.defer, self.acc2, self.pair, self.f16 = True, False, False, False
         tile = 32 * warps
         self.k_max = max(dims.hidden, dims.heads * dims.head_dim, dims.inter)
         self.order = gate_up_order(dims.inter, tile // 2).to(device)
@@ -577,6 +579,7 @@ class DecodeLayers:
             TRACE=self.trace, X_AHEAD=self.x_ahead, SZ=int(self.scales_in_chunk),
             SKIP=self.skip, FOLD=self.fold, XS=int(self.x_smem), DEFER=int(self.defer),
             ACC2=int(self.acc2), PAIR=int(self.pair and self.scales_in_chunk),
+            F16=int(self.f16 and self.x_smem and self.scales_in_chunk),
             NG=x_groups(self.k_max, tile) if self.x_smem else tile // 16, num_warps=self.warps,
             maxnreg=self.regs)
         return self.vec[:H].view(1, H)

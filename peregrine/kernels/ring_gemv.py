@@ -4,7 +4,8 @@ persistent decode kernel (decode_layers.py) runs it in its projection phases.
 A projection's weight is cut into (tile of 32 channels a consumer warp, group of 128 inputs)
 units, tile-major (`tile_words`: each unit 16 rows of the layout's own words, value j of a word
 in bits 4j, in the order the lanes read them; `tile_scales`: each unit's scales and zero points
-in one row, four words a quad of channels), shared out evenly over the programs (`share`, stream-K). A program's consumer warps
+in one row, four words a quad of channels), shared out evenly over the programs (`share`,
+stream-K). A program's consumer warps
 take a unit's chunk from the ring as it lands and do the tc kernel's per-lane arithmetic on it
 (wna16_gemv_tc.py: each lane's words read into the registers its MMAs take them from, one
 `ld.shared.v4` a lane a step; the zero point and scale once a group), x read through L2 four or
@@ -12,6 +13,12 @@ eight steps ahead, or (`_x_to_smem`, `_x_smem`) from a shared-memory copy of it 
 phase by cp.async, so that no step waits on a round trip to L2 (which the weight stream's TMA
 traffic makes long); a piece of a tile stores its float32 partials, which `_tile_sum` adds in
 piece order.
+
+A form on fp16 operands (F16, with x in shared memory) spends fewer instructions a step: x's
+copy is rewritten once a phase as the B pairs in fp16 (no byte permutes a step), and each word
+decodes with one shift and four lop3 instead of three and four, the values at bits 4-7 of a
+half word taken as they lie against a magic of 64 (`_tile_f16_asm`). bf16 inputs are exact in
+fp16 between 2^-14 and 65504 (the models' activations; beyond, the largest finite value).
 """
 from __future__ import annotations
 
@@ -22,10 +29,91 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from peregrine.kernels._gluon import cp_async, cta_barrier, smem_reinterpret
-from peregrine.kernels.wna16_gemv_tc import (_PAIRS, _group_done, _ld_group, _push, _step,
-                                             _store)
+from peregrine.kernels.wna16_gemv_tc import (_PAIRS, _channel, _group_done, _ld_group, _push,
+                                             _step, _store)
 
 V = gl.constexpr(2)  # a lane's channels per M-tile pair: 32 a warp
+
+
+def _tile_f16_asm() -> str:
+    """PTX of a step's two MMAs on fp16 operands: a word's value j (bits 4j) as an fp16 pair
+    with one lop3 and no shift where it can: the values at bits 0-3 (and 16-19) OR-ed into 1024
+    (0x6400: mantissa bit 0 weighs 1), those at bits 4-7 (and 20-23) into 64 (0x5400: mantissa
+    bit 4 weighs 1), so (0, 4), (1, 5) from the word and (2, 6), (3, 7) from it shifted by 8:
+    exactly magic + q, in the tc kernel's pair order. Words $4 (rows g), $5 (rows g + 8), B
+    pairs $6..$9, sums $10..$13; out $0..$3."""
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+    lines = ["{", ".reg .b32 l0, l1, l2, l3, h0, h1, h2, h3, t;"]
+    for src, dst in (("$4", "l"), ("$5", "h")):
+        lines += [f"lop3.b32 {dst}0, {src}, 0x000F000F, 0x64006400, 0xEA;",
+                  f"lop3.b32 {dst}1, {src}, 0x00F000F0, 0x54005400, 0xEA;",
+                  f"shr.u32 t, {src}, 8;",
+                  f"lop3.b32 {dst}2, t, 0x000F000F, 0x64006400, 0xEA;",
+                  f"lop3.b32 {dst}3, t, 0x00F000F0, 0x54005400, 0xEA;"]
+    lines += [f"{mma} {{$0, $1, $2, $3}}, {{l0, h0, l1, h1}}, {{$6, $7}}, {{$10, $11, $12, $13}};",
+              f"{mma} {{$0, $1, $2, $3}}, {{l2, h2, l3, h3}}, {{$8, $9}}, {{$0, $1, $2, $3}};",
+              "}"]
+    return "\n".join(lines)
+
+
+def _sum_f16_asm() -> str:
+    """PTX: a step's magic-weighted and plain input sums onto C's registers $8..$11 with
+    constant weights (rows 0-7: the pairs' magics, 1024 for A registers 0 and 1, 64 for 2 and
+    3; rows 8-15: ones) and B pairs $4..$7: rows g give sum(magic_k x_k), rows g + 8 sum(x_k);
+    out $0..$3."""
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+    return "\n".join([
+        "{", ".reg .b32 m, n, o;", "mov.b32 m, 0x64006400;", "mov.b32 n, 0x54005400;",
+        "mov.b32 o, 0x3C003C00;",
+        f"{mma} {{$0, $1, $2, $3}}, {{m, o, n, o}}, {{$4, $5}}, {{$8, $9, $10, $11}};",
+        f"{mma} {{$0, $1, $2, $3}}, {{m, o, n, o}}, {{$6, $7}}, {{$0, $1, $2, $3}};", "}"])
+
+
+# a row of x's 8 bf16 inputs (x0 x1) (x2 x3) (x4 x5) (x6 x7) -> the fp16 B pairs (x0 x4),
+# (x1 x5), (x2 x6), (x3 x7) (beyond fp16's range: its largest finite value)
+_F16_PAIRS = gl.constexpr(
+    "{\n.reg .b32 a0, a1, a2, a3, a4, a5, a6, a7;\n"
+    "shl.b32 a0, $4, 16;\nand.b32 a1, $4, 0xFFFF0000;\nshl.b32 a2, $5, 16;\n"
+    "and.b32 a3, $5, 0xFFFF0000;\nshl.b32 a4, $6, 16;\nand.b32 a5, $6, 0xFFFF0000;\n"
+    "shl.b32 a6, $7, 16;\nand.b32 a7, $7, 0xFFFF0000;\n"
+    "cvt.rn.satfinite.f16x2.f32 $0, a4, a0;\ncvt.rn.satfinite.f16x2.f32 $1, a5, a1;\n"
+    "cvt.rn.satfinite.f16x2.f32 $2, a6, a2;\ncvt.rn.satfinite.f16x2.f32 $3, a7, a3;\n}")
+_TILE_F16 = gl.constexpr(_tile_f16_asm())
+_SUM_F16 = gl.constexpr(_sum_f16_asm())
+
+
+@gluon.jit
+def _tile_f16(lo, hi, b, c):
+    r = gl.inline_asm_elementwise(_TILE_F16, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+                                  [lo, hi, b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3]],
+                                  dtype=(gl.float32,) * 4, is_pure=True, pack=1)
+    return r[0], r[1], r[2], r[3]
+
+
+@gluon.jit
+def _step_f16(acc, cx, w, b):
+    """_step on fp16 operands (_tile_f16_asm): the two M-tiles' words w (the V = 2 tuple), B
+    pairs b; cx: the magic-weighted sums (C registers 0, 1) and the plain ones (2, 3)."""
+    a0 = _tile_f16(w[0], w[4], b, acc[0])
+    a1 = _tile_f16(w[1], w[5], b, acc[1])
+    r = gl.inline_asm_elementwise(_SUM_F16, "=f,=f,=f,=f,r,r,r,r,f,f,f,f",
+                                  [b[0], b[1], b[2], b[3], cx[0], cx[1], cx[2], cx[3]],
+                                  dtype=(gl.float32,) * 4, is_pure=True, pack=1)
+    return (a0, a1, acc[2], acc[3]), (r[0], r[1], r[2], r[3])
+
+
+@gluon.jit
+def _group_done_f16(y, acc, cx, sz):
+    """_group_done for _step_f16's sums: y + scale * (acc - sum(magic_k x_k) - zero * sum(x)),
+    channel by channel (the lane's rows g of M-tiles 0, 1, then rows g + 8; x's row 2t)."""
+    s_w, z_w = sz
+    m = cx[0]
+    xs = cx[2]
+    y0 = y[0] + _channel(s_w, 0, True) * (acc[0][0] - m - _channel(z_w, 0, True) * xs)
+    y1 = y[1] + _channel(s_w, 1, True) * (acc[1][0] - m - _channel(z_w, 1, True) * xs)
+    y4 = y[4] + _channel(s_w, 2, True) * (acc[0][2] - m - _channel(z_w, 2, True) * xs)
+    y5 = y[5] + _channel(s_w, 3, True) * (acc[1][2] - m - _channel(z_w, 3, True) * xs)
+    return y0, y1, y[2], y[3], y4, y5, y[6], y[7]
 
 
 @gluon.jit
@@ -95,10 +183,12 @@ def x_groups(k_max: int, tile: int) -> int:
 
 
 @gluon.jit
-def _x_to_smem(xs, x_ptr, x_off, CHUNKS, T: gl.constexpr, WARPS: gl.constexpr):
+def _x_to_smem(xs, x_ptr, x_off, CHUNKS, T: gl.constexpr, WARPS: gl.constexpr,
+               F16: gl.constexpr = False):
     """x (CHUNKS groups of 128 bf16 at element x_off of x_ptr, 16-byte aligned) into xs ((groups,
     16, 4) int32: a group's 16 rows of 8 inputs) by cp.async, a 16-byte row a thread a block of
-    T rows, all in flight at once; returns when every warp's copies have landed."""
+    T rows, all in flight at once; returns when every warp's copies have landed (F16: and each
+    row has been rewritten in place as its fp16 B pairs, _F16_PAIRS)."""
     LC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [WARPS, 1], [1, 0])
     blocks = smem_reinterpret(xs, gl.int32, [xs.shape[0] * 16 // T, T, 4],
                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -111,6 +201,15 @@ def _x_to_smem(xs, x_ptr, x_off, CHUNKS, T: gl.constexpr, WARPS: gl.constexpr):
         cp_async(blocks.index(b), src + b * (T * 4) + off, mask=ok, cache_modifier=".cg")
     async_copy.commit_group()
     async_copy.wait_group(0)
+    if F16:  # (a thread rewrites the rows it copied: its own copies have landed)
+        for b in range(0, (CHUNKS * 16 + T - 1) // T):
+            a, c = gl.split(gl.reshape(blocks.index(b).load(LC), [T, 2, 2]))
+            w0, w2 = gl.split(a)
+            w1, w3 = gl.split(c)
+            p = gl.inline_asm_elementwise(_F16_PAIRS, "=r,=r,=r,=r,r,r,r,r", [w0, w1, w2, w3],
+                                          dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+            v = gl.reshape(gl.join(gl.join(p[0], p[2]), gl.join(p[1], p[3])), [T, 4])
+            blocks.index(b).store(gl.convert_layout(v, LC))
     cta_barrier()
 
 
@@ -124,20 +223,27 @@ def _lanes(f, B2: gl.constexpr, L: gl.constexpr, T: gl.constexpr):
 
 
 @gluon.jit
-def _x_smem(xs, grp, s: gl.constexpr, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr):
+def _x_smem(xs, grp, s: gl.constexpr, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr,
+            F16: gl.constexpr = False):
     """Step s's B pairs of group grp from the shared-memory copy of x: lane 4g + t reads row
-    4s + t of the group (one ld.shared.v4, the same 16 bytes for the quad's eight lanes)."""
+    4s + t of the group (one ld.shared.v4, the same 16 bytes for the quad's eight lanes; F16:
+    the row holds its pairs already)."""
     LX: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, WARPS], [0, 1])
     B2: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [WARPS, 1], [1, 0])
     v = xs.index(grp).slice(4 * s, 4, dim=0).load(LX)  # (rows, words)
     a, b = gl.split(gl.reshape(v, [4, 2, 2]))
     w0, w2 = gl.split(a)
     w1, w3 = gl.split(b)
-    p = gl.inline_asm_elementwise(
-        _PAIRS, "=r,=r,=r,=r,r,r,r,r",
-        [_lanes(w0, B2, L, T), _lanes(w1, B2, L, T), _lanes(w2, B2, L, T), _lanes(w3, B2, L, T)],
-        dtype=(gl.int32,) * 4, is_pure=True, pack=1)
-    return p[0], p[1], p[2], p[3]
+    if F16:
+        r = (_lanes(w0, B2, L, T), _lanes(w1, B2, L, T), _lanes(w2, B2, L, T),
+             _lanes(w3, B2, L, T))
+    else:
+        p = gl.inline_asm_elementwise(
+            _PAIRS, "=r,=r,=r,=r,r,r,r,r",
+            [_lanes(w0, B2, L, T), _lanes(w1, B2, L, T), _lanes(w2, B2, L, T),
+             _lanes(w3, B2, L, T)], dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+        r = (p[0], p[1], p[2], p[3])
+    return r
 
 
 @gluon.jit
@@ -166,14 +272,15 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
                 part_ptr, pid, idx, t, g, zero, ones, sel, LW: gl.constexpr, L: gl.constexpr,
                 T: gl.constexpr, S: gl.constexpr, X_AHEAD: gl.constexpr, SZ: gl.constexpr,
                 WARPS: gl.constexpr, ACC2: gl.constexpr = False, xs=None,
-                XS: gl.constexpr = False, PAIR: gl.constexpr = False):
+                XS: gl.constexpr = False, PAIR: gl.constexpr = False,
+                F16: gl.constexpr = False):
     """The program's groups [g0, g1) of one tile from unit u on: its MMAs over the ring's
     chunks (SZ: each chunk's scales and zero points in sbufs, else read from global memory a
     group ahead; ACC2: even and odd steps on two sets of accumulators, half the MMA chain; XS:
     x from its shared-memory copy xs, else through L2 X_AHEAD steps ahead; PAIR, with SZ: two
     chunks between the consumer warps' barriers, both waited for first so that the second's
-    loads and conversions overlap the first's MMAs), its float32 sums stored as the tile's
-    piece (pid - first). Returns (chunks consumed so far, groups done, tile, the tile's
+    loads and conversions overlap the first's MMAs; F16, with XS and SZ: fp16 operands,
+    _tile_f16_asm), its float32 sums stored as the tile's piece (pid - first). Returns (chunks consumed so far, groups done, tile, the tile's
     pieces)."""
     pid_n = u // CHUNKS
     g0 = u % CHUNKS
@@ -205,17 +312,22 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
             sz0 = _chunk_sz(sbufs.index(s0), idx % 32, L, T, WARPS)
             sz1 = _chunk_sz(sbufs.index(s1), idx % 32, L, T, WARPS)
             acc0, cx0, x_q0 = _chunk_mma(bufs.index(s0), xs, x_q0, xa, g0, 2 * cp, last, zero,
-                                         ones, sel, LW, L, T, X_AHEAD, WARPS, XS, ACC2)
+                                         ones, sel, LW, L, T, X_AHEAD, WARPS, XS, ACC2, F16)
             acc1, cx1, x_q0 = _chunk_mma(bufs.index(s1), xs, x_q0, xa, g0, 2 * cp + 1, last,
-                                         zero, ones, sel, LW, L, T, X_AHEAD, WARPS, XS, ACC2)
+                                         zero, ones, sel, LW, L, T, X_AHEAD, WARPS, XS, ACC2,
+                                         F16)
             # every consumer warp's loads of both chunks are done before they are refilled
             cta_barrier()
             fence_async_shared()
             mbarrier.arrive(empty.index(s0), count=1)
             mbarrier.arrive(empty.index(s1), count=1)
             i += 2
-            y = _group_done(y, acc0, cx0, sz0, 0, V, True, True, 4)
-            y = _group_done(y, acc1, cx1, sz1, 0, V, True, True, 4)
+            if F16:
+                y = _group_done_f16(y, acc0, cx0, sz0)
+                y = _group_done_f16(y, acc1, cx1, sz1)
+            else:
+                y = _group_done(y, acc0, cx0, sz0, 0, V, True, True, 4)
+                y = _group_done(y, acc1, cx1, sz1, 0, V, True, True, 4)
         c_first = ((g1 - g0) // 2) * 2
     for c in range(c_first, g1 - g0):
         slot = i % S
@@ -228,13 +340,16 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
         if SZ:
             sz = _chunk_sz(sbufs.index(slot), idx % 32, L, T, WARPS)
         acc, cx, x_q0 = _chunk_mma(buf, xs, x_q0, xa, g0, c, last, zero, ones, sel, LW, L, T,
-                                   X_AHEAD, WARPS, XS, ACC2)
+                                   X_AHEAD, WARPS, XS, ACC2, F16)
         # every consumer warp's loads of this chunk are done before it is refilled
         cta_barrier()
         fence_async_shared()
         mbarrier.arrive(empty.index(slot), count=1)
         i += 1
-        y = _group_done(y, acc, cx, sz, 0, V, True, True, 4)
+        if F16:
+            y = _group_done_f16(y, acc, cx, sz)
+        else:
+            y = _group_done(y, acc, cx, sz, 0, V, True, True, 4)
     _store(part_ptr + (pid - first).to(gl.int64) * N, n_lane, y, t == 0, V, False)
     return i, g1 - g0, pid_n, n_pieces
 
@@ -242,10 +357,10 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
 @gluon.jit
 def _chunk_mma(buf, xs, x_q, xa, g0, c, last, zero, ones, sel, LW: gl.constexpr,
                L: gl.constexpr, T: gl.constexpr, X_AHEAD: gl.constexpr, WARPS: gl.constexpr,
-               XS: gl.constexpr, ACC2: gl.constexpr = False):
+               XS: gl.constexpr, ACC2: gl.constexpr = False, F16: gl.constexpr = False):
     """Chunk c's four steps (the piece's group g0 + c) on fresh accumulators (ACC2: odd steps
-    on a second set, added at the end): (acc, cx, x's queue; with XS the queue is passed
-    through)."""
+    on a second set, added at the end; F16: fp16 operands, one set): (acc, cx, x's queue; with
+    XS the queue is passed through)."""
     c4 = (zero, zero, zero, zero)
     acc = (c4, c4, c4, c4)
     cx = c4
@@ -254,16 +369,18 @@ def _chunk_mma(buf, xs, x_q, xa, g0, c, last, zero, ones, sel, LW: gl.constexpr,
     for s in gl.static_range(4):
         w_c = _words(buf, s * 4, LW, L, T)
         if XS:
-            x_c = _x_smem(xs, g0 + c, s, L, T, WARPS)
+            x_c = _x_smem(xs, g0 + c, s, L, T, WARPS, F16)
         else:
             x_c = x_q[0]
             x_nxt = gl.minimum(c * 4 + s + X_AHEAD, last)
             x_q = _push(x_q, _ld_x(xa + x_nxt * 64), X_AHEAD)
-        if ACC2 and (s % 2 == 1):
+        if F16:
+            acc, cx = _step_f16(acc, cx, w_c, x_c)
+        elif ACC2 and (s % 2 == 1):
             acc_b, cx_b = _step(acc_b, cx_b, ones, w_c, x_c, sel, V, True, 4)
         else:
             acc, cx = _step(acc, cx, ones, w_c, x_c, sel, V, True, 4)
-    if ACC2:
+    if ACC2 and not F16:
         acc = (_add4(acc[0], acc_b[0]), _add4(acc[1], acc_b[1]), acc[2], acc[3])
         cx = _add4(cx, cx_b)
     return acc, cx, x_q

@@ -96,6 +96,36 @@ def test_two_chunks_between_barriers_match_the_torch_layers(shape: str, ctx: int
     assert not bad, bad
 
 
+@pytest.mark.parametrize("warps,stages,pair", ((4, 16, False), (4, 16, True), (8, 8, False)))
+@pytest.mark.parametrize("shape,ctx,layers", (("small", 40, 1), ("small", 40, 3),
+                                              ("llama3_8b", 256, 2)))
+def test_fp16_operands_match_the_torch_layers(shape: str, ctx: int, layers: int, warps: int,
+                                              stages: int, pair: bool) -> None:
+    """The form on fp16 MMA operands (x rewritten as fp16 pairs in its shared-memory copy, the
+    weights' values decoded against two magics) within the bf16 form's bounds of the torch
+    layers; a CUDA-graph replay gives the same bits."""
+    _hopper()
+    bench = load("decode_layer_ring")
+    cfg = SMALL if shape == "small" else bench.LLAMA3_8B
+    P = torch.cuda.get_device_properties(DEV).multi_processor_count
+    d = bench.build(layers, P, ctx, DEV, cfg, warps=warps, stages=stages)
+    dl = d["dl"]
+    dl.x_smem, dl.f16, dl.pair = True, True, pair
+    bench.call(d)
+    torch.cuda.synchronize()
+    got = {k: v.clone() for k, v in bench.state(d).items()}
+    bad = bench.mismatches(got, bench.reference_layers(d),
+                           *(bench.ONE_LAYER if layers == 1 else bench.LAYERS))
+    assert not bad, bad
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        bench.call(d)
+    graph.replay()
+    torch.cuda.synchronize()
+    for k, v in bench.state(d).items():
+        assert torch.equal(v, got[k]), k
+
+
 def test_ring_int4_gemv_phases_are_the_exact_products() -> None:
     """Two layers of the four projections, 4 and 8 consumer warps, one and two accumulator
     sets, x through L2 or from its shared-memory copy: every output within an output ulp of

@@ -92,8 +92,12 @@ def run_warp(asm: str, operands: list[dict[int, int]], kind: str) -> list[dict[i
             if op == "cvt.rn.f16x2.e4m3x2":  # two e4m3 bytes (low first) as an fp16 pair
                 regs[dst] = _fp8_pair(src[0])
                 continue
-            if op == "cvt.rn.f16x2.f32":  # d = (f16(a) high, f16(b) low), nearest even
-                regs[dst] = (_bits16(_f32(src[0]), "f16") << 16) | _bits16(_f32(src[1]), "f16")
+            if op in ("cvt.rn.f16x2.f32", "cvt.rn.satfinite.f16x2.f32"):
+                # d = (f16(a) high, f16(b) low), nearest even (satfinite: within +-65504)
+                a, b = _f32(src[0]), _f32(src[1])
+                if "satfinite" in op:
+                    a, b = (max(-65504.0, min(65504.0, v)) for v in (a, b))
+                regs[dst] = (_bits16(a, "f16") << 16) | _bits16(b, "f16")
                 continue
             if op == "mul.f32":
                 regs[dst] = _bits32((torch.tensor(_f32(src[0]), dtype=torch.float32)
