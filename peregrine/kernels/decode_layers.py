@@ -68,9 +68,9 @@ from peregrine.kernels._gluon import (cta_barrier, fence_acq_rel_gpu_if, globalt
                                       ring_barriers, ticket_release, tma_load, wait_count)
 from peregrine.kernels.ring_attention import (_attention, _attn_early, _attn_inputs,
                                               _attn_inputs_folded, _rms)
-from peregrine.kernels.ring_gemv import (_gemv_piece, _share, _tile_sum, _x_to_smem, share,
-                                         tile_scales, tile_words, unit_rows, word_layout,
-                                         x_groups)
+from peregrine.kernels.ring_gemv import (_gemv_piece, _share, _tile_rest, _tile_sum,
+                                         _x_to_smem, share, tile_scales, tile_words, unit_rows,
+                                         word_layout, x_groups)
 from peregrine.layers.quantization.wna16 import WNA16Layout
 QKV, ATTN, O, GU, DOWN = 0, 1, 2, 3, 4  # a phase's kind (the table's first field)
 K_QKV, K_ATTN, K_GU = gl.constexpr(QKV), gl.constexpr(ATTN), gl.constexpr(GU)
@@ -87,29 +87,37 @@ def _finish(kind, j, n_pieces, N, part_ptr, vec_ptr, g_ptr, ss_ptr, cs_ptr, pos,
             D: gl.constexpr, T: gl.constexpr, L: gl.constexpr):
     """Tile j's finish, once its sums are all in (see the module docstring): T channels (whole
     heads of D = 128), one a thread; a channel's RoPE partner is c ^ 64, a gate channel's up
-    channel c + T / 2."""
+    channel c + T / 2. Every load the finish needs is issued first, together (one round trip
+    to L2, not one after another: the weight stream makes each one long)."""
     HALF: gl.constexpr = T // 2
     c = gl.arange(0, T, layout=L)
     n = j * T + c  # the projection's channel
     e = c % D  # the channel within its head
-    y = _tile_sum(part_ptr, n_pieces, N, n)
     Q_OFF: gl.constexpr = 2 * H
     AT_OFF: gl.constexpr = Q_OFF + HEADS * D
     ACT_OFF: gl.constexpr = AT_OFF + HEADS * D
-    if (kind == K_QKV) | (kind == K_GU):
-        rr = _rms(ss_ptr, c, H, eps, H // T)
-        if kind == K_QKV:
-            partner = n + 64 - 2 * ((e // 64) * 64)  # n ^ 64
-        else:
-            partner = n + HALF - 2 * ((c // HALF) * HALF)  # gate <-> up
-        y_p = _tile_sum(part_ptr, n_pieces, N, partner)
+    normed = (kind == K_QKV) | (kind == K_GU)
+    rope = (kind == K_QKV) & (j * T < (HEADS + KVH) * D)  # q or k: RoPE at the step's position
+    if kind == K_QKV:
+        partner = n + 64 - 2 * ((e // 64) * 64)  # n ^ 64
+    else:
+        partner = n + HALF - 2 * ((c // HALF) * HALF)  # gate <-> up
+    y = _tile_sum(part_ptr, n_pieces, N, n, REST=False)
+    y_p = _tile_sum(part_ptr, n_pieces, N, partner, normed, REST=False)
+    sq = gl.load(ss_ptr + c, mask=(c < H // T) & normed, other=0.0, cache_modifier=".cg")
+    cos = gl.load(cs_ptr + pos * D + (e % 64), mask=rope & (c >= 0), other=0.0)
+    sin = gl.load(cs_ptr + pos * D + 64 + (e % 64), mask=rope & (c >= 0), other=0.0)
+    h = gl.load(vec_ptr + n, mask=(c >= 0) & ~normed, other=0.0, cache_modifier=".cg")
+    gw = gl.load(g_ptr + n, mask=(c >= 0) & ~normed, other=0.0)
+    y = _tile_rest(y, part_ptr, n_pieces, N, n)  # (more pieces than were unrolled)
+    y_p = _tile_rest(y_p, part_ptr, n_pieces, N, partner, normed)
+    if normed:
+        rr = gl.rsqrt(gl.sum(sq, 0) / H + eps)
         y = (y * rr).to(gl.bfloat16).to(gl.float32)
         y_p = (y_p * rr).to(gl.bfloat16).to(gl.float32)
         if kind == K_QKV:
             head = n // D  # q heads, then k heads, then v heads; a tile holds one kind
-            if j * T < (HEADS + KVH) * D:  # q or k: RoPE (rotate-half) at the step's position
-                cos = gl.load(cs_ptr + pos * D + (e % 64))
-                sin = gl.load(cs_ptr + pos * D + 64 + (e % 64))
+            if rope:  # rotate-half
                 sign = gl.where(e < 64, -1.0, 1.0)
                 r = (y * cos + sign * y_p * sin).to(gl.bfloat16)
                 if j * T < HEADS * D:
@@ -124,12 +132,10 @@ def _finish(kind, j, n_pieces, N, part_ptr, vec_ptr, g_ptr, ss_ptr, cs_ptr, pos,
             gl.store(vec_ptr + ACT_OFF + j * HALF + c, act.to(gl.bfloat16), mask=c < HALF)
     else:  # o or down: the residual add, the next norm's input and the tile's sum of h^2
         y = y.to(gl.bfloat16).to(gl.float32)
-        h = gl.load(vec_ptr + n, cache_modifier=".cg").to(gl.float32)
-        hb = (h + y).to(gl.bfloat16)
+        hb = (h.to(gl.float32) + y).to(gl.bfloat16)
         gl.store(vec_ptr + n, hb)
         hf = hb.to(gl.float32)
-        gw = gl.load(g_ptr + n).to(gl.float32)
-        gl.store(vec_ptr + H + n, (hf * gw).to(gl.bfloat16))
+        gl.store(vec_ptr + H + n, (hf * gw.to(gl.float32)).to(gl.bfloat16))
         gl.store(ss_ptr + j, gl.sum(hf * hf, 0))
 
 

@@ -89,10 +89,10 @@ def _qkv_head(part_ptr, h, W, CHUNKS, N, rr, cs_ptr, pos, d, ROPE: gl.constexpr,
     first = (j * CHUNKS) // W
     n_pieces = ((j + 1) * CHUNKS - 1) // W - first + 1
     # (four pieces unrolled: six heads' sums are live at once here)
-    y = (_tile_sum(part_ptr, n_pieces, N, n0 + d, 4) * rr).to(gl.bfloat16).to(gl.float32)
+    y = (_tile_sum(part_ptr, n_pieces, N, n0 + d, UNROLL=4) * rr).to(gl.bfloat16).to(gl.float32)
     if ROPE:
         partner = d + 64 - 2 * ((d // 64) * 64)  # d ^ 64
-        y_p = (_tile_sum(part_ptr, n_pieces, N, n0 + partner, 4) * rr).to(gl.bfloat16)
+        y_p = (_tile_sum(part_ptr, n_pieces, N, n0 + partner, UNROLL=4) * rr).to(gl.bfloat16)
         cos = gl.load(cs_ptr + pos * D + (d % 64))
         sin = gl.load(cs_ptr + pos * D + 64 + (d % 64))
         sign = gl.where(d < 64, -1.0, 1.0)

@@ -387,16 +387,28 @@ def _chunk_mma(buf, xs, x_q, xa, g0, c, last, zero, ones, sel, LW: gl.constexpr,
 
 
 @gluon.jit
-def _tile_sum(part_ptr, n_pieces, N, offs, UNROLL: gl.constexpr = 8):
-    """A tile's float32 sums at offs: its pieces' partials added in piece order. The first
-    UNROLL pieces' loads are unrolled (masked), so that they are in flight together rather than
-    one round trip after another; more pieces than that are added by a loop."""
-    tot = gl.load(part_ptr + offs, cache_modifier=".cg")
+def _tile_sum(part_ptr, n_pieces, N, offs, need=True, UNROLL: gl.constexpr = 8,
+              REST: gl.constexpr = True):
+    """A tile's float32 sums at offs: its pieces' partials added in piece order (need false:
+    no loads, zeros). The first UNROLL pieces' loads are unrolled (masked), so that they are in
+    flight together rather than one round trip after another; more pieces than that are added
+    by a loop (REST; else by _tile_rest, so that a caller can issue other loads first)."""
+    ok = (offs >= 0) & need
+    tot = gl.load(part_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
     for q in gl.static_range(1, UNROLL):
-        tot += gl.load(part_ptr + (q * N + offs), mask=(offs * 0 + q) < n_pieces, other=0.0,
+        tot += gl.load(part_ptr + (q * N + offs), mask=ok & (q < n_pieces), other=0.0,
                        cache_modifier=".cg")
-    for q in range(UNROLL, n_pieces):
-        tot += gl.load(part_ptr + (q * N + offs), cache_modifier=".cg")
+    if REST:
+        tot = _tile_rest(tot, part_ptr, n_pieces, N, offs, need, UNROLL)
+    return tot
+
+
+@gluon.jit
+def _tile_rest(tot, part_ptr, n_pieces, N, offs, need=True, UNROLL: gl.constexpr = 8):
+    """tot plus the partials of pieces UNROLL .. n_pieces - 1 (_tile_sum's loop)."""
+    if need:
+        for p in range(UNROLL, n_pieces):
+            tot += gl.load(part_ptr + (p * N + offs), cache_modifier=".cg")
     return tot
 
 
