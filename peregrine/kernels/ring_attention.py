@@ -185,9 +185,8 @@ def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, q0, q1, q2, q3, k_cur,
     cta_barrier()
     ticket = gl.atomic_add(lock_ptr + kh, 1, sem="acq_rel", scope="gpu")
     if ticket == SPLITS - 1:
-        for h in gl.static_range(GQA):
-            out = _merge(apart_ptr, kh * SPLITS * GQA + h, d, SPLITS, GQA, D)
-            gl.store(vec_ptr + AT_OFF + (kh * GQA + h) * D + d, out.to(gl.bfloat16))
+        _merge(apart_ptr, kh * SPLITS * GQA, vec_ptr + AT_OFF + kh * GQA * D, SPLITS, GQA, D,
+               WARPS)
         gl.atomic_xchg(lock_ptr + kh, 0, sem="relaxed", scope="gpu")  # (see decode_layers._settle)
 
 
@@ -216,18 +215,31 @@ def _put(apart_ptr, r, m, l, acc, d, D: gl.constexpr):
 
 
 @gluon.jit
-def _merge(apart_ptr, r0, d, SPLITS: gl.constexpr, GQA: gl.constexpr, D: gl.constexpr):
-    """The shares' (m, l, acc) of one query head merged: sum_s 2^(m_s - M) acc_s / sum_s
-    2^(m_s - M) l_s."""
-    big = gl.load(apart_ptr + r0 * (D + 2) + D, cache_modifier=".cg")
-    for s in gl.static_range(1, SPLITS):  # (unrolled: the loads in flight together)
-        big = gl.maximum(big, gl.load(apart_ptr + (r0 + s * GQA) * (D + 2) + D,
-                                      cache_modifier=".cg"))
-    num = gl.zeros_like(d.to(gl.float32))
-    den = gl.sum(num, 0)
-    for s in gl.static_range(SPLITS):
-        rec = apart_ptr + (r0 + s * GQA) * (D + 2)
-        w = gl.exp2(gl.load(rec + D, cache_modifier=".cg") - big)
-        num += w * gl.load(rec + d, cache_modifier=".cg")
-        den += w * gl.load(rec + D + 1, cache_modifier=".cg")
-    return num / den
+def _merge(apart_ptr, r0, out_ptr, SPLITS: gl.constexpr, GQA: gl.constexpr, D: gl.constexpr,
+           WARPS: gl.constexpr):
+    """The shares' (m, l, acc) of a KV head's GQA = 4 query heads (rows r0 + s * GQA + h of
+    the partials) merged and stored (bf16) at out_ptr, a query head a warp (or two): sum_s
+    2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, the maximum M kept as the shares come (share 0
+    holds a token, so M starts finite; an empty share's m is -inf and weighs 0). Every share's
+    loads are independent of the sums, so they are in flight together: one round trip, where
+    a pass for the maximum and a pass for the sums, head after head, took eight."""
+    LM: gl.constexpr = gl.BlockedLayout([1, 16 // WARPS], [1, 32], [GQA, WARPS // GQA], [1, 0])
+    hq = gl.arange(0, GQA, layout=gl.SliceLayout(1, LM))
+    dd = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, LM)), 0)
+    rec = apart_ptr + (r0 + hq) * (D + 2)
+    big = gl.load(rec + D, cache_modifier=".cg")
+    den = gl.load(rec + D + 1, cache_modifier=".cg")
+    num = gl.load(gl.expand_dims(rec, 1) + dd, cache_modifier=".cg")
+    for s in gl.static_range(1, SPLITS):
+        rec = apart_ptr + (r0 + s * GQA + hq) * (D + 2)
+        m_s = gl.load(rec + D, cache_modifier=".cg")
+        l_s = gl.load(rec + D + 1, cache_modifier=".cg")
+        a_s = gl.load(gl.expand_dims(rec, 1) + dd, cache_modifier=".cg")
+        top = gl.maximum(big, m_s)
+        c = gl.exp2(big - top)
+        w = gl.exp2(m_s - top)
+        num = num * gl.expand_dims(c, 1) + a_s * gl.expand_dims(w, 1)
+        den = den * c + w * l_s
+        big = top
+    out = num / gl.expand_dims(den, 1)
+    gl.store(out_ptr + gl.expand_dims(hq, 1) * D + dd, out.to(gl.bfloat16))
