@@ -31,6 +31,17 @@ def _hopper() -> None:
         pytest.skip("TMA and warp specialization need sm_90+")
 
 
+def _replay_gives(bench, d: dict, want: dict) -> None:
+    """A CUDA-graph capture and replay of the kernels gives want's bits."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        bench.call(d)
+    graph.replay()
+    torch.cuda.synchronize()
+    for k, v in bench.state(d).items():
+        assert torch.equal(v, want[k]), k
+
+
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("shape,ctx,layers", (("small", 1, 1), ("small", 40, 1), ("small", 256, 1),
                                               ("small", 40, 3), ("llama3_8b", 256, 1),
@@ -57,14 +68,7 @@ def test_decode_layers_match_the_torch_layers(shape: str, ctx: int, layers: int,
     got = bench.state(d)
     bad = bench.mismatches(got, want, *(bench.ONE_LAYER if layers == 1 else bench.LAYERS))
     assert not bad, bad
-    first = {k: v.clone() for k, v in got.items()}
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        bench.call(d)
-    graph.replay()
-    torch.cuda.synchronize()
-    for k, v in bench.state(d).items():
-        assert torch.equal(v, first[k]), k
+    _replay_gives(bench, d, {k: v.clone() for k, v in got.items()})
 
 
 @pytest.mark.parametrize("warps,stages,x_smem", ((4, 16, True), (4, 16, False), (8, 8, False)))
@@ -117,13 +121,7 @@ def test_fp16_operands_match_the_torch_layers(shape: str, ctx: int, layers: int,
     bad = bench.mismatches(got, bench.reference_layers(d),
                            *(bench.ONE_LAYER if layers == 1 else bench.LAYERS))
     assert not bad, bad
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        bench.call(d)
-    graph.replay()
-    torch.cuda.synchronize()
-    for k, v in bench.state(d).items():
-        assert torch.equal(v, got[k]), k
+    _replay_gives(bench, d, got)
 
 
 def test_ring_int4_gemv_phases_are_the_exact_products() -> None:
