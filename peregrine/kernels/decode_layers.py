@@ -67,7 +67,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from peregrine.kernels._gluon import (cta_barrier, fence_acq_rel_gpu_if, globaltimer,
                                       ring_barriers, ticket_release, tma_load, wait_count)
 from peregrine.kernels.ring_attention import (_attention, _attn_early, _attn_inputs,
-                                              _attn_inputs_folded, _rms)
+                                              _attn_inputs_folded)
 from peregrine.kernels.ring_gemv import (_gemv_piece, _share, _tile_rest, _tile_sum,
                                          _x_to_smem, share, tile_scales, tile_words, unit_rows,
                                          word_layout, x_groups)
