@@ -31,6 +31,15 @@ def _hopper() -> None:
         pytest.skip("TMA and warp specialization need sm_90+")
 
 
+def _build(shape: str, ctx: int, layers: int, warps: int, stages: int) -> tuple:
+    """The benchmark module and its packed layers and inputs for this GPU (sm_90+ only)."""
+    _hopper()
+    bench = load("decode_layer_ring")
+    cfg = SMALL if shape == "small" else bench.LLAMA3_8B
+    P = torch.cuda.get_device_properties(DEV).multi_processor_count
+    return bench, bench.build(layers, P, ctx, DEV, cfg, warps=warps, stages=stages)
+
+
 def _replay_gives(bench, d: dict, want: dict) -> None:
     """A CUDA-graph capture and replay of the kernels gives want's bits."""
     graph = torch.cuda.CUDAGraph()
@@ -53,12 +62,8 @@ def test_decode_layers_match_the_torch_layers(shape: str, ctx: int, layers: int,
     sums in another order flip a rounding now and then, and a flip moves what follows it);
     shares of the context left empty (ctx 1 and 40 over 16 splits) included; a CUDA-graph
     replay gives the same bits."""
-    _hopper()
-    bench = load("decode_layer_ring")
-    cfg = SMALL if shape == "small" else bench.LLAMA3_8B
     warps, stages, x_ahead, regs, sz, fold, defer, acc2 = form
-    P = torch.cuda.get_device_properties(DEV).multi_processor_count
-    d = bench.build(layers, P, ctx, DEV, cfg, warps=warps, stages=stages)
+    bench, d = _build(shape, ctx, layers, warps, stages)
     want = bench.reference_layers(d)
     dl = d["dl"]
     dl.x_ahead, dl.regs, dl.scales_in_chunk, dl.fold = max(x_ahead, 4), regs, sz, fold
@@ -79,11 +84,7 @@ def test_two_chunks_between_barriers_match_the_torch_layers(shape: str, ctx: int
                                                             x_smem: bool) -> None:
     """The form that takes two ring chunks between the consumer warps' barriers (pieces of odd
     and even lengths) gives the one-chunk form's bits."""
-    _hopper()
-    bench = load("decode_layer_ring")
-    cfg = SMALL if shape == "small" else bench.LLAMA3_8B
-    P = torch.cuda.get_device_properties(DEV).multi_processor_count
-    d = bench.build(layers, P, ctx, DEV, cfg, warps=warps, stages=stages)
+    bench, d = _build(shape, ctx, layers, warps, stages)
     dl = d["dl"]
     dl.x_smem = x_smem
     bench.call(d)
@@ -108,11 +109,7 @@ def test_fp16_operands_match_the_torch_layers(shape: str, ctx: int, layers: int,
     """The form on fp16 MMA operands (x rewritten as fp16 pairs in its shared-memory copy, the
     weights' values decoded against two magics) within the bf16 form's bounds of the torch
     layers; a CUDA-graph replay gives the same bits."""
-    _hopper()
-    bench = load("decode_layer_ring")
-    cfg = SMALL if shape == "small" else bench.LLAMA3_8B
-    P = torch.cuda.get_device_properties(DEV).multi_processor_count
-    d = bench.build(layers, P, ctx, DEV, cfg, warps=warps, stages=stages)
+    bench, d = _build(shape, ctx, layers, warps, stages)
     dl = d["dl"]
     dl.x_smem, dl.f16, dl.pair = True, True, pair
     bench.call(d)
