@@ -447,9 +447,9 @@ class DecodeLayers:
     warps: consumer warps a program (4 or 8); stages: the ring's chunks (16 word rows of 32
     channels a warp: 8 KB at 4 warps); splits: attention programs a KV head. The attributes
     wait, trace, skip, fold, x_ahead, regs, scales_in_chunk, x_smem, defer, acc2, pair and f16
-    choose the kernel's forms (decode_layers_kernel; benchmarks/decode_layer_ring.py times them). Shared
-    memory a program: the ring's stages (chunk and scale row) and, with x_smem, the widest
-    input (32 KB for Llama-3-8B): 16 stages of 4 warps or 8 of 8 fit beside it."""
+    choose the kernel's forms (decode_layers_kernel; benchmarks/decode_layer_ring.py times
+    them). Shared memory a program: the ring's stages (chunk and scale row) and, with x_smem,
+    the widest input (32 KB for Llama-3-8B): 16 stages of 4 warps or 8 of 8 fit beside it."""
 
     def __init__(self, dims: Dims, layers: list[LayerWeights], final_norm: torch.Tensor,
                  device: torch.device, *, warps: int = 4, stages: int = 16, splits: int = 16,

@@ -5,14 +5,13 @@ A projection's weight is cut into (tile of 32 channels a consumer warp, group of
 units, tile-major (`tile_words`: each unit 16 rows of the layout's own words, value j of a word
 in bits 4j, in the order the lanes read them; `tile_scales`: each unit's scales and zero points
 in one row, four words a quad of channels), shared out evenly over the programs (`share`,
-stream-K). A program's consumer warps
-take a unit's chunk from the ring as it lands and do the tc kernel's per-lane arithmetic on it
-(wna16_gemv_tc.py: each lane's words read into the registers its MMAs take them from, one
-`ld.shared.v4` a lane a step; the zero point and scale once a group), x read through L2 four or
-eight steps ahead, or (`_x_to_smem`, `_x_smem`) from a shared-memory copy of it made once a
-phase by cp.async, so that no step waits on a round trip to L2 (which the weight stream's TMA
-traffic makes long); a piece of a tile stores its float32 partials, which `_tile_sum` adds in
-piece order.
+stream-K). A program's consumer warps take a unit's chunk from the ring as it lands and do the
+tc kernel's per-lane arithmetic on it (wna16_gemv_tc.py: each lane's words read into the
+registers its MMAs take them from, one `ld.shared.v4` a lane a step; the zero point and scale
+once a group), x read through L2 four or eight steps ahead, or (`_x_to_smem`, `_x_smem`) from
+a shared-memory copy of it made once a phase by cp.async, so that no step waits on a round trip
+to L2 (which the weight stream's TMA traffic makes long); a piece of a tile stores its float32
+partials, which `_tile_sum` adds in piece order.
 
 A form on fp16 operands (F16, with x in shared memory) spends fewer instructions a step: x's
 copy is rewritten once a phase as the B pairs in fp16 (no byte permutes a step), and each word
@@ -280,8 +279,8 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
     x from its shared-memory copy xs, else through L2 X_AHEAD steps ahead; PAIR, with SZ: two
     chunks between the consumer warps' barriers, both waited for first so that the second's
     loads and conversions overlap the first's MMAs; F16, with XS and SZ: fp16 operands,
-    _tile_f16_asm), its float32 sums stored as the tile's piece (pid - first). Returns (chunks consumed so far, groups done, tile, the tile's
-    pieces)."""
+    _tile_f16_asm), its float32 sums stored as the tile's piece (pid - first). Returns (chunks
+    consumed so far, groups done, tile, the tile's pieces)."""
     pid_n = u // CHUNKS
     g0 = u % CHUNKS
     g1 = gl.minimum(CHUNKS, g0 + (end - u))
