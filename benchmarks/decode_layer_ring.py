@@ -203,29 +203,33 @@ def compare(got: dict, want: dict) -> dict:
 def timeline(times: torch.Tensor, per: int) -> list[dict]:
     """Per phase of a layer (the mean over the middle layers), in us from the layer's first
     phase's earliest start: when its programs' waits ended (first and last program) and when its
-    last program ended."""
+    last program ended; and, as the mean over programs (and the last), when they began to wait,
+    had their input in shared memory, had their first piece's MMAs done and their last piece's
+    (decode_layers.TRACE_POINTS)."""
     layers = times.shape[0] // per
     t = times.double() / 1e3
     mid = range(layers // 4, max(layers - layers // 4, layers // 4 + 1))
     out = []
     for j in range(per):
-        met_first = met_last = end_last = 0.0
+        acc: dict[str, float] = {}
         for layer in mid:
             t0 = t[layer * per, :, 0].min()
-            f = layer * per + j
-            met_first += float(t[f, :, 0].min() - t0)
-            met_last += float(t[f, :, 0].max() - t0)
-            end_last += float(t[f, :, 1].max() - t0)
-        out.append({"met_first": round(met_first / len(mid), 2),
-                    "met_last": round(met_last / len(mid), 2),
-                    "end_last": round(end_last / len(mid), 2)})
+            f = t[layer * per + j] - t0
+            vals = {"met_first": f[:, 0].min(), "met_last": f[:, 0].max(),
+                    "end_last": f[:, 1].max(), "end_mean": f[:, 1].mean(),
+                    "entry_mean": f[:, 2].mean(), "x_mean": f[:, 3].mean(),
+                    "x_last": f[:, 3].max(), "first_piece_mean": f[:, 4].mean(),
+                    "pieces_mean": f[:, 5].mean(), "pieces_last": f[:, 5].max()}
+            for k, v in vals.items():
+                acc[k] = acc.get(k, 0.0) + float(v) / len(mid)
+        out.append({k: round(v, 2) for k, v in acc.items()})
     return out
 
 
 def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: int,
         iters: int, forms: list[str], variants: list[tuple[int, int]], x_sources: list[str],
         acc2s: list[bool], tb: int, dev: torch.device, pairs: tuple[bool, ...] = (False,),
-        f16s: tuple[bool, ...] = (False,)) -> list[dict]:
+        f16s: tuple[bool, ...] = (False,), pipes: tuple[int, ...] = (0,)) -> list[dict]:
     """For each ring depth, where x comes from (`smem`: copied into shared memory once a phase;
     `l2`: read through L2 x_ahead steps ahead), one or two sets of accumulators and (x steps
     ahead, registers a thread): check the kernel against reference_layers (folded or not), then
@@ -244,18 +248,19 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
         res = {"layers": layers, "ctx": ctx, "tb": tb, "warps": warps, "scales_in_chunk": sz,
                "stages": s, "splits": splits, "programs": P,
                "wall_us_per_layer": round(wbytes / 4.2e6, 2), "variants": []}
-        for src, acc2, pair, f16, (x_ahead, regs) in [(src, a, pr, h, v) for src in x_sources
-                                                      for a in acc2s for pr in pairs
-                                                      for h in f16s
-                                                 for v in variants]:
+        for src, acc2, pair, f16, pipe, (x_ahead, regs) in [
+                (src, a, pr, h, pp, v) for src in x_sources for a in acc2s for pr in pairs
+                for h in f16s for pp in pipes for v in variants]:
             if src == "smem" and x_ahead != variants[0][0]:
                 continue  # (x_ahead is the L2 form's)
             dl.x_smem, dl.acc2, dl.x_ahead, dl.regs = src == "smem", acc2, x_ahead, regs
-            if f16 and src != "smem":
-                continue  # (the fp16 form reads x from shared memory only)
-            dl.pair, dl.f16 = pair, f16
-            v = {"x": src, "acc2": acc2, "pair": pair, "f16": f16, "x_ahead": x_ahead,
-                 "regs": regs}
+            if (f16 or pipe) and src != "smem":
+                continue  # (the fp16 and pipelined forms read x from shared memory only)
+            if pipe and (f16 or pair):
+                continue  # (the pipelined form is on bf16 operands, a chunk at a time)
+            dl.pair, dl.f16, dl.pipe = pair, f16, pipe
+            v = {"x": src, "acc2": acc2, "pair": pair, "f16": f16, "pipe": pipe,
+                 "x_ahead": x_ahead, "regs": regs}
             try:
                 call(d)
                 torch.cuda.synchronize()
@@ -297,7 +302,7 @@ def profile_once(ns: argparse.Namespace, dev: torch.device) -> dict:
     dl.stages, dl.scales_in_chunk, dl.tb = s, ns.scales.split(",")[0] == "chunk", ns.tb
     dl.x_smem, dl.acc2 = ns.x.split(",")[0] == "smem", ns.acc2.split(",")[0] == "1"
     dl.x_ahead, dl.regs, dl.pair = x_ahead, regs, ns.pair.split(",")[0] == "1"
-    dl.f16 = ns.f16.split(",")[0] == "1"
+    dl.f16, dl.pipe = ns.f16.split(",")[0] == "1", int(ns.pipe.split(",")[0])
     dl.wait, dl.trace, dl.skip, dl.fold, dl.defer = FORMS[form]
     for _ in range(3):
         call(d)
@@ -307,7 +312,7 @@ def profile_once(ns: argparse.Namespace, dev: torch.device) -> dict:
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
     return {"profiled": form, "warps": w, "stages": s, "x_smem": dl.x_smem, "acc2": dl.acc2,
-            "pair": dl.pair, "f16": dl.f16, "x_ahead": x_ahead, "regs": regs}
+            "pair": dl.pair, "f16": dl.f16, "pipe": dl.pipe, "x_ahead": x_ahead, "regs": regs}
 
 
 def main() -> None:
@@ -332,6 +337,10 @@ def main() -> None:
                    help="one (0) and/or two (1) ring chunks between the consumers' barriers")
     p.add_argument("--f16", default="0",
                    help="bf16 (0) and/or fp16 (1) MMA operands (x from shared memory only)")
+    p.add_argument("--pipe", default="0",
+                   help="each chunk read at once (0) and/or its registers read while the chunk "
+                   "before's MMAs run (1; 2: its scaled sums taken after the next chunk's MMAs; x "
+                   "from shared memory, bf16 operands, one chunk at a time)")
     p.add_argument("--tb", type=int, default=16,
                    help="tokens an attention program reads a block (the first before its wait)")
     p.add_argument("--iters", type=int, default=20)
@@ -357,7 +366,8 @@ def main() -> None:
                                ns.forms.split(","), variants, ns.x.split(","),
                                [a == "1" for a in ns.acc2.split(",")], ns.tb, dev,
                                tuple(x == "1" for x in ns.pair.split(",")),
-                               tuple(x == "1" for x in ns.f16.split(",")))
+                               tuple(x == "1" for x in ns.f16.split(",")),
+                               tuple(int(x) for x in ns.pipe.split(",")))
             torch.cuda.empty_cache()
     write_results(ns.out, dev, results)
 

@@ -45,6 +45,8 @@ FORMS = {
     "pair": {"pair": True},
     "f16": {"f16": True},
     "f16pair": {"f16": True, "pair": True},
+    "pipe": {"pipe": 1},
+    "pipe2": {"pipe": 2},
     "l2": {"x_smem": False},
     "traced": {"trace": True},
     "free": {"wait": False},

@@ -79,6 +79,10 @@ K_QKV, K_ATTN, K_GU = gl.constexpr(QKV), gl.constexpr(ATTN), gl.constexpr(GU)
 TABF = gl.constexpr(11)
 LOCKS = 256  # split-K tickets (tiles); the attention's follow
 LOCKS_C = gl.constexpr(LOCKS)
+# TRACE's timestamps a phase and program: its wait ended, it ended, it began to wait, its input
+# was in shared memory, its first piece's MMAs were done, its last piece's (the GEMV phases)
+TRACE_POINTS = 6
+TW = gl.constexpr(TRACE_POINTS)
 
 
 @gluon.jit
@@ -166,7 +170,7 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
               BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr, WAIT: gl.constexpr,
               TRACE: gl.constexpr, X_AHEAD: gl.constexpr, SZ: gl.constexpr, SKIP: gl.constexpr,
               FOLD: gl.constexpr, XS: gl.constexpr, DEFER: gl.constexpr, ACC2: gl.constexpr,
-              PAIR: gl.constexpr, F16: gl.constexpr):
+              PAIR: gl.constexpr, F16: gl.constexpr, PIPE: gl.constexpr):
     """The consumer warps: the phases in order (see decode_layers_kernel)."""
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -201,10 +205,15 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
             if attn:  # the earlier steps' K/V rows need no wait
                 kt0, vt0 = _attn_early(pid, kc_l, vc_l, bt_ptr, pos, KVH, D,
                                        BS, SPLITS, TB, WARPS)
+        if TRACE:
+            gl.store(trace_ptr + (f * P + pid) * TW + 2, globaltimer())
         if WAIT and f > 0:  # every program of the phase before is done
             wait_count(cnt_ptr + (f - 1), P)
         if TRACE:
-            gl.store(trace_ptr + (f * P + pid) * 2, globaltimer())
+            met = globaltimer()
+            gl.store(trace_ptr + (f * P + pid) * TW, met)
+            for k in gl.static_range(3, TW):  # (an attention phase: the later points unused)
+                gl.store(trace_ptr + (f * P + pid) * TW + k, met)
         if kind == K_ATTN:
             if SKIP & 2 == 0:
                 if attn:
@@ -228,6 +237,8 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
             start, end = _share(pid, W, total)
             if XS and start < end:  # the phase's input into shared memory, once
                 _x_to_smem(xs, vec_ptr, x_off, CHUNKS, T, WARPS, F16)
+            if TRACE:
+                gl.store(trace_ptr + (f * P + pid) * TW + 3, globaltimer())
             if FOLD:  # the attention phase finishes qkv's tiles itself
                 tiled = kind != K_QKV
             else:
@@ -240,7 +251,9 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
                 i, done, j, n_pieces = _gemv_piece(
                     bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off,
                     x_base, part_ptr, pid, idx, t, g, zero, ones, sel, LW, L, T, S, X_AHEAD, SZ,
-                    WARPS, ACC2, xs, XS, PAIR, F16)
+                    WARPS, ACC2, xs, XS, PAIR, F16, PIPE)
+                if TRACE and u == start:
+                    gl.store(trace_ptr + (f * P + pid) * TW + 4, globaltimer())
                 u += done
                 if tiled:
                     # NOTE: every thread's partial stores come before the ticket (barrier), and
@@ -259,12 +272,14 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
                         _settle(j, n_pieces, tk, kind, N, part_ptr, vec_ptr, norm_ptr + g_off,
                                 ss_ptr, cs_ptr, pos, slot, kc_l, vc_l, lock_ptr, idx, eps, H,
                                 HEADS, KVH, D, T, L, SKIP)
+            if TRACE:
+                gl.store(trace_ptr + (f * P + pid) * TW + 5, globaltimer())
             if DEFER:
                 _settle(pj, pn, ptk, kind, N, part_ptr, vec_ptr, norm_ptr + g_off, ss_ptr,
                         cs_ptr, pos, slot, kc_l, vc_l, lock_ptr, idx, eps, H, HEADS, KVH, D, T,
                         L, SKIP)
         if TRACE:
-            gl.store(trace_ptr + (f * P + pid) * 2 + 1, globaltimer())
+            gl.store(trace_ptr + (f * P + pid) * TW + 1, globaltimer())
         cta_barrier()
         gl.atomic_add(cnt_ptr + f, 1, sem="release", scope="gpu")
 
@@ -303,7 +318,8 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
                          SZ: gl.constexpr = 1, SKIP: gl.constexpr = 0,
                          FOLD: gl.constexpr = 0, XS: gl.constexpr = 0, NG: gl.constexpr = 8,
                          DEFER: gl.constexpr = 0, ACC2: gl.constexpr = 0,
-                         PAIR: gl.constexpr = 0, F16: gl.constexpr = 0):
+                         PAIR: gl.constexpr = 0, F16: gl.constexpr = 0,
+                         PIPE: gl.constexpr = 0):
     """The layers of the phase table at tab_ptr (TABF int64 fields a phase), from the residual
     stream h and the first norm's input xn and sums of squares (in vec and ss) to the last
     layer's h (see the module docstring). WAIT / TRACE / SKIP are for measurement: without the
@@ -316,7 +332,9 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
     steps on two sets of accumulators (half the MMA chain); PAIR (with SZ): two chunks between
     the consumer warps' barriers; F16 (with XS and SZ): the MMAs on fp16 operands, x rewritten
     as fp16 pairs in its shared-memory copy and the weights' values decoded with fewer
-    instructions (ring_gemv._tile_f16_asm)."""
+    instructions (ring_gemv._tile_f16_asm); PIPE 1 or 2 (with XS and SZ, bf16 operands, not
+    PAIR): each chunk's registers read while the chunk before's MMAs run (2: its scaled sums
+    taken after the next chunk's MMAs are issued)."""
     T: gl.constexpr = 32 * WARPS
     bufs = gl.allocate_shared_memory(gl.int32, [S, 16, T], desc.layout)
     sbufs = gl.allocate_shared_memory(gl.int32, [S, 1, T], sdesc.layout)
@@ -327,7 +345,7 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
                      norm_ptr, ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr,
                      slot_ptr, bt_ptr, kc_ptr, vc_ptr, trace_ptr, eps, scale, P, S, WARPS, H,
                      HEADS, KVH, D, BS, SPLITS, TB, WAIT, TRACE, X_AHEAD, SZ, SKIP, FOLD, XS,
-                     DEFER, ACC2, PAIR, F16)),
+                     DEFER, ACC2, PAIR, F16, PIPE)),
         (_layer_producer, (desc, sdesc, bufs, sbufs, ready, empty, tab_ptr, n_phases, S, T,
                            SZ)),
     ], [1], [48])
@@ -446,8 +464,8 @@ class DecodeLayers:
 
     warps: consumer warps a program (4 or 8); stages: the ring's chunks (16 word rows of 32
     channels a warp: 8 KB at 4 warps); splits: attention programs a KV head. The attributes
-    wait, trace, skip, fold, x_ahead, regs, scales_in_chunk, x_smem, defer, acc2, pair and f16
-    choose the kernel's forms (decode_layers_kernel; benchmarks/decode_layer_ring.py times
+    wait, trace, skip, fold, x_ahead, regs, scales_in_chunk, x_smem, defer, acc2, pair, f16 and
+    pipe choose the kernel's forms (decode_layers_kernel; benchmarks/decode_layer_ring.py times
     them). Shared memory a program: the ring's stages (chunk and scale row) and, with x_smem,
     the widest input (32 KB for Llama-3-8B): 16 stages of 4 warps or 8 of 8 fit beside it."""
 
@@ -466,7 +484,7 @@ class DecodeLayers:
         self.programs = programs
         self.wait, self.trace, self.skip, self.fold = True, False, 0, 0
         self.x_ahead, self.regs, self.scales_in_chunk, self.x_smem = 4, 128, True, True
-        self.defer, self.acc2, self.pair, self.f16 = True, False, False, False
+        self.defer, self.acc2, self.pair, self.f16, self.pipe = True, False, False, False, 0
         tile = 32 * warps
         self.k_max = max(dims.hidden, dims.heads * dims.head_dim, dims.inter)
         self.order = gate_up_order(dims.inter, tile // 2).to(device)
@@ -515,7 +533,8 @@ class DecodeLayers:
         self.cnt = torch.zeros(len(table), dtype=torch.int32, device=device)
         self.vec = torch.zeros(off["size"], dtype=torch.bfloat16, device=device)
         self.ss = torch.zeros(dims.hidden // tile, **f32)
-        self.times = torch.zeros(len(table), programs, 2, dtype=torch.int64, device=device)
+        self.times = torch.zeros(len(table), programs, TRACE_POINTS, dtype=torch.int64,
+                                 device=device)
         self.zero_token = torch.zeros(1, dtype=torch.int64, device=device)
         self.caches: tuple[torch.Tensor, torch.Tensor] | None = None
         if LOCKS < max(r[3] // r[4] for r in table):
@@ -576,6 +595,7 @@ class DecodeLayers:
             x, token, self.norms, self.vec, self.ss, self.lock, self.cnt, self.lock.numel(),
             self.cnt.numel(), H=H, T=tile, num_warps=4)
         k0, v0 = self.caches
+        pipe = int(self.pipe) if self.x_smem and self.scales_in_chunk and not self.f16 else 0
         decode_layers_kernel[(self.programs,)](
             *self.descs, self.table, len(self.table), self.scales, self.zeros, self.vec,
             self.norms, self.ss, self.part, self.apart, self.lock, self.cnt, cos_sin, positions,
@@ -584,8 +604,8 @@ class DecodeLayers:
             D=d.head_dim, BS=d.block_size, SPLITS=self.splits, TB=self.tb, WAIT=self.wait,
             TRACE=self.trace, X_AHEAD=self.x_ahead, SZ=int(self.scales_in_chunk),
             SKIP=self.skip, FOLD=self.fold, XS=int(self.x_smem), DEFER=int(self.defer),
-            ACC2=int(self.acc2), PAIR=int(self.pair and self.scales_in_chunk),
-            F16=int(self.f16 and self.x_smem and self.scales_in_chunk),
+            ACC2=int(self.acc2), PAIR=int(self.pair and self.scales_in_chunk and not pipe),
+            F16=int(self.f16 and self.x_smem and self.scales_in_chunk), PIPE=pipe,
             NG=x_groups(self.k_max, tile) if self.x_smem else tile // 16, num_warps=self.warps,
             maxnreg=self.regs)
         return self.vec[:H].view(1, H)

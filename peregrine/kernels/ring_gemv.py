@@ -272,15 +272,18 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
                 T: gl.constexpr, S: gl.constexpr, X_AHEAD: gl.constexpr, SZ: gl.constexpr,
                 WARPS: gl.constexpr, ACC2: gl.constexpr = False, xs=None,
                 XS: gl.constexpr = False, PAIR: gl.constexpr = False,
-                F16: gl.constexpr = False):
+                F16: gl.constexpr = False, PIPE: gl.constexpr = 0):
     """The program's groups [g0, g1) of one tile from unit u on: its MMAs over the ring's
     chunks (SZ: each chunk's scales and zero points in sbufs, else read from global memory a
     group ahead; ACC2: even and odd steps on two sets of accumulators, half the MMA chain; XS:
     x from its shared-memory copy xs, else through L2 X_AHEAD steps ahead; PAIR, with SZ: two
     chunks between the consumer warps' barriers, both waited for first so that the second's
     loads and conversions overlap the first's MMAs; F16, with XS and SZ: fp16 operands,
-    _tile_f16_asm), its float32 sums stored as the tile's piece (pid - first). Returns (chunks
-    consumed so far, groups done, tile, the tile's pieces)."""
+    _tile_f16_asm; PIPE, with XS and SZ on bf16 operands: each chunk's words, B pairs and
+    scales read into registers while the chunk before's MMAs run, _chunk_regs, and with PIPE 2
+    a chunk's scaled sums taken after the next chunk's MMAs are issued), its float32 sums
+    stored as the tile's piece (pid - first). Returns (chunks consumed so far, groups done,
+    tile, the tile's pieces)."""
     pid_n = u // CHUNKS
     g0 = u % CHUNKS
     g1 = gl.minimum(CHUNKS, g0 + (end - u))
@@ -302,6 +305,40 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
         x_q0 = x_q
     else:
         x_q0 = zero
+    if PIPE:  # (with XS and SZ, bf16) the next chunk's registers loaded under this one's MMAs
+        s0 = i % S
+        mbarrier.wait(ready.index(s0), (i // S) & 1)
+        cur = _chunk_regs(bufs.index(s0), sbufs.index(s0), xs, g0, idx % 32, LW, L, T, WARPS)
+        c4 = (zero, zero, zero, zero)
+        p_acc = (c4, c4, c4, c4)  # (PIPE 2) the chunk before's sums: none yet, zeros add nothing
+        p_cx = c4
+        p_sz = cur[2]
+        for c in range(g1 - g0):
+            w_c, x_c, sz_c = cur
+            acc, cx = _regs_mma(w_c, x_c, zero, ones, sel, ACC2)
+            if PIPE == 2:  # the chunk before's sums, whose MMAs have had this chunk's issue
+                y = _group_done(y, p_acc, p_cx, _sz_pairs(p_sz), 0, V, True, True, 4)
+            nxt = cur
+            if c + 1 < g1 - g0:
+                s1 = (i + 1) % S
+                mbarrier.wait(ready.index(s1), ((i + 1) // S) & 1)
+                nxt = _chunk_regs(bufs.index(s1), sbufs.index(s1), xs, g0 + c + 1, idx % 32, LW,
+                                  L, T, WARPS)
+            if PIPE == 1:
+                y = _group_done(y, acc, cx, _sz_pairs(sz_c), 0, V, True, True, 4)
+            # every consumer warp's loads of this chunk are done before it is refilled (the
+            # arrive releases them; no proxy fence: the TMA that refills the slot is issued
+            # after the producer's wait on this arrival)
+            cta_barrier()
+            mbarrier.arrive(empty.index(i % S), count=1)
+            i += 1
+            cur = nxt
+            p_acc = acc
+            p_cx = cx
+            p_sz = sz_c
+        if PIPE == 2:
+            y = _group_done(y, p_acc, p_cx, _sz_pairs(p_sz), 0, V, True, True, 4)
+        c_first = g1 - g0
     if PAIR:
         for cp in range((g1 - g0) // 2):
             s0 = i % S
@@ -351,6 +388,51 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
             y = _group_done(y, acc, cx, sz, 0, V, True, True, 4)
     _store(part_ptr + (pid - first).to(gl.int64) * N, n_lane, y, t == 0, V, False)
     return i, g1 - g0, pid_n, n_pieces
+
+
+@gluon.jit
+def _chunk_regs(buf, sbuf, xs, grp, lane, LW: gl.constexpr, L: gl.constexpr, T: gl.constexpr,
+                WARPS: gl.constexpr):
+    """A chunk's registers for _regs_mma, read from shared memory at once: each step's four
+    distinct words of the lane (_words), its B pairs (x's group grp, _x_smem) and the group's
+    scales and zero points (s01, s23, z01, z23; _chunk_sz)."""
+    a = _words(buf, 0, LW, L, T)
+    b = _words(buf, 4, LW, L, T)
+    c = _words(buf, 8, LW, L, T)
+    d = _words(buf, 12, LW, L, T)
+    w = ((a[0], a[1], a[4], a[5]), (b[0], b[1], b[4], b[5]), (c[0], c[1], c[4], c[5]),
+         (d[0], d[1], d[4], d[5]))
+    x = (_x_smem(xs, grp, 0, L, T, WARPS), _x_smem(xs, grp, 1, L, T, WARPS),
+         _x_smem(xs, grp, 2, L, T, WARPS), _x_smem(xs, grp, 3, L, T, WARPS))
+    s, z = _chunk_sz(sbuf, lane, L, T, WARPS)
+    return w, x, (s[0], s[1], z[0], z[1])
+
+
+@gluon.jit
+def _sz_pairs(sz):
+    """_chunk_regs' (s01, s23, z01, z23) as _group_done takes them."""
+    return (sz[0], sz[1], sz[0], sz[0]), (sz[2], sz[3], sz[2], sz[2])
+
+
+@gluon.jit
+def _regs_mma(w, x, zero, ones, sel, ACC2: gl.constexpr = False):
+    """_chunk_mma's four steps on registers _chunk_regs read (bf16 operands): (acc, cx)."""
+    c4 = (zero, zero, zero, zero)
+    acc = (c4, c4, c4, c4)
+    cx = c4
+    acc_b = acc
+    cx_b = c4
+    for s in gl.static_range(4):
+        e = w[s]
+        w_c = (e[0], e[1], e[0], e[0], e[2], e[3], e[0], e[0])
+        if ACC2 and (s % 2 == 1):
+            acc_b, cx_b = _step(acc_b, cx_b, ones, w_c, x[s], sel, V, True, 4)
+        else:
+            acc, cx = _step(acc, cx, ones, w_c, x[s], sel, V, True, 4)
+    if ACC2:
+        acc = (_add4(acc[0], acc_b[0]), _add4(acc[1], acc_b[1]), acc[2], acc[3])
+        cx = _add4(cx, cx_b)
+    return acc, cx
 
 
 @gluon.jit

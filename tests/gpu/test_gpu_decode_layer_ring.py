@@ -101,6 +101,34 @@ def test_two_chunks_between_barriers_match_the_torch_layers(shape: str, ctx: int
     assert not bad, bad
 
 
+@pytest.mark.parametrize("warps,stages,acc2,pipe", ((4, 16, False, 1), (4, 16, True, 1),
+                                                    (4, 16, False, 2), (8, 8, False, 2)))
+@pytest.mark.parametrize("shape,ctx,layers", (("small", 40, 1), ("small", 40, 3),
+                                              ("llama3_8b", 256, 2)))
+def test_pipelined_chunks_give_the_one_chunk_bits(shape: str, ctx: int, layers: int,
+                                                  warps: int, stages: int, acc2: bool,
+                                                  pipe: int) -> None:
+    """The form that reads each chunk's registers while the chunk before's MMAs run (pieces
+    of one chunk and of many; 2: its scaled sums taken a chunk later) gives the one-chunk
+    form's bits, within the torch layers' bounds, and a CUDA-graph replay gives them again."""
+    bench, d = _build(shape, ctx, layers, warps, stages)
+    dl = d["dl"]
+    dl.x_smem, dl.acc2 = True, acc2
+    bench.call(d)
+    torch.cuda.synchronize()
+    one = {k: v.clone() for k, v in bench.state(d).items()}
+    dl.pipe = pipe
+    bench.call(d)
+    torch.cuda.synchronize()
+    got = {k: v.clone() for k, v in bench.state(d).items()}
+    for k, v in one.items():
+        assert torch.equal(got[k], v), k
+    bad = bench.mismatches(got, bench.reference_layers(d),
+                           *(bench.ONE_LAYER if layers == 1 else bench.LAYERS))
+    assert not bad, bad
+    _replay_gives(bench, d, got)
+
+
 @pytest.mark.parametrize("warps,stages,pair", ((4, 16, False), (4, 16, True), (8, 8, False)))
 @pytest.mark.parametrize("shape,ctx,layers", (("small", 40, 1), ("small", 40, 3),
                                               ("llama3_8b", 256, 2)))
