@@ -229,7 +229,8 @@ def timeline(times: torch.Tensor, per: int) -> list[dict]:
 def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: int,
         iters: int, forms: list[str], variants: list[tuple[int, int]], x_sources: list[str],
         acc2s: list[bool], tb: int, dev: torch.device, pairs: tuple[bool, ...] = (False,),
-        f16s: tuple[bool, ...] = (False,), pipes: tuple[int, ...] = (0,)) -> list[dict]:
+        f16s: tuple[bool, ...] = (False,), pipes: tuple[int, ...] = (0,),
+        xsums: tuple[bool, ...] = (False,)) -> list[dict]:
     """For each ring depth, where x comes from (`smem`: copied into shared memory once a phase;
     `l2`: read through L2 x_ahead steps ahead), one or two sets of accumulators and (x steps
     ahead, registers a thread): check the kernel against reference_layers (folded or not), then
@@ -248,9 +249,9 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
         res = {"layers": layers, "ctx": ctx, "tb": tb, "warps": warps, "scales_in_chunk": sz,
                "stages": s, "splits": splits, "programs": P,
                "wall_us_per_layer": round(wbytes / 4.2e6, 2), "variants": []}
-        for src, acc2, pair, f16, pipe, (x_ahead, regs) in [
-                (src, a, pr, h, pp, v) for src in x_sources for a in acc2s for pr in pairs
-                for h in f16s for pp in pipes for v in variants]:
+        for src, acc2, pair, f16, pipe, xsum, (x_ahead, regs) in [
+                (src, a, pr, h, pp, xx, v) for src in x_sources for a in acc2s for pr in pairs
+                for h in f16s for pp in pipes for xx in xsums for v in variants]:
             if src == "smem" and x_ahead != variants[0][0]:
                 continue  # (x_ahead is the L2 form's)
             dl.x_smem, dl.acc2, dl.x_ahead, dl.regs = src == "smem", acc2, x_ahead, regs
@@ -258,8 +259,10 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
                 continue  # (the fp16 and pipelined forms read x from shared memory only)
             if pipe and (f16 or pair):
                 continue  # (the pipelined form is on bf16 operands, a chunk at a time)
-            dl.pair, dl.f16, dl.pipe = pair, f16, pipe
-            v = {"x": src, "acc2": acc2, "pair": pair, "f16": f16, "pipe": pipe,
+            if xsum and not pipe:
+                continue  # (the input sums are the pipelined form's)
+            dl.pair, dl.f16, dl.pipe, dl.xsum = pair, f16, pipe, xsum
+            v = {"x": src, "acc2": acc2, "pair": pair, "f16": f16, "pipe": pipe, "xsum": xsum,
                  "x_ahead": x_ahead, "regs": regs}
             try:
                 call(d)
@@ -303,6 +306,7 @@ def profile_once(ns: argparse.Namespace, dev: torch.device) -> dict:
     dl.x_smem, dl.acc2 = ns.x.split(",")[0] == "smem", ns.acc2.split(",")[0] == "1"
     dl.x_ahead, dl.regs, dl.pair = x_ahead, regs, ns.pair.split(",")[0] == "1"
     dl.f16, dl.pipe = ns.f16.split(",")[0] == "1", int(ns.pipe.split(",")[0])
+    dl.xsum = ns.xsum.split(",")[0] == "1"
     dl.wait, dl.trace, dl.skip, dl.fold, dl.defer = FORMS[form]
     for _ in range(3):
         call(d)
@@ -312,7 +316,8 @@ def profile_once(ns: argparse.Namespace, dev: torch.device) -> dict:
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
     return {"profiled": form, "warps": w, "stages": s, "x_smem": dl.x_smem, "acc2": dl.acc2,
-            "pair": dl.pair, "f16": dl.f16, "pipe": dl.pipe, "x_ahead": x_ahead, "regs": regs}
+            "pair": dl.pair, "f16": dl.f16, "pipe": dl.pipe, "xsum": dl.xsum, "x_ahead": x_ahead,
+            "regs": regs}
 
 
 def main() -> None:
@@ -341,6 +346,9 @@ def main() -> None:
                    help="each chunk read at once (0) and/or its registers read while the chunk "
                    "before's MMAs run (1; 2: its scaled sums taken after the next chunk's MMAs; x "
                    "from shared memory, bf16 operands, one chunk at a time)")
+    p.add_argument("--xsum", default="0",
+                   help="each step's constant-weight MMA for the input sums (0) and/or the "
+                   "groups' sums written once with the input (1; the pipelined form's)")
     p.add_argument("--tb", type=int, default=16,
                    help="tokens an attention program reads a block (the first before its wait)")
     p.add_argument("--iters", type=int, default=20)
@@ -367,7 +375,8 @@ def main() -> None:
                                [a == "1" for a in ns.acc2.split(",")], ns.tb, dev,
                                tuple(x == "1" for x in ns.pair.split(",")),
                                tuple(x == "1" for x in ns.f16.split(",")),
-                               tuple(int(x) for x in ns.pipe.split(",")))
+                               tuple(int(x) for x in ns.pipe.split(",")),
+                               tuple(x == "1" for x in ns.xsum.split(",")))
             torch.cuda.empty_cache()
     write_results(ns.out, dev, results)
 

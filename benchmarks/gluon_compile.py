@@ -47,6 +47,7 @@ FORMS = {
     "f16pair": {"f16": True, "pair": True},
     "pipe": {"pipe": 1},
     "pipe2": {"pipe": 2},
+    "pipe2xsum": {"pipe": 2, "xsum": True},
     "l2": {"x_smem": False},
     "traced": {"trace": True},
     "free": {"wait": False},

@@ -88,11 +88,13 @@ TW = gl.constexpr(TRACE_POINTS)
 @gluon.jit
 def _finish(kind, j, n_pieces, N, part_ptr, vec_ptr, g_ptr, ss_ptr, cs_ptr, pos, slot,
             kc_ptr, vc_ptr, eps, H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr,
-            D: gl.constexpr, T: gl.constexpr, L: gl.constexpr):
+            D: gl.constexpr, T: gl.constexpr, L: gl.constexpr, XSUM: gl.constexpr = 0):
     """Tile j's finish, once its sums are all in (see the module docstring): T channels (whole
     heads of D = 128), one a thread; a channel's RoPE partner is c ^ 64, a gate channel's up
     channel c + T / 2. Every load the finish needs is issued first, together (one round trip
-    to L2, not one after another: the weight stream makes each one long)."""
+    to L2, not one after another: the weight stream makes each one long). XSUM: the sums of
+    the next GEMV's inputs it writes (xn, silu(gate) * up), a block of 64 at a time, beside
+    the tiles' sums of squares (_block_sums)."""
     HALF: gl.constexpr = T // 2
     c = gl.arange(0, T, layout=L)
     n = j * T + c  # the projection's channel
@@ -132,22 +134,37 @@ def _finish(kind, j, n_pieces, N, part_ptr, vec_ptr, g_ptr, ss_ptr, cs_ptr, pos,
                 gl.store(vc_ptr + (slot * KVH + (head - HEADS - KVH)) * D + e,
                          y.to(gl.bfloat16))
         else:  # gate channels in the tile's first half, the same up channels in its second
-            act = y / (1.0 + gl.exp(-y)) * y_p
-            gl.store(vec_ptr + ACT_OFF + j * HALF + c, act.to(gl.bfloat16), mask=c < HALF)
+            act = (y / (1.0 + gl.exp(-y)) * y_p).to(gl.bfloat16)
+            gl.store(vec_ptr + ACT_OFF + j * HALF + c, act, mask=c < HALF)
+            if XSUM:
+                _block_sums(ss_ptr, (ACT_OFF + j * HALF) // 64, c, act, HALF, H)
     else:  # o or down: the residual add, the next norm's input and the tile's sum of h^2
         y = y.to(gl.bfloat16).to(gl.float32)
         hb = (h.to(gl.float32) + y).to(gl.bfloat16)
         gl.store(vec_ptr + n, hb)
         hf = hb.to(gl.float32)
-        gl.store(vec_ptr + H + n, (hf * gw.to(gl.float32)).to(gl.bfloat16))
+        xn = (hf * gw.to(gl.float32)).to(gl.bfloat16)
+        gl.store(vec_ptr + H + n, xn)
         gl.store(ss_ptr + j, gl.sum(hf * hf, 0))
+        if XSUM:
+            _block_sums(ss_ptr, (H + j * T) // 64, c, xn, T, H)
+
+
+@gluon.jit
+def _block_sums(ss_ptr, b0, c, v, COUNT: gl.constexpr, H: gl.constexpr):
+    """The float32 sums of v's bf16 values at c < COUNT, a block of 64 at a time, stored as
+    the input sums of the arena's blocks b0, b0 + 1, .. (after the tiles' sums of squares:
+    `block_sums_at`)."""
+    f = v.to(gl.float32)
+    for b in gl.static_range(COUNT // 64):
+        gl.store(ss_ptr + (H // 32) + b0 + b, gl.sum(gl.where(c // 64 == b, f, 0.0), 0))
 
 
 @gluon.jit
 def _settle(j, n_pieces, tk, kind, N, part_ptr, vec_ptr, g_ptr, ss_ptr, cs_ptr, pos, slot,
             kc_ptr, vc_ptr, lock_ptr, idx, eps, H: gl.constexpr, HEADS: gl.constexpr,
             KVH: gl.constexpr, D: gl.constexpr, T: gl.constexpr, L: gl.constexpr,
-            SKIP: gl.constexpr):
+            SKIP: gl.constexpr, XSUM: gl.constexpr = 0):
     """Tile j's piece's ticket tk (thread 0's, the count before it; -1 in the other threads):
     where it was the tile's last piece, thread 0 fences (acquire: the other pieces' partials
     are visible to it, and so, past the reduction's barrier, to every thread), the tile's
@@ -157,7 +174,7 @@ def _settle(j, n_pieces, tk, kind, N, part_ptr, vec_ptr, g_ptr, ss_ptr, cs_ptr, 
         ticket = gl.max(tk, 0)
         if (ticket == n_pieces - 1) and (SKIP & 1 == 0):
             _finish(kind, j, n_pieces, N, part_ptr, vec_ptr, g_ptr, ss_ptr, cs_ptr, pos, slot,
-                    kc_ptr, vc_ptr, eps, H, HEADS, KVH, D, T, L)
+                    kc_ptr, vc_ptr, eps, H, HEADS, KVH, D, T, L, XSUM)
             # (relaxed: the phase-end release add publishes it before the ticket is used again)
             gl.atomic_xchg(lock_ptr + j, 0, sem="relaxed", scope="gpu")
 
@@ -170,7 +187,8 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
               BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr, WAIT: gl.constexpr,
               TRACE: gl.constexpr, X_AHEAD: gl.constexpr, SZ: gl.constexpr, SKIP: gl.constexpr,
               FOLD: gl.constexpr, XS: gl.constexpr, DEFER: gl.constexpr, ACC2: gl.constexpr,
-              PAIR: gl.constexpr, F16: gl.constexpr, PIPE: gl.constexpr):
+              PAIR: gl.constexpr, F16: gl.constexpr, PIPE: gl.constexpr, xsb,
+              XSUM: gl.constexpr):
     """The consumer warps: the phases in order (see decode_layers_kernel)."""
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -231,12 +249,13 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
                             HEADS, KVH, D, SPLITS, WARPS)
                     _attention(pid, vec_ptr, kc_l, vc_l, bt_ptr, pos, q0, q1,
                                q2, q3, k_cur, v_cur, kt0, vt0, apart_ptr, lock_ptr + LOCKS_C, H,
-                               HEADS, KVH, D, BS, SPLITS, TB, WARPS)
+                               HEADS, KVH, D, BS, SPLITS, TB, WARPS, ss_ptr + H // 32, XSUM)
         else:
             x_base = vec_ptr.to(gl.int64) + x_off * 2
             start, end = _share(pid, W, total)
             if XS and start < end:  # the phase's input into shared memory, once
-                _x_to_smem(xs, vec_ptr, x_off, CHUNKS, T, WARPS, F16)
+                _x_to_smem(xs, vec_ptr, x_off, CHUNKS, T, WARPS, F16, xsb, ss_ptr + H // 32,
+                           XSUM)
             if TRACE:
                 gl.store(trace_ptr + (f * P + pid) * TW + 3, globaltimer())
             if FOLD:  # the attention phase finishes qkv's tiles itself
@@ -251,7 +270,7 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
                 i, done, j, n_pieces = _gemv_piece(
                     bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off,
                     x_base, part_ptr, pid, idx, t, g, zero, ones, sel, LW, L, T, S, X_AHEAD, SZ,
-                    WARPS, ACC2, xs, XS, PAIR, F16, PIPE)
+                    WARPS, ACC2, xs, XS, PAIR, F16, PIPE, xsb, XSUM)
                 if TRACE and u == start:
                     gl.store(trace_ptr + (f * P + pid) * TW + 4, globaltimer())
                 u += done
@@ -264,20 +283,20 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
                     if DEFER:  # the piece before's ticket now, this one's after the next piece
                         _settle(pj, pn, ptk, kind, N, part_ptr, vec_ptr, norm_ptr + g_off, ss_ptr,
                                 cs_ptr, pos, slot, kc_l, vc_l, lock_ptr, idx, eps, H, HEADS,
-                                KVH, D, T, L, SKIP)
+                                KVH, D, T, L, SKIP, XSUM)
                         pj = j
                         pn = n_pieces
                         ptk = tk
                     else:
                         _settle(j, n_pieces, tk, kind, N, part_ptr, vec_ptr, norm_ptr + g_off,
                                 ss_ptr, cs_ptr, pos, slot, kc_l, vc_l, lock_ptr, idx, eps, H,
-                                HEADS, KVH, D, T, L, SKIP)
+                                HEADS, KVH, D, T, L, SKIP, XSUM)
             if TRACE:
                 gl.store(trace_ptr + (f * P + pid) * TW + 5, globaltimer())
             if DEFER:
                 _settle(pj, pn, ptk, kind, N, part_ptr, vec_ptr, norm_ptr + g_off, ss_ptr,
                         cs_ptr, pos, slot, kc_l, vc_l, lock_ptr, idx, eps, H, HEADS, KVH, D, T,
-                        L, SKIP)
+                        L, SKIP, XSUM)
         if TRACE:
             gl.store(trace_ptr + (f * P + pid) * TW + 1, globaltimer())
         cta_barrier()
@@ -319,7 +338,7 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
                          FOLD: gl.constexpr = 0, XS: gl.constexpr = 0, NG: gl.constexpr = 8,
                          DEFER: gl.constexpr = 0, ACC2: gl.constexpr = 0,
                          PAIR: gl.constexpr = 0, F16: gl.constexpr = 0,
-                         PIPE: gl.constexpr = 0):
+                         PIPE: gl.constexpr = 0, XSUM: gl.constexpr = 0):
     """The layers of the phase table at tab_ptr (TABF int64 fields a phase), from the residual
     stream h and the first norm's input xn and sums of squares (in vec and ss) to the last
     layer's h (see the module docstring). WAIT / TRACE / SKIP are for measurement: without the
@@ -334,18 +353,22 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
     as fp16 pairs in its shared-memory copy and the weights' values decoded with fewer
     instructions (ring_gemv._tile_f16_asm); PIPE 1 or 2 (with XS and SZ, bf16 operands, not
     PAIR): each chunk's registers read while the chunk before's MMAs run (2: its scaled sums
-    taken after the next chunk's MMAs are issued)."""
+    taken after the next chunk's MMAs are issued); XSUM (with PIPE): each group's input sum
+    written once by the phase that writes the input (block_sums_at) and copied with x, instead
+    of a constant-weight MMA a step."""
     T: gl.constexpr = 32 * WARPS
     bufs = gl.allocate_shared_memory(gl.int32, [S, 16, T], desc.layout)
     sbufs = gl.allocate_shared_memory(gl.int32, [S, 1, T], sdesc.layout)
     xs = gl.allocate_shared_memory(gl.int32, [NG, 16, 4], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    xsb = gl.allocate_shared_memory(gl.float32, [NG, 1, 2],
+                                    gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     ready, empty = ring_barriers(S)
     gl.warp_specialize([
         (_consumer, (bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr,
                      norm_ptr, ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr,
                      slot_ptr, bt_ptr, kc_ptr, vc_ptr, trace_ptr, eps, scale, P, S, WARPS, H,
                      HEADS, KVH, D, BS, SPLITS, TB, WAIT, TRACE, X_AHEAD, SZ, SKIP, FOLD, XS,
-                     DEFER, ACC2, PAIR, F16, PIPE)),
+                     DEFER, ACC2, PAIR, F16, PIPE, xsb, XSUM)),
         (_layer_producer, (desc, sdesc, bufs, sbufs, ready, empty, tab_ptr, n_phases, S, T,
                            SZ)),
     ], [1], [48])
@@ -356,7 +379,8 @@ def decode_prologue_kernel(table_ptr, tok_ptr, g_ptr, vec_ptr, ss_ptr, lock_ptr,
                            n_lock, n_cnt, H: tl.constexpr, T: tl.constexpr):
     """The persistent kernel's inputs, one program a tile of T channels: h = row tok[0] of
     table (the embedding, or the step's row itself with tok 0), xn = h * g rounded to bf16 and
-    the tile's sum of h^2; program 0 also zeroes the phases' counters and the tickets."""
+    the tile's sum of h^2 and xn's block sums; program 0 also zeroes the phases' counters and
+    the tickets."""
     j = tl.program_id(0)
     c = j * T + tl.arange(0, T)
     row = tl.load(tok_ptr).to(tl.int64)
@@ -364,13 +388,24 @@ def decode_prologue_kernel(table_ptr, tok_ptr, g_ptr, vec_ptr, ss_ptr, lock_ptr,
     tl.store(vec_ptr + c, h)
     hf = h.to(tl.float32)
     g = tl.load(g_ptr + c).to(tl.float32)
-    tl.store(vec_ptr + H + c, (hf * g).to(tl.bfloat16))
+    xn = (hf * g).to(tl.bfloat16)
+    tl.store(vec_ptr + H + c, xn)
     tl.store(ss_ptr + j, tl.sum(hf * hf, 0))
+    # xn's input sums, a block of 64 at a time (block_sums_at)
+    tl.store(ss_ptr + H // 32 + (H + j * T) // 64 + tl.arange(0, T // 64),
+             tl.sum(tl.reshape(xn.to(tl.float32), (T // 64, 64)), 1))
     if j == 0:
         for k in range(0, n_lock, T):
             tl.store(lock_ptr + k + tl.arange(0, T), 0, mask=k + tl.arange(0, T) < n_lock)
         for k in range(0, n_cnt, T):
             tl.store(cnt_ptr + k + tl.arange(0, T), 0, mask=k + tl.arange(0, T) < n_cnt)
+
+
+def block_sums_at(hidden: int) -> int:
+    """Where the input sums of the arena's blocks of 64 values start in the sums buffer (after
+    the tiles' sums of squares: hidden / 32 at least hidden / tile for tiles of 32 or more): the
+    XSUM form's GEMVs take a group's input sum from them instead of a constant-weight MMA."""
+    return hidden // 32
 
 
 def gate_up_order(inter: int, half: int = 64) -> torch.Tensor:
@@ -464,8 +499,8 @@ class DecodeLayers:
 
     warps: consumer warps a program (4 or 8); stages: the ring's chunks (16 word rows of 32
     channels a warp: 8 KB at 4 warps); splits: attention programs a KV head. The attributes
-    wait, trace, skip, fold, x_ahead, regs, scales_in_chunk, x_smem, defer, acc2, pair, f16 and
-    pipe choose the kernel's forms (decode_layers_kernel; benchmarks/decode_layer_ring.py times
+    wait, trace, skip, fold, x_ahead, regs, scales_in_chunk, x_smem, defer, acc2, pair, f16,
+    pipe and xsum choose the kernel's forms (decode_layers_kernel; benchmarks/decode_layer_ring.py times
     them). Shared memory a program: the ring's stages (chunk and scale row) and, with x_smem,
     the widest input (32 KB for Llama-3-8B): 16 stages of 4 warps or 8 of 8 fit beside it."""
 
@@ -485,6 +520,7 @@ class DecodeLayers:
         self.wait, self.trace, self.skip, self.fold = True, False, 0, 0
         self.x_ahead, self.regs, self.scales_in_chunk, self.x_smem = 4, 128, True, True
         self.defer, self.acc2, self.pair, self.f16, self.pipe = True, False, False, False, 0
+        self.xsum = False
         tile = 32 * warps
         self.k_max = max(dims.hidden, dims.heads * dims.head_dim, dims.inter)
         self.order = gate_up_order(dims.inter, tile // 2).to(device)
@@ -532,7 +568,9 @@ class DecodeLayers:
         self.lock = torch.zeros(LOCKS + dims.kv_heads, dtype=torch.int32, device=device)
         self.cnt = torch.zeros(len(table), dtype=torch.int32, device=device)
         self.vec = torch.zeros(off["size"], dtype=torch.bfloat16, device=device)
-        self.ss = torch.zeros(dims.hidden // tile, **f32)
+        # the tiles' sums of h^2, then the arena's blocks' input sums (block_sums_at)
+        self.sums = torch.zeros(block_sums_at(dims.hidden) + off["size"] // 64, **f32)
+        self.ss = self.sums[:dims.hidden // tile]
         self.times = torch.zeros(len(table), programs, TRACE_POINTS, dtype=torch.int64,
                                  device=device)
         self.zero_token = torch.zeros(1, dtype=torch.int64, device=device)
@@ -592,13 +630,13 @@ class DecodeLayers:
         # NOTE: a run with waits leaves the tickets at zero and one without does not, so the
         # prologue clears them (and the phases' counters) every call, inside a CUDA graph too
         decode_prologue_kernel[(H // tile,)](
-            x, token, self.norms, self.vec, self.ss, self.lock, self.cnt, self.lock.numel(),
+            x, token, self.norms, self.vec, self.sums, self.lock, self.cnt, self.lock.numel(),
             self.cnt.numel(), H=H, T=tile, num_warps=4)
         k0, v0 = self.caches
         pipe = int(self.pipe) if self.x_smem and self.scales_in_chunk and not self.f16 else 0
         decode_layers_kernel[(self.programs,)](
             *self.descs, self.table, len(self.table), self.scales, self.zeros, self.vec,
-            self.norms, self.ss, self.part, self.apart, self.lock, self.cnt, cos_sin, positions,
+            self.norms, self.sums, self.part, self.apart, self.lock, self.cnt, cos_sin, positions,
             slot_mapping, block_table, k0, v0, self.times, d.eps, 1.0 / math.sqrt(d.head_dim),
             self.programs, S=self.stages, WARPS=self.warps, H=H, HEADS=d.heads, KVH=d.kv_heads,
             D=d.head_dim, BS=d.block_size, SPLITS=self.splits, TB=self.tb, WAIT=self.wait,
@@ -606,6 +644,7 @@ class DecodeLayers:
             SKIP=self.skip, FOLD=self.fold, XS=int(self.x_smem), DEFER=int(self.defer),
             ACC2=int(self.acc2), PAIR=int(self.pair and self.scales_in_chunk and not pipe),
             F16=int(self.f16 and self.x_smem and self.scales_in_chunk), PIPE=pipe,
+            XSUM=int(bool(self.xsum) and pipe > 0),
             NG=x_groups(self.k_max, tile) if self.x_smem else tile // 16, num_warps=self.warps,
             maxnreg=self.regs)
         return self.vec[:H].view(1, H)

@@ -141,10 +141,11 @@ def _attn_inputs_folded(pid, part_ptr, ss_ptr, cs_ptr, vec_ptr, kc_ptr, vc_ptr, 
 def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, q0, q1, q2, q3, k_cur, v_cur, kt0, vt0,
                apart_ptr, lock_ptr, H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr,
                D: gl.constexpr, BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr,
-               WARPS: gl.constexpr):
+               WARPS: gl.constexpr, bs_ptr=None, XSUM: gl.constexpr = 0):
     """KV head pid // SPLITS, its share of the context 0 .. pos for the head's four query rows
     q0 .. q3 (the share's first TB tokens' K/V rows kt0, vt0 read early, this step's own rows
-    k_cur, v_cur); the last share of a head to arrive merges the shares into the output."""
+    k_cur, v_cur); the last share of a head to arrive merges the shares into the output (XSUM:
+    and stores its sums a block of 64 at bs_ptr, the arena's blocks' input sums)."""
     GQA: gl.constexpr = HEADS // KVH
     Q_OFF: gl.constexpr = 2 * H
     AT_OFF: gl.constexpr = Q_OFF + HEADS * D
@@ -186,7 +187,7 @@ def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, q0, q1, q2, q3, k_cur,
     ticket = gl.atomic_add(lock_ptr + kh, 1, sem="acq_rel", scope="gpu")
     if ticket == SPLITS - 1:
         _merge(apart_ptr, kh * SPLITS * GQA, vec_ptr + AT_OFF + kh * GQA * D, SPLITS, GQA, D,
-               WARPS)
+               WARPS, bs_ptr + (AT_OFF + kh * GQA * D) // 64, XSUM)
         gl.atomic_xchg(lock_ptr + kh, 0, sem="relaxed", scope="gpu")  # (see decode_layers._settle)
 
 
@@ -216,7 +217,7 @@ def _put(apart_ptr, r, m, l, acc, d, D: gl.constexpr):
 
 @gluon.jit
 def _merge(apart_ptr, r0, out_ptr, SPLITS: gl.constexpr, GQA: gl.constexpr, D: gl.constexpr,
-           WARPS: gl.constexpr):
+           WARPS: gl.constexpr, bs_ptr=None, XSUM: gl.constexpr = 0):
     """The shares' (m, l, acc) of a KV head's GQA = 4 query heads (rows r0 + s * GQA + h of
     the partials) merged and stored (bf16) at out_ptr, a query head a warp (or two): sum_s
     2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, the maximum M kept as the shares come (share 0
@@ -241,5 +242,9 @@ def _merge(apart_ptr, r0, out_ptr, SPLITS: gl.constexpr, GQA: gl.constexpr, D: g
         num = num * gl.expand_dims(c, 1) + a_s * gl.expand_dims(w, 1)
         den = den * c + w * l_s
         big = top
-    out = num / gl.expand_dims(den, 1)
-    gl.store(out_ptr + gl.expand_dims(hq, 1) * D + dd, out.to(gl.bfloat16))
+    out = (num / gl.expand_dims(den, 1)).to(gl.bfloat16)
+    gl.store(out_ptr + gl.expand_dims(hq, 1) * D + dd, out)
+    if XSUM:  # (each head's sums, a block of 64 at a time: the o phase's input sums)
+        f = out.to(gl.float32)
+        for b in gl.static_range(D // 64):
+            gl.store(bs_ptr + hq * (D // 64) + b, gl.sum(gl.where(dd // 64 == b, f, 0.0), 1))

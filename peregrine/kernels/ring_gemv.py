@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from peregrine.kernels._gluon import cp_async, cta_barrier, smem_reinterpret
 from peregrine.kernels.wna16_gemv_tc import (_PAIRS, _channel, _group_done, _ld_group, _push,
-                                             _step, _store)
+                                             _step, _store, _tiles)
 
 V = gl.constexpr(2)  # a lane's channels per M-tile pair: 32 a warp
 
@@ -183,11 +183,12 @@ def x_groups(k_max: int, tile: int) -> int:
 
 @gluon.jit
 def _x_to_smem(xs, x_ptr, x_off, CHUNKS, T: gl.constexpr, WARPS: gl.constexpr,
-               F16: gl.constexpr = False):
+               F16: gl.constexpr = False, xsb=None, bs_ptr=None, XSUM: gl.constexpr = 0):
     """x (CHUNKS groups of 128 bf16 at element x_off of x_ptr, 16-byte aligned) into xs ((groups,
     16, 4) int32: a group's 16 rows of 8 inputs) by cp.async, a 16-byte row a thread a block of
     T rows, all in flight at once; returns when every warp's copies have landed (F16: and each
-    row has been rewritten in place as its fp16 B pairs, _F16_PAIRS)."""
+    row has been rewritten in place as its fp16 B pairs, _F16_PAIRS; XSUM: each group's input
+    sum, its two blocks' at bs_ptr + x_off / 64, into xsb, (groups, 1, 2) float32)."""
     LC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [WARPS, 1], [1, 0])
     blocks = smem_reinterpret(xs, gl.int32, [xs.shape[0] * 16 // T, T, 4],
                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -199,6 +200,15 @@ def _x_to_smem(xs, x_ptr, x_off, CHUNKS, T: gl.constexpr, WARPS: gl.constexpr,
         ok = gl.expand_dims(b * T + r < CHUNKS * 16, 1)
         cp_async(blocks.index(b), src + b * (T * 4) + off, mask=ok, cache_modifier=".cg")
     async_copy.commit_group()
+    if XSUM:  # (its round trip beside the copy's)
+        LB: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [WARPS, 1], [1, 0])
+        NG: gl.constexpr = xsb.shape[0]
+        gb = gl.expand_dims(gl.arange(0, NG, layout=gl.SliceLayout(1, LB)), 1)
+        hb = gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, LB)), 0)
+        sums = gl.load(bs_ptr + x_off // 64 + gb * 2 + hb, mask=gb < CHUNKS, other=0.0,
+                       cache_modifier=".cg")
+        smem_reinterpret(xsb, gl.float32, [NG, 2],
+                         gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).store(sums)
     async_copy.wait_group(0)
     if F16:  # (a thread rewrites the rows it copied: its own copies have landed)
         for b in range(0, (CHUNKS * 16 + T - 1) // T):
@@ -272,7 +282,8 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
                 T: gl.constexpr, S: gl.constexpr, X_AHEAD: gl.constexpr, SZ: gl.constexpr,
                 WARPS: gl.constexpr, ACC2: gl.constexpr = False, xs=None,
                 XS: gl.constexpr = False, PAIR: gl.constexpr = False,
-                F16: gl.constexpr = False, PIPE: gl.constexpr = 0):
+                F16: gl.constexpr = False, PIPE: gl.constexpr = 0, xsb=None,
+                XSUM: gl.constexpr = 0):
     """The program's groups [g0, g1) of one tile from unit u on: its MMAs over the ring's
     chunks (SZ: each chunk's scales and zero points in sbufs, else read from global memory a
     group ahead; ACC2: even and odd steps on two sets of accumulators, half the MMA chain; XS:
@@ -281,7 +292,8 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
     loads and conversions overlap the first's MMAs; F16, with XS and SZ: fp16 operands,
     _tile_f16_asm; PIPE, with XS and SZ on bf16 operands: each chunk's words, B pairs and
     scales read into registers while the chunk before's MMAs run, _chunk_regs, and with PIPE 2
-    a chunk's scaled sums taken after the next chunk's MMAs are issued), its float32 sums
+    a chunk's scaled sums taken after the next chunk's MMAs are issued; XSUM, with PIPE: the
+    groups' input sums from xsb, no constant-weight MMAs), its float32 sums
     stored as the tile's piece (pid - first). Returns (chunks consumed so far, groups done,
     tile, the tile's pieces)."""
     pid_n = u // CHUNKS
@@ -308,14 +320,15 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
     if PIPE:  # (with XS and SZ, bf16) the next chunk's registers loaded under this one's MMAs
         s0 = i % S
         mbarrier.wait(ready.index(s0), (i // S) & 1)
-        cur = _chunk_regs(bufs.index(s0), sbufs.index(s0), xs, g0, idx % 32, LW, L, T, WARPS)
+        cur = _chunk_regs(bufs.index(s0), sbufs.index(s0), xs, g0, idx % 32, LW, L, T, WARPS,
+                          xsb, XSUM)
         c4 = (zero, zero, zero, zero)
         p_acc = (c4, c4, c4, c4)  # (PIPE 2) the chunk before's sums: none yet, zeros add nothing
         p_cx = c4
         p_sz = cur[2]
         for c in range(g1 - g0):
             w_c, x_c, sz_c = cur
-            acc, cx = _regs_mma(w_c, x_c, zero, ones, sel, ACC2)
+            acc, cx = _regs_mma(w_c, x_c, zero, ones, sel, ACC2, XSUM, sz_c[4])
             if PIPE == 2:  # the chunk before's sums, whose MMAs have had this chunk's issue
                 y = _group_done(y, p_acc, p_cx, _sz_pairs(p_sz), 0, V, True, True, 4)
             nxt = cur
@@ -323,7 +336,7 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
                 s1 = (i + 1) % S
                 mbarrier.wait(ready.index(s1), ((i + 1) // S) & 1)
                 nxt = _chunk_regs(bufs.index(s1), sbufs.index(s1), xs, g0 + c + 1, idx % 32, LW,
-                                  L, T, WARPS)
+                                  L, T, WARPS, xsb, XSUM)
             if PIPE == 1:
                 y = _group_done(y, acc, cx, _sz_pairs(sz_c), 0, V, True, True, 4)
             # every consumer warp's loads of this chunk are done before it is refilled (the
@@ -392,10 +405,11 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
 
 @gluon.jit
 def _chunk_regs(buf, sbuf, xs, grp, lane, LW: gl.constexpr, L: gl.constexpr, T: gl.constexpr,
-                WARPS: gl.constexpr):
+                WARPS: gl.constexpr, xsb=None, XSUM: gl.constexpr = 0):
     """A chunk's registers for _regs_mma, read from shared memory at once: each step's four
     distinct words of the lane (_words), its B pairs (x's group grp, _x_smem) and the group's
-    scales and zero points (s01, s23, z01, z23; _chunk_sz)."""
+    scales and zero points (s01, s23, z01, z23; _chunk_sz); XSUM: and the group's input sum
+    from xsb as a fifth, else zeros."""
     a = _words(buf, 0, LW, L, T)
     b = _words(buf, 4, LW, L, T)
     c = _words(buf, 8, LW, L, T)
@@ -405,7 +419,13 @@ def _chunk_regs(buf, sbuf, xs, grp, lane, LW: gl.constexpr, L: gl.constexpr, T: 
     x = (_x_smem(xs, grp, 0, L, T, WARPS), _x_smem(xs, grp, 1, L, T, WARPS),
          _x_smem(xs, grp, 2, L, T, WARPS), _x_smem(xs, grp, 3, L, T, WARPS))
     s, z = _chunk_sz(sbuf, lane, L, T, WARPS)
-    return w, x, (s[0], s[1], z[0], z[1])
+    if XSUM:
+        LB: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [WARPS, 1], [1, 0])
+        xsum = gl.sum(gl.sum(xsb.index(grp).load(LB), 1), 0) + gl.zeros([T], gl.float32,
+                                                                        layout=L)
+    else:
+        xsum = gl.zeros([T], gl.float32, layout=L)
+    return w, x, (s[0], s[1], z[0], z[1], xsum)
 
 
 @gluon.jit
@@ -415,8 +435,10 @@ def _sz_pairs(sz):
 
 
 @gluon.jit
-def _regs_mma(w, x, zero, ones, sel, ACC2: gl.constexpr = False):
-    """_chunk_mma's four steps on registers _chunk_regs read (bf16 operands): (acc, cx)."""
+def _regs_mma(w, x, zero, ones, sel, ACC2: gl.constexpr = False, XSUM: gl.constexpr = 0,
+              xsum=None):
+    """_chunk_mma's four steps on registers _chunk_regs read (bf16 operands): (acc, cx). XSUM:
+    the weights' MMAs alone, cx the group's input sum xsum (no constant-weight MMA a step)."""
     c4 = (zero, zero, zero, zero)
     acc = (c4, c4, c4, c4)
     cx = c4
@@ -425,13 +447,22 @@ def _regs_mma(w, x, zero, ones, sel, ACC2: gl.constexpr = False):
     for s in gl.static_range(4):
         e = w[s]
         w_c = (e[0], e[1], e[0], e[0], e[2], e[3], e[0], e[0])
-        if ACC2 and (s % 2 == 1):
+        if XSUM:
+            if ACC2 and (s % 2 == 1):
+                acc_b = (_tiles(w_c, 0, x[s], acc_b[0], sel, 4, True),
+                         _tiles(w_c, 1, x[s], acc_b[1], sel, 4, True), acc_b[2], acc_b[3])
+            else:
+                acc = (_tiles(w_c, 0, x[s], acc[0], sel, 4, True),
+                       _tiles(w_c, 1, x[s], acc[1], sel, 4, True), acc[2], acc[3])
+        elif ACC2 and (s % 2 == 1):
             acc_b, cx_b = _step(acc_b, cx_b, ones, w_c, x[s], sel, V, True, 4)
         else:
             acc, cx = _step(acc, cx, ones, w_c, x[s], sel, V, True, 4)
     if ACC2:
         acc = (_add4(acc[0], acc_b[0]), _add4(acc[1], acc_b[1]), acc[2], acc[3])
         cx = _add4(cx, cx_b)
+    if XSUM:
+        cx = (xsum, xsum, xsum, xsum)
     return acc, cx
 
 

@@ -190,8 +190,9 @@ def test_the_reference_without_roundings_is_transformers_llama(ctx: int, warps: 
 @pytest.mark.parametrize("warps", (4, 8))
 def test_the_prologue_reads_the_tokens_row_and_clears_the_tickets(warps: int) -> None:
     """The prologue kernel (interpreted here): h is the token's embedding row, xn = h * g (the
-    first input norm's weight) rounded once, each tile's sum of h^2; and the phases' counters
-    and tickets a run left behind are zero again."""
+    first input norm's weight) rounded once, each tile's sum of h^2, xn's sums a block of 64
+    at a time (where the input-sum form reads them); and the phases' counters and tickets a
+    run left behind are zero again."""
     d, cfg = _build(warps, layers=1)
     dl, H, tile = d["dl"], cfg["H"], 32 * warps
     table = torch.randn(11, H).to(torch.bfloat16)
@@ -199,7 +200,7 @@ def test_the_prologue_reads_the_tokens_row_and_clears_the_tickets(warps: int) ->
     dl.cnt.fill_(7)
     dl.vec.fill_(5.0)
     kd.decode_prologue_kernel[(H // tile,)](
-        table, torch.tensor([6]), dl.norms, dl.vec, dl.ss, dl.lock, dl.cnt, dl.lock.numel(),
+        table, torch.tensor([6]), dl.norms, dl.vec, dl.sums, dl.lock, dl.cnt, dl.lock.numel(),
         dl.cnt.numel(), H=H, T=tile)
     h = table[6].float()
     assert torch.equal(dl.vec[:H].float(), h)
@@ -207,6 +208,10 @@ def test_the_prologue_reads_the_tokens_row_and_clears_the_tickets(warps: int) ->
     torch.testing.assert_close(dl.vec[H:2 * H].float(), (h * dl.norms[:H].float()).bfloat16()
                                .float(), rtol=2 ** -7, atol=0)
     torch.testing.assert_close(dl.ss, h.pow(2).view(-1, tile).sum(1), rtol=1e-5, atol=0)
+    at = kd.block_sums_at(H) + H // 64  # (xn: the arena's second vector)
+    xn = dl.vec[H:2 * H].float()
+    torch.testing.assert_close(dl.sums[at:at + H // 64], xn.view(-1, 64).sum(1), rtol=1e-5,
+                               atol=1e-5)
     assert not dl.lock.any() and not dl.cnt.any()
     assert (dl.vec[2 * H:] == 5.0).all()  # nothing past xn is touched
 
