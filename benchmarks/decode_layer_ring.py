@@ -229,7 +229,7 @@ def timeline(times: torch.Tensor, per: int) -> list[dict]:
 def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: int,
         iters: int, forms: list[str], variants: list[tuple[int, int]], x_sources: list[str],
         acc2s: list[bool], tb: int, dev: torch.device, pairs: tuple[bool, ...] = (False,),
-        f16s: tuple[bool, ...] = (False,), pipes: tuple[int, ...] = (0,),
+        f16s: tuple[bool, ...] = (False,), pipes: tuple[bool, ...] = (False,),
         xsums: tuple[bool, ...] = (False,)) -> list[dict]:
     """For each ring depth, where x comes from (`smem`: copied into shared memory once a phase;
     `l2`: read through L2 x_ahead steps ahead), one or two sets of accumulators and (x steps
@@ -305,7 +305,7 @@ def profile_once(ns: argparse.Namespace, dev: torch.device) -> dict:
     dl.stages, dl.scales_in_chunk, dl.tb = s, ns.scales.split(",")[0] == "chunk", ns.tb
     dl.x_smem, dl.acc2 = ns.x.split(",")[0] == "smem", ns.acc2.split(",")[0] == "1"
     dl.x_ahead, dl.regs, dl.pair = x_ahead, regs, ns.pair.split(",")[0] == "1"
-    dl.f16, dl.pipe = ns.f16.split(",")[0] == "1", int(ns.pipe.split(",")[0])
+    dl.f16, dl.pipe = ns.f16.split(",")[0] == "1", ns.pipe.split(",")[0] == "1"
     dl.xsum = ns.xsum.split(",")[0] == "1"
     dl.wait, dl.trace, dl.skip, dl.fold, dl.defer = FORMS[form]
     for _ in range(3):
@@ -344,8 +344,8 @@ def main() -> None:
                    help="bf16 (0) and/or fp16 (1) MMA operands (x from shared memory only)")
     p.add_argument("--pipe", default="0",
                    help="each chunk read at once (0) and/or its registers read while the chunk "
-                   "before's MMAs run (1; 2: its scaled sums taken after the next chunk's MMAs; x "
-                   "from shared memory, bf16 operands, one chunk at a time)")
+                   "before's MMAs run (1; x from shared memory, bf16 operands, one chunk at a "
+                   "time)")
     p.add_argument("--xsum", default="0",
                    help="each step's constant-weight MMA for the input sums (0) and/or the "
                    "groups' sums written once with the input (1; the pipelined form's)")
@@ -375,7 +375,7 @@ def main() -> None:
                                [a == "1" for a in ns.acc2.split(",")], ns.tb, dev,
                                tuple(x == "1" for x in ns.pair.split(",")),
                                tuple(x == "1" for x in ns.f16.split(",")),
-                               tuple(int(x) for x in ns.pipe.split(",")),
+                               tuple(x == "1" for x in ns.pipe.split(",")),
                                tuple(x == "1" for x in ns.xsum.split(",")))
             torch.cuda.empty_cache()
     write_results(ns.out, dev, results)

@@ -351,9 +351,8 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
     steps on two sets of accumulators (half the MMA chain); PAIR (with SZ): two chunks between
     the consumer warps' barriers; F16 (with XS and SZ): the MMAs on fp16 operands, x rewritten
     as fp16 pairs in its shared-memory copy and the weights' values decoded with fewer
-    instructions (ring_gemv._tile_f16_asm); PIPE 1 or 2 (with XS and SZ, bf16 operands, not
-    PAIR): each chunk's registers read while the chunk before's MMAs run (2: its scaled sums
-    taken after the next chunk's MMAs are issued); XSUM (with PIPE): each group's input sum
+    instructions (ring_gemv._tile_f16_asm); PIPE (with XS and SZ, bf16 operands, not PAIR):
+    each chunk's registers read while the chunk before's MMAs run; XSUM (with PIPE): each group's input sum
     written once by the phase that writes the input (block_sums_at) and copied with x, instead
     of a constant-weight MMA a step."""
     T: gl.constexpr = 32 * WARPS
@@ -519,7 +518,7 @@ class DecodeLayers:
         self.programs = programs
         self.wait, self.trace, self.skip, self.fold = True, False, 0, 0
         self.x_ahead, self.regs, self.scales_in_chunk, self.x_smem = 4, 128, True, True
-        self.defer, self.acc2, self.pair, self.f16, self.pipe = True, False, False, False, 0
+        self.defer, self.acc2, self.pair, self.f16, self.pipe = True, False, False, False, False
         self.xsum = False
         tile = 32 * warps
         self.k_max = max(dims.hidden, dims.heads * dims.head_dim, dims.inter)
@@ -633,7 +632,7 @@ class DecodeLayers:
             x, token, self.norms, self.vec, self.sums, self.lock, self.cnt, self.lock.numel(),
             self.cnt.numel(), H=H, T=tile, num_warps=4)
         k0, v0 = self.caches
-        pipe = int(self.pipe) if self.x_smem and self.scales_in_chunk and not self.f16 else 0
+        pipe = int(bool(self.pipe) and self.x_smem and self.scales_in_chunk and not self.f16)
         decode_layers_kernel[(self.programs,)](
             *self.descs, self.table, len(self.table), self.scales, self.zeros, self.vec,
             self.norms, self.sums, self.part, self.apart, self.lock, self.cnt, cos_sin, positions,

@@ -282,7 +282,7 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
                 T: gl.constexpr, S: gl.constexpr, X_AHEAD: gl.constexpr, SZ: gl.constexpr,
                 WARPS: gl.constexpr, ACC2: gl.constexpr = False, xs=None,
                 XS: gl.constexpr = False, PAIR: gl.constexpr = False,
-                F16: gl.constexpr = False, PIPE: gl.constexpr = 0, xsb=None,
+                F16: gl.constexpr = False, PIPE: gl.constexpr = False, xsb=None,
                 XSUM: gl.constexpr = 0):
     """The program's groups [g0, g1) of one tile from unit u on: its MMAs over the ring's
     chunks (SZ: each chunk's scales and zero points in sbufs, else read from global memory a
@@ -291,9 +291,8 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
     chunks between the consumer warps' barriers, both waited for first so that the second's
     loads and conversions overlap the first's MMAs; F16, with XS and SZ: fp16 operands,
     _tile_f16_asm; PIPE, with XS and SZ on bf16 operands: each chunk's words, B pairs and
-    scales read into registers while the chunk before's MMAs run, _chunk_regs, and with PIPE 2
-    a chunk's scaled sums taken after the next chunk's MMAs are issued; XSUM, with PIPE: the
-    groups' input sums from xsb, no constant-weight MMAs), its float32 sums
+    scales read into registers while the chunk before's MMAs run, _chunk_regs; XSUM, with
+    PIPE: the groups' input sums from xsb, no constant-weight MMAs), its float32 sums
     stored as the tile's piece (pid - first). Returns (chunks consumed so far, groups done,
     tile, the tile's pieces)."""
     pid_n = u // CHUNKS
@@ -322,23 +321,16 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
         mbarrier.wait(ready.index(s0), (i // S) & 1)
         cur = _chunk_regs(bufs.index(s0), sbufs.index(s0), xs, g0, idx % 32, LW, L, T, WARPS,
                           xsb, XSUM)
-        c4 = (zero, zero, zero, zero)
-        p_acc = (c4, c4, c4, c4)  # (PIPE 2) the chunk before's sums: none yet, zeros add nothing
-        p_cx = c4
-        p_sz = cur[2]
         for c in range(g1 - g0):
             w_c, x_c, sz_c = cur
             acc, cx = _regs_mma(w_c, x_c, zero, ones, sel, ACC2, XSUM, sz_c[4])
-            if PIPE == 2:  # the chunk before's sums, whose MMAs have had this chunk's issue
-                y = _group_done(y, p_acc, p_cx, _sz_pairs(p_sz), 0, V, True, True, 4)
             nxt = cur
             if c + 1 < g1 - g0:
                 s1 = (i + 1) % S
                 mbarrier.wait(ready.index(s1), ((i + 1) // S) & 1)
                 nxt = _chunk_regs(bufs.index(s1), sbufs.index(s1), xs, g0 + c + 1, idx % 32, LW,
                                   L, T, WARPS, xsb, XSUM)
-            if PIPE == 1:
-                y = _group_done(y, acc, cx, _sz_pairs(sz_c), 0, V, True, True, 4)
+            y = _group_done(y, acc, cx, _sz_pairs(sz_c), 0, V, True, True, 4)
             # every consumer warp's loads of this chunk are done before it is refilled (the
             # arrive releases them; no proxy fence: the TMA that refills the slot is issued
             # after the producer's wait on this arrival)
@@ -346,11 +338,6 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
             mbarrier.arrive(empty.index(i % S), count=1)
             i += 1
             cur = nxt
-            p_acc = acc
-            p_cx = cx
-            p_sz = sz_c
-        if PIPE == 2:
-            y = _group_done(y, p_acc, p_cx, _sz_pairs(p_sz), 0, V, True, True, 4)
         c_first = g1 - g0
     if PAIR:
         for cp in range((g1 - g0) // 2):

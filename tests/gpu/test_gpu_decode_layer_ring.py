@@ -101,23 +101,21 @@ def test_two_chunks_between_barriers_match_the_torch_layers(shape: str, ctx: int
     assert not bad, bad
 
 
-@pytest.mark.parametrize("warps,stages,acc2,pipe", ((4, 16, False, 1), (4, 16, True, 1),
-                                                    (4, 16, False, 2), (8, 8, False, 2)))
+@pytest.mark.parametrize("warps,stages,acc2", ((4, 16, False), (4, 16, True), (8, 8, False)))
 @pytest.mark.parametrize("shape,ctx,layers", (("small", 40, 1), ("small", 40, 3),
                                               ("llama3_8b", 256, 2)))
 def test_pipelined_chunks_give_the_one_chunk_bits(shape: str, ctx: int, layers: int,
-                                                  warps: int, stages: int, acc2: bool,
-                                                  pipe: int) -> None:
+                                                  warps: int, stages: int, acc2: bool) -> None:
     """The form that reads each chunk's registers while the chunk before's MMAs run (pieces
-    of one chunk and of many; 2: its scaled sums taken a chunk later) gives the one-chunk
-    form's bits, within the torch layers' bounds, and a CUDA-graph replay gives them again."""
+    of one chunk and of many) gives the one-chunk form's bits, within the torch layers'
+    bounds, and a CUDA-graph replay gives them again."""
     bench, d = _build(shape, ctx, layers, warps, stages)
     dl = d["dl"]
     dl.x_smem, dl.acc2 = True, acc2
     bench.call(d)
     torch.cuda.synchronize()
     one = {k: v.clone() for k, v in bench.state(d).items()}
-    dl.pipe = pipe
+    dl.pipe = True
     bench.call(d)
     torch.cuda.synchronize()
     got = {k: v.clone() for k, v in bench.state(d).items()}
@@ -129,19 +127,19 @@ def test_pipelined_chunks_give_the_one_chunk_bits(shape: str, ctx: int, layers: 
     _replay_gives(bench, d, got)
 
 
-@pytest.mark.parametrize("warps,stages,pipe", ((4, 16, 1), (4, 16, 2), (8, 8, 2)))
+@pytest.mark.parametrize("warps,stages,acc2", ((4, 16, False), (4, 16, True), (8, 8, False)))
 @pytest.mark.parametrize("shape,ctx,layers", (("small", 40, 1), ("small", 40, 3),
                                               ("llama3_8b", 256, 2)))
 def test_input_sums_written_once_match_the_torch_layers(shape: str, ctx: int, layers: int,
                                                         warps: int, stages: int,
-                                                        pipe: int) -> None:
+                                                        acc2: bool) -> None:
     """The form that takes each group's input sum from the phase that wrote the input (the
     finishes, the attention merge, the prologue) instead of a constant-weight MMA a step is
     within the torch layers' bounds, as close to them as the MMA form, and a CUDA-graph replay
     gives its bits again."""
     bench, d = _build(shape, ctx, layers, warps, stages)
     dl = d["dl"]
-    dl.x_smem, dl.pipe = True, pipe
+    dl.x_smem, dl.pipe, dl.acc2 = True, True, acc2
     want = bench.reference_layers(d)
     bench.call(d)
     torch.cuda.synchronize()

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # (about 15 s of compiling, uncached)
 
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = ("gemv_tc4", "gemv_tc6", "w8_tc", "attn_fp8", "layers:engine", "layers:fold",
-        "layers:l2", "layers:pipe2", "layers:pipe2xsum")
+        "layers:l2", "layers:pipe", "layers:pipexsum")
 SM90_SHARED = 227 * 1024  # the most shared memory a program may take on sm_90
 
 
@@ -53,7 +53,7 @@ def test_the_fp8_cache_attention_compiles(compiled: dict) -> None:
     assert job["shared_bytes"] <= SM90_SHARED
 
 
-@pytest.mark.parametrize("form", ("engine", "fold", "l2", "pipe2", "pipe2xsum"))
+@pytest.mark.parametrize("form", ("engine", "fold", "l2", "pipe", "pipexsum"))
 def test_the_persistent_decode_kernel_compiles(compiled: dict, form: str) -> None:
     job = _job(compiled, f"layers:{form}")
     ptx = job["ptx"]
