@@ -422,6 +422,17 @@ def _sz_pairs(sz):
 
 
 @gluon.jit
+def _weights_step(acc, cx, ones, w, b, sel, XSUM: gl.constexpr):
+    """_step on bf16 operands, or with XSUM the two M-tiles' MMAs alone (cx passed through)."""
+    if XSUM:
+        r = ((_tiles(w, 0, b, acc[0], sel, 4, True), _tiles(w, 1, b, acc[1], sel, 4, True),
+              acc[2], acc[3]), cx)
+    else:
+        r = _step(acc, cx, ones, w, b, sel, V, True, 4)
+    return r
+
+
+@gluon.jit
 def _regs_mma(w, x, zero, ones, sel, ACC2: gl.constexpr = False, XSUM: gl.constexpr = 0,
               xsum=None):
     """_chunk_mma's four steps on registers _chunk_regs read (bf16 operands): (acc, cx). XSUM:
@@ -434,17 +445,10 @@ def _regs_mma(w, x, zero, ones, sel, ACC2: gl.constexpr = False, XSUM: gl.conste
     for s in gl.static_range(4):
         e = w[s]
         w_c = (e[0], e[1], e[0], e[0], e[2], e[3], e[0], e[0])
-        if XSUM:
-            if ACC2 and (s % 2 == 1):
-                acc_b = (_tiles(w_c, 0, x[s], acc_b[0], sel, 4, True),
-                         _tiles(w_c, 1, x[s], acc_b[1], sel, 4, True), acc_b[2], acc_b[3])
-            else:
-                acc = (_tiles(w_c, 0, x[s], acc[0], sel, 4, True),
-                       _tiles(w_c, 1, x[s], acc[1], sel, 4, True), acc[2], acc[3])
-        elif ACC2 and (s % 2 == 1):
-            acc_b, cx_b = _step(acc_b, cx_b, ones, w_c, x[s], sel, V, True, 4)
+        if ACC2 and (s % 2 == 1):
+            acc_b, cx_b = _weights_step(acc_b, cx_b, ones, w_c, x[s], sel, XSUM)
         else:
-            acc, cx = _step(acc, cx, ones, w_c, x[s], sel, V, True, 4)
+            acc, cx = _weights_step(acc, cx, ones, w_c, x[s], sel, XSUM)
     if ACC2:
         acc = (_add4(acc[0], acc_b[0]), _add4(acc[1], acc_b[1]), acc[2], acc[3])
         cx = _add4(cx, cx_b)
