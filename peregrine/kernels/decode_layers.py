@@ -352,9 +352,9 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
     the consumer warps' barriers; F16 (with XS and SZ): the MMAs on fp16 operands, x rewritten
     as fp16 pairs in its shared-memory copy and the weights' values decoded with fewer
     instructions (ring_gemv._tile_f16_asm); PIPE (with XS and SZ, bf16 operands, not PAIR):
-    each chunk's registers read while the chunk before's MMAs run; XSUM (with PIPE): each group's input sum
-    written once by the phase that writes the input (block_sums_at) and copied with x, instead
-    of a constant-weight MMA a step."""
+    each chunk's registers read while the chunk before's MMAs run; XSUM (with PIPE): each
+    group's input sum written once by the phase that writes the input (block_sums_at) and
+    copied with x, instead of a constant-weight MMA a step."""
     T: gl.constexpr = 32 * WARPS
     bufs = gl.allocate_shared_memory(gl.int32, [S, 16, T], desc.layout)
     sbufs = gl.allocate_shared_memory(gl.int32, [S, 1, T], sdesc.layout)
@@ -499,8 +499,8 @@ class DecodeLayers:
     warps: consumer warps a program (4 or 8); stages: the ring's chunks (16 word rows of 32
     channels a warp: 8 KB at 4 warps); splits: attention programs a KV head. The attributes
     wait, trace, skip, fold, x_ahead, regs, scales_in_chunk, x_smem, defer, acc2, pair, f16,
-    pipe and xsum choose the kernel's forms (decode_layers_kernel; benchmarks/decode_layer_ring.py times
-    them). Shared memory a program: the ring's stages (chunk and scale row) and, with x_smem,
+    pipe and xsum choose the kernel's forms (decode_layers_kernel;
+    benchmarks/decode_layer_ring.py times them). Shared memory a program: the ring's stages (chunk and scale row) and, with x_smem,
     the widest input (32 KB for Llama-3-8B): 16 stages of 4 warps or 8 of 8 fit beside it."""
 
     def __init__(self, dims: Dims, layers: list[LayerWeights], final_norm: torch.Tensor,
