@@ -40,6 +40,13 @@ def _build(shape: str, ctx: int, layers: int, warps: int, stages: int) -> tuple:
     return bench, bench.build(layers, P, ctx, DEV, cfg, warps=warps, stages=stages)
 
 
+def _run(bench, d: dict) -> dict:
+    """One call of the kernels; a copy of what they left (the arena is reused by the next)."""
+    bench.call(d)
+    torch.cuda.synchronize()
+    return {k: v.clone() for k, v in bench.state(d).items()}
+
+
 def _replay_gives(bench, d: dict, want: dict) -> None:
     """A CUDA-graph capture and replay of the kernels gives want's bits."""
     graph = torch.cuda.CUDAGraph()
@@ -87,9 +94,7 @@ def test_two_chunks_between_barriers_match_the_torch_layers(shape: str, ctx: int
     bench, d = _build(shape, ctx, layers, warps, stages)
     dl = d["dl"]
     dl.x_smem = x_smem
-    bench.call(d)
-    torch.cuda.synchronize()
-    one = {k: v.clone() for k, v in bench.state(d).items()}
+    one = _run(bench, d)
     dl.pair = True
     bench.call(d)
     torch.cuda.synchronize()
@@ -112,13 +117,9 @@ def test_pipelined_chunks_give_the_one_chunk_bits(shape: str, ctx: int, layers: 
     bench, d = _build(shape, ctx, layers, warps, stages)
     dl = d["dl"]
     dl.x_smem, dl.acc2 = True, acc2
-    bench.call(d)
-    torch.cuda.synchronize()
-    one = {k: v.clone() for k, v in bench.state(d).items()}
+    one = _run(bench, d)
     dl.pipe = True
-    bench.call(d)
-    torch.cuda.synchronize()
-    got = {k: v.clone() for k, v in bench.state(d).items()}
+    got = _run(bench, d)
     for k, v in one.items():
         assert torch.equal(got[k], v), k
     bad = bench.mismatches(got, bench.reference_layers(d),
@@ -145,9 +146,7 @@ def test_input_sums_written_once_match_the_torch_layers(shape: str, ctx: int, la
     torch.cuda.synchronize()
     base = bench.compare(bench.state(d), want)
     dl.xsum = True
-    bench.call(d)
-    torch.cuda.synchronize()
-    got = {k: v.clone() for k, v in bench.state(d).items()}
+    got = _run(bench, d)
     bad = bench.mismatches(got, want, *(bench.ONE_LAYER if layers == 1 else bench.LAYERS))
     assert not bad, bad
     err = bench.compare(got, want)
@@ -167,9 +166,7 @@ def test_fp16_operands_match_the_torch_layers(shape: str, ctx: int, layers: int,
     bench, d = _build(shape, ctx, layers, warps, stages)
     dl = d["dl"]
     dl.x_smem, dl.f16, dl.pair = True, True, pair
-    bench.call(d)
-    torch.cuda.synchronize()
-    got = {k: v.clone() for k, v in bench.state(d).items()}
+    got = _run(bench, d)
     bad = bench.mismatches(got, bench.reference_layers(d),
                            *(bench.ONE_LAYER if layers == 1 else bench.LAYERS))
     assert not bad, bad
@@ -195,9 +192,7 @@ def test_the_prologue_looks_the_tokens_row_up() -> None:
     bench = load("decode_layer_ring")
     P = torch.cuda.get_device_properties(DEV).multi_processor_count
     d = bench.build(2, P, 40, DEV, SMALL)
-    bench.call(d)
-    torch.cuda.synchronize()
-    want = {k: v.clone() for k, v in bench.state(d).items()}
+    want = _run(bench, d)
     table = torch.randn(50, SMALL["H"], device=DEV).to(torch.bfloat16)
     table[37] = d["h0"][0]
     for kc, vc in d["caches"]:  # the step's own K/V rows and the arena written afresh
