@@ -515,7 +515,6 @@ class DecodeLayers:
         if reason is not None:
             raise ValueError(f"decode_layers: {reason}")
         self.dims, self.warps, self.stages, self.splits, self.tb = dims, warps, stages, splits, tb
-        self.programs = programs
         self.wait, self.trace, self.skip, self.fold = True, False, 0, 0
         self.x_ahead, self.regs, self.scales_in_chunk, self.x_smem = 4, 128, True, True
         self.defer, self.acc2, self.pair, self.f16, self.pipe = True, False, False, False, False
@@ -552,17 +551,15 @@ class DecodeLayers:
             if kind == O:
                 table.append([ATTN, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0])
             g_off = {QKV: 2 * i, O: 2 * i + 1, GU: 0, DOWN: 2 * i + 2}[kind] * dims.hidden
-            table.append([kind, row, share(tiles, groups, programs), n_units, groups,
-                          w.out_features, s_off, x_in[kind], g_off, 0, 0])
+            table.append([kind, row, 0, n_units, groups, w.out_features, s_off, x_in[kind],
+                          g_off, 0, 0])
             row += 16 * n_units
             s_off += sc.numel()
         self.norms = torch.cat([torch.cat([lw.norm_in, lw.norm_post]) for lw in layers]
                                + [final_norm]).to(torch.bfloat16)
         self.table = torch.tensor(table, dtype=torch.int64, device=device)
-        pieces = max(-(-r[4] // r[2]) + 1 for r in table if r[0] != ATTN)
-        n_max = max(r[5] for r in table)
+        self.place(programs)
         f32 = dict(dtype=torch.float32, device=device)
-        self.part = torch.empty(pieces * n_max, **f32)
         self.apart = torch.empty(dims.kv_heads * splits * 4 * (dims.head_dim + 2), **f32)
         self.lock = torch.zeros(LOCKS + dims.kv_heads, dtype=torch.int32, device=device)
         self.cnt = torch.zeros(len(table), dtype=torch.int32, device=device)
@@ -570,8 +567,6 @@ class DecodeLayers:
         # the tiles' sums of h^2, then the arena's blocks' input sums (block_sums_at)
         self.sums = torch.zeros(block_sums_at(dims.hidden) + off["size"] // 64, **f32)
         self.ss = self.sums[:dims.hidden // tile]
-        self.times = torch.zeros(len(table), programs, TRACE_POINTS, dtype=torch.int64,
-                                 device=device)
         self.zero_token = torch.zeros(1, dtype=torch.int64, device=device)
         self.caches: tuple[torch.Tensor, torch.Tensor] | None = None
         if LOCKS < max(r[3] // r[4] for r in table):
@@ -582,6 +577,53 @@ class DecodeLayers:
                                        list(self.words.stride()), [16, tile], layout),
                       TensorDescriptor(self.sz_rows, list(self.sz_rows.shape),
                                        list(self.sz_rows.stride()), [1, tile], layout))
+
+    def place(self, programs: int) -> None:
+        """Share every projection's units out over `programs` programs (one an SM, or more where
+        that many fit on each SM at once: `__call__` checks before it launches)."""
+        d = self.dims
+        if programs < d.kv_heads * self.splits:
+            raise ValueError(f"decode_layers: {programs} programs, fewer than the attention's "
+                             f"{d.kv_heads * self.splits}")
+        tab = self.table.cpu()
+        for r in tab:
+            if r[0] != ATTN:
+                r[2] = share(int(r[3]) // int(r[4]), int(r[4]), programs)
+        self.table.copy_(tab)
+        pieces = max(-(-int(r[4]) // int(r[2])) + 1 for r in tab if r[0] != ATTN)
+        n_max = int(tab[:, 5].max())
+        dev = self.table.device
+        self.part = torch.empty(pieces * n_max, dtype=torch.float32, device=dev)
+        self.times = torch.zeros(len(tab), programs, TRACE_POINTS, dtype=torch.int64,
+                                 device=dev)
+        self.programs = programs
+        self._sms = (torch.cuda.get_device_properties(dev).multi_processor_count
+                     if dev.type == "cuda" else programs)
+        self._resident: set = set()
+
+    def _check_resident(self, args: tuple, kw: dict) -> None:
+        """Programs wait for each other, so all of them must be on the GPU at once: where there
+        are more programs than SMs, the compiled form's shared memory and registers must let
+        that many share an SM (else the waits would never end)."""
+        if self.programs <= self._sms:
+            return
+        key = tuple(sorted(kw.items()))
+        if key in self._resident:
+            return
+        props = torch.cuda.get_device_properties(self.table.device)
+        per_sm = -(-self.programs // self._sms)
+        k = decode_layers_kernel.run(*args, grid=(self.programs,), warmup=True, **kw)
+        smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
+        regs = getattr(props, "regs_per_multiprocessor", 65536)
+        threads = 32 * int(k.metadata.num_warps)
+        need_smem = per_sm * (int(k.metadata.shared) + 1024)
+        need_regs = per_sm * threads * int(kw["maxnreg"] or 255)
+        if need_smem > smem or need_regs > regs:
+            raise ValueError(
+                f"decode_layers: {self.programs} programs need {per_sm} an SM at once: "
+                f"{need_smem} bytes of shared memory (of {smem}) and {need_regs} registers "
+                f"(of {regs})")
+        self._resident.add(key)
 
     @property
     def weight_bytes(self) -> int:
@@ -633,11 +675,11 @@ class DecodeLayers:
             self.cnt.numel(), H=H, T=tile, num_warps=4)
         k0, v0 = self.caches
         pipe = int(bool(self.pipe) and self.x_smem and self.scales_in_chunk and not self.f16)
-        decode_layers_kernel[(self.programs,)](
-            *self.descs, self.table, len(self.table), self.scales, self.zeros, self.vec,
-            self.norms, self.sums, self.part, self.apart, self.lock, self.cnt, cos_sin, positions,
-            slot_mapping, block_table, k0, v0, self.times, d.eps, 1.0 / math.sqrt(d.head_dim),
-            self.programs, S=self.stages, WARPS=self.warps, H=H, HEADS=d.heads, KVH=d.kv_heads,
+        args = (*self.descs, self.table, len(self.table), self.scales, self.zeros, self.vec,
+                self.norms, self.sums, self.part, self.apart, self.lock, self.cnt, cos_sin,
+                positions, slot_mapping, block_table, k0, v0, self.times, d.eps,
+                1.0 / math.sqrt(d.head_dim), self.programs)
+        kw = dict(S=self.stages, WARPS=self.warps, H=H, HEADS=d.heads, KVH=d.kv_heads,
             D=d.head_dim, BS=d.block_size, SPLITS=self.splits, TB=self.tb, WAIT=self.wait,
             TRACE=self.trace, X_AHEAD=self.x_ahead, SZ=int(self.scales_in_chunk),
             SKIP=self.skip, FOLD=self.fold, XS=int(self.x_smem), DEFER=int(self.defer),
@@ -646,6 +688,8 @@ class DecodeLayers:
             XSUM=int(bool(self.xsum) and pipe > 0),
             NG=x_groups(self.k_max, tile) if self.x_smem else tile // 16, num_warps=self.warps,
             maxnreg=self.regs)
+        self._check_resident(args, kw)
+        decode_layers_kernel[(self.programs,)](*args, **kw)
         return self.vec[:H].view(1, H)
 
     def unpack(self, f: int) -> torch.Tensor:

@@ -155,6 +155,26 @@ def test_input_sums_written_once_match_the_torch_layers(shape: str, ctx: int, la
     _replay_gives(bench, d, got)
 
 
+@pytest.mark.parametrize("shape,ctx,layers", (("small", 40, 1), ("small", 40, 3),
+                                              ("llama3_8b", 256, 2)))
+def test_two_programs_an_sm_match_the_torch_layers(shape: str, ctx: int, layers: int) -> None:
+    """Twice as many programs as SMs (a ring of 8 chunks, so that two fit an SM at once) are
+    within the torch layers' bounds and replay their bits; a ring too deep for two an SM is
+    refused before it launches (its programs would wait for each other forever)."""
+    bench, d = _build(shape, ctx, layers, 4, 8)
+    dl = d["dl"]
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    dl.place(2 * sms)
+    got = _run(bench, d)
+    bad = bench.mismatches(got, bench.reference_layers(d),
+                           *(bench.ONE_LAYER if layers == 1 else bench.LAYERS))
+    assert not bad, bad
+    _replay_gives(bench, d, got)
+    dl.stages = 16
+    with pytest.raises(ValueError, match="an SM at once"):
+        bench.call(d)
+
+
 @pytest.mark.parametrize("warps,stages,pair", ((4, 16, False), (4, 16, True), (8, 8, False)))
 @pytest.mark.parametrize("shape,ctx,layers", (("small", 40, 1), ("small", 40, 3),
                                               ("llama3_8b", 256, 2)))

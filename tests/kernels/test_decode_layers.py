@@ -103,6 +103,27 @@ def test_the_phase_table_walks_each_layer_in_five_phases(warps: int) -> None:
     assert d["slot"] == int(d["block_table"][pos // 16]) * 16 + pos % 16
 
 
+def test_placing_on_more_programs_shares_every_projection_again() -> None:
+    d, cfg = _build(4)
+    dl = d["dl"]
+    before = dl.table.clone()
+    dl.place(16)
+    for old, r in zip(before.tolist(), dl.table.tolist()):
+        if r[0] == kd.ATTN:
+            assert r == old
+            continue
+        assert r[:2] == old[:2] and r[3:] == old[3:]  # only the units a program change
+        assert r[2] == kd.share(r[3] // r[4], r[4], 16) <= old[2]
+        assert 16 * r[2] >= r[3]  # every unit has a program
+    pieces = max(-(-r[4] // r[2]) + 1 for r in dl.table.tolist() if r[0] != kd.ATTN)
+    assert dl.part.numel() == pieces * int(dl.table[:, 5].max())
+    assert dl.times.shape[1] == dl.programs == 16
+    dl.place(8)
+    assert torch.equal(dl.table, before)
+    with pytest.raises(ValueError, match="fewer than the attention"):
+        dl.place(dl.dims.kv_heads * dl.splits - 1)
+
+
 def test_what_the_kernel_refuses() -> None:
     d, cfg = _build(4, layers=1)
     dims, w = bench.dims_of(cfg), d["weights"]
