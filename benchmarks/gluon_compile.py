@@ -78,7 +78,22 @@ def report(kernel) -> dict:
     ptx = kernel.asm["ptx"]
     return {"kernel": kernel.name, **resources(kernel), "spill_stores": ops["STL"],
             "spill_loads": ops["LDL"], "ops": dict(sorted(ops.items())),
-            "ptx": {name: ptx.count(piece) for name, piece in PTX.items()}}
+            "ptx": {name: ptx.count(piece) for name, piece in PTX.items()},
+            "arrives": arrives(ptx)}
+
+
+def arrives(ptx: str) -> dict:
+    """The plain mbarrier arrives (a consumer giving a ring slot back; not the producer's
+    arrive with an expected byte count) and how many of them a bar.sync comes right before
+    (among the last few instructions): one thread arrives for all the warps, so it must."""
+    lines = [ln.strip() for ln in ptx.splitlines()
+             if ln.strip() and not ln.strip().startswith(("//", ".loc", "$"))]
+    total = fenced = 0
+    for i, ln in enumerate(lines):
+        if "mbarrier.arrive.shared::cta.b64" in ln and "expect_tx" not in ln:
+            total += 1
+            fenced += any(p.startswith("bar.sync") for p in lines[max(0, i - 4):i])
+    return {"plain": total, "after_a_barrier": fenced}
 
 
 def _gemv_tc(bits: int) -> None:

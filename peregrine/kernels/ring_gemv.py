@@ -276,6 +276,12 @@ def _chunk_sz(sbuf, lane, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr)
     return (s01, s23, s01, s01), (z01, z23, z01, z01)
 
 
+# RELEASE: a consumed chunk's slot is given back by one arrive on its `empty` barrier, which
+# Gluon lowers to a barrier of the consumer warps and one thread's mbarrier.arrive: every warp's
+# shared loads of the chunk have returned (their values fed its MMAs) before the producer, which
+# waits on that arrival, issues the TMA that overwrites the slot. Reads before an async-proxy
+# write need no proxy fence (only generic writes read by the async proxy do). The offline
+# compile test checks that the barrier is there.
 @gluon.jit
 def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off, x_base,
                 part_ptr, pid, idx, t, g, zero, ones, sel, LW: gl.constexpr, L: gl.constexpr,
@@ -331,10 +337,7 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
                 nxt = _chunk_regs(bufs.index(s1), sbufs.index(s1), xs, g0 + c + 1, idx % 32, LW,
                                   L, T, WARPS, xsb, XSUM)
             y = _group_done(y, acc, cx, _sz_pairs(sz_c), 0, V, True, True, 4)
-            # every consumer warp's loads of this chunk are done before it is refilled (the
-            # arrive releases them; no proxy fence: the TMA that refills the slot is issued
-            # after the producer's wait on this arrival)
-            cta_barrier()
+            # the slot may be refilled (RELEASE, above)
             mbarrier.arrive(empty.index(i % S), count=1)
             i += 1
             cur = nxt
@@ -377,9 +380,7 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
             sz = _chunk_sz(sbufs.index(slot), idx % 32, L, T, WARPS)
         acc, cx, x_q0 = _chunk_mma(buf, xs, x_q0, xa, g0, c, last, zero, ones, sel, LW, L, T,
                                    X_AHEAD, WARPS, XS, ACC2, F16)
-        # every consumer warp's loads of this chunk are done before it is refilled
-        cta_barrier()
-        fence_async_shared()
+        # the slot may be refilled (RELEASE, above)
         mbarrier.arrive(empty.index(slot), count=1)
         i += 1
         if F16:

@@ -63,3 +63,17 @@ def test_the_persistent_decode_kernel_compiles(compiled: dict, form: str) -> Non
     # x into shared memory once a phase by cp.async, except in the form that reads it via L2
     assert (ptx["cp_async"] > 0) == (form != "l2")
     assert job["shared_bytes"] <= SM90_SHARED
+    # a consumed slot is given back by one thread after a barrier of the consumer warps
+    assert job["arrives"]["plain"] > 0
+    assert job["arrives"]["after_a_barrier"] == job["arrives"]["plain"], job["arrives"]
+
+
+def test_an_arrive_without_a_barrier_before_it_is_counted_apart() -> None:
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.gluon_compile import arrives
+    ptx = "\n".join(["bar.sync 0, 128;", "@%p1 mbarrier.arrive.shared::cta.b64 _, [%r1];",
+                     "add.s32 %r2, %r2, 1;", "mov.b32 %r3, 0;", "add.s32 %r4, %r2, 1;",
+                     "add.s32 %r5, %r2, 1;", "add.s32 %r6, %r2, 1;",
+                     "@%p1 mbarrier.arrive.shared::cta.b64 _, [%r1];",
+                     "@%p1 mbarrier.arrive.expect_tx.shared::cta.b64 _, [%r1], 8704;"])
+    assert arrives(ptx) == {"plain": 2, "after_a_barrier": 1}
