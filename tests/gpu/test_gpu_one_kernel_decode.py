@@ -5,7 +5,7 @@ the same tokens in CUDA graphs as eagerly, and serves batches of several sequenc
 prefix-cache hits around it."""
 from __future__ import annotations
 
-import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -61,6 +61,29 @@ def _tokens(path: str, prompts, params, monkeypatch, on: bool, together: bool = 
         torch.cuda.empty_cache()
 
 
+def _outputs(path: str, prompts, params, monkeypatch, on: bool, together: bool = False,
+             **engine_args) -> tuple[list, bool]:
+    """Each prompt's (greedy tokens, each step's logprobs: its params, one a prompt, ask for
+    them), one prompt at a time (together: all at once), and whether the one-kernel path was
+    on."""
+    from peregrine import LLM
+    monkeypatch.setenv("PEREGRINE_DECODE_LAYERS", "1" if on else "0")
+    llm = LLM(path, dtype="bfloat16", max_model_len=512, seed=0, num_gpu_blocks_override=256,
+              **engine_args)
+    try:
+        model = llm.engine.core_client.core.executor.worker.model_runner.model
+        used = model.decode_layers is not None
+        if together:
+            done = llm.generate(prompts, params, use_tqdm=False)
+        else:
+            done = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+        outs = [(list(o.outputs[0].token_ids), list(o.outputs[0].logprobs)) for o in done]
+        return outs, used
+    finally:
+        del llm
+        torch.cuda.empty_cache()
+
+
 def _gaps(ref: str, prompts, tokens: list[list[int]]) -> list[float]:
     """Each picked token's logit gap below the float32 dequantized model's top-1, over the
     row's RMS (0 where it is the top-1)."""
@@ -78,34 +101,87 @@ def _gaps(ref: str, prompts, tokens: list[list[int]]) -> list[float]:
     return gaps
 
 
+def _logprob_errors(ref: str, prompts, outputs) -> list[float]:
+    """Per decode step: the largest difference between the engine's logprobs (the picked
+    token's and the top ones') and the float32 dequantized model's log-softmax of the same
+    tokens, teacher-forced on the sequence the engine made."""
+    from transformers import AutoModelForCausalLM
+    exact = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).to(DEV).eval()
+    errors = []
+    with torch.no_grad():
+        for prompt, (out, steps) in zip(prompts, outputs):
+            seq = torch.tensor([prompt + out], device=DEV)
+            rows = torch.log_softmax(exact(seq).logits[0, len(prompt) - 1:-1].float(), -1)
+            for row, step in zip(rows, steps):
+                ids = torch.tensor(list(step), device=DEV)
+                got = torch.tensor([lp.logprob for lp in step.values()], device=DEV)
+                errors.append(float((got - row[ids]).abs().max()))
+    del exact
+    torch.cuda.empty_cache()
+    return errors
+
+
 def test_one_row_decode_picks_near_exact_tokens_as_the_layer_path_does(bf16_awq,
                                                                        monkeypatch) -> None:
-    """bf16's rounding model (test_gpu_wna16.py's at bf16's unit roundoff), to 6 sigma; no
-    more tokens off the exact top-1 than twice the layer-by-layer path's (or a tenth)."""
+    """No more tokens off the float32 dequantized model's top-1 than twice the layer-by-layer
+    path's (or a tenth). (Near-ties decide which: how far each path's numbers are from the
+    exact ones is the next test's measure.)"""
     _hopper()
     path, ref, prompts, params = bf16_awq
     ours, used = _tokens(path, prompts, params, monkeypatch, on=True)
     assert used
     theirs, used = _tokens(path, prompts, params, monkeypatch, on=False)
     assert not used
-    sigma = math.sqrt(2 * (13 * LAYERS + 3) / 3) * 2.0 ** -8
     g_ours, g_theirs = _gaps(ref, prompts, ours), _gaps(ref, prompts, theirs)
     assert len(g_ours) == len(prompts) * params.max_tokens
-    assert max(g_ours) <= 6 * sigma, (max(g_ours), 6 * sigma)
     off = sum(g > 0 for g in g_ours)
     assert off <= max(2 * sum(g > 0 for g in g_theirs), len(g_ours) // 10), off
 
 
-def test_graphs_eager_batches_and_prefix_hits(bf16_awq, monkeypatch) -> None:
-    """The path in CUDA graphs gives its eager tokens; several sequences at once (the
-    layer-by-layer path's steps until one is left) and a repeated prompt (a prefix-cache hit)
-    keep near-exact tokens."""
+def _as_close_as_the_layer_path(path: str, ref: str, prompts, params, monkeypatch,
+                                record_property, **kw) -> None:
+    """Each step's logprobs (the picked token and the top 20) against the float32 dequantized
+    model's, teacher-forced, with the one-kernel path on and off: its errors are those of
+    another bf16 rounding of the same layers, so their median and largest are within 1.25 and
+    2 times the layer-by-layer path's (a wrong head, position or weight gives errors of order
+    one)."""
+    params = [replace(p, logprobs=20) for p in params]
+    runs = {}
+    for on in (True, False):
+        outs, used = _outputs(path, prompts, params, monkeypatch, on=on, **kw)
+        assert used == on
+        runs[on] = _logprob_errors(ref, prompts, outs)
+    ours, theirs = torch.tensor(runs[True]), torch.tensor(runs[False])
+    assert len(ours) == len(theirs) == sum(p.max_tokens for p in params)
+    assert not torch.equal(ours, theirs)  # (the one-kernel path ran: its roundings differ)
+    stats = {"ours": (float(ours.median()), float(ours.max())),
+             "theirs": (float(theirs.median()), float(theirs.max()))}
+    for who, (median, largest) in stats.items():
+        record_property(f"logprob_error_median_{who}", round(median, 5))
+        record_property(f"logprob_error_max_{who}", round(largest, 5))
+    assert ours.median() <= 1.25 * theirs.median(), stats
+    assert ours.max() <= 2 * theirs.max(), stats
+
+
+def test_one_row_decode_is_as_close_to_exact_as_the_layer_path(bf16_awq, monkeypatch,
+                                                              record_property) -> None:
+    _hopper()
+    path, ref, prompts, params = bf16_awq
+    _as_close_as_the_layer_path(path, ref, prompts, [params] * len(prompts), monkeypatch,
+                                record_property)
+
+
+def test_graphs_eager_batches_and_prefix_hits(bf16_awq, monkeypatch, record_property) -> None:
+    """The path in CUDA graphs gives its eager tokens; several sequences at once, of several
+    lengths (the layer-by-layer path's steps until one is left), and a repeated prompt (a
+    prefix-cache hit) stay as close to the exact model as the layer-by-layer path."""
     _hopper()
     path, ref, prompts, params = bf16_awq
     graphs, used = _tokens(path, prompts, params, monkeypatch, on=True)
     eager, _ = _tokens(path, prompts, params, monkeypatch, on=True, enforce_eager=True)
     assert used and graphs == eager
-    together, _ = _tokens(path, prompts + prompts[:1], params, monkeypatch, on=True,
-                          together=True, enable_prefix_caching=True)
-    sigma = math.sqrt(2 * (13 * LAYERS + 3) / 3) * 2.0 ** -8
-    assert max(_gaps(ref, prompts + prompts[:1], together)) <= 6 * sigma
+    # (the first prompt decodes alone for its last 12 steps: one-row steps, the kernel's)
+    lengths = (params.max_tokens, 16, 22, 28, 10)
+    _as_close_as_the_layer_path(path, ref, prompts + prompts[:1],
+                                [replace(params, max_tokens=n) for n in lengths], monkeypatch,
+                                record_property, together=True, enable_prefix_caching=True)
