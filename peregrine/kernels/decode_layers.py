@@ -500,8 +500,10 @@ class DecodeLayers:
     channels a warp: 8 KB at 4 warps); splits: attention programs a KV head. The attributes
     wait, trace, skip, fold, x_ahead, regs, scales_in_chunk, x_smem, defer, acc2, pair, f16,
     pipe and xsum choose the kernel's forms (decode_layers_kernel;
-    benchmarks/decode_layer_ring.py times them). Shared memory a program: the ring's stages (chunk and scale row) and, with x_smem,
-    the widest input (32 KB for Llama-3-8B): 16 stages of 4 warps or 8 of 8 fit beside it."""
+    benchmarks/decode_layer_ring.py times them). Shared memory a program: the ring's stages
+    (chunk and scale row) and, with x_smem, the widest input (32 KB for Llama-3-8B): 16 stages
+    of 4 warps or 8 of 8 fit beside it, and two programs an SM (`place`) with 8 stages of 4
+    warps."""
 
     def __init__(self, dims: Dims, layers: list[LayerWeights], final_norm: torch.Tensor,
                  device: torch.device, *, warps: int = 4, stages: int = 16, splits: int = 16,
@@ -679,11 +681,12 @@ class DecodeLayers:
                 self.norms, self.sums, self.part, self.apart, self.lock, self.cnt, cos_sin,
                 positions, slot_mapping, block_table, k0, v0, self.times, d.eps,
                 1.0 / math.sqrt(d.head_dim), self.programs)
-        kw = dict(S=self.stages, WARPS=self.warps, H=H, HEADS=d.heads, KVH=d.kv_heads,
-            D=d.head_dim, BS=d.block_size, SPLITS=self.splits, TB=self.tb, WAIT=self.wait,
-            TRACE=self.trace, X_AHEAD=self.x_ahead, SZ=int(self.scales_in_chunk),
-            SKIP=self.skip, FOLD=self.fold, XS=int(self.x_smem), DEFER=int(self.defer),
-            ACC2=int(self.acc2), PAIR=int(self.pair and self.scales_in_chunk and not pipe),
+        kw = dict(
+            S=self.stages, WARPS=self.warps, H=H, HEADS=d.heads, KVH=d.kv_heads, D=d.head_dim,
+            BS=d.block_size, SPLITS=self.splits, TB=self.tb, WAIT=self.wait, TRACE=self.trace,
+            X_AHEAD=self.x_ahead, SZ=int(self.scales_in_chunk), SKIP=self.skip, FOLD=self.fold,
+            XS=int(self.x_smem), DEFER=int(self.defer), ACC2=int(self.acc2),
+            PAIR=int(self.pair and self.scales_in_chunk and not pipe),
             F16=int(self.f16 and self.x_smem and self.scales_in_chunk), PIPE=pipe,
             XSUM=int(bool(self.xsum) and pipe > 0),
             NG=x_groups(self.k_max, tile) if self.x_smem else tile // 16, num_warps=self.warps,
