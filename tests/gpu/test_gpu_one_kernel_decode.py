@@ -1,8 +1,8 @@
 """The one-kernel decode path in the engine (PEREGRINE_DECODE_LAYERS=1, models/one_kernel_decode.py;
 sm_90+): a bf16 4-bit AWQ Llama-shaped model decoding one sequence at a time takes it, picks
-near-exact top-1 tokens of the float32 dequantized model as the layer-by-layer path does, gives
-the same tokens in CUDA graphs as eagerly, and serves batches of several sequences and
-prefix-cache hits around it."""
+near-exact top-1 tokens of the float32 dequantized model as the layer-by-layer path does, with
+logprobs as close to that model's as that path's, gives the same tokens in CUDA graphs as
+eagerly, and serves batches of several sequences and prefix-cache hits around it."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -41,10 +41,11 @@ def bf16_awq(tmp_path_factory: pytest.TempPathFactory):
     return str(path), ref, prompts, params
 
 
-def _tokens(path: str, prompts, params, monkeypatch, on: bool, together: bool = False,
-            **engine_args) -> tuple[list[list[int]], bool]:
-    """Greedy tokens of each prompt (one at a time, so its decode steps are one row; together:
-    all at once) and whether the one-kernel path was on."""
+def _outputs(path: str, prompts, params: list, monkeypatch, on: bool, together: bool = False,
+             **engine_args) -> tuple[list, bool]:
+    """Each prompt's (greedy tokens, each step's logprobs where its params ask for them), one
+    prompt at a time (so its decode steps are one row; together: all at once), and whether
+    the one-kernel path was on. params: one a prompt."""
     from peregrine import LLM
     monkeypatch.setenv("PEREGRINE_DECODE_LAYERS", "1" if on else "0")
     engine_args.setdefault("num_gpu_blocks_override", 256)
@@ -52,36 +53,24 @@ def _tokens(path: str, prompts, params, monkeypatch, on: bool, together: bool = 
     try:
         model = llm.engine.core_client.core.executor.worker.model_runner.model
         used = model.decode_layers is not None
-        batches = [prompts] if together else [[p] for p in prompts]
-        tokens = [list(o.outputs[0].token_ids) for batch in batches
-                  for o in llm.generate(batch, params, use_tqdm=False)]
-        return tokens, used
-    finally:
-        del llm
-        torch.cuda.empty_cache()
-
-
-def _outputs(path: str, prompts, params, monkeypatch, on: bool, together: bool = False,
-             **engine_args) -> tuple[list, bool]:
-    """Each prompt's (greedy tokens, each step's logprobs: its params, one a prompt, ask for
-    them), one prompt at a time (together: all at once), and whether the one-kernel path was
-    on."""
-    from peregrine import LLM
-    monkeypatch.setenv("PEREGRINE_DECODE_LAYERS", "1" if on else "0")
-    llm = LLM(path, dtype="bfloat16", max_model_len=512, seed=0, num_gpu_blocks_override=256,
-              **engine_args)
-    try:
-        model = llm.engine.core_client.core.executor.worker.model_runner.model
-        used = model.decode_layers is not None
         if together:
             done = llm.generate(prompts, params, use_tqdm=False)
         else:
             done = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(prompts, params)]
-        outs = [(list(o.outputs[0].token_ids), list(o.outputs[0].logprobs)) for o in done]
+        outs = [(list(o.outputs[0].token_ids), list(o.outputs[0].logprobs or []))
+                for o in done]
         return outs, used
     finally:
         del llm
         torch.cuda.empty_cache()
+
+
+def _tokens(path: str, prompts, params, monkeypatch, on: bool,
+            **engine_args) -> tuple[list[list[int]], bool]:
+    """Greedy tokens of each prompt, one at a time, and whether the one-kernel path was on."""
+    outs, used = _outputs(path, prompts, [params] * len(prompts), monkeypatch, on,
+                          **engine_args)
+    return [tokens for tokens, _ in outs], used
 
 
 def _gaps(ref: str, prompts, tokens: list[list[int]]) -> list[float]:
