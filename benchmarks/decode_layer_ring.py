@@ -230,8 +230,7 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
         iters: int, forms: list[str], variants: list[tuple[int, int]], x_sources: list[str],
         acc2s: list[bool], tb: int, dev: torch.device, pairs: tuple[bool, ...] = (False,),
         f16s: tuple[bool, ...] = (False,), pipes: tuple[bool, ...] = (False,),
-        xsums: tuple[bool, ...] = (False,), per_sms: tuple[str, ...] = ("1",),
-        backoffs: tuple[int, ...] = (0,)) -> list[dict]:
+        xsums: tuple[bool, ...] = (False,), per_sms: tuple[int, ...] = (1,)) -> list[dict]:
     """For each ring depth, where x comes from (`smem`: copied into shared memory once a phase;
     `l2`: read through L2 x_ahead steps ahead), one or two sets of accumulators and (x steps
     ahead, registers a thread): check the kernel against reference_layers (folded or not), then
@@ -239,23 +238,18 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
     copy outgrows shared memory) is recorded with its error."""
     P = torch.cuda.get_device_properties(dev).multi_processor_count
     t0 = time.time()
-    d = build(layers, P * max(int(k[0]) for k in per_sms), ctx, dev, warps=warps,
-              splits=splits)
+    d = build(layers, P * max(per_sms), ctx, dev, warps=warps, splits=splits)
     want = reference_layers(d)
     dl = d["dl"]
     dl.scales_in_chunk, dl.tb = sz, tb
     wbytes = (dl.words.numel() + dl.sz_rows.numel()) * 4 / layers
     out = []
-    for s, per_sm, backoff in [(s, k, b) for s in stages for k in per_sms for b in backoffs]:
+    for s, per_sm in [(s, k) for s in stages for k in per_sms]:
         dl.stages = s
-        dl.place(P * int(per_sm[0]))
-        if per_sm.endswith("p"):  # the attention by program id, not one an SM
-            dl.smid = False
-        dl.backoff = backoff
+        dl.place(P * per_sm)
         res = {"layers": layers, "ctx": ctx, "tb": tb, "warps": warps, "scales_in_chunk": sz,
-               "stages": s, "splits": splits, "programs": dl.programs, "smid": dl.smid,
-               "backoff": backoff, "wall_us_per_layer": round(wbytes / 4.2e6, 2),
-               "variants": []}
+               "stages": s, "splits": splits, "programs": P * per_sm,
+               "wall_us_per_layer": round(wbytes / 4.2e6, 2), "variants": []}
         for src, acc2, pair, f16, pipe, xsum, (x_ahead, regs) in [
                 (src, a, pr, h, pp, xx, v) for src in x_sources for a in acc2s for pr in pairs
                 for h in f16s for pp in pipes for xx in xsums for v in variants]:
@@ -296,8 +290,7 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
                     v[f"{name}_timeline"] = timeline(dl.times.cpu(), 5)
             res["variants"].append(v)
             print(json.dumps(v), f"(layers {layers}, warps {warps}, scales in the chunk {sz}, "
-                  f"ring {s}, {per_sm} an SM, backoff {backoff}; {time.time() - t0:.0f} s)",
-                  flush=True)
+                  f"ring {s}, {per_sm} an SM; {time.time() - t0:.0f} s)", flush=True)
         out.append(res)
     return out
 
@@ -358,12 +351,8 @@ def main() -> None:
                    help="each step's constant-weight MMA for the input sums (0) and/or the "
                    "groups' sums written once with the input (1; the pipelined form's)")
     p.add_argument("--per-sm", default="1",
-                   help="programs an SM (1 or 2: two only where both fit at once; 2p: two, "
-                   "the attention's programs by program id instead of one an SM), "
+                   help="programs an SM (1 or 2: two only where both fit at once), "
                    "comma-separated")
-    p.add_argument("--backoff", default="0",
-                   help="nanoseconds between the polls of a program waiting out the attention "
-                   "phase without attention work, comma-separated")
     p.add_argument("--tb", type=int, default=16,
                    help="tokens an attention program reads a block (the first before its wait)")
     p.add_argument("--iters", type=int, default=20)
@@ -392,8 +381,7 @@ def main() -> None:
                                tuple(x == "1" for x in ns.f16.split(",")),
                                tuple(x == "1" for x in ns.pipe.split(",")),
                                tuple(x == "1" for x in ns.xsum.split(",")),
-                               tuple(ns.per_sm.split(",")),
-                               tuple(int(x) for x in ns.backoff.split(",")))
+                               tuple(int(x) for x in ns.per_sm.split(",")))
             torch.cuda.empty_cache()
     write_results(ns.out, dev, results)
 

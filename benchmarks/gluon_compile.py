@@ -50,7 +50,6 @@ FORMS = {
     "l2": {"x_smem": False},
     "traced": {"trace": True},
     "free": {"wait": False},
-    "smid": {"smid": True, "backoff": 500},
 }
 SHAPES = {"small": dict(LLAMA3_8B, H=512, HEADS=8, KVH=2, INTER=1024), "llama3-8b": LLAMA3_8B}
 # SASS opcode prefixes counted
@@ -59,8 +58,7 @@ OPS = ("UTMALDG", "HMMA", "ATOM", "RED", "LDG", "LDS", "STG", "MEMBAR", "FENCE",
 # PTX pieces counted
 PTX = {"tma": "cp.async.bulk.tensor", "cp_async": "cp.async.cg", "mma": "mma.sync.aligned",
        "release_inc": "atom.release.gpu.global.inc", "acquire_loads": "ld.acquire.gpu",
-       "fence_acq_rel": "fence.acq_rel.gpu", "ld_shared_v4": "ld.shared.v4", "smid": "%smid",
-       "nanosleep": "nanosleep"}
+       "fence_acq_rel": "fence.acq_rel.gpu", "ld_shared_v4": "ld.shared.v4"}
 
 
 def report(kernel) -> dict:

@@ -72,18 +72,13 @@ def fence_acq_rel_gpu_if(flag):
 
 
 @gluon.jit
-def wait_count(ptr, target, LIMIT: gl.constexpr = 1 << 26, sleep=0):
+def wait_count(ptr, target, LIMIT: gl.constexpr = 1 << 26):
     """Spin until the int32 counter at ptr (acquire loads, GPU scope) reaches target. A wait
     longer than LIMIT polls (seconds, where a phase takes microseconds: a program that never
-    arrives) traps, so that the launch fails with an error instead of hanging the GPU. sleep:
-    nanoseconds between polls (0: none), for a wait known to be long, so that many waiting
-    programs do not crowd the counter's L2 slice."""
+    arrives) traps, so that the launch fails with an error instead of hanging the GPU."""
     seen = poll_acquire(ptr)
     n = 0
     while seen < target:
-        if sleep > 0:
-            gl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [sleep],
-                                      dtype=gl.int32, is_pure=False, pack=1)
         seen = poll_acquire(ptr)
         n += 1
         if n > LIMIT:

@@ -73,17 +73,12 @@ from peregrine.kernels.ring_gemv import (_gemv_piece, _share, _tile_rest, _tile_
                                          word_layout, x_groups)
 from peregrine.layers.quantization.wna16 import WNA16Layout
 QKV, ATTN, O, GU, DOWN = 0, 1, 2, 3, 4  # a phase's kind (the table's first field)
-K_QKV, K_ATTN, K_O, K_GU = (gl.constexpr(QKV), gl.constexpr(ATTN), gl.constexpr(O),
-                            gl.constexpr(GU))
+K_QKV, K_ATTN, K_GU = gl.constexpr(QKV), gl.constexpr(ATTN), gl.constexpr(GU)
 # int64 fields a phase: kind, row base, units a program, units, groups, N, scale offset, input
 # offset, norm weight offset, the layer's K and V cache offsets (elements from layer 0's)
 TABF = gl.constexpr(11)
 LOCKS = 256  # split-K tickets (tiles); the attention's follow
 LOCKS_C = gl.constexpr(LOCKS)
-# (SMID) after the attention's tickets: the count of attention ids handed out, then a count a
-# multiprocessor (%smid below SM_SLOTS) of the programs that started there
-SM_SLOTS = 1024
-SM_SLOTS_C = gl.constexpr(SM_SLOTS)
 # TRACE's timestamps a phase and program: its wait ended, it ended, it began to wait, its input
 # was in shared memory, its first piece's MMAs were done, its last piece's (the GEMV phases)
 TRACE_POINTS = 6
@@ -185,26 +180,6 @@ def _settle(j, n_pieces, tk, kind, N, part_ptr, vec_ptr, g_ptr, ss_ptr, cs_ptr, 
 
 
 @gluon.jit
-def _attention_id(lock_ptr, idx, P, KVH: gl.constexpr):
-    """This program's attention id where several programs share an SM: the first program to
-    start on its SM (%smid) takes the next id, the others P (no attention work), so that no SM
-    runs two of the attention phase's programs. Every SM holds the same number of programs (a
-    multiple of the SMs, all resident at once: `DecodeLayers.place`), so every SM has a first
-    program and the ids below the attention's programs are all taken."""
-    base = lock_ptr + LOCKS_C + KVH
-    sm = gl.inline_asm_elementwise("mov.u32 $0, %smid; // $1", "=r,r", [idx], dtype=gl.int32,
-                                   is_pure=False, pack=1) % SM_SLOTS_C
-    one = idx == 0
-    inc = one.to(gl.int32)  # (a tensor: Gluon broadcasts no scalar operand here)
-    first = gl.atomic_add(base + 1 + sm, inc, mask=one, sem="relaxed", scope="gpu")
-    aid = P
-    if gl.max(gl.where(one, first, -1), 0) == 0:
-        got = gl.atomic_add(base + idx * 0, inc, mask=one, sem="relaxed", scope="gpu")
-        aid = gl.max(gl.where(one, got, -1), 0)
-    return aid
-
-
-@gluon.jit
 def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr,
               ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr,
               kc_ptr, vc_ptr, trace_ptr, eps, scale, P, S: gl.constexpr, WARPS: gl.constexpr,
@@ -213,7 +188,7 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
               TRACE: gl.constexpr, X_AHEAD: gl.constexpr, SZ: gl.constexpr, SKIP: gl.constexpr,
               FOLD: gl.constexpr, XS: gl.constexpr, DEFER: gl.constexpr, ACC2: gl.constexpr,
               PAIR: gl.constexpr, F16: gl.constexpr, PIPE: gl.constexpr, xsb,
-              XSUM: gl.constexpr, SMID: gl.constexpr, BACKOFF: gl.constexpr):
+              XSUM: gl.constexpr):
     """The consumer warps: the phases in order (see decode_layers_kernel)."""
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -229,9 +204,6 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
     ones = gl.full([T], 0x3F803F80, gl.int32, layout=L)
     pos = gl.load(pos_ptr).to(gl.int64)
     slot = gl.load(slot_ptr).to(gl.int64)
-    aid = pid  # the attention's program id
-    if SMID:
-        aid = _attention_id(lock_ptr, idx, P, KVH)
     i = 0
     for f in range(n_phases):
         kind = gl.load(tab_ptr + f * TABF).to(gl.int32)
@@ -245,20 +217,16 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
         kc_l = kc_ptr + gl.load(tab_ptr + f * TABF + 9)  # the layer's caches
         vc_l = vc_ptr + gl.load(tab_ptr + f * TABF + 10)
         if SKIP & 2 == 0:
-            attn = (kind == K_ATTN) & (aid < KVH * SPLITS)
+            attn = (kind == K_ATTN) & (pid < KVH * SPLITS)
             kt0 = gl.zeros([TB, D], gl.bfloat16, layout=LK)
             vt0 = kt0
             if attn:  # the earlier steps' K/V rows need no wait
-                kt0, vt0 = _attn_early(aid, kc_l, vc_l, bt_ptr, pos, KVH, D,
+                kt0, vt0 = _attn_early(pid, kc_l, vc_l, bt_ptr, pos, KVH, D,
                                        BS, SPLITS, TB, WARPS)
         if TRACE:
             gl.store(trace_ptr + (f * P + pid) * TW + 2, globaltimer())
         if WAIT and f > 0:  # every program of the phase before is done
-            if BACKOFF > 0:  # (a program without attention work waits long for the others)
-                idle = (kind == K_O) & (aid >= KVH * SPLITS)
-                wait_count(cnt_ptr + (f - 1), P, sleep=idle.to(gl.int32) * BACKOFF)
-            else:
-                wait_count(cnt_ptr + (f - 1), P)
+            wait_count(cnt_ptr + (f - 1), P)
         if TRACE:
             met = globaltimer()
             gl.store(trace_ptr + (f * P + pid) * TW, met)
@@ -272,14 +240,14 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
                         q_c = gl.load(tab_ptr + (f - 1) * TABF + 4).to(gl.int32)
                         q_n = gl.load(tab_ptr + (f - 1) * TABF + 5).to(gl.int32)
                         q0, q1, q2, q3, k_cur, v_cur = _attn_inputs_folded(
-                            aid, part_ptr, ss_ptr, cs_ptr, vec_ptr, kc_l, vc_l,
+                            pid, part_ptr, ss_ptr, cs_ptr, vec_ptr, kc_l, vc_l,
                             pos, slot, q_w, q_c, q_n, eps, scale, H, HEADS, KVH, D, T, SPLITS,
                             WARPS)
                     else:
                         q0, q1, q2, q3, k_cur, v_cur = _attn_inputs(
-                            aid, vec_ptr, kc_l, vc_l, pos, slot, scale, H,
+                            pid, vec_ptr, kc_l, vc_l, pos, slot, scale, H,
                             HEADS, KVH, D, SPLITS, WARPS)
-                    _attention(aid, vec_ptr, kc_l, vc_l, bt_ptr, pos, q0, q1,
+                    _attention(pid, vec_ptr, kc_l, vc_l, bt_ptr, pos, q0, q1,
                                q2, q3, k_cur, v_cur, kt0, vt0, apart_ptr, lock_ptr + LOCKS_C, H,
                                HEADS, KVH, D, BS, SPLITS, TB, WARPS, ss_ptr + H // 32, XSUM)
         else:
@@ -370,8 +338,7 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
                          FOLD: gl.constexpr = 0, XS: gl.constexpr = 0, NG: gl.constexpr = 8,
                          DEFER: gl.constexpr = 0, ACC2: gl.constexpr = 0,
                          PAIR: gl.constexpr = 0, F16: gl.constexpr = 0,
-                         PIPE: gl.constexpr = 0, XSUM: gl.constexpr = 0,
-                         SMID: gl.constexpr = 0, BACKOFF: gl.constexpr = 0):
+                         PIPE: gl.constexpr = 0, XSUM: gl.constexpr = 0):
     """The layers of the phase table at tab_ptr (TABF int64 fields a phase), from the residual
     stream h and the first norm's input xn and sums of squares (in vec and ss) to the last
     layer's h (see the module docstring). WAIT / TRACE / SKIP are for measurement: without the
@@ -387,10 +354,7 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
     instructions (ring_gemv._tile_f16_asm); PIPE (with XS and SZ, bf16 operands, not PAIR):
     each chunk's registers read while the chunk before's MMAs run; XSUM (with PIPE): each
     group's input sum written once by the phase that writes the input (block_sums_at) and
-    copied with x, instead of a constant-weight MMA a step. SMID (more programs than SMs): the
-    attention's programs one an SM (_attention_id), not the first program ids. BACKOFF: the
-    nanoseconds between the polls of a program that waits for the attention phase without
-    attention work of its own (0: none)."""
+    copied with x, instead of a constant-weight MMA a step."""
     T: gl.constexpr = 32 * WARPS
     bufs = gl.allocate_shared_memory(gl.int32, [S, 16, T], desc.layout)
     sbufs = gl.allocate_shared_memory(gl.int32, [S, 1, T], sdesc.layout)
@@ -403,7 +367,7 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
                      norm_ptr, ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr,
                      slot_ptr, bt_ptr, kc_ptr, vc_ptr, trace_ptr, eps, scale, P, S, WARPS, H,
                      HEADS, KVH, D, BS, SPLITS, TB, WAIT, TRACE, X_AHEAD, SZ, SKIP, FOLD, XS,
-                     DEFER, ACC2, PAIR, F16, PIPE, xsb, XSUM, SMID, BACKOFF)),
+                     DEFER, ACC2, PAIR, F16, PIPE, xsb, XSUM)),
         (_layer_producer, (desc, sdesc, bufs, sbufs, ready, empty, tab_ptr, n_phases, S, T,
                            SZ)),
     ], [1], [48])
@@ -535,11 +499,11 @@ class DecodeLayers:
     warps: consumer warps a program (4 or 8); stages: the ring's chunks (16 word rows of 32
     channels a warp: 8 KB at 4 warps); splits: attention programs a KV head. The attributes
     wait, trace, skip, fold, x_ahead, regs, scales_in_chunk, x_smem, defer, acc2, pair, f16,
-    pipe, xsum, smid (set by `place`) and backoff choose the kernel's forms
-    (decode_layers_kernel; benchmarks/decode_layer_ring.py times them). Shared memory a
-    program: the ring's stages (chunk and scale row) and, with x_smem, the widest input (32 KB
-    for Llama-3-8B): 16 stages of 4 warps or 8 of 8 fit beside it, and two programs an SM
-    (`place`) with 8 stages of 4 warps."""
+    pipe and xsum choose the kernel's forms (decode_layers_kernel;
+    benchmarks/decode_layer_ring.py times them). Shared memory a program: the ring's stages
+    (chunk and scale row) and, with x_smem, the widest input (32 KB for Llama-3-8B): 16 stages
+    of 4 warps or 8 of 8 fit beside it, and two programs an SM (`place`) with 8 stages of 4
+    warps."""
 
     def __init__(self, dims: Dims, layers: list[LayerWeights], final_norm: torch.Tensor,
                  device: torch.device, *, warps: int = 4, stages: int = 16, splits: int = 16,
@@ -556,7 +520,7 @@ class DecodeLayers:
         self.wait, self.trace, self.skip, self.fold = True, False, 0, 0
         self.x_ahead, self.regs, self.scales_in_chunk, self.x_smem = 4, 128, True, True
         self.defer, self.acc2, self.pair, self.f16, self.pipe = True, False, False, False, False
-        self.xsum, self.backoff = False, 0
+        self.xsum = False
         tile = 32 * warps
         self.k_max = max(dims.hidden, dims.heads * dims.head_dim, dims.inter)
         self.order = gate_up_order(dims.inter, tile // 2).to(device)
@@ -599,8 +563,7 @@ class DecodeLayers:
         self.place(programs)
         f32 = dict(dtype=torch.float32, device=device)
         self.apart = torch.empty(dims.kv_heads * splits * 4 * (dims.head_dim + 2), **f32)
-        self.lock = torch.zeros(LOCKS + dims.kv_heads + 1 + SM_SLOTS, dtype=torch.int32,
-                                device=device)
+        self.lock = torch.zeros(LOCKS + dims.kv_heads, dtype=torch.int32, device=device)
         self.cnt = torch.zeros(len(table), dtype=torch.int32, device=device)
         self.vec = torch.zeros(off["size"], dtype=torch.bfloat16, device=device)
         # the tiles' sums of h^2, then the arena's blocks' input sums (block_sums_at)
@@ -639,8 +602,6 @@ class DecodeLayers:
         self._sms = (torch.cuda.get_device_properties(dev).multi_processor_count
                      if dev.type == "cuda" else programs)
         self._resident: set = set()
-        # the attention's programs one an SM, where every SM holds the same number of programs
-        self.smid = programs > self._sms and programs % self._sms == 0
 
     def _check_resident(self, args: tuple, kw: dict) -> None:
         """Programs wait for each other, so all of them must be on the GPU at once: where there
@@ -727,8 +688,7 @@ class DecodeLayers:
             XS=int(self.x_smem), DEFER=int(self.defer), ACC2=int(self.acc2),
             PAIR=int(self.pair and self.scales_in_chunk and not pipe),
             F16=int(self.f16 and self.x_smem and self.scales_in_chunk), PIPE=pipe,
-            XSUM=int(bool(self.xsum) and pipe > 0), SMID=int(self.smid),
-            BACKOFF=int(self.backoff),
+            XSUM=int(bool(self.xsum) and pipe > 0),
             NG=x_groups(self.k_max, tile) if self.x_smem else tile // 16, num_warps=self.warps,
             maxnreg=self.regs)
         self._check_resident(args, kw)

@@ -160,23 +160,15 @@ def test_input_sums_written_once_match_the_torch_layers(shape: str, ctx: int, la
 def test_two_programs_an_sm_match_the_torch_layers(shape: str, ctx: int, layers: int) -> None:
     """Twice as many programs as SMs (a ring of 8 chunks, so that two fit an SM at once) are
     within the torch layers' bounds and replay their bits; a ring too deep for two an SM is
-    refused before it launches (its programs would wait for each other forever). The
-    attention's programs are one an SM: every SM counted two programs starting, and the first
-    of each took an attention id."""
+    refused before it launches (its programs would wait for each other forever)."""
     bench, d = _build(shape, ctx, layers, 4, 8)
     dl = d["dl"]
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     dl.place(2 * sms)
-    assert dl.smid
     got = _run(bench, d)
     bad = bench.mismatches(got, bench.reference_layers(d),
                            *(bench.ONE_LAYER if layers == 1 else bench.LAYERS))
     assert not bad, bad
-    from peregrine.kernels import decode_layers as kd
-    at = kd.LOCKS + dl.dims.kv_heads
-    per_sm = dl.lock[at + 1:].cpu()
-    assert int(per_sm.sum()) == 2 * sms and int(per_sm.max()) == 2
-    assert int((per_sm > 0).sum()) == sms == int(dl.lock[at])
     _replay_gives(bench, d, got)
     dl.stages = 16
     with pytest.raises(ValueError, match="an SM at once"):
