@@ -39,7 +39,7 @@ def decode_layers() -> bool:
     """PEREGRINE_DECODE_LAYERS: a decode step of one sequence runs all the decoder layers of a
     4-bit Llama-style model in one persistent kernel on sm_90+ (models/one_kernel_decode.py),
     where the model qualifies; its packed copy of the weights costs their size again (default
-    off: measured slower than the layer-by-layer path, see the benchmarks; 1: on)."""
+    off: measured no faster than the layer-by-layer path, see the benchmarks; 1: on)."""
     return _flag("PEREGRINE_DECODE_LAYERS", False)
 
 

@@ -400,6 +400,25 @@ def decode_prologue_kernel(table_ptr, tok_ptr, g_ptr, vec_ptr, ss_ptr, lock_ptr,
             tl.store(cnt_ptr + k + tl.arange(0, T), 0, mask=k + tl.arange(0, T) < n_cnt)
 
 
+# (programs an SM, ring stages) that DecodeLayers.choose_placement times: the first is the form
+# a DecodeLayers is built in
+PLACEMENTS = ((1, 16), (2, 8))
+
+
+def _time_ms(run, iters: int) -> float:
+    """The median ms of `iters` calls of run on the current CUDA stream, after one more."""
+    run()
+    ms = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        ms.append(start.elapsed_time(end))
+    return sorted(ms)[len(ms) // 2]
+
+
 def block_sums_at(hidden: int) -> int:
     """Where the input sums of the arena's blocks of 64 values start in the sums buffer (after
     the tiles' sums of squares: hidden / 32 at least hidden / tile for tiles of 32 or more): the
@@ -560,6 +579,9 @@ class DecodeLayers:
         self.norms = torch.cat([torch.cat([lw.norm_in, lw.norm_post]) for lw in layers]
                                + [final_norm]).to(torch.bfloat16)
         self.table = torch.tensor(table, dtype=torch.int64, device=device)
+        # the SMs a placement counts programs an SM of (the programs asked for, off a GPU)
+        self.sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                    if torch.device(device).type == "cuda" else programs)
         self.place(programs)
         f32 = dict(dtype=torch.float32, device=device)
         self.apart = torch.empty(dims.kv_heads * splits * 4 * (dims.head_dim + 2), **f32)
@@ -626,6 +648,30 @@ class DecodeLayers:
                 f"{need_smem} bytes of shared memory (of {smem}) and {need_regs} registers "
                 f"(of {regs})")
         self._resident.add(key)
+
+    def choose_placement(self, run, timer=None, iters: int = 5) -> dict[tuple[int, int], float]:
+        """Time `run` (a call of this object on fixed inputs, caches bound) in each placement of
+        PLACEMENTS (programs an SM, ring stages) and keep the fastest: one program an SM is
+        faster where HBM sets the pace of the long phases, two where the consumer warps do (an
+        H100 against an H200, see the benchmarks). A placement whose programs cannot all be
+        resident is skipped. timer(run) -> ms a call (default: CUDA events, the median of
+        `iters` calls after one that compiles). The ms of each placement tried (inf where
+        refused)."""
+        if timer is None:
+            timer = _time_ms
+        sms = self.sms
+        times: dict[tuple[int, int], float] = {}
+        for per_sm, stages in PLACEMENTS:
+            self.stages = stages
+            self.place(per_sm * sms)
+            try:
+                times[(per_sm, stages)] = timer(run, iters)
+            except ValueError:  # (refused before the launch: not resident at once)
+                times[(per_sm, stages)] = math.inf
+        per_sm, stages = min(times, key=times.get)
+        self.stages = stages
+        self.place(per_sm * sms)
+        return times
 
     @property
     def weight_bytes(self) -> int:

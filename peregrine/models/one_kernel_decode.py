@@ -100,9 +100,10 @@ def prepare(model: nn.Module, block_size: int, cache_dtype: torch.dtype,
 
 
 def bind(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
-    """Give the packed layers (if any) the KV caches, compile and run the kernel once on a
-    padding row (position 0, slot -1: it stores no K/V), and turn the path on. None when it is
-    on, else why not (nothing packed, or the kernel failed: the layer-by-layer path stays)."""
+    """Give the packed layers (if any) the KV caches, compile and run the kernel on a padding
+    row (position 0, slot -1: it stores no K/V), keep the faster of its placements
+    (`DecodeLayers.choose_placement`), and turn the path on. None when it is on, else why not
+    (nothing packed, or the kernel failed: the layer-by-layer path stays)."""
     dl = getattr(model, "decode_layers_packed", None)
     if dl is None:
         return "nothing packed"
@@ -111,10 +112,13 @@ def bind(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -
         dev = dl.vec.device
         x = torch.zeros(1, dl.dims.hidden, dtype=torch.bfloat16, device=dev)
         cos_sin = model.layers[0].self_attn.rotary_emb.cos_sin_cache
-        dl(x, torch.zeros(1, dtype=torch.int64, device=dev),
-           torch.full((1,), -1, dtype=torch.int64, device=dev),
-           torch.zeros(1, 1, dtype=torch.int32, device=dev), cos_sin)
+        pos = torch.zeros(1, dtype=torch.int64, device=dev)
+        slot = torch.full((1,), -1, dtype=torch.int64, device=dev)
+        table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+        dl(x, pos, slot, table, cos_sin)
         torch.cuda.synchronize(dev)
+        # one or two programs an SM, whichever runs this GPU's step faster
+        dl.choose_placement(lambda: dl(x, pos, slot, table, cos_sin))
     except Exception as e:  # noqa: BLE001 - any failure keeps the layer-by-layer path
         del model.decode_layers_packed
         return f"{type(e).__name__}: {e}"

@@ -124,6 +124,39 @@ def test_placing_on_more_programs_shares_every_projection_again() -> None:
         dl.place(dl.dims.kv_heads * dl.splits - 1)
 
 
+@pytest.mark.parametrize("faster", kd.PLACEMENTS)
+def test_the_faster_placement_is_kept(faster: tuple[int, int]) -> None:
+    """choose_placement times every placement (programs an SM, ring stages) and leaves the
+    table shared out for the fastest; a placement refused before its launch (its programs
+    could not all be resident) counts as never faster."""
+    d, _ = _build(4)
+    dl = d["dl"]
+    sms = dl.programs
+    seen = []
+
+    def timer(run, iters):
+        run()
+        form = (dl.programs // sms, dl.stages)
+        seen.append(form)
+        return 1.0 if form == faster else 2.0
+
+    times = dl.choose_placement(lambda: None, timer=timer)
+    assert seen == list(kd.PLACEMENTS) and set(times) == set(kd.PLACEMENTS)
+    assert (dl.programs // sms, dl.stages) == faster
+    for r in dl.table.tolist():
+        if r[0] != kd.ATTN:
+            assert r[2] == kd.share(r[3] // r[4], r[4], dl.programs)
+
+    def refused(run, iters):
+        if dl.programs > sms:
+            raise ValueError("decode_layers: not resident at once")
+        return 5.0
+
+    times = dl.choose_placement(lambda: None, timer=refused)
+    assert (dl.programs, dl.stages) == (sms, kd.PLACEMENTS[0][1])
+    assert times[kd.PLACEMENTS[1]] == float("inf")
+
+
 def test_what_the_kernel_refuses() -> None:
     d, cfg = _build(4, layers=1)
     dims, w = bench.dims_of(cfg), d["weights"]
