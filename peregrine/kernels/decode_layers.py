@@ -654,8 +654,8 @@ class DecodeLayers:
         PLACEMENTS (programs an SM, ring stages) and keep the fastest: one program an SM is
         faster where HBM sets the pace of the long phases, two where the consumer warps do (an
         H100 against an H200, see the benchmarks). A placement whose programs cannot all be
-        resident is skipped. timer(run) -> ms a call (default: CUDA events, the median of
-        `iters` calls after one that compiles). The ms of each placement tried (inf where
+        resident is skipped. timer(run, iters) -> ms a call (default: CUDA events, the median
+        of `iters` calls after one that compiles). The ms of each placement tried (inf where
         refused)."""
         if timer is None:
             timer = _time_ms
