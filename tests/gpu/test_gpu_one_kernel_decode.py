@@ -2,7 +2,8 @@
 sm_90+): a bf16 4-bit AWQ Llama-shaped model decoding one sequence at a time takes it, picks
 near-exact top-1 tokens of the float32 dequantized model as the layer-by-layer path does, with
 logprobs as close to that model's as that path's, gives the same tokens in CUDA graphs as
-eagerly, and serves batches of several sequences and prefix-cache hits around it."""
+eagerly, and serves batches of several sequences and prefix-cache hits around it, with one
+program an SM or two."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -152,9 +153,16 @@ def _as_close_as_the_layer_path(path: str, ref: str, prompts, params, monkeypatc
     assert ours.max() <= 2 * theirs.max(), stats
 
 
+@pytest.mark.parametrize("placement", ((1, 16), (2, 8)))
 def test_one_row_decode_is_as_close_to_exact_as_the_layer_path(bf16_awq, monkeypatch,
-                                                              record_property) -> None:
+                                                              record_property,
+                                                              placement) -> None:
+    """In each placement the engine may keep (programs an SM, ring stages), made the only one
+    it times."""
     _hopper()
+    from peregrine.kernels import decode_layers as kd
+    assert placement in kd.PLACEMENTS
+    monkeypatch.setattr(kd, "PLACEMENTS", (placement,))
     path, ref, prompts, params = bf16_awq
     _as_close_as_the_layer_path(path, ref, prompts, [params] * len(prompts), monkeypatch,
                                 record_property)
