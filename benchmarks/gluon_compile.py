@@ -48,6 +48,7 @@ FORMS = {
     "pipe": {"pipe": True},
     "pipexsum": {"pipe": True, "xsum": True},
     "l2": {"x_smem": False},
+    "merge": {"merge_in_o": True},
     "traced": {"trace": True},
     "free": {"wait": False},
 }

@@ -175,6 +175,30 @@ def test_two_programs_an_sm_match_the_torch_layers(shape: str, ctx: int, layers:
         bench.call(d)
 
 
+@pytest.mark.parametrize("warps,stages,per_sm", ((4, 16, 1), (8, 8, 1), (4, 8, 2)))
+@pytest.mark.parametrize("shape,ctx,layers", (("small", 1, 1), ("small", 40, 3), ("small", 256, 1),
+                                              ("llama3_8b", 256, 2)))
+def test_o_programs_merging_their_heads_give_the_attention_merge_bits(
+        shape: str, ctx: int, layers: int, warps: int, stages: int, per_sm: int) -> None:
+    """The form whose o programs merge the attention shares of the heads they read (no ticket
+    or merge in the attention phase, a wait by KV head) gives the default form's bits, the
+    attention output the arena holds included, with one and two programs an SM; a CUDA-graph
+    replay gives them again."""
+    bench, d = _build(shape, ctx, layers, warps, stages)
+    dl = d["dl"]
+    dl.x_smem = True
+    dl.place(per_sm * torch.cuda.get_device_properties(DEV).multi_processor_count)
+    one = _run(bench, d)
+    dl.merge_in_o = True
+    got = _run(bench, d)
+    for k, v in one.items():
+        assert torch.equal(got[k], v), k
+    bad = bench.mismatches(got, bench.reference_layers(d),
+                           *(bench.ONE_LAYER if layers == 1 else bench.LAYERS))
+    assert not bad, bad
+    _replay_gives(bench, d, got)
+
+
 @pytest.mark.parametrize("warps,stages,pair", ((4, 16, False), (4, 16, True), (8, 8, False)))
 @pytest.mark.parametrize("shape,ctx,layers", (("small", 40, 1), ("small", 40, 3),
                                               ("llama3_8b", 256, 2)))
