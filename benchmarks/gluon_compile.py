@@ -49,6 +49,7 @@ FORMS = {
     "pipexsum": {"pipe": True, "xsum": True},
     "l2": {"x_smem": False},
     "merge": {"merge_in_o": True},
+    "allpoll": {"poll_one": False},
     "traced": {"trace": True},
     "free": {"wait": False},
 }

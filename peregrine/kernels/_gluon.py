@@ -86,6 +86,28 @@ def wait_count(ptr, target, LIMIT: gl.constexpr = 1 << 26):
                                       pack=1)
 
 
+# thread 0's spin on a counter (see wait_count_one): the other threads skip it; a wait past
+# 2^26 polls traps, as wait_count's does
+_SPIN_ONE = gl.constexpr(
+    "{ .reg .pred p; .reg .b32 v; .reg .u32 n; mov.u32 n, 0; setp.ne.b32 p, $1, 0; "
+    "@!p bra SPIN_END${:uid}; SPIN_TOP${:uid}: ld.acquire.gpu.global.b32 v, [$2]; "
+    "setp.lt.s32 p, v, $3; @!p bra SPIN_END${:uid}; add.u32 n, n, 1; "
+    "setp.gt.u32 p, n, 67108864; @p trap; bra SPIN_TOP${:uid}; SPIN_END${:uid}: "
+    "mov.b32 $0, 0; }")
+
+
+@gluon.jit
+def wait_count_one(ptr, target, idx):
+    """As wait_count, but one thread polls (idx: a tensor of the threads' indices; the one at
+    0), so that a program has one acquire load in flight at the counter's L2 line, not one a
+    warp, and the other threads wait for it at a barrier of the program's threads (which
+    passes the acquire on to them, as after _settle's fence)."""
+    gl.inline_asm_elementwise(_SPIN_ONE, "=r,r,l,r", [(idx == 0).to(gl.int32), ptr + idx * 0,
+                                                    idx * 0 + target],
+                              dtype=gl.int32, is_pure=False, pack=1)
+    cta_barrier()
+
+
 @gluon.jit
 def globaltimer():
     """The GPU's nanosecond clock (%globaltimer), for timelines."""

@@ -12,7 +12,8 @@ attention's split and merge, SiLU-and-mul). Here one program an SM runs all the 
   own words (`tile_words`, value j of a word in bits 4j), with the unit's scales and zero points
   beside it (`tile_scales`);
 - WARPS consumer warps (4 or 8: a tile of one or two heads) walk the phases. A phase starts when
-  every program has counted the phase before it done (a release add, polled with acquire loads)
+  every program has counted the phase before it done (a release add, polled with acquire loads
+  by one thread of the program while the others wait at a barrier; POLL1, else by every thread)
   and reads what that phase wrote through L2.
 
 A layer is five phases (the RMSNorms, RoPE and the K/V store, the attention merge, SiLU-and-mul
@@ -67,7 +68,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from peregrine.kernels._gluon import (cta_barrier, fence_acq_rel_gpu_if, globaltimer,
-                                      ring_barriers, ticket_release, tma_load, wait_count)
+                                      ring_barriers, ticket_release, tma_load, wait_count,
+                                      wait_count_one)
 from peregrine.kernels.ring_attention import (_attention, _attn_early, _attn_inputs,
                                               _attn_inputs_folded, _merge_to_smem)
 from peregrine.kernels.ring_gemv import (_gemv_piece, _share, _tile_rest, _tile_sum,
@@ -183,6 +185,15 @@ def _settle(j, n_pieces, tk, kind, N, part_ptr, vec_ptr, g_ptr, ss_ptr, cs_ptr, 
 
 
 @gluon.jit
+def _wait_phase(ptr, target, idx, POLL1: gl.constexpr):
+    """wait_count, or with POLL1 wait_count_one (one thread of the program polls)."""
+    if POLL1:
+        wait_count_one(ptr, target, idx)
+    else:
+        wait_count(ptr, target)
+
+
+@gluon.jit
 def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, norm_ptr,
               ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr,
               kc_ptr, vc_ptr, trace_ptr, eps, scale, P, S: gl.constexpr, WARPS: gl.constexpr,
@@ -191,7 +202,7 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
               TRACE: gl.constexpr, X_AHEAD: gl.constexpr, SZ: gl.constexpr, SKIP: gl.constexpr,
               FOLD: gl.constexpr, XS: gl.constexpr, DEFER: gl.constexpr, ACC2: gl.constexpr,
               PAIR: gl.constexpr, F16: gl.constexpr, PIPE: gl.constexpr, xsb,
-              XSUM: gl.constexpr, MO: gl.constexpr):
+              XSUM: gl.constexpr, MO: gl.constexpr, POLL1: gl.constexpr):
     """The consumer warps: the phases in order (see decode_layers_kernel)."""
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -231,9 +242,9 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
         if WAIT and f > 0:  # every program of the phase before is done
             if MO:  # (but the o phase waits for the shares of its heads: _merge_to_smem)
                 if kind != K_O:
-                    wait_count(cnt_ptr + (f - 1), P)
+                    _wait_phase(cnt_ptr + (f - 1), P, idx, POLL1)
             else:
-                wait_count(cnt_ptr + (f - 1), P)
+                _wait_phase(cnt_ptr + (f - 1), P, idx, POLL1)
         if TRACE:
             met = globaltimer()
             gl.store(trace_ptr + (f * P + pid) * TW, met)
@@ -265,7 +276,7 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
                 if MO and kind == K_O:  # (merged from the attention's shares)
                     _merge_to_smem(apart_ptr, cnt_ptr + n_phases + (f - 1) * KVH, xs, start,
                                    end, CHUNKS, vec_ptr + x_off, WAIT, SPLITS, HEADS // KVH,
-                                   D, WARPS)
+                                   D, WARPS, POLL1, idx)
                 else:
                     _x_to_smem(xs, vec_ptr, x_off, CHUNKS, T, WARPS, F16, xsb,
                                ss_ptr + H // 32, XSUM)
@@ -352,7 +363,7 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
                          DEFER: gl.constexpr = 0, ACC2: gl.constexpr = 0,
                          PAIR: gl.constexpr = 0, F16: gl.constexpr = 0,
                          PIPE: gl.constexpr = 0, XSUM: gl.constexpr = 0,
-                         MO: gl.constexpr = 0):
+                         MO: gl.constexpr = 0, POLL1: gl.constexpr = 0):
     """The layers of the phase table at tab_ptr (TABF int64 fields a phase), from the residual
     stream h and the first norm's input xn and sums of squares (in vec and ss) to the last
     layer's h (see the module docstring). WAIT / TRACE / SKIP are for measurement: without the
@@ -370,7 +381,8 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
     group's input sum written once by the phase that writes the input (block_sums_at) and
     copied with x, instead of a constant-weight MMA a step; MO (with XS, not FOLD or XSUM): no
     merge in the attention phase: each o program merges the heads it reads
-    (ring_attention._merge_to_smem), counted in by head at cnt_ptr + n_phases + phase * KVH."""
+    (ring_attention._merge_to_smem), counted in by head at cnt_ptr + n_phases + phase * KVH;
+    POLL1: one thread of a program polls a phase's counter, the others wait at a barrier."""
     T: gl.constexpr = 32 * WARPS
     bufs = gl.allocate_shared_memory(gl.int32, [S, 16, T], desc.layout)
     sbufs = gl.allocate_shared_memory(gl.int32, [S, 1, T], sdesc.layout)
@@ -383,7 +395,7 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
                      norm_ptr, ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr,
                      slot_ptr, bt_ptr, kc_ptr, vc_ptr, trace_ptr, eps, scale, P, S, WARPS, H,
                      HEADS, KVH, D, BS, SPLITS, TB, WAIT, TRACE, X_AHEAD, SZ, SKIP, FOLD, XS,
-                     DEFER, ACC2, PAIR, F16, PIPE, xsb, XSUM, MO)),
+                     DEFER, ACC2, PAIR, F16, PIPE, xsb, XSUM, MO, POLL1)),
         (_layer_producer, (desc, sdesc, bufs, sbufs, ready, empty, tab_ptr, n_phases, S, T,
                            SZ)),
     ], [1], [48])
@@ -534,7 +546,7 @@ class DecodeLayers:
     warps: consumer warps a program (4 or 8); stages: the ring's chunks (16 word rows of 32
     channels a warp: 8 KB at 4 warps); splits: attention programs a KV head. The attributes
     wait, trace, skip, fold, x_ahead, regs, scales_in_chunk, x_smem, defer, acc2, pair, f16,
-    pipe, xsum and merge_in_o choose the kernel's forms (decode_layers_kernel;
+    pipe, xsum, merge_in_o and poll_one choose the kernel's forms (decode_layers_kernel;
     benchmarks/decode_layer_ring.py times them). Shared memory a program: the ring's stages
     (chunk and scale row) and, with x_smem, the widest input (32 KB for Llama-3-8B): 16 stages
     of 4 warps or 8 of 8 fit beside it, and two programs an SM (`place`) with 8 stages of 4
@@ -555,7 +567,7 @@ class DecodeLayers:
         self.wait, self.trace, self.skip, self.fold = True, False, 0, 0
         self.x_ahead, self.regs, self.scales_in_chunk, self.x_smem = 4, 128, True, True
         self.defer, self.acc2, self.pair, self.f16, self.pipe = True, False, False, False, False
-        self.xsum, self.merge_in_o = False, False
+        self.xsum, self.merge_in_o, self.poll_one = False, False, True
         tile = 32 * warps
         self.k_max = max(dims.hidden, dims.heads * dims.head_dim, dims.inter)
         self.order = gate_up_order(dims.inter, tile // 2).to(device)
@@ -758,6 +770,7 @@ class DecodeLayers:
             XSUM=int(bool(self.xsum) and pipe > 0),
             MO=int(bool(self.merge_in_o) and self.x_smem and not self.fold
                    and not (self.xsum and pipe)),
+            POLL1=int(bool(self.poll_one)),
             NG=x_groups(self.k_max, tile) if self.x_smem else tile // 16, num_warps=self.warps,
             maxnreg=self.regs)
         self._check_resident(args, kw)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from peregrine.kernels._gluon import cta_barrier, smem_reinterpret, wait_count
+from peregrine.kernels._gluon import cta_barrier, smem_reinterpret, wait_count, wait_count_one
 from peregrine.kernels.ring_gemv import _tile_sum
 
 
@@ -275,7 +275,7 @@ def _merge(apart_ptr, r0, out_ptr, SPLITS: gl.constexpr, GQA: gl.constexpr, D: g
 @gluon.jit
 def _merge_to_smem(apart_ptr, hc_ptr, xs, start, end, CHUNKS, out_ptr, WAIT: gl.constexpr,
                    SPLITS: gl.constexpr, GQA: gl.constexpr, D: gl.constexpr,
-                   WARPS: gl.constexpr):
+                   WARPS: gl.constexpr, POLL1: gl.constexpr = 0, idx=None):
     """The o phase's input, merged by the program itself for the groups of 128 inputs (a
     query head each) that its units [start, end) read: for each KV head among them, once its
     SPLITS shares have counted themselves in at hc_ptr + head (acquire polls), its query heads
@@ -295,7 +295,10 @@ def _merge_to_smem(apart_ptr, hc_ptr, xs, start, end, CHUNKS, out_ptr, WAIT: gl.
         n = CHUNKS
     for kh in range(g0 // GQA, (g0 + n - 1) // GQA + 1):
         if WAIT:
-            wait_count(hc_ptr + kh, SPLITS)
+            if POLL1:  # (one thread polls: _gluon.wait_count_one)
+                wait_count_one(hc_ptr + kh, SPLITS, idx)
+            else:
+                wait_count(hc_ptr + kh, SPLITS)
         out, hq, dd = _merged(apart_ptr, kh * SPLITS * GQA, SPLITS, GQA, D, WARPS)
         heads.index(kh).store(out)
         if start < CHUNKS:

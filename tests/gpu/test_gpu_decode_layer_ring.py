@@ -199,6 +199,25 @@ def test_o_programs_merging_their_heads_give_the_attention_merge_bits(
     _replay_gives(bench, d, got)
 
 
+@pytest.mark.parametrize("per_sm,merge", ((1, False), (2, False), (2, True)))
+@pytest.mark.parametrize("shape,ctx,layers", (("small", 40, 3), ("llama3_8b", 256, 2)))
+def test_one_thread_polling_gives_the_same_bits(shape: str, ctx: int, layers: int, per_sm: int,
+                                                merge: bool) -> None:
+    """Phase waits polled by one thread of a program (the others at a barrier) give the bits
+    of waits polled by every thread, with the o programs merging the attention's heads or
+    not; a CUDA-graph replay gives them again."""
+    bench, d = _build(shape, ctx, layers, 4, 16 if per_sm == 1 else 8)
+    dl = d["dl"]
+    dl.x_smem, dl.merge_in_o, dl.poll_one = True, merge, False
+    dl.place(per_sm * torch.cuda.get_device_properties(DEV).multi_processor_count)
+    one = _run(bench, d)
+    dl.poll_one = True
+    got = _run(bench, d)
+    for k, v in one.items():
+        assert torch.equal(got[k], v), k
+    _replay_gives(bench, d, got)
+
+
 @pytest.mark.parametrize("warps,stages,pair", ((4, 16, False), (4, 16, True), (8, 8, False)))
 @pytest.mark.parametrize("shape,ctx,layers", (("small", 40, 1), ("small", 40, 3),
                                               ("llama3_8b", 256, 2)))

@@ -1,5 +1,5 @@
 """The Gluon kernels (the 4/6-bit and FP8 tensor-core GEMVs, the FP8-cache attention, the
-persistent decode kernel in five forms) compile for an sm_90a GPU with the installed Triton,
+persistent decode kernel in seven forms) compile for an sm_90a GPU with the installed Triton,
 on the CPU (benchmarks/gluon_compile.py, in a process without TRITON_INTERPRET): a Triton
 release that renames what they use fails here rather than at a GPU's first call. Their numbers
 are checked on the GPU (tests/gpu)."""
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # (about 15 s of compiling, uncached)
 
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = ("gemv_tc4", "gemv_tc6", "w8_tc", "attn_fp8", "layers:engine", "layers:fold",
-        "layers:l2", "layers:pipe", "layers:pipexsum")
+        "layers:l2", "layers:pipe", "layers:pipexsum", "layers:merge", "layers:allpoll")
 SM90_SHARED = 227 * 1024  # the most shared memory a program may take on sm_90
 
 
@@ -53,7 +53,7 @@ def test_the_fp8_cache_attention_compiles(compiled: dict) -> None:
     assert job["shared_bytes"] <= SM90_SHARED
 
 
-@pytest.mark.parametrize("form", ("engine", "fold", "l2", "pipe", "pipexsum"))
+@pytest.mark.parametrize("form", ("engine", "fold", "l2", "pipe", "pipexsum", "merge", "allpoll"))
 def test_the_persistent_decode_kernel_compiles(compiled: dict, form: str) -> None:
     job = _job(compiled, f"layers:{form}")
     ptx = job["ptx"]
