@@ -47,6 +47,17 @@ def _run(bench, d: dict) -> dict:
     return {k: v.clone() for k, v in bench.state(d).items()}
 
 
+def _turning_on_gives_the_same_bits(bench, d: dict, attr: str) -> dict:
+    """A call as the packed layers are, then one with their attribute attr set: the same bits
+    (returned)."""
+    one = _run(bench, d)
+    setattr(d["dl"], attr, True)
+    got = _run(bench, d)
+    for k, v in one.items():
+        assert torch.equal(got[k], v), k
+    return got
+
+
 def _replay_gives(bench, d: dict, want: dict) -> None:
     """A CUDA-graph capture and replay of the kernels gives want's bits."""
     graph = torch.cuda.CUDAGraph()
@@ -188,11 +199,7 @@ def test_o_programs_merging_their_heads_give_the_attention_merge_bits(
     dl = d["dl"]
     dl.x_smem = True
     dl.place(per_sm * torch.cuda.get_device_properties(DEV).multi_processor_count)
-    one = _run(bench, d)
-    dl.merge_in_o = True
-    got = _run(bench, d)
-    for k, v in one.items():
-        assert torch.equal(got[k], v), k
+    got = _turning_on_gives_the_same_bits(bench, d, "merge_in_o")
     bad = bench.mismatches(got, bench.reference_layers(d),
                            *(bench.ONE_LAYER if layers == 1 else bench.LAYERS))
     assert not bad, bad
@@ -210,11 +217,7 @@ def test_one_thread_polling_gives_the_same_bits(shape: str, ctx: int, layers: in
     dl = d["dl"]
     dl.x_smem, dl.merge_in_o, dl.poll_one = True, merge, False
     dl.place(per_sm * torch.cuda.get_device_properties(DEV).multi_processor_count)
-    one = _run(bench, d)
-    dl.poll_one = True
-    got = _run(bench, d)
-    for k, v in one.items():
-        assert torch.equal(got[k], v), k
+    got = _turning_on_gives_the_same_bits(bench, d, "poll_one")
     _replay_gives(bench, d, got)
 
 
