@@ -117,7 +117,7 @@ def bind(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -
         table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
         dl(x, pos, slot, table, cos_sin)
         torch.cuda.synchronize(dev)
-        # one or two programs an SM, whichever runs this GPU's step faster
+        # the placement (decode_layers.PLACEMENTS) that runs this GPU's step fastest
         dl.choose_placement(lambda: dl(x, pos, slot, table, cos_sin))
     except Exception as e:  # noqa: BLE001 - any failure keeps the layer-by-layer path
         del model.decode_layers_packed
