@@ -231,7 +231,7 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
         acc2s: list[bool], tb: int, dev: torch.device, pairs: tuple[bool, ...] = (False,),
         f16s: tuple[bool, ...] = (False,), pipes: tuple[bool, ...] = (False,),
         xsums: tuple[bool, ...] = (False,), per_sms: tuple[int, ...] = (1,),
-        merges: tuple[bool, ...] = (False,), polls: tuple[bool, ...] = (False,)) -> list[dict]:
+        polls: tuple[bool, ...] = (False,)) -> list[dict]:
     """For each ring depth, where x comes from (`smem`: copied into shared memory once a phase;
     `l2`: read through L2 x_ahead steps ahead), one or two sets of accumulators and (x steps
     ahead, registers a thread): check the kernel against reference_layers (folded or not), then
@@ -251,9 +251,9 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
         res = {"layers": layers, "ctx": ctx, "tb": tb, "warps": warps, "scales_in_chunk": sz,
                "stages": s, "splits": splits, "programs": P * per_sm,
                "wall_us_per_layer": round(wbytes / 4.2e6, 2), "variants": []}
-        for src, acc2, pair, f16, pipe, xsum, merge, poll, (x_ahead, regs) in [
-                (src, a, pr, h, pp, xx, mo, po, v) for src in x_sources for a in acc2s
-                for pr in pairs for h in f16s for pp in pipes for xx in xsums for mo in merges
+        for src, acc2, pair, f16, pipe, xsum, poll, (x_ahead, regs) in [
+                (src, a, pr, h, pp, xx, po, v) for src in x_sources for a in acc2s
+                for pr in pairs for h in f16s for pp in pipes for xx in xsums
                 for po in polls for v in variants]:
             if src == "smem" and x_ahead != variants[0][0]:
                 continue  # (x_ahead is the L2 form's)
@@ -264,12 +264,9 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
                 continue  # (the pipelined form is on bf16 operands, a chunk at a time)
             if xsum and not pipe:
                 continue  # (the input sums are the pipelined form's)
-            if merge and (src != "smem" or xsum):
-                continue  # (the o phase merges into its shared-memory copy of x)
-            dl.pair, dl.f16, dl.pipe, dl.xsum, dl.merge_in_o = pair, f16, pipe, xsum, merge
-            dl.poll_one = poll
+            dl.pair, dl.f16, dl.pipe, dl.xsum, dl.poll_one = pair, f16, pipe, xsum, poll
             v = {"x": src, "acc2": acc2, "pair": pair, "f16": f16, "pipe": pipe, "xsum": xsum,
-                 "merge_in_o": merge, "poll_one": poll, "x_ahead": x_ahead, "regs": regs}
+                 "poll_one": poll, "x_ahead": x_ahead, "regs": regs}
             try:
                 call(d)
                 torch.cuda.synchronize()
@@ -313,7 +310,6 @@ def profile_once(ns: argparse.Namespace, dev: torch.device) -> dict:
     dl.x_ahead, dl.regs, dl.pair = x_ahead, regs, ns.pair.split(",")[0] == "1"
     dl.f16, dl.pipe = ns.f16.split(",")[0] == "1", ns.pipe.split(",")[0] == "1"
     dl.xsum = ns.xsum.split(",")[0] == "1"
-    dl.merge_in_o = ns.merge.split(",")[0] == "1"
     dl.poll_one = ns.poll.split(",")[0] == "1"
     dl.wait, dl.trace, dl.skip, dl.fold, dl.defer = FORMS[form]
     for _ in range(3):
@@ -357,9 +353,6 @@ def main() -> None:
     p.add_argument("--xsum", default="0",
                    help="each step's constant-weight MMA for the input sums (0) and/or the "
                    "groups' sums written once with the input (1; the pipelined form's)")
-    p.add_argument("--merge", default="0",
-                   help="the attention's heads merged by the attention phase (0) and/or by each "
-                   "o program for the heads it reads (1; x from shared memory)")
     p.add_argument("--poll", default="0",
                    help="a phase's counter polled by every warp of a program (0) and/or by one "
                    "thread while the others wait at a barrier (1)")
@@ -395,7 +388,6 @@ def main() -> None:
                                tuple(x == "1" for x in ns.pipe.split(",")),
                                tuple(x == "1" for x in ns.xsum.split(",")),
                                tuple(int(x) for x in ns.per_sm.split(",")),
-                               tuple(x == "1" for x in ns.merge.split(",")),
                                tuple(x == "1" for x in ns.poll.split(",")))
             torch.cuda.empty_cache()
     write_results(ns.out, dev, results)

@@ -48,7 +48,6 @@ FORMS = {
     "pipe": {"pipe": True},
     "pipexsum": {"pipe": True, "xsum": True},
     "l2": {"x_smem": False},
-    "merge": {"merge_in_o": True},
     "allpoll": {"poll_one": False},
     "traced": {"trace": True},
     "free": {"wait": False},

@@ -27,11 +27,9 @@ and the residual adds folded into the phases around them):
    themselves from the partials, and the qkv tiles have no finish.)
 2. attention. KV heads x SPLITS programs each take a share of the context for the head's four
    query heads (online softmax, float32; the earlier steps' K/V rows are read before the wait)
-   and store (m, l, acc); the last share of a head to arrive merges them (bf16). (MO: each
-   share counts itself in by KV head instead, and the o phase merges.)
+   and store (m, l, acc); the last share of a head to arrive merges them (bf16).
 3. o. The tile's last piece adds the residual: h = h + o (bf16), xn = h * g (the post-attention
-   norm's weight), the tile's sum of h^2. (MO: a program waits only for the shares of the heads
-   its units read and merges them into its shared-memory copy of the input, the same bits.)
+   norm's weight), the tile's sum of h^2.
 4. gate/up. The weight's channels are reordered so a tile's first half holds gate channels and
    its second half the same up channels (`gate_up_order`); its last piece scales by 1 / rms and
    stores silu(gate) * up (bf16).
@@ -71,14 +69,13 @@ from peregrine.kernels._gluon import (cta_barrier, fence_acq_rel_gpu_if, globalt
                                       ring_barriers, ticket_release, tma_load, wait_count,
                                       wait_count_one)
 from peregrine.kernels.ring_attention import (_attention, _attn_early, _attn_inputs,
-                                              _attn_inputs_folded, _merge_to_smem)
+                                              _attn_inputs_folded)
 from peregrine.kernels.ring_gemv import (_gemv_piece, _share, _tile_rest, _tile_sum,
                                          _x_to_smem, share, tile_scales, tile_words, unit_rows,
                                          word_layout, x_groups)
 from peregrine.layers.quantization.wna16 import WNA16Layout
 QKV, ATTN, O, GU, DOWN = 0, 1, 2, 3, 4  # a phase's kind (the table's first field)
-K_QKV, K_ATTN, K_O, K_GU = (gl.constexpr(QKV), gl.constexpr(ATTN), gl.constexpr(O),
-                             gl.constexpr(GU))
+K_QKV, K_ATTN, K_GU = gl.constexpr(QKV), gl.constexpr(ATTN), gl.constexpr(GU)
 # int64 fields a phase: kind, row base, units a program, units, groups, N, scale offset, input
 # offset, norm weight offset, the layer's K and V cache offsets (elements from layer 0's)
 TABF = gl.constexpr(11)
@@ -202,7 +199,7 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
               TRACE: gl.constexpr, X_AHEAD: gl.constexpr, SZ: gl.constexpr, SKIP: gl.constexpr,
               FOLD: gl.constexpr, XS: gl.constexpr, DEFER: gl.constexpr, ACC2: gl.constexpr,
               PAIR: gl.constexpr, F16: gl.constexpr, PIPE: gl.constexpr, xsb,
-              XSUM: gl.constexpr, MO: gl.constexpr, POLL1: gl.constexpr):
+              XSUM: gl.constexpr, POLL1: gl.constexpr):
     """The consumer warps: the phases in order (see decode_layers_kernel)."""
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -240,11 +237,7 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
         if TRACE:
             gl.store(trace_ptr + (f * P + pid) * TW + 2, globaltimer())
         if WAIT and f > 0:  # every program of the phase before is done
-            if MO:  # (but the o phase waits for the shares of its heads: _merge_to_smem)
-                if kind != K_O:
-                    _wait_phase(cnt_ptr + (f - 1), P, idx, POLL1)
-            else:
-                _wait_phase(cnt_ptr + (f - 1), P, idx, POLL1)
+            _wait_phase(cnt_ptr + (f - 1), P, idx, POLL1)
         if TRACE:
             met = globaltimer()
             gl.store(trace_ptr + (f * P + pid) * TW, met)
@@ -267,19 +260,13 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
                             HEADS, KVH, D, SPLITS, WARPS)
                     _attention(pid, vec_ptr, kc_l, vc_l, bt_ptr, pos, q0, q1,
                                q2, q3, k_cur, v_cur, kt0, vt0, apart_ptr, lock_ptr + LOCKS_C, H,
-                               HEADS, KVH, D, BS, SPLITS, TB, WARPS, ss_ptr + H // 32, XSUM,
-                               MO, cnt_ptr + n_phases + f * KVH)
+                               HEADS, KVH, D, BS, SPLITS, TB, WARPS, ss_ptr + H // 32, XSUM)
         else:
             x_base = vec_ptr.to(gl.int64) + x_off * 2
             start, end = _share(pid, W, total)
             if XS and start < end:  # the phase's input into shared memory, once
-                if MO and kind == K_O:  # (merged from the attention's shares)
-                    _merge_to_smem(apart_ptr, cnt_ptr + n_phases + (f - 1) * KVH, xs, start,
-                                   end, CHUNKS, vec_ptr + x_off, WAIT, SPLITS, HEADS // KVH,
-                                   D, WARPS, POLL1, idx)
-                else:
-                    _x_to_smem(xs, vec_ptr, x_off, CHUNKS, T, WARPS, F16, xsb,
-                               ss_ptr + H // 32, XSUM)
+                _x_to_smem(xs, vec_ptr, x_off, CHUNKS, T, WARPS, F16, xsb, ss_ptr + H // 32,
+                           XSUM)
             if TRACE:
                 gl.store(trace_ptr + (f * P + pid) * TW + 3, globaltimer())
             if FOLD:  # the attention phase finishes qkv's tiles itself
@@ -363,7 +350,7 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
                          DEFER: gl.constexpr = 0, ACC2: gl.constexpr = 0,
                          PAIR: gl.constexpr = 0, F16: gl.constexpr = 0,
                          PIPE: gl.constexpr = 0, XSUM: gl.constexpr = 0,
-                         MO: gl.constexpr = 0, POLL1: gl.constexpr = 0):
+                         POLL1: gl.constexpr = 0):
     """The layers of the phase table at tab_ptr (TABF int64 fields a phase), from the residual
     stream h and the first norm's input xn and sums of squares (in vec and ss) to the last
     layer's h (see the module docstring). WAIT / TRACE / SKIP are for measurement: without the
@@ -379,10 +366,8 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
     instructions (ring_gemv._tile_f16_asm); PIPE (with XS and SZ, bf16 operands, not PAIR):
     each chunk's registers read while the chunk before's MMAs run; XSUM (with PIPE): each
     group's input sum written once by the phase that writes the input (block_sums_at) and
-    copied with x, instead of a constant-weight MMA a step; MO (with XS, not FOLD or XSUM): no
-    merge in the attention phase: each o program merges the heads it reads
-    (ring_attention._merge_to_smem), counted in by head at cnt_ptr + n_phases + phase * KVH;
-    POLL1: one thread of a program polls a phase's counter, the others wait at a barrier."""
+    copied with x, instead of a constant-weight MMA a step; POLL1: one thread of a program
+    polls a phase's counter, the others wait at a barrier."""
     T: gl.constexpr = 32 * WARPS
     bufs = gl.allocate_shared_memory(gl.int32, [S, 16, T], desc.layout)
     sbufs = gl.allocate_shared_memory(gl.int32, [S, 1, T], sdesc.layout)
@@ -395,7 +380,7 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
                      norm_ptr, ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr,
                      slot_ptr, bt_ptr, kc_ptr, vc_ptr, trace_ptr, eps, scale, P, S, WARPS, H,
                      HEADS, KVH, D, BS, SPLITS, TB, WAIT, TRACE, X_AHEAD, SZ, SKIP, FOLD, XS,
-                     DEFER, ACC2, PAIR, F16, PIPE, xsb, XSUM, MO, POLL1)),
+                     DEFER, ACC2, PAIR, F16, PIPE, xsb, XSUM, POLL1)),
         (_layer_producer, (desc, sdesc, bufs, sbufs, ready, empty, tab_ptr, n_phases, S, T,
                            SZ)),
     ], [1], [48])
@@ -428,9 +413,9 @@ def decode_prologue_kernel(table_ptr, tok_ptr, g_ptr, vec_ptr, ss_ptr, lock_ptr,
             tl.store(cnt_ptr + k + tl.arange(0, T), 0, mask=k + tl.arange(0, T) < n_cnt)
 
 
-# (programs an SM, ring stages, the o programs merging the attention's heads) that
-# DecodeLayers.choose_placement times: the first is the form a DecodeLayers is built in
-PLACEMENTS = ((1, 16, False), (2, 8, False), (2, 8, True))
+# (programs an SM, ring stages) that DecodeLayers.choose_placement times: the first is the form
+# a DecodeLayers is built in
+PLACEMENTS = ((1, 16), (2, 8))
 
 
 def _time_ms(run, iters: int) -> float:
@@ -546,7 +531,7 @@ class DecodeLayers:
     warps: consumer warps a program (4 or 8); stages: the ring's chunks (16 word rows of 32
     channels a warp: 8 KB at 4 warps); splits: attention programs a KV head. The attributes
     wait, trace, skip, fold, x_ahead, regs, scales_in_chunk, x_smem, defer, acc2, pair, f16,
-    pipe, xsum, merge_in_o and poll_one choose the kernel's forms (decode_layers_kernel;
+    pipe, xsum and poll_one choose the kernel's forms (decode_layers_kernel;
     benchmarks/decode_layer_ring.py times them). Shared memory a program: the ring's stages
     (chunk and scale row) and, with x_smem, the widest input (32 KB for Llama-3-8B): 16 stages
     of 4 warps or 8 of 8 fit beside it, and two programs an SM (`place`) with 8 stages of 4
@@ -567,7 +552,7 @@ class DecodeLayers:
         self.wait, self.trace, self.skip, self.fold = True, False, 0, 0
         self.x_ahead, self.regs, self.scales_in_chunk, self.x_smem = 4, 128, True, True
         self.defer, self.acc2, self.pair, self.f16, self.pipe = True, False, False, False, False
-        self.xsum, self.merge_in_o, self.poll_one = False, False, True
+        self.xsum, self.poll_one = False, True
         tile = 32 * warps
         self.k_max = max(dims.hidden, dims.heads * dims.head_dim, dims.inter)
         self.order = gate_up_order(dims.inter, tile // 2).to(device)
@@ -614,9 +599,7 @@ class DecodeLayers:
         f32 = dict(dtype=torch.float32, device=device)
         self.apart = torch.empty(dims.kv_heads * splits * 4 * (dims.head_dim + 2), **f32)
         self.lock = torch.zeros(LOCKS + dims.kv_heads, dtype=torch.int32, device=device)
-        # the phases' counters, then (merge_in_o) each attention phase's shares a KV head
-        self.cnt = torch.zeros(len(table) * (1 + dims.kv_heads), dtype=torch.int32,
-                               device=device)
+        self.cnt = torch.zeros(len(table), dtype=torch.int32, device=device)
         self.vec = torch.zeros(off["size"], dtype=torch.bfloat16, device=device)
         # the tiles' sums of h^2, then the arena's blocks' input sums (block_sums_at)
         self.sums = torch.zeros(block_sums_at(dims.hidden) + off["size"] // 64, **f32)
@@ -679,30 +662,27 @@ class DecodeLayers:
                 f"(of {regs})")
         self._resident.add(key)
 
-    def choose_placement(self, run, timer=None,
-                         iters: int = 5) -> dict[tuple[int, int, bool], float]:
+    def choose_placement(self, run, timer=None, iters: int = 5) -> dict[tuple[int, int], float]:
         """Time `run` (a call of this object on fixed inputs, caches bound) in each placement of
-        PLACEMENTS (programs an SM, ring stages, `merge_in_o`) and keep the fastest: one
-        program an SM is faster where HBM sets the pace of the long phases, two where the
-        consumer warps do (an H100 against an H200, see the benchmarks); with two, the o
-        programs merging the heads they read saved a little on an H100, with one it lost. A
-        placement whose programs cannot all be
+        PLACEMENTS (programs an SM, ring stages) and keep the fastest: one program an SM is
+        faster where HBM sets the pace of the long phases, two where the consumer warps do (an
+        H100 against an H200, see the benchmarks). A placement whose programs cannot all be
         resident is skipped. timer(run, iters) -> ms a call (default: CUDA events, the median
         of `iters` calls after one that compiles). The ms of each placement tried (inf where
         refused)."""
         if timer is None:
             timer = _time_ms
         sms = self.sms
-        times: dict[tuple[int, int, bool], float] = {}
-        for per_sm, stages, merge in PLACEMENTS:
-            self.stages, self.merge_in_o = stages, merge
+        times: dict[tuple[int, int], float] = {}
+        for per_sm, stages in PLACEMENTS:
+            self.stages = stages
             self.place(per_sm * sms)
             try:
-                times[(per_sm, stages, merge)] = timer(run, iters)
+                times[(per_sm, stages)] = timer(run, iters)
             except ValueError:  # (refused before the launch: not resident at once)
-                times[(per_sm, stages, merge)] = math.inf
-        per_sm, stages, merge = min(times, key=times.get)
-        self.stages, self.merge_in_o = stages, merge
+                times[(per_sm, stages)] = math.inf
+        per_sm, stages = min(times, key=times.get)
+        self.stages = stages
         self.place(per_sm * sms)
         return times
 
@@ -768,8 +748,6 @@ class DecodeLayers:
             PAIR=int(self.pair and self.scales_in_chunk and not pipe),
             F16=int(self.f16 and self.x_smem and self.scales_in_chunk), PIPE=pipe,
             XSUM=int(bool(self.xsum) and pipe > 0),
-            MO=int(bool(self.merge_in_o) and self.x_smem and not self.fold
-                   and not (self.xsum and pipe)),
             POLL1=int(bool(self.poll_one)),
             NG=x_groups(self.k_max, tile) if self.x_smem else tile // 16, num_warps=self.warps,
             maxnreg=self.regs)

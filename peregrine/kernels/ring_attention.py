@@ -2,16 +2,15 @@
 Gluon, sm_90+): KV heads x SPLITS programs each take a share of the context for the KV head's
 four query heads (online softmax in float32, log2 units; the earlier steps' K/V rows read
 before the wait for the qkv phase, this step's own row after it), store (m, l, acc), and the
-last share of a head to arrive merges them (or, `_merge_to_smem`, each program of the o phase
-merges the heads its units read, once their shares are in). Its inputs are the qkv phase's q and
-this step's K/V row, or (`_attn_inputs_folded`) made here from the qkv projection's partials.
+last share of a head to arrive merges them. Its inputs are the qkv phase's q and this step's
+K/V row, or (`_attn_inputs_folded`) made here from the qkv projection's partials.
 """
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from peregrine.kernels._gluon import cta_barrier, smem_reinterpret, wait_count, wait_count_one
+from peregrine.kernels._gluon import cta_barrier
 from peregrine.kernels.ring_gemv import _tile_sum
 
 
@@ -142,14 +141,11 @@ def _attn_inputs_folded(pid, part_ptr, ss_ptr, cs_ptr, vec_ptr, kc_ptr, vc_ptr, 
 def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, q0, q1, q2, q3, k_cur, v_cur, kt0, vt0,
                apart_ptr, lock_ptr, H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr,
                D: gl.constexpr, BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr,
-               WARPS: gl.constexpr, bs_ptr=None, XSUM: gl.constexpr = 0,
-               MO: gl.constexpr = 0, hc_ptr=None):
+               WARPS: gl.constexpr, bs_ptr=None, XSUM: gl.constexpr = 0):
     """KV head pid // SPLITS, its share of the context 0 .. pos for the head's four query rows
     q0 .. q3 (the share's first TB tokens' K/V rows kt0, vt0 read early, this step's own rows
     k_cur, v_cur); the last share of a head to arrive merges the shares into the output (XSUM:
-    and stores its sums a block of 64 at bs_ptr, the arena's blocks' input sums). MO: no
-    merge here; the share counts itself in at hc_ptr + head (a release add) and the o phase's
-    programs merge (`_merge_to_smem`)."""
+    and stores its sums a block of 64 at bs_ptr, the arena's blocks' input sums)."""
     GQA: gl.constexpr = HEADS // KVH
     Q_OFF: gl.constexpr = 2 * H
     AT_OFF: gl.constexpr = Q_OFF + HEADS * D
@@ -188,20 +184,10 @@ def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, q0, q1, q2, q3, k_cur,
     _put(apart_ptr, base + 2, m2, l2, a2, d, D)
     _put(apart_ptr, base + 3, m3, l3, a3, d, D)
     cta_barrier()
-    if MO:
-        gl.atomic_add(hc_ptr + kh, 1, sem="release", scope="gpu")
-    else:
-        _merge_last(apart_ptr, vec_ptr + AT_OFF + kh * GQA * D, lock_ptr, kh, SPLITS, GQA, D,
-                    WARPS, bs_ptr + (AT_OFF + kh * GQA * D) // 64, XSUM)
-
-
-@gluon.jit
-def _merge_last(apart_ptr, out_ptr, lock_ptr, kh, SPLITS: gl.constexpr, GQA: gl.constexpr,
-                D: gl.constexpr, WARPS: gl.constexpr, bs_ptr, XSUM: gl.constexpr):
-    """The head's ticket; the last share to arrive merges them all at out_ptr."""
     ticket = gl.atomic_add(lock_ptr + kh, 1, sem="acq_rel", scope="gpu")
     if ticket == SPLITS - 1:
-        _merge(apart_ptr, kh * SPLITS * GQA, out_ptr, SPLITS, GQA, D, WARPS, bs_ptr, XSUM)
+        _merge(apart_ptr, kh * SPLITS * GQA, vec_ptr + AT_OFF + kh * GQA * D, SPLITS, GQA, D,
+               WARPS, bs_ptr + (AT_OFF + kh * GQA * D) // 64, XSUM)
         gl.atomic_xchg(lock_ptr + kh, 0, sem="relaxed", scope="gpu")  # (see decode_layers._settle)
 
 
@@ -230,15 +216,14 @@ def _put(apart_ptr, r, m, l, acc, d, D: gl.constexpr):
 
 
 @gluon.jit
-def _merged(apart_ptr, r0, SPLITS: gl.constexpr, GQA: gl.constexpr, D: gl.constexpr,
-            WARPS: gl.constexpr):
+def _merge(apart_ptr, r0, out_ptr, SPLITS: gl.constexpr, GQA: gl.constexpr, D: gl.constexpr,
+           WARPS: gl.constexpr, bs_ptr=None, XSUM: gl.constexpr = 0):
     """The shares' (m, l, acc) of a KV head's GQA = 4 query heads (rows r0 + s * GQA + h of
-    the partials) merged, a query head a warp (or two): sum_s 2^(m_s - M) acc_s / sum_s
-    2^(m_s - M) l_s, the maximum M kept as the shares come (share 0 holds a token, so M starts
-    finite; an empty share's m is -inf and weighs 0). Every share's loads are independent of
-    the sums, so they are in flight together: one round trip, where a pass for the maximum and
-    a pass for the sums, head after head, took eight. The (GQA, D) bf16 output, with its row
-    and column indices."""
+    the partials) merged and stored (bf16) at out_ptr, a query head a warp (or two): sum_s
+    2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, the maximum M kept as the shares come (share 0
+    holds a token, so M starts finite; an empty share's m is -inf and weighs 0). Every share's
+    loads are independent of the sums, so they are in flight together: one round trip, where
+    a pass for the maximum and a pass for the sums, head after head, took eight."""
     LM: gl.constexpr = gl.BlockedLayout([1, 16 // WARPS], [1, 32], [GQA, WARPS // GQA], [1, 0])
     hq = gl.arange(0, GQA, layout=gl.SliceLayout(1, LM))
     dd = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, LM)), 0)
@@ -257,50 +242,9 @@ def _merged(apart_ptr, r0, SPLITS: gl.constexpr, GQA: gl.constexpr, D: gl.conste
         num = num * gl.expand_dims(c, 1) + a_s * gl.expand_dims(w, 1)
         den = den * c + w * l_s
         big = top
-    return (num / gl.expand_dims(den, 1)).to(gl.bfloat16), hq, dd
-
-
-@gluon.jit
-def _merge(apart_ptr, r0, out_ptr, SPLITS: gl.constexpr, GQA: gl.constexpr, D: gl.constexpr,
-           WARPS: gl.constexpr, bs_ptr=None, XSUM: gl.constexpr = 0):
-    """The shares of a KV head's query heads merged (_merged) and stored (bf16) at out_ptr."""
-    out, hq, dd = _merged(apart_ptr, r0, SPLITS, GQA, D, WARPS)
+    out = (num / gl.expand_dims(den, 1)).to(gl.bfloat16)
     gl.store(out_ptr + gl.expand_dims(hq, 1) * D + dd, out)
     if XSUM:  # (each head's sums, a block of 64 at a time: the o phase's input sums)
         f = out.to(gl.float32)
         for b in gl.static_range(D // 64):
             gl.store(bs_ptr + hq * (D // 64) + b, gl.sum(gl.where(dd // 64 == b, f, 0.0), 1))
-
-
-@gluon.jit
-def _merge_to_smem(apart_ptr, hc_ptr, xs, start, end, CHUNKS, out_ptr, WAIT: gl.constexpr,
-                   SPLITS: gl.constexpr, GQA: gl.constexpr, D: gl.constexpr,
-                   WARPS: gl.constexpr, POLL1: gl.constexpr = 0, idx=None):
-    """The o phase's input, merged by the program itself for the groups of 128 inputs (a
-    query head each) that its units [start, end) read: for each KV head among them, once its
-    SPLITS shares have counted themselves in at hc_ptr + head (acquire polls), its query heads
-    merged (_merged) into their groups of xs (the shared-memory copy of x). A share whose
-    groups wrap past the last merges them all. A program whose units start in the first tile
-    also stores the heads it merged at out_ptr (the arena's attention output), so that the
-    first tile's programs leave all of it there. This replaces the attention's ticket, its
-    merge's round trips and the wait for every program of the attention phase with a wait for
-    the shares of the heads the program reads."""
-    NG: gl.constexpr = xs.shape[0]
-    heads = smem_reinterpret(xs, gl.bfloat16, [NG // GQA, GQA, D],
-                             gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    g0 = start % CHUNKS
-    n = gl.minimum(end - start, CHUNKS)
-    if g0 + n > CHUNKS:
-        g0 = 0
-        n = CHUNKS
-    for kh in range(g0 // GQA, (g0 + n - 1) // GQA + 1):
-        if WAIT:
-            if POLL1:  # (one thread polls: _gluon.wait_count_one)
-                wait_count_one(hc_ptr + kh, SPLITS, idx)
-            else:
-                wait_count(hc_ptr + kh, SPLITS)
-        out, hq, dd = _merged(apart_ptr, kh * SPLITS * GQA, SPLITS, GQA, D, WARPS)
-        heads.index(kh).store(out)
-        if start < CHUNKS:
-            gl.store(out_ptr + (kh * GQA + gl.expand_dims(hq, 1)) * D + dd, out)
-    cta_barrier()

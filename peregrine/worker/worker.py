@@ -175,9 +175,8 @@ class Worker:
             if reason is None:
                 dl = self.model.decode_layers
                 logger.info("PEREGRINE_DECODE_LAYERS: decode steps of one sequence run all %d "
-                            "layers in one kernel (%d programs, %d an SM%s)",
-                            len(self.model.layers), dl.programs, dl.programs // dl.sms,
-                            ", heads merged by the o programs" if dl.merge_in_o else "")
+                            "layers in one kernel (%d programs, %d an SM)",
+                            len(self.model.layers), dl.programs, dl.programs // dl.sms)
             else:
                 logger.warning("PEREGRINE_DECODE_LAYERS: the one-kernel decode failed its first "
                                "run (%s); the layers run one kernel a phase", reason)

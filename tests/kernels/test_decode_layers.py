@@ -125,11 +125,10 @@ def test_placing_on_more_programs_shares_every_projection_again() -> None:
 
 
 @pytest.mark.parametrize("faster", kd.PLACEMENTS)
-def test_the_faster_placement_is_kept(faster: tuple[int, int, bool]) -> None:
-    """choose_placement times every placement (programs an SM, ring stages, the o programs
-    merging the attention's heads) and leaves the table shared out for the fastest; a
-    placement refused before its launch (its programs could not all be resident) counts as
-    never faster."""
+def test_the_faster_placement_is_kept(faster: tuple[int, int]) -> None:
+    """choose_placement times every placement (programs an SM, ring stages) and leaves the
+    table shared out for the fastest; a placement refused before its launch (its programs
+    could not all be resident) counts as never faster."""
     d, _ = _build(4)
     dl = d["dl"]
     sms = dl.programs
@@ -137,13 +136,13 @@ def test_the_faster_placement_is_kept(faster: tuple[int, int, bool]) -> None:
 
     def timer(run, iters):
         run()
-        form = (dl.programs // sms, dl.stages, dl.merge_in_o)
+        form = (dl.programs // sms, dl.stages)
         seen.append(form)
         return 1.0 if form == faster else 2.0
 
     times = dl.choose_placement(lambda: None, timer=timer)
     assert seen == list(kd.PLACEMENTS) and set(times) == set(kd.PLACEMENTS)
-    assert (dl.programs // sms, dl.stages, dl.merge_in_o) == faster
+    assert (dl.programs // sms, dl.stages) == faster
     for r in dl.table.tolist():
         if r[0] != kd.ATTN:
             assert r[2] == kd.share(r[3] // r[4], r[4], dl.programs)
@@ -154,8 +153,8 @@ def test_the_faster_placement_is_kept(faster: tuple[int, int, bool]) -> None:
         return 5.0
 
     times = dl.choose_placement(lambda: None, timer=refused)
-    assert (dl.programs, dl.stages, dl.merge_in_o) == (sms, *kd.PLACEMENTS[0][1:])
-    assert times[kd.PLACEMENTS[1]] == times[kd.PLACEMENTS[2]] == float("inf")
+    assert (dl.programs, dl.stages) == (sms, kd.PLACEMENTS[0][1])
+    assert times[kd.PLACEMENTS[1]] == float("inf")
 
 
 def test_what_the_kernel_refuses() -> None:

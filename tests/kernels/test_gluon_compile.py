@@ -53,7 +53,7 @@ def test_the_fp8_cache_attention_compiles(compiled: dict) -> None:
     assert job["shared_bytes"] <= SM90_SHARED
 
 
-@pytest.mark.parametrize("form", ("engine", "fold", "l2", "pipe", "pipexsum", "merge", "allpoll"))
+@pytest.mark.parametrize("form", ("engine", "fold", "l2", "pipe", "pipexsum", "allpoll"))
 def test_the_persistent_decode_kernel_compiles(compiled: dict, form: str) -> None:
     job = _job(compiled, f"layers:{form}")
     ptx = job["ptx"]
