@@ -231,7 +231,7 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
         acc2s: list[bool], tb: int, dev: torch.device, pairs: tuple[bool, ...] = (False,),
         f16s: tuple[bool, ...] = (False,), pipes: tuple[bool, ...] = (False,),
         xsums: tuple[bool, ...] = (False,), per_sms: tuple[int, ...] = (1,),
-        polls: tuple[bool, ...] = (False,)) -> list[dict]:
+        polls: tuple[bool, ...] = (True,)) -> list[dict]:
     """For each ring depth, where x comes from (`smem`: copied into shared memory once a phase;
     `l2`: read through L2 x_ahead steps ahead), one or two sets of accumulators and (x steps
     ahead, registers a thread): check the kernel against reference_layers (folded or not), then
@@ -353,9 +353,9 @@ def main() -> None:
     p.add_argument("--xsum", default="0",
                    help="each step's constant-weight MMA for the input sums (0) and/or the "
                    "groups' sums written once with the input (1; the pipelined form's)")
-    p.add_argument("--poll", default="0",
+    p.add_argument("--poll", default="1",
                    help="a phase's counter polled by every warp of a program (0) and/or by one "
-                   "thread while the others wait at a barrier (1)")
+                   "thread while the others wait at a barrier (1, the engine's form)")
     p.add_argument("--per-sm", default="1",
                    help="programs an SM (1 or 2: two only where both fit at once), "
                    "comma-separated")
