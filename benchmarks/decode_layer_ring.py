@@ -231,7 +231,8 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
         acc2s: list[bool], tb: int, dev: torch.device, pairs: tuple[bool, ...] = (False,),
         f16s: tuple[bool, ...] = (False,), pipes: tuple[bool, ...] = (False,),
         xsums: tuple[bool, ...] = (False,), per_sms: tuple[int, ...] = (1,),
-        polls: tuple[bool, ...] = (True,)) -> list[dict]:
+        polls: tuple[bool, ...] = (True,),
+        x_pairs: tuple[bool, ...] = (False,)) -> list[dict]:
     """For each ring depth, where x comes from (`smem`: copied into shared memory once a phase;
     `l2`: read through L2 x_ahead steps ahead), one or two sets of accumulators and (x steps
     ahead, registers a thread): check the kernel against reference_layers (folded or not), then
@@ -251,10 +252,10 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
         res = {"layers": layers, "ctx": ctx, "tb": tb, "warps": warps, "scales_in_chunk": sz,
                "stages": s, "splits": splits, "programs": P * per_sm,
                "wall_us_per_layer": round(wbytes / 4.2e6, 2), "variants": []}
-        for src, acc2, pair, f16, pipe, xsum, poll, (x_ahead, regs) in [
-                (src, a, pr, h, pp, xx, po, v) for src in x_sources for a in acc2s
+        for src, acc2, pair, f16, pipe, xsum, poll, xp, (x_ahead, regs) in [
+                (src, a, pr, h, pp, xx, po, xq, v) for src in x_sources for a in acc2s
                 for pr in pairs for h in f16s for pp in pipes for xx in xsums
-                for po in polls for v in variants]:
+                for po in polls for xq in x_pairs for v in variants]:
             if src == "smem" and x_ahead != variants[0][0]:
                 continue  # (x_ahead is the L2 form's)
             dl.x_smem, dl.acc2, dl.x_ahead, dl.regs = src == "smem", acc2, x_ahead, regs
@@ -264,9 +265,12 @@ def run(layers: int, ctx: int, warps: int, sz: bool, stages: list[int], splits: 
                 continue  # (the pipelined form is on bf16 operands, a chunk at a time)
             if xsum and not pipe:
                 continue  # (the input sums are the pipelined form's)
+            if xp and (src != "smem" or f16):
+                continue  # (x's bf16 pairs are written into its shared-memory copy)
             dl.pair, dl.f16, dl.pipe, dl.xsum, dl.poll_one = pair, f16, pipe, xsum, poll
+            dl.x_pairs = xp
             v = {"x": src, "acc2": acc2, "pair": pair, "f16": f16, "pipe": pipe, "xsum": xsum,
-                 "poll_one": poll, "x_ahead": x_ahead, "regs": regs}
+                 "poll_one": poll, "x_pairs": xp, "x_ahead": x_ahead, "regs": regs}
             try:
                 call(d)
                 torch.cuda.synchronize()
@@ -311,6 +315,7 @@ def profile_once(ns: argparse.Namespace, dev: torch.device) -> dict:
     dl.f16, dl.pipe = ns.f16.split(",")[0] == "1", ns.pipe.split(",")[0] == "1"
     dl.xsum = ns.xsum.split(",")[0] == "1"
     dl.poll_one = ns.poll.split(",")[0] == "1"
+    dl.x_pairs = ns.x_pairs.split(",")[0] == "1"
     dl.wait, dl.trace, dl.skip, dl.fold, dl.defer = FORMS[form]
     for _ in range(3):
         call(d)
@@ -356,6 +361,9 @@ def main() -> None:
     p.add_argument("--poll", default="1",
                    help="a phase's counter polled by every warp of a program (0) and/or by one "
                    "thread while the others wait at a barrier (1, the engine's form)")
+    p.add_argument("--x-pairs", default="0",
+                   help="x's shared-memory copy as rows (0, each MMA step pairs them) and/or "
+                   "rewritten once a phase as its bf16 B pairs (1; bf16 operands)")
     p.add_argument("--per-sm", default="1",
                    help="programs an SM (1 or 2: two only where both fit at once), "
                    "comma-separated")
@@ -388,7 +396,8 @@ def main() -> None:
                                tuple(x == "1" for x in ns.pipe.split(",")),
                                tuple(x == "1" for x in ns.xsum.split(",")),
                                tuple(int(x) for x in ns.per_sm.split(",")),
-                               tuple(x == "1" for x in ns.poll.split(",")))
+                               tuple(x == "1" for x in ns.poll.split(",")),
+                               tuple(x == "1" for x in ns.x_pairs.split(",")))
             torch.cuda.empty_cache()
     write_results(ns.out, dev, results)
 

@@ -49,6 +49,7 @@ FORMS = {
     "pipexsum": {"pipe": True, "xsum": True},
     "l2": {"x_smem": False},
     "allpoll": {"poll_one": False},
+    "xpairs": {"x_pairs": True},
     "traced": {"trace": True},
     "free": {"wait": False},
 }
@@ -59,7 +60,8 @@ OPS = ("UTMALDG", "HMMA", "ATOM", "RED", "LDG", "LDS", "STG", "MEMBAR", "FENCE",
 # PTX pieces counted
 PTX = {"tma": "cp.async.bulk.tensor", "cp_async": "cp.async.cg", "mma": "mma.sync.aligned",
        "release_inc": "atom.release.gpu.global.inc", "acquire_loads": "ld.acquire.gpu",
-       "fence_acq_rel": "fence.acq_rel.gpu", "ld_shared_v4": "ld.shared.v4"}
+       "fence_acq_rel": "fence.acq_rel.gpu", "ld_shared_v4": "ld.shared.v4",
+       "prmt": "prmt.b32"}
 
 
 def report(kernel) -> dict:

@@ -85,7 +85,7 @@ for s in $steps; do
     # the persistent decode kernel: its checks, its forms' timings, W5 with it on and off, the
     # engine's path through it (each part fits one 10-minute call; decodelayers runs all four)
     decodelayers|dltests) gputest decode_layers 400 tests/gpu/test_gpu_wait_count.py tests/gpu/test_gpu_decode_layer_ring.py ;;&
-    decodelayers|dlbench) run decode_layers_bench 330 python benchmarks/decode_layer_ring.py --out "$OUT/decode_layers.json" --rings "${DL_RINGS:-4x16}" --variants "${DL_VARIANTS:-4x128}" --x "${DL_X:-smem,l2}" --pair "${DL_PAIR:-0}" --f16 "${DL_F16:-0}" --pipe "${DL_PIPE:-0}" --xsum "${DL_XSUM:-0}" --per-sm "${DL_PER_SM:-1}" --poll "${DL_POLL:-1}" ${DL_FORMS:+--forms "$DL_FORMS"} ${DL_ACC2:+--acc2 "$DL_ACC2"} ;;&
+    decodelayers|dlbench) run decode_layers_bench 330 python benchmarks/decode_layer_ring.py --out "$OUT/decode_layers.json" --rings "${DL_RINGS:-4x16}" --variants "${DL_VARIANTS:-4x128}" --x "${DL_X:-smem,l2}" --pair "${DL_PAIR:-0}" --f16 "${DL_F16:-0}" --pipe "${DL_PIPE:-0}" --xsum "${DL_XSUM:-0}" --per-sm "${DL_PER_SM:-1}" --poll "${DL_POLL:-1}" --x-pairs "${DL_XPAIRS:-0}" ${DL_FORMS:+--forms "$DL_FORMS"} ${DL_ACC2:+--acc2 "$DL_ACC2"} ;;&
     decodelayers|dlw5) awq_config
              for flag in 1 0 1 0; do
                PEREGRINE_DECODE_LAYERS=$flag timeout 150 python -m peregrine.entrypoints.cli bench latency --model "$OUT/llama-3-8b-awq.json" --output-json "$OUT/w5_layers$flag.json" > "$OUT/w5_layers$flag.log" 2>&1

@@ -199,7 +199,7 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
               TRACE: gl.constexpr, X_AHEAD: gl.constexpr, SZ: gl.constexpr, SKIP: gl.constexpr,
               FOLD: gl.constexpr, XS: gl.constexpr, DEFER: gl.constexpr, ACC2: gl.constexpr,
               PAIR: gl.constexpr, F16: gl.constexpr, PIPE: gl.constexpr, xsb,
-              XSUM: gl.constexpr, POLL1: gl.constexpr):
+              XSUM: gl.constexpr, POLL1: gl.constexpr, XP: gl.constexpr):
     """The consumer warps: the phases in order (see decode_layers_kernel)."""
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -266,7 +266,7 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
             start, end = _share(pid, W, total)
             if XS and start < end:  # the phase's input into shared memory, once
                 _x_to_smem(xs, vec_ptr, x_off, CHUNKS, T, WARPS, F16, xsb, ss_ptr + H // 32,
-                           XSUM)
+                           XSUM, XP)
             if TRACE:
                 gl.store(trace_ptr + (f * P + pid) * TW + 3, globaltimer())
             if FOLD:  # the attention phase finishes qkv's tiles itself
@@ -281,7 +281,7 @@ def _consumer(bufs, sbufs, xs, ready, empty, tab_ptr, n_phases, s_ptr, z_ptr, ve
                 i, done, j, n_pieces = _gemv_piece(
                     bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off,
                     x_base, part_ptr, pid, idx, t, g, zero, ones, sel, LW, L, T, S, X_AHEAD, SZ,
-                    WARPS, ACC2, xs, XS, PAIR, F16, PIPE, xsb, XSUM)
+                    WARPS, ACC2, xs, XS, PAIR, F16, PIPE, xsb, XSUM, XP)
                 if TRACE and u == start:
                     gl.store(trace_ptr + (f * P + pid) * TW + 4, globaltimer())
                 u += done
@@ -350,7 +350,7 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
                          DEFER: gl.constexpr = 0, ACC2: gl.constexpr = 0,
                          PAIR: gl.constexpr = 0, F16: gl.constexpr = 0,
                          PIPE: gl.constexpr = 0, XSUM: gl.constexpr = 0,
-                         POLL1: gl.constexpr = 0):
+                         POLL1: gl.constexpr = 0, XP: gl.constexpr = 0):
     """The layers of the phase table at tab_ptr (TABF int64 fields a phase), from the residual
     stream h and the first norm's input xn and sums of squares (in vec and ss) to the last
     layer's h (see the module docstring). WAIT / TRACE / SKIP are for measurement: without the
@@ -367,7 +367,9 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
     each chunk's registers read while the chunk before's MMAs run; XSUM (with PIPE): each
     group's input sum written once by the phase that writes the input (block_sums_at) and
     copied with x, instead of a constant-weight MMA a step; POLL1: one thread of a program
-    polls a phase's counter, the others wait at a barrier."""
+    polls a phase's counter, the others wait at a barrier; XP (with XS, bf16 operands): x's
+    shared-memory copy rewritten once a phase as its bf16 B pairs, so that no MMA step
+    rearranges them (four prmt a step fewer; the same bits)."""
     T: gl.constexpr = 32 * WARPS
     bufs = gl.allocate_shared_memory(gl.int32, [S, 16, T], desc.layout)
     sbufs = gl.allocate_shared_memory(gl.int32, [S, 1, T], sdesc.layout)
@@ -380,7 +382,7 @@ def decode_layers_kernel(desc, sdesc, tab_ptr, n_phases, s_ptr, z_ptr, vec_ptr, 
                      norm_ptr, ss_ptr, part_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr,
                      slot_ptr, bt_ptr, kc_ptr, vc_ptr, trace_ptr, eps, scale, P, S, WARPS, H,
                      HEADS, KVH, D, BS, SPLITS, TB, WAIT, TRACE, X_AHEAD, SZ, SKIP, FOLD, XS,
-                     DEFER, ACC2, PAIR, F16, PIPE, xsb, XSUM, POLL1)),
+                     DEFER, ACC2, PAIR, F16, PIPE, xsb, XSUM, POLL1, XP)),
         (_layer_producer, (desc, sdesc, bufs, sbufs, ready, empty, tab_ptr, n_phases, S, T,
                            SZ)),
     ], [1], [48])
@@ -531,7 +533,7 @@ class DecodeLayers:
     warps: consumer warps a program (4 or 8); stages: the ring's chunks (16 word rows of 32
     channels a warp: 8 KB at 4 warps); splits: attention programs a KV head. The attributes
     wait, trace, skip, fold, x_ahead, regs, scales_in_chunk, x_smem, defer, acc2, pair, f16,
-    pipe, xsum and poll_one choose the kernel's forms (decode_layers_kernel;
+    pipe, xsum, poll_one and x_pairs choose the kernel's forms (decode_layers_kernel;
     benchmarks/decode_layer_ring.py times them). Shared memory a program: the ring's stages
     (chunk and scale row) and, with x_smem, the widest input (32 KB for Llama-3-8B): 16 stages
     of 4 warps or 8 of 8 fit beside it, and two programs an SM (`place`) with 8 stages of 4
@@ -552,7 +554,7 @@ class DecodeLayers:
         self.wait, self.trace, self.skip, self.fold = True, False, 0, 0
         self.x_ahead, self.regs, self.scales_in_chunk, self.x_smem = 4, 128, True, True
         self.defer, self.acc2, self.pair, self.f16, self.pipe = True, False, False, False, False
-        self.xsum, self.poll_one = False, True
+        self.xsum, self.poll_one, self.x_pairs = False, True, False
         tile = 32 * warps
         self.k_max = max(dims.hidden, dims.heads * dims.head_dim, dims.inter)
         self.order = gate_up_order(dims.inter, tile // 2).to(device)
@@ -736,6 +738,7 @@ class DecodeLayers:
             self.cnt.numel(), H=H, T=tile, num_warps=4)
         k0, v0 = self.caches
         pipe = int(bool(self.pipe) and self.x_smem and self.scales_in_chunk and not self.f16)
+        f16 = int(bool(self.f16) and self.x_smem and self.scales_in_chunk)
         args = (*self.descs, self.table, len(self.table), self.scales, self.zeros, self.vec,
                 self.norms, self.sums, self.part, self.apart, self.lock, self.cnt, cos_sin,
                 positions, slot_mapping, block_table, k0, v0, self.times, d.eps,
@@ -746,9 +749,10 @@ class DecodeLayers:
             X_AHEAD=self.x_ahead, SZ=int(self.scales_in_chunk), SKIP=self.skip, FOLD=self.fold,
             XS=int(self.x_smem), DEFER=int(self.defer), ACC2=int(self.acc2),
             PAIR=int(self.pair and self.scales_in_chunk and not pipe),
-            F16=int(self.f16 and self.x_smem and self.scales_in_chunk), PIPE=pipe,
+            F16=f16, PIPE=pipe,
             XSUM=int(bool(self.xsum) and pipe > 0),
             POLL1=int(bool(self.poll_one)),
+            XP=int(bool(self.x_pairs) and self.x_smem and not f16),
             NG=x_groups(self.k_max, tile) if self.x_smem else tile // 16, num_warps=self.warps,
             maxnreg=self.regs)
         self._check_resident(args, kw)

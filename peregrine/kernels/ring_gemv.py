@@ -183,12 +183,14 @@ def x_groups(k_max: int, tile: int) -> int:
 
 @gluon.jit
 def _x_to_smem(xs, x_ptr, x_off, CHUNKS, T: gl.constexpr, WARPS: gl.constexpr,
-               F16: gl.constexpr = False, xsb=None, bs_ptr=None, XSUM: gl.constexpr = 0):
+               F16: gl.constexpr = False, xsb=None, bs_ptr=None, XSUM: gl.constexpr = 0,
+               XP: gl.constexpr = False):
     """x (CHUNKS groups of 128 bf16 at element x_off of x_ptr, 16-byte aligned) into xs ((groups,
     16, 4) int32: a group's 16 rows of 8 inputs) by cp.async, a 16-byte row a thread a block of
     T rows, all in flight at once; returns when every warp's copies have landed (F16: and each
-    row has been rewritten in place as its fp16 B pairs, _F16_PAIRS; XSUM: each group's input
-    sum, its two blocks' at bs_ptr + x_off / 64, into xsb, (groups, 1, 2) float32)."""
+    row has been rewritten in place as its fp16 B pairs, _F16_PAIRS; XP: as its bf16 B pairs,
+    _PAIRS, so that no MMA step rearranges them; XSUM: each group's input sum, its two blocks'
+    at bs_ptr + x_off / 64, into xsb, (groups, 1, 2) float32)."""
     LC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [WARPS, 1], [1, 0])
     blocks = smem_reinterpret(xs, gl.int32, [xs.shape[0] * 16 // T, T, 4],
                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -210,13 +212,14 @@ def _x_to_smem(xs, x_ptr, x_off, CHUNKS, T: gl.constexpr, WARPS: gl.constexpr,
         smem_reinterpret(xsb, gl.float32, [NG, 2],
                          gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).store(sums)
     async_copy.wait_group(0)
-    if F16:  # (a thread rewrites the rows it copied: its own copies have landed)
+    if F16 or XP:  # (a thread rewrites the rows it copied: its own copies have landed)
         for b in range(0, (CHUNKS * 16 + T - 1) // T):
             a, c = gl.split(gl.reshape(blocks.index(b).load(LC), [T, 2, 2]))
             w0, w2 = gl.split(a)
             w1, w3 = gl.split(c)
-            p = gl.inline_asm_elementwise(_F16_PAIRS, "=r,=r,=r,=r,r,r,r,r", [w0, w1, w2, w3],
-                                          dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+            p = gl.inline_asm_elementwise(_F16_PAIRS if F16 else _PAIRS, "=r,=r,=r,=r,r,r,r,r",
+                                          [w0, w1, w2, w3], dtype=(gl.int32,) * 4,
+                                          is_pure=True, pack=1)
             v = gl.reshape(gl.join(gl.join(p[0], p[2]), gl.join(p[1], p[3])), [T, 4])
             blocks.index(b).store(gl.convert_layout(v, LC))
     cta_barrier()
@@ -233,17 +236,17 @@ def _lanes(f, B2: gl.constexpr, L: gl.constexpr, T: gl.constexpr):
 
 @gluon.jit
 def _x_smem(xs, grp, s: gl.constexpr, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr,
-            F16: gl.constexpr = False):
+            F16: gl.constexpr = False, XP: gl.constexpr = False):
     """Step s's B pairs of group grp from the shared-memory copy of x: lane 4g + t reads row
-    4s + t of the group (one ld.shared.v4, the same 16 bytes for the quad's eight lanes; F16:
-    the row holds its pairs already)."""
+    4s + t of the group (one ld.shared.v4, the same 16 bytes for the quad's eight lanes; F16
+    or XP: the row holds its pairs already, fp16 or bf16)."""
     LX: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [1, WARPS], [0, 1])
     B2: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [WARPS, 1], [1, 0])
     v = xs.index(grp).slice(4 * s, 4, dim=0).load(LX)  # (rows, words)
     a, b = gl.split(gl.reshape(v, [4, 2, 2]))
     w0, w2 = gl.split(a)
     w1, w3 = gl.split(b)
-    if F16:
+    if F16 or XP:
         r = (_lanes(w0, B2, L, T), _lanes(w1, B2, L, T), _lanes(w2, B2, L, T),
              _lanes(w3, B2, L, T))
     else:
@@ -289,7 +292,7 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
                 WARPS: gl.constexpr, ACC2: gl.constexpr = False, xs=None,
                 XS: gl.constexpr = False, PAIR: gl.constexpr = False,
                 F16: gl.constexpr = False, PIPE: gl.constexpr = False, xsb=None,
-                XSUM: gl.constexpr = 0):
+                XSUM: gl.constexpr = 0, XP: gl.constexpr = False):
     """The program's groups [g0, g1) of one tile from unit u on: its MMAs over the ring's
     chunks (SZ: each chunk's scales and zero points in sbufs, else read from global memory a
     group ahead; ACC2: even and odd steps on two sets of accumulators, half the MMA chain; XS:
@@ -298,7 +301,8 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
     loads and conversions overlap the first's MMAs; F16, with XS and SZ: fp16 operands,
     _tile_f16_asm; PIPE, with XS and SZ on bf16 operands: each chunk's words, B pairs and
     scales read into registers while the chunk before's MMAs run, _chunk_regs; XSUM, with
-    PIPE: the groups' input sums from xsb, no constant-weight MMAs), its float32 sums
+    PIPE: the groups' input sums from xsb, no constant-weight MMAs; XP, with XS on bf16
+    operands: xs holds B pairs already, _x_to_smem), its float32 sums
     stored as the tile's piece (pid - first). Returns (chunks consumed so far, groups done,
     tile, the tile's pieces)."""
     pid_n = u // CHUNKS
@@ -326,7 +330,7 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
         s0 = i % S
         mbarrier.wait(ready.index(s0), (i // S) & 1)
         cur = _chunk_regs(bufs.index(s0), sbufs.index(s0), xs, g0, idx % 32, LW, L, T, WARPS,
-                          xsb, XSUM)
+                          xsb, XSUM, XP)
         for c in range(g1 - g0):
             w_c, x_c, sz_c = cur
             acc, cx = _regs_mma(w_c, x_c, zero, ones, sel, ACC2, XSUM, sz_c[4])
@@ -335,7 +339,7 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
                 s1 = (i + 1) % S
                 mbarrier.wait(ready.index(s1), ((i + 1) // S) & 1)
                 nxt = _chunk_regs(bufs.index(s1), sbufs.index(s1), xs, g0 + c + 1, idx % 32, LW,
-                                  L, T, WARPS, xsb, XSUM)
+                                  L, T, WARPS, xsb, XSUM, XP)
             y = _group_done(y, acc, cx, _sz_pairs(sz_c), 0, V, True, True, 4)
             # the slot may be refilled (RELEASE, above)
             mbarrier.arrive(empty.index(i % S), count=1)
@@ -351,10 +355,10 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
             sz0 = _chunk_sz(sbufs.index(s0), idx % 32, L, T, WARPS)
             sz1 = _chunk_sz(sbufs.index(s1), idx % 32, L, T, WARPS)
             acc0, cx0, x_q0 = _chunk_mma(bufs.index(s0), xs, x_q0, xa, g0, 2 * cp, last, zero,
-                                         ones, sel, LW, L, T, X_AHEAD, WARPS, XS, ACC2, F16)
+                                         ones, sel, LW, L, T, X_AHEAD, WARPS, XS, ACC2, F16, XP)
             acc1, cx1, x_q0 = _chunk_mma(bufs.index(s1), xs, x_q0, xa, g0, 2 * cp + 1, last,
                                          zero, ones, sel, LW, L, T, X_AHEAD, WARPS, XS, ACC2,
-                                         F16)
+                                         F16, XP)
             # every consumer warp's loads of both chunks are done before they are refilled
             cta_barrier()
             fence_async_shared()
@@ -379,7 +383,7 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
         if SZ:
             sz = _chunk_sz(sbufs.index(slot), idx % 32, L, T, WARPS)
         acc, cx, x_q0 = _chunk_mma(buf, xs, x_q0, xa, g0, c, last, zero, ones, sel, LW, L, T,
-                                   X_AHEAD, WARPS, XS, ACC2, F16)
+                                   X_AHEAD, WARPS, XS, ACC2, F16, XP)
         # the slot may be refilled (RELEASE, above)
         mbarrier.arrive(empty.index(slot), count=1)
         i += 1
@@ -393,7 +397,7 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
 
 @gluon.jit
 def _chunk_regs(buf, sbuf, xs, grp, lane, LW: gl.constexpr, L: gl.constexpr, T: gl.constexpr,
-                WARPS: gl.constexpr, xsb=None, XSUM: gl.constexpr = 0):
+                WARPS: gl.constexpr, xsb=None, XSUM: gl.constexpr = 0, XP: gl.constexpr = False):
     """A chunk's registers for _regs_mma, read from shared memory at once: each step's four
     distinct words of the lane (_words), its B pairs (x's group grp, _x_smem) and the group's
     scales and zero points (s01, s23, z01, z23; _chunk_sz); XSUM: and the group's input sum
@@ -404,8 +408,10 @@ def _chunk_regs(buf, sbuf, xs, grp, lane, LW: gl.constexpr, L: gl.constexpr, T: 
     d = _words(buf, 12, LW, L, T)
     w = ((a[0], a[1], a[4], a[5]), (b[0], b[1], b[4], b[5]), (c[0], c[1], c[4], c[5]),
          (d[0], d[1], d[4], d[5]))
-    x = (_x_smem(xs, grp, 0, L, T, WARPS), _x_smem(xs, grp, 1, L, T, WARPS),
-         _x_smem(xs, grp, 2, L, T, WARPS), _x_smem(xs, grp, 3, L, T, WARPS))
+    x = (_x_smem(xs, grp, 0, L, T, WARPS, False, XP),
+         _x_smem(xs, grp, 1, L, T, WARPS, False, XP),
+         _x_smem(xs, grp, 2, L, T, WARPS, False, XP),
+         _x_smem(xs, grp, 3, L, T, WARPS, False, XP))
     s, z = _chunk_sz(sbuf, lane, L, T, WARPS)
     if XSUM:
         LB: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [WARPS, 1], [1, 0])
@@ -461,10 +467,11 @@ def _regs_mma(w, x, zero, ones, sel, ACC2: gl.constexpr = False, XSUM: gl.conste
 @gluon.jit
 def _chunk_mma(buf, xs, x_q, xa, g0, c, last, zero, ones, sel, LW: gl.constexpr,
                L: gl.constexpr, T: gl.constexpr, X_AHEAD: gl.constexpr, WARPS: gl.constexpr,
-               XS: gl.constexpr, ACC2: gl.constexpr = False, F16: gl.constexpr = False):
+               XS: gl.constexpr, ACC2: gl.constexpr = False, F16: gl.constexpr = False,
+               XP: gl.constexpr = False):
     """Chunk c's four steps (the piece's group g0 + c) on fresh accumulators (ACC2: odd steps
-    on a second set, added at the end; F16: fp16 operands, one set): (acc, cx, x's queue; with
-    XS the queue is passed through)."""
+    on a second set, added at the end; F16: fp16 operands, one set; XP: xs holds bf16 B pairs):
+    (acc, cx, x's queue; with XS the queue is passed through)."""
     c4 = (zero, zero, zero, zero)
     acc = (c4, c4, c4, c4)
     cx = c4
@@ -473,7 +480,7 @@ def _chunk_mma(buf, xs, x_q, xa, g0, c, last, zero, ones, sel, LW: gl.constexpr,
     for s in gl.static_range(4):
         w_c = _words(buf, s * 4, LW, L, T)
         if XS:
-            x_c = _x_smem(xs, g0 + c, s, L, T, WARPS, F16)
+            x_c = _x_smem(xs, g0 + c, s, L, T, WARPS, F16, XP)
         else:
             x_c = x_q[0]
             x_nxt = gl.minimum(c * 4 + s + X_AHEAD, last)

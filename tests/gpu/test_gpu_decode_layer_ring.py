@@ -186,6 +186,24 @@ def test_two_programs_an_sm_match_the_torch_layers(shape: str, ctx: int, layers:
         bench.call(d)
 
 
+@pytest.mark.parametrize("per_sm,form", ((1, {}), (2, {}), (1, {"acc2": True}),
+                                         (2, {"pair": True}), (1, {"pipe": True})))
+@pytest.mark.parametrize("shape,ctx,layers", (("small", 40, 3), ("llama3_8b", 256, 2)))
+def test_x_written_as_its_pairs_gives_the_same_bits(shape: str, ctx: int, layers: int,
+                                                   per_sm: int, form: dict) -> None:
+    """x's shared-memory copy rewritten once a phase as its bf16 B pairs (no MMA step pairs
+    them) gives the bits of the copy read as rows, alone and with two accumulator sets, pairs
+    of chunks or the pipelined loop; a CUDA-graph replay gives them again."""
+    bench, d = _build(shape, ctx, layers, 4, 16 if per_sm == 1 else 8)
+    dl = d["dl"]
+    dl.x_smem = True
+    for name, value in form.items():
+        setattr(dl, name, value)
+    dl.place(per_sm * torch.cuda.get_device_properties(DEV).multi_processor_count)
+    got = _turning_on_gives_the_same_bits(bench, d, "x_pairs")
+    _replay_gives(bench, d, got)
+
+
 @pytest.mark.parametrize("poll_one", (True, False))
 @pytest.mark.parametrize("per_sm", (1, 2))
 def test_repeated_calls_give_the_same_bits(per_sm: int, poll_one: bool) -> None:

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # (about 15 s of compiling, uncached)
 
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = ("gemv_tc4", "gemv_tc6", "w8_tc", "attn_fp8", "layers:engine", "layers:fold",
-        "layers:l2", "layers:pipe", "layers:pipexsum", "layers:merge", "layers:allpoll")
+        "layers:l2", "layers:pipe", "layers:pipexsum", "layers:allpoll", "layers:xpairs")
 SM90_SHARED = 227 * 1024  # the most shared memory a program may take on sm_90
 
 
@@ -53,7 +53,8 @@ def test_the_fp8_cache_attention_compiles(compiled: dict) -> None:
     assert job["shared_bytes"] <= SM90_SHARED
 
 
-@pytest.mark.parametrize("form", ("engine", "fold", "l2", "pipe", "pipexsum", "allpoll"))
+@pytest.mark.parametrize("form", ("engine", "fold", "l2", "pipe", "pipexsum", "allpoll",
+                                  "xpairs"))
 def test_the_persistent_decode_kernel_compiles(compiled: dict, form: str) -> None:
     job = _job(compiled, f"layers:{form}")
     ptx = job["ptx"]
@@ -66,6 +67,14 @@ def test_the_persistent_decode_kernel_compiles(compiled: dict, form: str) -> Non
     # a consumed slot is given back by one thread after a barrier of the consumer warps
     assert job["arrives"]["plain"] > 0
     assert job["arrives"]["after_a_barrier"] == job["arrives"]["plain"], job["arrives"]
+
+
+def test_x_written_as_its_pairs_leaves_the_mma_steps_no_rearranging(compiled: dict) -> None:
+    """With x's shared-memory copy rewritten once a phase as its B pairs, the chunk loop's
+    four prmt a step are gone: the one rewrite's four are what is left of them."""
+    engine = _job(compiled, "layers:engine")["ptx"]["prmt"]
+    pairs = _job(compiled, "layers:xpairs")["ptx"]["prmt"]
+    assert engine - pairs == 16 - 4, (engine, pairs)
 
 
 def test_an_arrive_without_a_barrier_before_it_is_counted_apart() -> None:
