@@ -213,16 +213,35 @@ def _x_to_smem(xs, x_ptr, x_off, CHUNKS, T: gl.constexpr, WARPS: gl.constexpr,
                          gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).store(sums)
     async_copy.wait_group(0)
     if F16 or XP:  # (a thread rewrites the rows it copied: its own copies have landed)
-        for b in range(0, (CHUNKS * 16 + T - 1) // T):
-            a, c = gl.split(gl.reshape(blocks.index(b).load(LC), [T, 2, 2]))
-            w0, w2 = gl.split(a)
-            w1, w3 = gl.split(c)
-            p = gl.inline_asm_elementwise(_F16_PAIRS if F16 else _PAIRS, "=r,=r,=r,=r,r,r,r,r",
-                                          [w0, w1, w2, w3], dtype=(gl.int32,) * 4,
-                                          is_pure=True, pack=1)
-            v = gl.reshape(gl.join(gl.join(p[0], p[2]), gl.join(p[1], p[3])), [T, 4])
-            blocks.index(b).store(gl.convert_layout(v, LC))
+        NB: gl.constexpr = xs.shape[0] * 16 // T
+        FEW: gl.constexpr = min(NB, 4)
+        if NB > FEW:
+            if CHUNKS * 16 <= FEW * T:
+                _rows_as_pairs(xs, FEW, T, WARPS, F16)
+            else:
+                _rows_as_pairs(xs, NB, T, WARPS, F16)
+        else:
+            _rows_as_pairs(xs, NB, T, WARPS, F16)
     cta_barrier()
+
+
+@gluon.jit
+def _rows_as_pairs(xs, NB: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr,
+                   F16: gl.constexpr):
+    """Each thread's rows of x's copy xs (its first NB blocks of T rows of 4 words; row r of each
+    block, as _x_to_smem copied them) rewritten in place as their B pairs (fp16 with F16, else
+    bf16): one load and one store for all of them, so that one barrier (before the store) orders
+    the warps' accesses, not two a block."""
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [1, WARPS, 1], [2, 1, 0])
+    view = smem_reinterpret(xs, gl.int32, [NB, T, 4], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    a, c = gl.split(gl.reshape(view.load(L3), [NB, T, 2, 2]))
+    w0, w2 = gl.split(a)
+    w1, w3 = gl.split(c)
+    p = gl.inline_asm_elementwise(_F16_PAIRS if F16 else _PAIRS, "=r,=r,=r,=r,r,r,r,r",
+                                  [w0, w1, w2, w3], dtype=(gl.int32,) * 4, is_pure=True,
+                                  pack=1)
+    v = gl.reshape(gl.join(gl.join(p[0], p[2]), gl.join(p[1], p[3])), [NB, T, 4])
+    view.store(gl.convert_layout(v, L3))
 
 
 @gluon.jit
