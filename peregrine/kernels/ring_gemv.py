@@ -215,11 +215,8 @@ def _x_to_smem(xs, x_ptr, x_off, CHUNKS, T: gl.constexpr, WARPS: gl.constexpr,
     if F16 or XP:  # (a thread rewrites the rows it copied: its own copies have landed)
         NB: gl.constexpr = xs.shape[0] * 16 // T
         FEW: gl.constexpr = min(NB, 4)
-        if NB > FEW:
-            if CHUNKS * 16 <= FEW * T:
-                _rows_as_pairs(xs, FEW, T, WARPS, F16)
-            else:
-                _rows_as_pairs(xs, NB, T, WARPS, F16)
+        if CHUNKS * 16 <= FEW * T:
+            _rows_as_pairs(xs, FEW, T, WARPS, F16)
         else:
             _rows_as_pairs(xs, NB, T, WARPS, F16)
     cta_barrier()
