@@ -112,7 +112,8 @@ def test_ties_and_infinities_follow_torch_argmax(shape: dict) -> None:
 
 
 # argmax_rows' shapes: one chunk, a few, more chunks than one pass over the partials holds
-ARGMAX_SHAPES = SHAPES + [dict(block=16, num_chunks=700)]
+# (the last takes ~20 s on the interpreter: the slow tier's)
+ARGMAX_SHAPES = SHAPES + [pytest.param(dict(block=16, num_chunks=700), marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("shape", ARGMAX_SHAPES)
