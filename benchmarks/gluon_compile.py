@@ -130,10 +130,28 @@ def _attn_fp8() -> None:
                                variant="mma_fp8")
 
 
+def _rows_probe(pre: bool) -> None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from benchmarks import ring_rows_probe as rp
+    rows = torch.zeros(17 * 64, rp.ROW, dtype=torch.int32)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    desc = [TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [h, rp.ROW], layout)
+            for h in (16, 1)]
+    x = torch.zeros(4096, dtype=torch.bfloat16)
+    # two programs an SM with a ring of 4 (the form that must fit twice in an SM)
+    rp.ring_rows_kernel[(264,)](*desc, torch.zeros(4, 10, dtype=torch.int64), 4, x, x.clone(),
+                                torch.zeros(64, dtype=torch.int32), 264, S=4, GMAX=128,
+                                CMAX=16, MODE=1, PRE=pre, num_warps=4, maxnreg=128)
+
+
 KERNELS = {"gemv_tc4": (lambda: _gemv_tc(4), "wna16_gemv_tc_kernel"),
            "gemv_tc6": (lambda: _gemv_tc(6), "wna16_gemv_tc_kernel"),
            "w8_tc": (_w8_tc, "w8_gemv_tc_kernel"),
-           "attn_fp8": (_attn_fp8, "decode_split_mma_kernel")}
+           "attn_fp8": (_attn_fp8, "decode_split_mma_kernel"),
+           "rows": (lambda: _rows_probe(False), "ring_rows_kernel"),
+           "rows_pre": (lambda: _rows_probe(True), "ring_rows_kernel")}
 
 
 def _compiled(fn, name: str) -> dict:

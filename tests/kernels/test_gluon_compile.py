@@ -1,8 +1,8 @@
 """The Gluon kernels (the 4/6-bit and FP8 tensor-core GEMVs, the FP8-cache attention, the
-persistent decode kernel in seven forms) compile for an sm_90a GPU with the installed Triton,
-on the CPU (benchmarks/gluon_compile.py, in a process without TRITON_INTERPRET): a Triton
-release that renames what they use fails here rather than at a GPU's first call. Their numbers
-are checked on the GPU (tests/gpu)."""
+persistent decode kernel in seven forms, the row-tile probe's kernel) compile for an sm_90a GPU
+with the installed Triton, on the CPU (benchmarks/gluon_compile.py, in a process without
+TRITON_INTERPRET): a Triton release that renames what they use fails here rather than at a
+GPU's first call. Their numbers are checked on the GPU (tests/gpu)."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow  # (about 15 s of compiling, uncached)
 
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = ("gemv_tc4", "gemv_tc6", "w8_tc", "attn_fp8", "layers:engine", "layers:fold",
-        "layers:l2", "layers:pipe", "layers:pipexsum", "layers:allpoll", "layers:xpairs")
+        "layers:l2", "layers:pipe", "layers:pipexsum", "layers:allpoll", "layers:xpairs",
+        "rows", "rows_pre")
 SM90_SHARED = 227 * 1024  # the most shared memory a program may take on sm_90
 
 
@@ -86,3 +87,21 @@ def test_an_arrive_without_a_barrier_before_it_is_counted_apart() -> None:
                      "@%p1 mbarrier.arrive.shared::cta.b64 _, [%r1];",
                      "@%p1 mbarrier.arrive.expect_tx.shared::cta.b64 _, [%r1], 8704;"])
     assert arrives(ptx) == {"plain": 2, "after_a_barrier": 1}
+
+
+@pytest.mark.parametrize("name", ("rows", "rows_pre"))
+def test_the_row_tile_probe_compiles_to_fit_two_programs_an_sm(compiled: dict, name: str) -> None:
+    job = _job(compiled, name)
+    assert job["registers"] <= 128
+    if name == "rows":  # (the made-once form spills a few words with Triton 3.9, none on 3.6)
+        assert job["spill_stores"] == 0
+    assert 2 * (job["shared_bytes"] + 1024) <= 228 * 1024  # (1 KB an SM's program reserves)
+    ptx = job["ptx"]
+    # weights by TMA (words, scales), x by cp.async, the groups' counters read with acquire
+    assert ptx["tma"] >= 2 and ptx["cp_async"] > 0 and ptx["acquire_loads"] > 0
+
+
+def test_the_row_tile_probe_made_once_inputs_halve_the_mmas(compiled: dict) -> None:
+    """With x's pairs and group sums made by the copying warp, the consumers' constant-weight
+    MMAs are gone: two MMAs a step instead of four."""
+    assert _job(compiled, "rows")["ptx"]["mma"] == 2 * _job(compiled, "rows_pre")["ptx"]["mma"]

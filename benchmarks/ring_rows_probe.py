@@ -1,0 +1,467 @@
+"""Would whole-K row tiles and per-group readiness take the phase tails out of the persistent
+decode kernel?
+
+The persistent decode kernel (kernels/decode_layers.py) shares each projection's (tile of 128
+channels, group of 128 inputs) units out evenly over the programs (stream-K): a tile's pieces
+lie in several programs, which store float32 partials and take a ticket, the last adding them;
+each phase then counts its programs done and the next phase waits for all of them. Per GEMV
+phase that is about 4 us besides the weight stream (the partials' round trips, the finish, the
+count and its poll, and programs ending 0.5-2 us apart), while the consumer warps wait.
+
+This probe times the other way to cut the work, on the same four GEMV phases of 32 Llama-3-8B
+layers (qkv, o, gate/up, down; real 4-bit weights with scales and zero points, every output
+checked against x @ dequant(W)):
+- a tile is 16 channels and a program takes whole tiles, every group of their K, so no tile
+  is split across programs: no partials, no tickets, no finish; tiles go to programs round
+  robin (tile p, p + P, ...), so a phase's tiles complete in order of their index;
+- the four consumer warps of a program split a tile's K between them (a chunk is 8 groups of
+  one tile, 2 a warp) and add their sums through shared memory at the tile's end;
+- a tile's owner writes its 16 outputs and adds one (release) to its group of 128 outputs'
+  counter; a third partition of the kernel, one warp, copies the next phase's input into a
+  shared-memory buffer (two, alternating between phases) chunk by chunk as soon as the groups
+  that chunk reads are complete (`dataflow`), or after every group of the phase before is
+  (`phase`), or without waiting (`free`: the stream and the MMAs alone, the floor of the form);
+- `_pre` forms: the copying warp also rewrites each row of x's copy as its B pairs and writes
+  each group's input sum once, so that a consumer step is two MMAs on its words alone (no byte
+  permutes, no constant-weight MMAs).
+
+The phases' inputs are fixed rows (not the outputs before them); phase f's input group j
+waits for the groups of phase f - 1's outputs at the same fraction of its width (qkv stands in
+for attention before o). Attention, the norms and the residual are left out.
+
+    python benchmarks/ring_rows_probe.py --out /tmp/out/rows.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.cuda_timing import graph_replay_ms, write_results  # noqa: E402
+from peregrine.kernels._gluon import (cp_async, cta_barrier, poll_acquire,  # noqa: E402
+                                      ring_barriers, smem_reinterpret, tma_load)
+from peregrine.kernels.ring_gemv import _shfl  # noqa: E402
+from peregrine.kernels.wna16_gemv_tc import (_PAIRS, _f32_hi, _f32_lo, _group_done,  # noqa: E402
+                                             _step, _tiles)
+
+HBM_GBPS = 4200.0
+PROJ = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096))
+TILE = 16  # channels a tile
+CG = 8  # groups of 128 inputs a chunk
+ROW = 128  # int32 words a row of the packed weights (a chunk: 16 rows of words, 1 of scales)
+TAB = gl.constexpr(10)
+_TILE = gl.constexpr(TILE)
+_ROW = gl.constexpr(ROW)
+# table fields: chunk base, tiles, chunks a tile, N, input offset, output offset, this phase's
+# counters' offset, the phase before's groups of outputs, their counters' offset
+# form: (how the input waits, x's pairs and group sums made once by the copying warp)
+MODES = {"dataflow": (1, False), "phase": (0, False), "free": (2, False),
+         "dataflow_pre": (1, True), "phase_pre": (0, True), "free_pre": (2, True)}
+
+
+def pack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """(K/8, N) words, (groups, N) bf16 scales and zero points -> (tiles * chunks * 17, ROW)
+    int32: tile i's chunk c (groups 8c .. 8c + 7, tile-major) is 17 rows; its first 16 hold, for
+    group gi of the chunk and step s (word rows 4s .. 4s + 3 of the group), 64 words at
+    256 gi + 64 s: lane 4g + t's two at 2 (4g + t) + h are word row 4s + t of channels 2g + h of
+    the tile (rows g and g + 8 of the MMA's M-tile); the 17th holds group gi's scale pairs
+    (channels 2g, 2g + 1) at 16 gi + g and zero point pairs at 16 gi + 8 + g."""
+    k8, n = qweight.shape
+    groups = k8 // 16
+    chunks, tiles = groups // CG, n // TILE
+    w = qweight.view(chunks, CG, 4, 4, tiles, 8, 2)  # (c, gi, s, t, tile, g, h)
+    w = w.permute(4, 0, 1, 2, 5, 3, 6).reshape(tiles, chunks, CG * 256)
+    s32 = scales.contiguous().view(torch.int32).view(chunks, CG, tiles, 8)
+    z32 = zeros.contiguous().view(torch.int32).view(chunks, CG, tiles, 8)
+    sz = torch.cat([s32, z32], 3).permute(2, 0, 1, 3).reshape(tiles, chunks, CG * 16)
+    return torch.cat([w, sz], 2).reshape(-1, ROW).contiguous()
+
+
+def emulate(packed: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
+    """The product the kernel computes, from the packed rows as its lanes read them (float32,
+    torch): a check of `pack`'s order that runs on the CPU."""
+    k = x.numel()
+    chunks, tiles = k // (128 * CG), n // TILE
+    rows = packed.view(tiles, chunks, 17, ROW)
+    words = rows[:, :, :16].reshape(tiles, chunks, CG, 4, 8, 4, 2)  # (.., gi, s, g, t, h)
+    q = torch.stack([(words >> (4 * j)) & 0xF for j in range(8)], -1).float()
+    # (tile, c, gi, s, g, t, h, j) -> weight of input 128 (8c + gi) + 32 s + 8 t + j, channel
+    # 2g + h of the tile
+    q = q.permute(0, 4, 6, 1, 2, 3, 5, 7).reshape(tiles, 8, 2, k)
+    sz = rows[:, :, 16].reshape(tiles, chunks, CG, 2, 8)  # (.., gi, scale / zero, g)
+    sz = sz.contiguous().view(torch.bfloat16).view(tiles, chunks, CG, 2, 8, 2).float()
+    sz = sz.permute(0, 4, 5, 3, 1, 2).reshape(tiles, 8, 2, 2, k // 128)
+    s = sz[:, :, :, 0].repeat_interleave(128, -1)
+    z = sz[:, :, :, 1].repeat_interleave(128, -1)
+    return ((q - z) * s * x.float()).sum(-1).reshape(n)
+
+
+@gluon.jit
+def _tab(tab_ptr, f, j: gl.constexpr):
+    return gl.load(tab_ptr + f * TAB + j).to(gl.int32)
+
+
+@gluon.jit
+def _producer(desc_w, desc_s, wbufs, sbufs, ready, empty, tab_ptr, n_phases, P,
+              S: gl.constexpr):
+    """The program's tiles of every phase, chunk by chunk, into the next free slot."""
+    pid = gl.program_id(0)
+    i = 0
+    for f in range(n_phases):
+        base = _tab(tab_ptr, f, 0)
+        tiles = _tab(tab_ptr, f, 1)
+        C = _tab(tab_ptr, f, 2)
+        for tile in range(pid, tiles, P):
+            for c in range(C):
+                slot = i % S
+                mbarrier.wait(empty.index(slot), ((i // S) & 1) ^ 1)
+                mbarrier.expect(ready.index(slot), 17 * _ROW * 4)
+                row = (base + tile * C + c) * 17
+                tma_load(desc_w, [row, 0], ready.index(slot), wbufs.index(slot))
+                tma_load(desc_s, [row + 16, 0], ready.index(slot), sbufs.index(slot))
+                i += 1
+
+
+@gluon.jit
+def _ready_groups(cnt_ptr, lo, gp, LG: gl.constexpr):
+    """How many of the phase before's groups of outputs, from 0, are known complete: the
+    counters [lo, lo + 128) read at once (acquire), those before lo complete already."""
+    j = lo + gl.arange(0, 128, layout=LG)
+    v = poll_acquire(cnt_ptr + gl.minimum(j, gp - 1))
+    return gl.minimum(gl.min(gl.where((v >= 8) | (j >= gp), lo + 128, j), 0), gp)
+
+
+@gluon.jit
+def _pre_chunk(blocks, xsums, blk, row, LC: gl.constexpr):
+    """A chunk's x copy (blocks blk .. blk + 3 of 32 rows, lane r holding row r of each) as its
+    B pairs, and its 8 groups' input sums (16 rows each) at xsums[row][4 gi .. 4 gi + 3]."""
+    LS: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    view = smem_reinterpret(xsums, gl.float32, [xsums.shape[0], 32],
+                            gl.SwizzledSharedLayout(1, 1, 1, [0])).index(row)
+    for q in gl.static_range(4):
+        v = blocks.index(blk + q).load(LC)
+        a, c = gl.split(gl.reshape(v, [32, 2, 2]))
+        w0, w2 = gl.split(a)
+        w1, w3 = gl.split(c)
+        p = gl.inline_asm_elementwise(_PAIRS, "=r,=r,=r,=r,r,r,r,r", [w0, w1, w2, w3],
+                                      dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+        pv = gl.reshape(gl.join(gl.join(p[0], p[2]), gl.join(p[1], p[3])), [32, 4])
+        blocks.index(blk + q).store(gl.convert_layout(pv, LC))
+        rs = (_f32_lo(w0, True) + _f32_hi(w0, True) + _f32_lo(w1, True) + _f32_hi(w1, True)
+              + _f32_lo(w2, True) + _f32_hi(w2, True) + _f32_lo(w3, True) + _f32_hi(w3, True))
+        gs = gl.sum(gl.reshape(rs, [2, 16]), 1)  # groups 2q, 2q + 1 of the chunk
+        four = gl.reshape(gl.expand_dims(gs, 1).broadcast_to([2, 4]), [8])
+        view.slice(8 * q, 8, dim=0).store(gl.convert_layout(four, LS))
+
+
+@gluon.jit
+def _loader(xbufs, xsums, xready, xfree, tab_ptr, n_phases, x_ptr, cnt_ptr,
+            CMAX: gl.constexpr, MODE: gl.constexpr, PRE: gl.constexpr):
+    """Each phase's input row into buffer f % 2, a chunk's 8 groups at a time, as soon as the
+    groups of the phase before that they stand for are complete (MODE 1; 0: once all of them
+    are; 2: no wait): xready[f % 2][c] says chunk c's groups have landed. A pass reads up to
+    128 counters at once and copies every chunk they make ready, in one round trip. PRE: each
+    row of a chunk's copy rewritten as its B pairs, and each group's input sum written four
+    times over into xsums (a chunk's 32 floats), so that the consumers do neither."""
+    LC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0])
+    LG: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
+    r = gl.arange(0, 32, layout=gl.SliceLayout(1, LC))
+    w = gl.arange(0, 4, layout=gl.SliceLayout(0, LC))
+    off = gl.expand_dims(r, 1) * 4 + gl.expand_dims(w, 0)
+    src0 = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    NB: gl.constexpr = xbufs.shape[1] // 32  # blocks of 32 rows a buffer
+    blocks = smem_reinterpret(xbufs, gl.int32, [2 * NB, 32, 4],
+                              gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    for f in range(n_phases):
+        C = _tab(tab_ptr, f, 2)
+        x_off = _tab(tab_ptr, f, 4)
+        gp = _tab(tab_ptr, f, 7)
+        pcnt = _tab(tab_ptr, f, 8)
+        b = f % 2
+        mbarrier.wait(xfree.index(b), ((f // 2) & 1) ^ 1)
+        G = C * 8
+        done = 0
+        passes = 0
+        while done < C:
+            if (MODE == 2) or (gp == 0):
+                upto = C
+            elif MODE == 0:  # (up to 128 groups, a phase's most here: 224 / 2 a pass)
+                avail = _ready_groups(cnt_ptr + pcnt, 0, gp, LG)
+                avail = gl.where(avail >= 128, _ready_groups(cnt_ptr + pcnt, 128, gp, LG), avail)
+                upto = gl.where(avail >= gp, C, 0)
+            else:
+                avail = _ready_groups(cnt_ptr + pcnt, (8 * done * gp) // G, gp, LG)
+                upto = gl.minimum(C, (avail * G) // (8 * gp))
+            for c in range(done, upto):  # the chunk's 8 groups: 128 rows of 16 B
+                src = src0 + gl.multiple_of(x_off // 2 + c * 512, 64) + off
+                for q in gl.static_range(4):
+                    cp_async(blocks.index(b * NB + 4 * c + q), src + q * 128,
+                             cache_modifier=".cg")
+            async_copy.commit_group()
+            async_copy.wait_group(0)
+            if PRE:  # (a lane rewrites the rows it copied: its own copies have landed)
+                for c in range(done, upto):
+                    _pre_chunk(blocks, xsums, b * NB + 4 * c, b * CMAX + c, LC)
+            for c in range(done, upto):
+                mbarrier.arrive(xready.index(b * CMAX + c), count=1)
+            done = gl.maximum(done, upto)
+            passes += 1
+            if passes > (1 << 24):  # a phase that never completes: fail, do not hang
+                gl.inline_asm_elementwise("trap; // $0", "=r", [], dtype=gl.int32,
+                                          is_pure=False, pack=1)
+        for c in range(C, CMAX):  # (every barrier of the buffer completes once a use)
+            mbarrier.arrive(xready.index(b * CMAX + c), count=1)
+
+
+@gluon.jit
+def _consumer(wbufs, sbufs, xbufs, xsums, ready, empty, xready, xfree, tab_ptr, n_phases,
+              out_ptr, cnt_ptr, P, S: gl.constexpr, CMAX: gl.constexpr, GMAX: gl.constexpr,
+              PRE: gl.constexpr):
+    WARPS: gl.constexpr = 4
+    T: gl.constexpr = 32 * WARPS
+    L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    LW: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 1, 1, 32], [WARPS, 1, 1, 1],
+                                        [3, 2, 1, 0])
+    LX: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 1, 4, 8], [WARPS, 1, 1, 1],
+                                        [2, 3, 1, 0])
+    LT: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    pid = gl.program_id(0)
+    idx = gl.arange(0, T, layout=L)
+    lane = idx % 32
+    g = lane // 4
+    t = lane % 4
+    sel = gl.where(t % 2 == 0, 0x4140, 0x4342)  # (6-bit weights only; _step's argument)
+    zero = gl.zeros([T], gl.float32, layout=L)
+    ones = gl.full([T], 0x3F803F80, gl.int32, layout=L)  # bf16 1.0 pairs
+    c4 = (zero, zero, zero, zero)
+    ch = gl.arange(0, 8, layout=LT)  # a tile's channel pairs
+    # views of the whole buffers (a view of one slot cannot be reinterpreted)
+    xv = smem_reinterpret(xbufs, gl.int32, [2 * (GMAX // 8), WARPS, 2, 16, 4],
+                          gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
+    wvs = smem_reinterpret(wbufs, gl.int32, [S, WARPS, 2, 4, 64],
+                           gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
+    svs = smem_reinterpret(sbufs, gl.int32, [S, T], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    xsv = smem_reinterpret(xsums, gl.float32, [2 * CMAX, 32],
+                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    B2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [WARPS, 1], [1, 0])
+    w_id = idx // 32
+    i = 0
+    for f in range(n_phases):
+        tiles = _tab(tab_ptr, f, 1)
+        C = _tab(tab_ptr, f, 2)
+        N = _tab(tab_ptr, f, 3)
+        o_off = _tab(tab_ptr, f, 5)
+        cnt_off = _tab(tab_ptr, f, 6)
+        b = f % 2
+        for tile in range(pid, tiles, P):
+            y = (zero, zero, zero, zero, zero, zero, zero, zero)
+            for c in range(C):
+                if tile == pid:
+                    mbarrier.wait(xready.index(b * CMAX + c), (f // 2) & 1)
+                slot = i % S
+                mbarrier.wait(ready.index(slot), (i // S) & 1)
+                wv = wvs.index(slot)
+                sv = svs.index(slot).load(L)
+                xc = xv.index(b * (GMAX // 8) + c)
+                if PRE:  # the chunk's 8 group sums, 4 copies each: lane 4 gi holds group gi's
+                    xs4 = xsv.index(b * CMAX + c).load(gl.SliceLayout(0, B2))
+                    xs4 = gl.convert_layout(gl.reshape(
+                        gl.expand_dims(xs4, 0).broadcast_to([WARPS, 32]), [T]), L)
+                    xs4 = xs4.to(gl.int32, bitcast=True)
+                for h in gl.static_range(2):  # warp w's groups 2w and 2w + 1 of the chunk
+                    s_w = _shfl(sv, 16 * h + g)
+                    z_w = _shfl(sv, 16 * h + 8 + g)
+                    acc = (c4, c4, c4, c4)
+                    cx = c4
+                    for s in gl.static_range(4):
+                        wl = wv.slice(h, 1, dim=1).slice(s, 1, dim=2).load(LW)
+                        e0, e1 = gl.split(gl.reshape(wl, [WARPS, 32, 2]))
+                        e0 = gl.convert_layout(gl.reshape(e0, [T]), L)
+                        e1 = gl.convert_layout(gl.reshape(e1, [T]), L)
+                        xl = xc.slice(h, 1, dim=1).slice(4 * s, 4, dim=2).load(LX)
+                        pa, pb = gl.split(gl.reshape(xl, [WARPS, 4, 2, 2]))
+                        x0, x2 = gl.split(pa)
+                        x1, x3 = gl.split(pb)
+                        if PRE:  # (x's rows hold their B pairs already)
+                            bx = (_rows(x0, L, T, WARPS), _rows(x1, L, T, WARPS),
+                                  _rows(x2, L, T, WARPS), _rows(x3, L, T, WARPS))
+                            acc = (_tiles((e0, e0, e0, e0, e1, e0, e0, e0), 0, bx, acc[0], sel,
+                                          4, True), acc[1], acc[2], acc[3])
+                        else:
+                            bx = gl.inline_asm_elementwise(
+                                _PAIRS, "=r,=r,=r,=r,r,r,r,r",
+                                [_rows(x0, L, T, WARPS), _rows(x1, L, T, WARPS),
+                                 _rows(x2, L, T, WARPS), _rows(x3, L, T, WARPS)],
+                                dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+                            acc, cx = _step(acc, cx, ones, (e0, e0, e0, e0, e1, e0, e0, e0),
+                                            (bx[0], bx[1], bx[2], bx[3]), sel, 1, True, 4)
+                    if PRE:
+                        xg = _shfl(xs4, 4 * (2 * w_id + h)).to(gl.float32, bitcast=True)
+                        cx = (xg, xg, xg, xg)
+                    y = _group_done(y, acc, cx, ((s_w, s_w, s_w, s_w), (z_w, z_w, z_w, z_w)),
+                                    0, 1, True, True, 4)
+                # every warp's loads of the slot are done before it is refilled (the arrive
+                # is a barrier of the consumer warps and one thread's arrive)
+                mbarrier.arrive(empty.index(slot), count=1)
+                i += 1
+            # the warps' sums of the tile's channels 2g (y[0]) and 2g + 1 (y[4]), equal in a
+            # quad's four lanes, added over the warps
+            v0 = gl.max(gl.reshape(y[0], [WARPS, 8, 4]), 2)
+            v1 = gl.max(gl.reshape(y[4], [WARPS, 8, 4]), 2)
+            n0 = tile * _TILE
+            gl.store(out_ptr + o_off + n0 + 2 * ch, gl.convert_layout(gl.sum(v0, 0), LT)
+                     .to(gl.bfloat16))
+            gl.store(out_ptr + o_off + n0 + 2 * ch + 1, gl.convert_layout(gl.sum(v1, 0), LT)
+                     .to(gl.bfloat16))
+            cta_barrier()
+            gl.atomic_add(cnt_ptr + cnt_off + n0 // 128, 1, sem="release", scope="gpu")
+        mbarrier.arrive(xfree.index(b), count=1)
+
+
+@gluon.jit
+def _rows(w, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr):
+    """A word of rows 0..3 of each warp's group ([WARPS, 4]) as the [T] tensor whose lane 4g + t
+    holds row t's."""
+    B3: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 8, 4], [WARPS, 1, 1], [2, 1, 0])
+    w = gl.convert_layout(w, gl.SliceLayout(1, B3))
+    return gl.convert_layout(
+        gl.reshape(gl.expand_dims(w, 1).broadcast_to([WARPS, 8, 4]), [T]), L)
+
+
+@gluon.jit
+def ring_rows_kernel(desc_w, desc_s, tab_ptr, n_phases, x_ptr, out_ptr, cnt_ptr, P,
+                     S: gl.constexpr, GMAX: gl.constexpr, CMAX: gl.constexpr,
+                     MODE: gl.constexpr, PRE: gl.constexpr = False):
+    wbufs = gl.allocate_shared_memory(gl.int32, [S, 16, _ROW], desc_w.layout)
+    sbufs = gl.allocate_shared_memory(gl.int32, [S, 1, _ROW], desc_s.layout)
+    xbufs = gl.allocate_shared_memory(gl.int32, [2, GMAX * 16, 4],
+                                      gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    xsums = gl.allocate_shared_memory(gl.float32, [2 * CMAX, 32],
+                                      gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ready, empty = ring_barriers(S)
+    xready = gl.allocate_shared_memory(gl.int64, [2 * CMAX, 1], mbarrier.MBarrierLayout())
+    xfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(2 * CMAX):
+        mbarrier.init(xready.index(j), count=1)
+    for j in gl.static_range(2):
+        mbarrier.init(xfree.index(j), count=1)
+    gl.warp_specialize([
+        (_consumer, (wbufs, sbufs, xbufs, xsums, ready, empty, xready, xfree, tab_ptr,
+                     n_phases, out_ptr, cnt_ptr, P, S, CMAX, GMAX, PRE)),
+        (_producer, (desc_w, desc_s, wbufs, sbufs, ready, empty, tab_ptr, n_phases, P, S)),
+        (_loader, (xbufs, xsums, xready, xfree, tab_ptr, n_phases, x_ptr, cnt_ptr, CMAX, MODE,
+                   PRE)),
+    ], [1, 1], [48, 80])
+
+
+def build(layers: int, P: int, dev: torch.device, proj=PROJ):
+    """Random 4-bit weights (scales, zero points) of `layers` layers, packed (`pack`), the
+    inputs, and the phase table (int64, TAB fields a phase) for P programs."""
+    from peregrine.layers.quantization.wna16 import WNA16Layout
+    layouts, packed, xs, table = [], [], [], []
+    chunk = x_off = o_off = c_off = 0
+    prev = None  # the phase before's (groups of outputs, counters' offset)
+    for _ in range(layers):
+        for _, k, n in proj:
+            q = torch.randint(0, 16, (k, n), device=dev, dtype=torch.int32)
+            sc = torch.rand(k // 128, n, device=dev) * 0.01 + 0.002
+            zp = torch.randint(0, 16, (k // 128, n), device=dev).float()
+            w = WNA16Layout.build(q, sc, zp, None, 4, torch.bfloat16)
+            del q
+            layouts.append(w)
+            packed.append(pack(w.qweight, w.scales, w.zeros))
+            xs.append(torch.randn(k, device=dev).to(torch.bfloat16))
+            tiles, chunks = n // TILE, k // (128 * CG)
+            gp, pcnt = prev if prev else (0, 0)
+            table.append([chunk, tiles, chunks, n, x_off, o_off, c_off, gp, pcnt, 0])
+            prev = (n // 128, c_off)
+            chunk += tiles * chunks
+            x_off += k
+            o_off += n
+            c_off += n // 128
+    return {"layouts": layouts, "rows": torch.cat(packed), "x": torch.cat(xs), "xs": xs,
+            "out_n": o_off, "counters": c_off,
+            "table": torch.tensor(table, dtype=torch.int64, device=dev)}
+
+
+def _ulps(got: torch.Tensor, x: torch.Tensor, w) -> float:
+    """The largest |got - x @ dequant(w)| in output ulps at the reference's magnitude (at least
+    its RMS's)."""
+    want = x.float()[None] @ w.dequantize(torch.float32).t()
+    unit = torch.maximum(want.abs(), want.pow(2).mean().sqrt()) * torch.finfo(x.dtype).eps
+    return ((got.float() - want).abs() / unit).max().item()
+
+
+def run(layers: int, per_sm: int, stages: int, iters: int, modes: list[str],
+        dev: torch.device) -> dict:
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    P = sms * per_sm
+    d = build(layers, P, dev)
+    rows = d["rows"]
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    desc_w = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [16, ROW], layout)
+    desc_s = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [1, ROW], layout)
+    table = d["table"]
+    n_phases = table.shape[0]
+    gmax = 1 << (max(k for _, k, _ in PROJ) // 128 - 1).bit_length()  # (shapes: powers of 2)
+    cmax = gmax // CG
+    cnt = torch.zeros(d["counters"], dtype=torch.int32, device=dev)
+    out = torch.zeros(d["out_n"], dtype=torch.bfloat16, device=dev)
+    weight_bytes = rows.numel() * 4 / layers
+    result = {"layers": layers, "programs": P, "per_sm": per_sm, "stages": stages,
+              "weight_bytes_per_layer": weight_bytes,
+              "wall_us_per_layer": round(weight_bytes / (HBM_GBPS * 1e3), 2)}
+    t0 = time.time()
+    for name in modes:
+        def call():
+            cnt.zero_()
+            ring_rows_kernel[(P,)](desc_w, desc_s, table, n_phases, d["x"], out, cnt, P,
+                                   S=stages, GMAX=gmax, CMAX=cmax, MODE=MODES[name][0],
+                                   PRE=MODES[name][1],
+                                   num_warps=4, maxnreg=128)
+        out.zero_()
+        call()
+        torch.cuda.synchronize()
+        err = 0.0
+        for j, w in enumerate(d["layouts"]):
+            o0, n = int(table[j, 5]), w.out_features
+            err = max(err, _ulps(out[o0:o0 + n], d["xs"][j], w))
+        assert err <= 1.0, f"{name}: {err:.2f} output ulps from the exact product"
+        ms = graph_replay_ms([call], iters)
+        result[name] = {"us_per_layer": round(ms * 1e3 / layers, 2), "max_ulps": round(err, 3)}
+        print(f"{per_sm} an SM, ring {stages}: {name:9s} {ms * 1e3 / layers:7.2f} us a layer "
+              f"(wall {result['wall_us_per_layer']:.2f}; ulps {err:.3f})  "
+              f"({time.time() - t0:.0f} s)", flush=True)
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--configs", default="1x8,2x4",
+                   help="programs an SM x ring stages, comma-separated")
+    p.add_argument("--modes", default="dataflow,phase,free")
+    p.add_argument("--iters", type=int, default=20)
+    ns = p.parse_args()
+    dev = torch.device("cuda")
+    results = []
+    for cfg in ns.configs.split(","):
+        per_sm, stages = (int(v) for v in cfg.split("x"))
+        results.append(run(ns.layers, per_sm, stages, ns.iters, ns.modes.split(","), dev))
+        torch.cuda.empty_cache()
+    write_results(ns.out, dev, results)
+
+
+if __name__ == "__main__":
+    main()
