@@ -227,6 +227,10 @@ def _loader(xbufs, xsums, xready, xfree, tab_ptr, n_phases, x_ptr, cnt_ptr,
 def _consumer(wbufs, sbufs, xbufs, xsums, ready, empty, xready, xfree, tab_ptr, n_phases,
               out_ptr, cnt_ptr, P, S: gl.constexpr, CMAX: gl.constexpr, GMAX: gl.constexpr,
               PRE: gl.constexpr):
+    """The program's tiles of every phase: each chunk's 8 groups over the four warps (2 each),
+    the warps' sums added at the tile's end, its 16 outputs stored and its group's counter
+    counted up (release); x from the copying warp's buffer, waited for chunk by chunk on the
+    phase's first tile."""
     WARPS: gl.constexpr = 4
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -259,7 +263,6 @@ def _consumer(wbufs, sbufs, xbufs, xsums, ready, empty, xready, xfree, tab_ptr, 
     for f in range(n_phases):
         tiles = _tab(tab_ptr, f, 1)
         C = _tab(tab_ptr, f, 2)
-        N = _tab(tab_ptr, f, 3)
         o_off = _tab(tab_ptr, f, 5)
         cnt_off = _tab(tab_ptr, f, 6)
         b = f % 2
