@@ -48,6 +48,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_timing import graph_replay_ms, write_results  # noqa: E402
+from benchmarks.ring_int4_probe import _ulps  # noqa: E402
 from peregrine.kernels._gluon import (cp_async, cta_barrier, poll_acquire,  # noqa: E402
                                       ring_barriers, smem_reinterpret, tma_load)
 from peregrine.kernels.ring_gemv import _shfl  # noqa: E402
@@ -395,14 +396,6 @@ def build(layers: int, P: int, dev: torch.device, proj=PROJ):
     return {"layouts": layouts, "rows": torch.cat(packed), "x": torch.cat(xs), "xs": xs,
             "out_n": o_off, "counters": c_off,
             "table": torch.tensor(table, dtype=torch.int64, device=dev)}
-
-
-def _ulps(got: torch.Tensor, x: torch.Tensor, w) -> float:
-    """The largest |got - x @ dequant(w)| in output ulps at the reference's magnitude (at least
-    its RMS's)."""
-    want = x.float()[None] @ w.dequantize(torch.float32).t()
-    unit = torch.maximum(want.abs(), want.pow(2).mean().sqrt()) * torch.finfo(x.dtype).eps
-    return ((got.float() - want).abs() / unit).max().item()
 
 
 def run(layers: int, per_sm: int, stages: int, iters: int, modes: list[str],
