@@ -447,7 +447,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--configs", default="1x8,2x4",
                    help="programs an SM x ring stages, comma-separated")
-    p.add_argument("--modes", default="dataflow,phase,free")
+    p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--iters", type=int, default=20)
     ns = p.parse_args()
     dev = torch.device("cuda")
