@@ -61,11 +61,12 @@ def dims_of(cfg: dict) -> Dims:
 
 
 def build(layers: int, P: int, ctx: int, dev: torch.device, cfg: dict = LLAMA3_8B,
-          seed: int = 0, warps: int = 4, stages: int = 16, splits: int = 16) -> dict:
+          seed: int = 0, warps: int = 4, stages: int = 16, splits: int = 16,
+          rows: bool = False) -> dict:
     """Random 4-bit layouts (scales, zero points) of `layers` layers and their norm weights,
-    packed by DecodeLayers for P programs; a paged K/V cache of ctx - 1 earlier tokens a layer
-    (each layer's in its own blocks, one block table); the step's position ctx - 1 and slot; a
-    RoPE table; the first layer's input h0."""
+    packed by DecodeLayers (with `rows`, by decode_rows.DecodeRows) for P programs; a paged
+    K/V cache of ctx - 1 earlier tokens a layer (each layer's in its own blocks, one block
+    table); the step's position ctx - 1 and slot; a RoPE table; the first layer's input h0."""
     from peregrine.layers.quantization.wna16 import WNA16Layout
     torch.manual_seed(seed)
     H, HEADS, KVH, D, INTER, BS = (cfg[k] for k in ("H", "HEADS", "KVH", "D", "INTER", "BS"))
@@ -81,8 +82,13 @@ def build(layers: int, P: int, ctx: int, dev: torch.device, cfg: dict = LLAMA3_8
             ws.append(WNA16Layout.build(q, sc, zp, None, 4, torch.bfloat16))
             del q
         weights.append(LayerWeights(*ws, norms[2 * layer], norms[2 * layer + 1]))
-    dl = DecodeLayers(dims_of(cfg), weights, norms[2 * layers], dev, warps=warps,
-                      stages=stages, splits=splits, programs=P)
+    if rows:
+        from peregrine.kernels.decode_rows import DecodeRows
+        dl = DecodeRows(dims_of(cfg), weights, norms[2 * layers], dev, splits=splits,
+                        programs=P)
+    else:
+        dl = DecodeLayers(dims_of(cfg), weights, norms[2 * layers], dev, warps=warps,
+                          stages=stages, splits=splits, programs=P)
     blocks_a_layer = -(-ctx // BS) + 1
     shape = (layers * blocks_a_layer, BS, KVH, D)
     k_cache = torch.randn(shape, device=dev).to(torch.bfloat16)
@@ -172,7 +178,7 @@ def state(d: dict) -> dict:
             "k": torch.stack([k.reshape(-1, KVH, D)[d["slot"]] for k, _ in d["caches"]]).float(),
             "v": torch.stack([v.reshape(-1, KVH, D)[d["slot"]] for _, v in d["caches"]]).float(),
             "q": vec[off["q"]:off["attn"]].view(-1, D), "attn": vec[off["attn"]:off["act"]],
-            "act": vec[off["act"]:]}
+            "act": vec[off["act"]:off["size"]]}
 
 
 # (largest difference in ulps, relative RMS) within which the kernel's outputs count as the

@@ -6,9 +6,11 @@ ptxas, cuobjdump and nvdisasm its wheel bundles (peregrine/testing/offline_compi
         --regs 128,168
 
 Jobs: `gemv_tc4` / `gemv_tc6` (the 4- and 6-bit tensor-core GEMV, one row), `w8_tc` (the FP8
-tensor-core GEMV), `attn_fp8` (the FP8-cache decode attention's split kernel) and
-`layers:<form>` (the persistent decode kernel, kernels/decode_layers.py, in a form of FORMS,
-at each register cap of --regs). Per job: registers, stack bytes (the spills' room), spill
+tensor-core GEMV), `attn_fp8` (the FP8-cache decode attention's split kernel), `rows` /
+`rows_pre` (the row-tile probe's kernel), `decode_rows` / `decode_rows_pre` (the row-tile
+persistent decode kernel, kernels/decode_rows.py, its inputs' buffers as large as
+Llama-3-8B's) and `layers:<form>` (the persistent decode kernel, kernels/decode_layers.py, in
+a form of FORMS, at each register cap of --regs). Per job: registers, stack bytes (the spills' room), spill
 stores and loads, shared memory, a few SASS instructions' counts and the PTX pieces the design
 depends on; or the compiler's error. Shapes: `small` (a 512-wide model, fast) or `llama3-8b`
 (the persistent kernel packed for 132 programs from Llama-3-8B's shapes). Triton must not be
@@ -53,7 +55,9 @@ FORMS = {
     "traced": {"trace": True},
     "free": {"wait": False},
 }
-SHAPES = {"small": dict(LLAMA3_8B, H=512, HEADS=8, KVH=2, INTER=1024), "llama3-8b": LLAMA3_8B}
+SHAPES = {"small": dict(LLAMA3_8B, H=512, HEADS=8, KVH=2, INTER=1024), "llama3-8b": LLAMA3_8B,
+          # (the row-tile kernel's chunks are 1,024 inputs)
+          "rows": dict(LLAMA3_8B, H=1024, HEADS=8, KVH=2, INTER=2048)}
 # SASS opcode prefixes counted
 OPS = ("UTMALDG", "HMMA", "ATOM", "RED", "LDG", "LDS", "STG", "MEMBAR", "FENCE", "BAR",
        "SYNCS", "LDL", "STL")
@@ -146,12 +150,22 @@ def _rows_probe(pre: bool) -> None:
                                 CMAX=16, MODE=1, PRE=pre, num_warps=4, maxnreg=128)
 
 
+def _decode_rows(pre: bool) -> None:
+    d = build(1, 8, 37, torch.device("cpu"), SHAPES["rows"], splits=4, rows=True)
+    dl = d["dl"]
+    dl.stages, dl.pre = 4, pre  # (two programs an SM: the form that must fit twice)
+    dl.k_max = LLAMA3_8B["INTER"]  # (its inputs' buffers as large as Llama-3-8B's)
+    call(d)
+
+
 KERNELS = {"gemv_tc4": (lambda: _gemv_tc(4), "wna16_gemv_tc_kernel"),
            "gemv_tc6": (lambda: _gemv_tc(6), "wna16_gemv_tc_kernel"),
            "w8_tc": (_w8_tc, "w8_gemv_tc_kernel"),
            "attn_fp8": (_attn_fp8, "decode_split_mma_kernel"),
            "rows": (lambda: _rows_probe(False), "ring_rows_kernel"),
-           "rows_pre": (lambda: _rows_probe(True), "ring_rows_kernel")}
+           "rows_pre": (lambda: _rows_probe(True), "ring_rows_kernel"),
+           "decode_rows": (lambda: _decode_rows(False), "decode_rows_kernel"),
+           "decode_rows_pre": (lambda: _decode_rows(True), "decode_rows_kernel")}
 
 
 def _compiled(fn, name: str) -> dict:

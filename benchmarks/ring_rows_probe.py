@@ -51,15 +51,11 @@ from benchmarks.cuda_timing import graph_replay_ms, write_results  # noqa: E402
 from benchmarks.ring_int4_probe import _ulps  # noqa: E402
 from peregrine.kernels._gluon import (cp_async, cta_barrier, poll_acquire,  # noqa: E402
                                       ring_barriers, smem_reinterpret, tma_load)
-from peregrine.kernels.ring_gemv import _shfl  # noqa: E402
-from peregrine.kernels.wna16_gemv_tc import (_PAIRS, _f32_hi, _f32_lo, _group_done,  # noqa: E402
-                                             _step, _tiles)
+from peregrine.kernels.decode_rows import CG, ROW, TILE, _chunk, _chunk_pre, pack  # noqa: E402
+from peregrine.kernels.wna16_gemv_tc import _PAIRS, _f32_hi, _f32_lo  # noqa: E402
 
 HBM_GBPS = 4200.0
 PROJ = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096))
-TILE = 16  # channels a tile
-CG = 8  # groups of 128 inputs a chunk
-ROW = 128  # int32 words a row of the packed weights (a chunk: 16 rows of words, 1 of scales)
 TAB = gl.constexpr(10)
 _TILE = gl.constexpr(TILE)
 _ROW = gl.constexpr(ROW)
@@ -68,43 +64,6 @@ _ROW = gl.constexpr(ROW)
 # form: (how the input waits, x's pairs and group sums made once by the copying warp)
 MODES = {"dataflow": (1, False), "phase": (0, False), "free": (2, False),
          "dataflow_pre": (1, True), "phase_pre": (0, True), "free_pre": (2, True)}
-
-
-def pack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """(K/8, N) words, (groups, N) bf16 scales and zero points -> (tiles * chunks * 17, ROW)
-    int32: tile i's chunk c (groups 8c .. 8c + 7, tile-major) is 17 rows; its first 16 hold, for
-    group gi of the chunk and step s (word rows 4s .. 4s + 3 of the group), 64 words at
-    256 gi + 64 s: lane 4g + t's two at 2 (4g + t) + h are word row 4s + t of channels 2g + h of
-    the tile (rows g and g + 8 of the MMA's M-tile); the 17th holds group gi's scale pairs
-    (channels 2g, 2g + 1) at 16 gi + g and zero point pairs at 16 gi + 8 + g."""
-    k8, n = qweight.shape
-    groups = k8 // 16
-    chunks, tiles = groups // CG, n // TILE
-    w = qweight.view(chunks, CG, 4, 4, tiles, 8, 2)  # (c, gi, s, t, tile, g, h)
-    w = w.permute(4, 0, 1, 2, 5, 3, 6).reshape(tiles, chunks, CG * 256)
-    s32 = scales.contiguous().view(torch.int32).view(chunks, CG, tiles, 8)
-    z32 = zeros.contiguous().view(torch.int32).view(chunks, CG, tiles, 8)
-    sz = torch.cat([s32, z32], 3).permute(2, 0, 1, 3).reshape(tiles, chunks, CG * 16)
-    return torch.cat([w, sz], 2).reshape(-1, ROW).contiguous()
-
-
-def emulate(packed: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
-    """The product the kernel computes, from the packed rows as its lanes read them (float32,
-    torch): a check of `pack`'s order that runs on the CPU."""
-    k = x.numel()
-    chunks, tiles = k // (128 * CG), n // TILE
-    rows = packed.view(tiles, chunks, 17, ROW)
-    words = rows[:, :, :16].reshape(tiles, chunks, CG, 4, 8, 4, 2)  # (.., gi, s, g, t, h)
-    q = torch.stack([(words >> (4 * j)) & 0xF for j in range(8)], -1).float()
-    # (tile, c, gi, s, g, t, h, j) -> weight of input 128 (8c + gi) + 32 s + 8 t + j, channel
-    # 2g + h of the tile
-    q = q.permute(0, 4, 6, 1, 2, 3, 5, 7).reshape(tiles, 8, 2, k)
-    sz = rows[:, :, 16].reshape(tiles, chunks, CG, 2, 8)  # (.., gi, scale / zero, g)
-    sz = sz.contiguous().view(torch.bfloat16).view(tiles, chunks, CG, 2, 8, 2).float()
-    sz = sz.permute(0, 4, 5, 3, 1, 2).reshape(tiles, 8, 2, 2, k // 128)
-    s = sz[:, :, :, 0].repeat_interleave(128, -1)
-    z = sz[:, :, :, 1].repeat_interleave(128, -1)
-    return ((q - z) * s * x.float()).sum(-1).reshape(n)
 
 
 @gluon.jit
@@ -145,8 +104,8 @@ def _ready_groups(cnt_ptr, lo, gp, LG: gl.constexpr):
 @gluon.jit
 def _pre_chunk(blocks, xsums, blk, row, LC: gl.constexpr):
     """A chunk's x copy (blocks blk .. blk + 3 of 32 rows, lane r holding row r of each) as its
-    B pairs, and its 8 groups' input sums (16 rows each) at xsums[row][4 gi .. 4 gi + 3]."""
-    LS: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    B pairs, and its 8 groups' input sums (16 rows each) at xsums[row][gi]."""
+    LS: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
     view = smem_reinterpret(xsums, gl.float32, [xsums.shape[0], 32],
                             gl.SwizzledSharedLayout(1, 1, 1, [0])).index(row)
     for q in gl.static_range(4):
@@ -161,8 +120,7 @@ def _pre_chunk(blocks, xsums, blk, row, LC: gl.constexpr):
         rs = (_f32_lo(w0, True) + _f32_hi(w0, True) + _f32_lo(w1, True) + _f32_hi(w1, True)
               + _f32_lo(w2, True) + _f32_hi(w2, True) + _f32_lo(w3, True) + _f32_hi(w3, True))
         gs = gl.sum(gl.reshape(rs, [2, 16]), 1)  # groups 2q, 2q + 1 of the chunk
-        four = gl.reshape(gl.expand_dims(gs, 1).broadcast_to([2, 4]), [8])
-        view.slice(8 * q, 8, dim=0).store(gl.convert_layout(four, LS))
+        view.slice(2 * q, 2, dim=0).store(gl.convert_layout(gs, LS))
 
 
 @gluon.jit
@@ -172,8 +130,8 @@ def _loader(xbufs, xsums, xready, xfree, tab_ptr, n_phases, x_ptr, cnt_ptr,
     groups of the phase before that they stand for are complete (MODE 1; 0: once all of them
     are; 2: no wait): xready[f % 2][c] says chunk c's groups have landed. A pass reads up to
     128 counters at once and copies every chunk they make ready, in one round trip. PRE: each
-    row of a chunk's copy rewritten as its B pairs, and each group's input sum written four
-    times over into xsums (a chunk's 32 floats), so that the consumers do neither."""
+    row of a chunk's copy rewritten as its B pairs, and each group's input sum written into
+    xsums (group gi of a chunk at gi of its row), so that the consumers do neither."""
     LC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0])
     LG: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
     r = gl.arange(0, 32, layout=gl.SliceLayout(1, LC))
@@ -235,10 +193,6 @@ def _consumer(wbufs, sbufs, xbufs, xsums, ready, empty, xready, xfree, tab_ptr, 
     WARPS: gl.constexpr = 4
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    LW: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 1, 1, 32], [WARPS, 1, 1, 1],
-                                        [3, 2, 1, 0])
-    LX: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 1, 4, 8], [WARPS, 1, 1, 1],
-                                        [2, 3, 1, 0])
     LT: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     pid = gl.program_id(0)
     idx = gl.arange(0, T, layout=L)
@@ -248,7 +202,6 @@ def _consumer(wbufs, sbufs, xbufs, xsums, ready, empty, xready, xfree, tab_ptr, 
     sel = gl.where(t % 2 == 0, 0x4140, 0x4342)  # (6-bit weights only; _step's argument)
     zero = gl.zeros([T], gl.float32, layout=L)
     ones = gl.full([T], 0x3F803F80, gl.int32, layout=L)  # bf16 1.0 pairs
-    c4 = (zero, zero, zero, zero)
     ch = gl.arange(0, 8, layout=LT)  # a tile's channel pairs
     # views of the whole buffers (a view of one slot cannot be reinterpreted)
     xv = smem_reinterpret(xbufs, gl.int32, [2 * (GMAX // 8), WARPS, 2, 16, 4],
@@ -258,8 +211,6 @@ def _consumer(wbufs, sbufs, xbufs, xsums, ready, empty, xready, xfree, tab_ptr, 
     svs = smem_reinterpret(sbufs, gl.int32, [S, T], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     xsv = smem_reinterpret(xsums, gl.float32, [2 * CMAX, 32],
                            gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    B2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [WARPS, 1], [1, 0])
-    w_id = idx // 32
     i = 0
     for f in range(n_phases):
         tiles = _tab(tab_ptr, f, 1)
@@ -274,46 +225,13 @@ def _consumer(wbufs, sbufs, xbufs, xsums, ready, empty, xready, xfree, tab_ptr, 
                     mbarrier.wait(xready.index(b * CMAX + c), (f // 2) & 1)
                 slot = i % S
                 mbarrier.wait(ready.index(slot), (i // S) & 1)
-                wv = wvs.index(slot)
-                sv = svs.index(slot).load(L)
-                xc = xv.index(b * (GMAX // 8) + c)
-                if PRE:  # the chunk's 8 group sums, 4 copies each: lane 4 gi holds group gi's
-                    xs4 = xsv.index(b * CMAX + c).load(gl.SliceLayout(0, B2))
-                    xs4 = gl.convert_layout(gl.reshape(
-                        gl.expand_dims(xs4, 0).broadcast_to([WARPS, 32]), [T]), L)
-                    xs4 = xs4.to(gl.int32, bitcast=True)
-                for h in gl.static_range(2):  # warp w's groups 2w and 2w + 1 of the chunk
-                    s_w = _shfl(sv, 16 * h + g)
-                    z_w = _shfl(sv, 16 * h + 8 + g)
-                    acc = (c4, c4, c4, c4)
-                    cx = c4
-                    for s in gl.static_range(4):
-                        wl = wv.slice(h, 1, dim=1).slice(s, 1, dim=2).load(LW)
-                        e0, e1 = gl.split(gl.reshape(wl, [WARPS, 32, 2]))
-                        e0 = gl.convert_layout(gl.reshape(e0, [T]), L)
-                        e1 = gl.convert_layout(gl.reshape(e1, [T]), L)
-                        xl = xc.slice(h, 1, dim=1).slice(4 * s, 4, dim=2).load(LX)
-                        pa, pb = gl.split(gl.reshape(xl, [WARPS, 4, 2, 2]))
-                        x0, x2 = gl.split(pa)
-                        x1, x3 = gl.split(pb)
-                        if PRE:  # (x's rows hold their B pairs already)
-                            bx = (_rows(x0, L, T, WARPS), _rows(x1, L, T, WARPS),
-                                  _rows(x2, L, T, WARPS), _rows(x3, L, T, WARPS))
-                            acc = (_tiles((e0, e0, e0, e0, e1, e0, e0, e0), 0, bx, acc[0], sel,
-                                          4, True), acc[1], acc[2], acc[3])
-                        else:
-                            bx = gl.inline_asm_elementwise(
-                                _PAIRS, "=r,=r,=r,=r,r,r,r,r",
-                                [_rows(x0, L, T, WARPS), _rows(x1, L, T, WARPS),
-                                 _rows(x2, L, T, WARPS), _rows(x3, L, T, WARPS)],
-                                dtype=(gl.int32,) * 4, is_pure=True, pack=1)
-                            acc, cx = _step(acc, cx, ones, (e0, e0, e0, e0, e1, e0, e0, e0),
-                                            (bx[0], bx[1], bx[2], bx[3]), sel, 1, True, 4)
-                    if PRE:
-                        xg = _shfl(xs4, 4 * (2 * w_id + h)).to(gl.float32, bitcast=True)
-                        cx = (xg, xg, xg, xg)
-                    y = _group_done(y, acc, cx, ((s_w, s_w, s_w, s_w), (z_w, z_w, z_w, z_w)),
-                                    0, 1, True, True, 4)
+                if PRE:  # (x's rows hold their B pairs already, its groups' sums beside)
+                    y = _chunk_pre(y, wvs.index(slot), svs.index(slot).load(L),
+                                   xv.index(b * (GMAX // 8) + c), xsv.index(b * CMAX + c), g,
+                                   idx // 32, sel, L, T, WARPS)
+                else:
+                    y = _chunk(y, wvs.index(slot), svs.index(slot).load(L),
+                               xv.index(b * (GMAX // 8) + c), g, ones, sel, L, T, WARPS)
                 # every warp's loads of the slot are done before it is refilled (the arrive
                 # is a barrier of the consumer warps and one thread's arrive)
                 mbarrier.arrive(empty.index(slot), count=1)
@@ -330,16 +248,6 @@ def _consumer(wbufs, sbufs, xbufs, xsums, ready, empty, xready, xfree, tab_ptr, 
             cta_barrier()
             gl.atomic_add(cnt_ptr + cnt_off + n0 // 128, 1, sem="release", scope="gpu")
         mbarrier.arrive(xfree.index(b), count=1)
-
-
-@gluon.jit
-def _rows(w, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr):
-    """A word of rows 0..3 of each warp's group ([WARPS, 4]) as the [T] tensor whose lane 4g + t
-    holds row t's."""
-    B3: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 8, 4], [WARPS, 1, 1], [2, 1, 0])
-    w = gl.convert_layout(w, gl.SliceLayout(1, B3))
-    return gl.convert_layout(
-        gl.reshape(gl.expand_dims(w, 1).broadcast_to([WARPS, 8, 4]), [T]), L)
 
 
 @gluon.jit

@@ -5,7 +5,7 @@
 #          samplerbench w2 w2hf w1 w1prof w1trace w1hf serve ttft pacing pacetrace coldstart asyncprobe poolcost
 #          w5 (int4 AWQ layout, batch 1) w8a8 gemvbench stagegraphs w8a8lat w6 w1fp8 w5prof
 #          streamprobe w5ablate logitsbench w8tc replayprobe stepgap decodelayers (dltests dlbench
-#          dlw5 dlengine) dldiff dlncu
+#          dlw5 dlengine) dldiff dlncu rows (rowstests rowsbench rowsw5)
 #          two GPUs: tptests tp2lat tp2serve 70btp2 70bserve ppbench arbench
 #            (SPLITS_70B="tp2 pp2": the 70B splits, as tags; TP_SIZES="2 1"; PP_MODEL, PP_SETUPS)
 # Logs, JUnit XML (tests) and JSON results go under $OUT (default /tmp/out).
@@ -84,6 +84,15 @@ for s in $steps; do
     # on and off, alternating, and the engine's check of the path
     # the persistent decode kernel: its checks, its forms' timings, W5 with it on and off, the
     # engine's path through it (each part fits one 10-minute call; decodelayers runs all four)
+    # the row-tile persistent kernel: its checks, its forms' timings beside the other kernel's,
+    # W5 with each form of the one-kernel path and without it
+    rows|rowstests) gputest decode_rows 300 tests/gpu/test_gpu_decode_rows.py ;;&
+    rows|rowsbench) run decode_rows_bench 300 python benchmarks/decode_rows_bench.py --out "$OUT/decode_rows.json" ;;&
+    rows|rowsw5) awq_config
+             for flag in rows 0 split; do
+               PEREGRINE_DECODE_LAYERS=$flag timeout 150 python -m peregrine.entrypoints.cli bench latency --model "$OUT/llama-3-8b-awq.json" --output-json "$OUT/w5_rows_$flag.json" > "$OUT/w5_rows_$flag.log" 2>&1
+               python -c "import json,sys; print('w5 PEREGRINE_DECODE_LAYERS=' + sys.argv[2], round(json.load(open(sys.argv[1]))['decode_tokens_per_s'], 1))" "$OUT/w5_rows_$flag.json" "$flag"
+             done ;;&
     decodelayers|dltests) gputest decode_layers 400 tests/gpu/test_gpu_wait_count.py tests/gpu/test_gpu_decode_layer_ring.py ;;&
     decodelayers|dlbench) run decode_layers_bench 330 python benchmarks/decode_layer_ring.py --out "$OUT/decode_layers.json" --rings "${DL_RINGS:-4x16}" --variants "${DL_VARIANTS:-4x128}" --x "${DL_X:-smem,l2}" --pair "${DL_PAIR:-0}" --f16 "${DL_F16:-0}" --pipe "${DL_PIPE:-0}" --xsum "${DL_XSUM:-0}" --per-sm "${DL_PER_SM:-1}" --poll "${DL_POLL:-1}" --x-pairs "${DL_XPAIRS:-0}" ${DL_FORMS:+--forms "$DL_FORMS"} ${DL_ACC2:+--acc2 "$DL_ACC2"} ;;&
     decodelayers|dlw5) awq_config

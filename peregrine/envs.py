@@ -35,12 +35,22 @@ def wna16_gemv_variant() -> str | None:
     return os.environ.get("PEREGRINE_WNA16_GEMV") or None
 
 
-def decode_layers() -> bool:
+def decode_layers() -> str | None:
     """PEREGRINE_DECODE_LAYERS: a decode step of one sequence runs all the decoder layers of a
     4-bit Llama-style model in one persistent kernel on sm_90+ (models/one_kernel_decode.py),
-    where the model qualifies; its packed copy of the weights costs their size again (default
-    off: measured no faster than the layer-by-layer path, see the benchmarks; 1: on)."""
-    return _flag("PEREGRINE_DECODE_LAYERS", False)
+    where the model qualifies; its packed copy of the weights costs their size again. Unset or
+    0: off (default: measured no faster than the layer-by-layer path, see the benchmarks);
+    1 or `split`: kernels/decode_layers.py (each projection's tiles split over the programs);
+    `rows`: kernels/decode_rows.py (whole-K row tiles, each phase starting on the inputs that
+    are ready). The form, or None when off."""
+    value = (os.environ.get("PEREGRINE_DECODE_LAYERS") or "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return None
+    if value in ("1", "true", "yes", "on", "split"):
+        return "split"
+    if value == "rows":
+        return "rows"
+    raise ValueError(f"PEREGRINE_DECODE_LAYERS={value!r}: expected 0, 1, split or rows")
 
 
 def graph_paths_on_cpu() -> bool:

@@ -1,6 +1,8 @@
 """Environment variables are read in peregrine/envs.py, with their defaults."""
 from __future__ import annotations
 
+import pytest
+
 from peregrine import envs
 
 
@@ -33,10 +35,20 @@ def test_values_are_read_when_called(monkeypatch) -> None:
     monkeypatch.setenv("PEREGRINE_GRAPH_PATHS_ON_CPU", "1")
     monkeypatch.setenv("PEREGRINE_WNA16_GEMV", "half2_async")
     monkeypatch.setenv("PEREGRINE_DECODE_LAYERS", "1")
-    assert envs.decode_layers()
+    assert envs.decode_layers() == "split"
     assert not envs.dependent_launch() and envs.graph_paths_on_cpu()
     assert envs.wna16_gemv_variant() == "half2_async"
     assert envs.attention_backend() == "torch" and envs.api_key() == "secret"
     assert not envs.fused_kernels() and envs.debug_checks() and envs.triton_interpret()
     assert not envs.core_pacing()
     assert envs.pp_layer_partition() == "5,4"
+
+
+def test_the_one_kernel_decode_forms(monkeypatch) -> None:
+    for value, form in (("0", None), ("off", None), ("true", "split"), ("split", "split"),
+                        ("Rows", "rows")):
+        monkeypatch.setenv("PEREGRINE_DECODE_LAYERS", value)
+        assert envs.decode_layers() == form, value
+    monkeypatch.setenv("PEREGRINE_DECODE_LAYERS", "tiles")
+    with pytest.raises(ValueError, match="split or rows"):
+        envs.decode_layers()

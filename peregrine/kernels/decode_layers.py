@@ -525,6 +525,50 @@ def unsupported(dims: Dims, layers: list[LayerWeights], dtype: torch.dtype, warp
     return None
 
 
+def check_resident(kernel, programs: int, sms: int, args: tuple, kw: dict, seen: set,
+                   name: str) -> None:
+    """Programs wait for each other, so all of them must be on the GPU at once: where there
+    are more programs than SMs, the compiled form's shared memory and registers must let
+    that many share an SM (else the waits would never end). `seen`: the forms checked."""
+    if programs <= sms:
+        return
+    key = tuple(sorted(kw.items()))
+    if key in seen:
+        return
+    props = torch.cuda.get_device_properties(args[2].device)
+    per_sm = -(-programs // sms)
+    k = kernel.run(*args, grid=(programs,), warmup=True, **kw)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    regs = getattr(props, "regs_per_multiprocessor", 65536)
+    threads = 32 * int(k.metadata.num_warps)
+    need_smem = per_sm * (int(k.metadata.shared) + 1024)
+    need_regs = per_sm * threads * int(kw["maxnreg"] or 255)
+    if need_smem > smem or need_regs > regs:
+        raise ValueError(
+            f"{name}: {programs} programs need {per_sm} an SM at once: {need_smem} bytes of "
+            f"shared memory (of {smem}) and {need_regs} registers (of {regs})")
+    seen.add(key)
+
+
+def check_caches(dims: Dims, caches: list[tuple[torch.Tensor, torch.Tensor]], layers: int,
+                 name: str) -> torch.Tensor:
+    """Each layer's (k_cache, v_cache) checked, (blocks, block_size, kv_heads, head_dim) bf16
+    and contiguous: their element offsets from layer 0's, (layers, 2) int64."""
+    if len(caches) != layers:
+        raise ValueError(f"{name}: {len(caches)} layers' caches for {layers} layers")
+    k0, v0 = caches[0]
+    out = []
+    for i, (k, v) in enumerate(caches):
+        for kind, c in (("K", k), ("V", v)):
+            if (c.dtype != torch.bfloat16 or c.dim() != 4 or not c.is_contiguous()
+                    or tuple(c.shape[1:]) != (dims.block_size, dims.kv_heads, dims.head_dim)):
+                raise ValueError(f"{name}: layer {i}'s {kind} cache {tuple(c.shape)} {c.dtype} "
+                                 f"is not a contiguous bf16 (blocks, {dims.block_size}, "
+                                 f"{dims.kv_heads}, {dims.head_dim})")
+        out.append([(k.data_ptr() - k0.data_ptr()) // 2, (v.data_ptr() - v0.data_ptr()) // 2])
+    return torch.tensor(out, dtype=torch.int64, device=k0.device)
+
+
 class DecodeLayers:
     """A model's decoder layers packed for decode_layers_kernel, and the call that runs a
     one-row decode step through all of them. The packed weights are a second copy of the
@@ -640,30 +684,6 @@ class DecodeLayers:
                      if dev.type == "cuda" else programs)
         self._resident: set = set()
 
-    def _check_resident(self, args: tuple, kw: dict) -> None:
-        """Programs wait for each other, so all of them must be on the GPU at once: where there
-        are more programs than SMs, the compiled form's shared memory and registers must let
-        that many share an SM (else the waits would never end)."""
-        if self.programs <= self._sms:
-            return
-        key = tuple(sorted(kw.items()))
-        if key in self._resident:
-            return
-        props = torch.cuda.get_device_properties(self.table.device)
-        per_sm = -(-self.programs // self._sms)
-        k = decode_layers_kernel.run(*args, grid=(self.programs,), warmup=True, **kw)
-        smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
-        regs = getattr(props, "regs_per_multiprocessor", 65536)
-        threads = 32 * int(k.metadata.num_warps)
-        need_smem = per_sm * (int(k.metadata.shared) + 1024)
-        need_regs = per_sm * threads * int(kw["maxnreg"] or 255)
-        if need_smem > smem or need_regs > regs:
-            raise ValueError(
-                f"decode_layers: {self.programs} programs need {per_sm} an SM at once: "
-                f"{need_smem} bytes of shared memory (of {smem}) and {need_regs} registers "
-                f"(of {regs})")
-        self._resident.add(key)
-
     def choose_placement(self, run, timer=None, iters: int = 5) -> dict[tuple[int, int], float]:
         """Time `run` (a call of this object on fixed inputs, caches bound) in each placement of
         PLACEMENTS (programs an SM, ring stages) and keep the fastest: one program an SM is
@@ -697,22 +717,9 @@ class DecodeLayers:
     def bind_caches(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Each layer's (k_cache, v_cache), (blocks, block_size, kv_heads, head_dim) bf16: their
         element offsets from layer 0's go into the table."""
-        d = self.dims
-        layers = (len(self.table) // 5)
-        if len(caches) != layers:
-            raise ValueError(f"decode_layers: {len(caches)} layers' caches for {layers} layers")
-        k0, v0 = caches[0]
-        for i, (k, v) in enumerate(caches):
-            for name, c in (("K", k), ("V", v)):
-                if (c.dtype != torch.bfloat16 or c.dim() != 4 or not c.is_contiguous()
-                        or tuple(c.shape[1:]) != (d.block_size, d.kv_heads, d.head_dim)):
-                    raise ValueError(f"decode_layers: layer {i}'s {name} cache "
-                                     f"{tuple(c.shape)} {c.dtype} is not a contiguous bf16 "
-                                     f"(blocks, {d.block_size}, {d.kv_heads}, {d.head_dim})")
-            for f in range(5 * i, 5 * i + 5):
-                self.table[f, 9] = (k.data_ptr() - k0.data_ptr()) // 2
-                self.table[f, 10] = (v.data_ptr() - v0.data_ptr()) // 2
-        self.caches = (k0, v0)
+        self.table[:, 9:11] = check_caches(self.dims, caches, len(self.table) // 5,
+                                           "decode_layers").repeat_interleave(5, 0)
+        self.caches = caches[0]
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  block_table: torch.Tensor, cos_sin: torch.Tensor,
@@ -755,7 +762,8 @@ class DecodeLayers:
             XP=int(bool(self.x_pairs) and self.x_smem and not f16),
             NG=x_groups(self.k_max, tile) if self.x_smem else tile // 16, num_warps=self.warps,
             maxnreg=self.regs)
-        self._check_resident(args, kw)
+        check_resident(decode_layers_kernel, self.programs, self._sms, args, kw, self._resident,
+                       "decode_layers")
         decode_layers_kernel[(self.programs,)](*args, **kw)
         return self.vec[:H].view(1, H)
 

@@ -1,8 +1,10 @@
 """One-row decode steps of a 4-bit Llama-style model through one persistent kernel.
 
-A decode step of one sequence runs every decoder layer in `kernels/decode_layers.py`'s kernel
-instead of a kernel a phase (its prologue looks the token's embedding up); the final norm and
-the LM head stay as they are.
+A decode step of one sequence runs every decoder layer in one persistent kernel instead of a
+kernel a phase (its prologue looks the token's embedding up), in one of two forms:
+`kernels/decode_layers.py` (`split`: each projection's tiles split over the programs) or
+`kernels/decode_rows.py` (`rows`: whole-K row tiles, each phase starting on the inputs that
+are ready); the final norm and the LM head stay as they are.
 `prepare` checks that the model is one the kernel serves and packs its layers (a second copy of
 the 4-bit weights, so the memory the KV cache is sized from counts it); `bind` gives the packed
 layers the KV caches once they exist and turns the path on (`DecoderForCausalLM.forward` then
@@ -68,10 +70,12 @@ def unsupported(model: nn.Module, block_size: int, cache_dtype: torch.dtype) -> 
 
 
 def prepare(model: nn.Module, block_size: int, cache_dtype: torch.dtype,
-            device: torch.device) -> str | None:
-    """Pack the model's layers for the one-kernel decode (see the module docstring); the reason
-    why not where it cannot serve them (then nothing changes)."""
+            device: torch.device, form: str = "split") -> str | None:
+    """Pack the model's layers for the one-kernel decode in `form` (see the module docstring);
+    the reason why not where it cannot serve them (then nothing changes)."""
     from peregrine.kernels import decode_layers as kd
+    if form not in ("split", "rows"):
+        raise ValueError(f"one-kernel decode form {form!r}: split or rows")
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
         return "it needs an sm_90+ GPU (TMA, warp specialization)"
     reason = unsupported(model, block_size, cache_dtype)
@@ -90,19 +94,23 @@ def prepare(model: nn.Module, block_size: int, cache_dtype: torch.dtype,
               for layer in model.layers]
     programs = torch.cuda.get_device_properties(device).multi_processor_count
     splits = kd.attention_splits(programs, dims.kv_heads)
-    reason = kd.unsupported(dims, layers, layers[0].qkv.scales.dtype, programs=programs,
-                            splits=splits)
+    if form == "rows":
+        from peregrine.kernels import decode_rows as kr
+        check, cls = kr.unsupported, kr.DecodeRows
+    else:
+        check, cls = kd.unsupported, kd.DecodeLayers
+    reason = check(dims, layers, layers[0].qkv.scales.dtype, programs=programs, splits=splits)
     if reason is not None:
         return reason
-    model.decode_layers_packed = kd.DecodeLayers(dims, layers, model.norm.weight.data, device,
-                                                 programs=programs, splits=splits)
+    model.decode_layers_packed = cls(dims, layers, model.norm.weight.data, device,
+                                     programs=programs, splits=splits)
     return None
 
 
 def bind(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
     """Give the packed layers (if any) the KV caches, compile and run the kernel on a padding
-    row (position 0, slot -1: it stores no K/V), keep the faster of its placements
-    (`DecodeLayers.choose_placement`), and turn the path on. None when it is on, else why not
+    row (position 0, slot -1: it stores no K/V), keep the fastest of its placements
+    (`choose_placement`), and turn the path on. None when it is on, else why not
     (nothing packed, or the kernel failed: the layer-by-layer path stays)."""
     dl = getattr(model, "decode_layers_packed", None)
     if dl is None:
@@ -117,7 +125,7 @@ def bind(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -
         table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
         dl(x, pos, slot, table, cos_sin)
         torch.cuda.synchronize(dev)
-        # the placement (decode_layers.PLACEMENTS) that runs this GPU's step fastest
+        # the placement (the kernel module's PLACEMENTS) that runs this GPU's step fastest
         dl.choose_placement(lambda: dl(x, pos, slot, table, cos_sin))
     except Exception as e:  # noqa: BLE001 - any failure keeps the layer-by-layer path
         del model.decode_layers_packed

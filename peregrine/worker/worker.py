@@ -75,7 +75,7 @@ class Worker:
         cfg = self.config
         reason = one_kernel_decode.prepare(self.model, cfg.cache.block_size,
                                            kv_cache_torch_dtype(cfg.cache, cfg.model),
-                                           self.device)
+                                           self.device, envs.decode_layers())
         if reason is not None:
             logger.info("PEREGRINE_DECODE_LAYERS: not for this model: %s", reason)
             return

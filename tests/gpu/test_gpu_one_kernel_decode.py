@@ -1,9 +1,9 @@
-"""The one-kernel decode path in the engine (PEREGRINE_DECODE_LAYERS=1, models/one_kernel_decode.py;
-sm_90+): a bf16 4-bit AWQ Llama-shaped model decoding one sequence at a time takes it, picks
-near-exact top-1 tokens of the float32 dequantized model as the layer-by-layer path does, with
-logprobs as close to that model's as that path's, gives the same tokens in CUDA graphs as
-eagerly, and serves batches of several sequences and prefix-cache hits around it, with one
-program an SM or two."""
+"""The one-kernel decode path in the engine (PEREGRINE_DECODE_LAYERS=split or rows,
+models/one_kernel_decode.py; sm_90+): a bf16 4-bit AWQ Llama-shaped model decoding one sequence
+at a time takes it, picks near-exact top-1 tokens of the float32 dequantized model as the
+layer-by-layer path does, with logprobs as close to that model's as that path's, gives the same
+tokens in CUDA graphs as eagerly, and serves batches of several sequences and prefix-cache hits
+around it, in each form and placement the engine may keep."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -31,9 +31,10 @@ def bf16_awq(tmp_path_factory: pytest.TempPathFactory):
     from peregrine.testing.checkpoints import build_tiny_checkpoint
     from peregrine.testing.quant_pack import write_quantized_checkpoint
     root = tmp_path_factory.mktemp("awq-bf16")
-    src = build_tiny_checkpoint(root / "src", "llama", hidden_size=512, head_dim=128,
+    # (the row-tile form's chunks are 1,024 inputs)
+    src = build_tiny_checkpoint(root / "src", "llama", hidden_size=1024, head_dim=128,
                                 num_attention_heads=8, num_key_value_heads=2,
-                                intermediate_size=1024, num_hidden_layers=LAYERS,
+                                intermediate_size=2048, num_hidden_layers=LAYERS,
                                 max_position_embeddings=1024)
     path, ref = write_quantized_checkpoint(src, root / "awq", "awq", group_size=128)
     g = torch.Generator().manual_seed(5)
@@ -42,13 +43,13 @@ def bf16_awq(tmp_path_factory: pytest.TempPathFactory):
     return str(path), ref, prompts, params
 
 
-def _outputs(path: str, prompts, params: list, monkeypatch, on: bool, together: bool = False,
-             **engine_args) -> tuple[list, bool]:
+def _outputs(path: str, prompts, params: list, monkeypatch, on: str | None,
+             together: bool = False, **engine_args) -> tuple[list, bool]:
     """Each prompt's (greedy tokens, each step's logprobs where its params ask for them), one
     prompt at a time (so its decode steps are one row; together: all at once), and whether
-    the one-kernel path was on. params: one a prompt."""
+    the one-kernel path (in form `on`, None: off) was on. params: one a prompt."""
     from peregrine import LLM
-    monkeypatch.setenv("PEREGRINE_DECODE_LAYERS", "1" if on else "0")
+    monkeypatch.setenv("PEREGRINE_DECODE_LAYERS", on or "0")
     engine_args.setdefault("num_gpu_blocks_override", 256)
     llm = LLM(path, dtype="bfloat16", max_model_len=512, seed=0, **engine_args)
     try:
@@ -66,7 +67,7 @@ def _outputs(path: str, prompts, params: list, monkeypatch, on: bool, together: 
         torch.cuda.empty_cache()
 
 
-def _tokens(path: str, prompts, params, monkeypatch, on: bool,
+def _tokens(path: str, prompts, params, monkeypatch, on: str | None,
             **engine_args) -> tuple[list[list[int]], bool]:
     """Greedy tokens of each prompt, one at a time, and whether the one-kernel path was on."""
     outs, used = _outputs(path, prompts, [params] * len(prompts), monkeypatch, on,
@@ -111,16 +112,17 @@ def _logprob_errors(ref: str, prompts, outputs) -> list[float]:
     return errors
 
 
-def test_one_row_decode_picks_near_exact_tokens_as_the_layer_path_does(bf16_awq,
-                                                                       monkeypatch) -> None:
+@pytest.mark.parametrize("form", ("split", "rows"))
+def test_one_row_decode_picks_near_exact_tokens_as_the_layer_path_does(bf16_awq, monkeypatch,
+                                                                       form) -> None:
     """No more tokens off the float32 dequantized model's top-1 than twice the layer-by-layer
     path's (or a tenth). (Near-ties decide which: how far each path's numbers are from the
     exact ones is the next test's measure.)"""
     _hopper()
     path, ref, prompts, params = bf16_awq
-    ours, used = _tokens(path, prompts, params, monkeypatch, on=True)
+    ours, used = _tokens(path, prompts, params, monkeypatch, on=form)
     assert used
-    theirs, used = _tokens(path, prompts, params, monkeypatch, on=False)
+    theirs, used = _tokens(path, prompts, params, monkeypatch, on=None)
     assert not used
     g_ours, g_theirs = _gaps(ref, prompts, ours), _gaps(ref, prompts, theirs)
     assert len(g_ours) == len(prompts) * params.max_tokens
@@ -129,7 +131,7 @@ def test_one_row_decode_picks_near_exact_tokens_as_the_layer_path_does(bf16_awq,
 
 
 def _as_close_as_the_layer_path(path: str, ref: str, prompts, params, monkeypatch,
-                                record_property, **kw) -> None:
+                                record_property, form: str = "split", **kw) -> None:
     """Each step's logprobs (the picked token and the top 20) against the float32 dequantized
     model's, teacher-forced, with the one-kernel path on and off: its errors are those of
     another bf16 rounding of the same layers, so their median and largest are within 1.25 and
@@ -137,11 +139,11 @@ def _as_close_as_the_layer_path(path: str, ref: str, prompts, params, monkeypatc
     one)."""
     params = [replace(p, logprobs=20) for p in params]
     runs = {}
-    for on in (True, False):
+    for on in (form, None):
         outs, used = _outputs(path, prompts, params, monkeypatch, on=on, **kw)
-        assert used == on
+        assert used == (on is not None)
         runs[on] = _logprob_errors(ref, prompts, outs)
-    ours, theirs = torch.tensor(runs[True]), torch.tensor(runs[False])
+    ours, theirs = torch.tensor(runs[form]), torch.tensor(runs[None])
     assert len(ours) == len(theirs) == sum(p.max_tokens for p in params)
     assert not torch.equal(ours, theirs)  # (the one-kernel path ran: its roundings differ)
     stats = {"ours": (float(ours.median()), float(ours.max())),
@@ -153,32 +155,38 @@ def _as_close_as_the_layer_path(path: str, ref: str, prompts, params, monkeypatc
     assert ours.max() <= 2 * theirs.max(), stats
 
 
-@pytest.mark.parametrize("placement", ((1, 16), (2, 8)))
+@pytest.mark.parametrize("form,placement", (("split", (1, 16)), ("split", (2, 8)),
+                                            ("rows", (2, 4, False)), ("rows", (2, 4, True)),
+                                            ("rows", (1, 8, False))))
 def test_one_row_decode_is_as_close_to_exact_as_the_layer_path(bf16_awq, monkeypatch,
-                                                              record_property,
+                                                              record_property, form,
                                                               placement) -> None:
-    """In each placement the engine may keep (programs an SM, ring stages), made the only one
-    it times."""
+    """In each placement the engine may keep (programs an SM, ring stages; the row-tile form's
+    inputs as B pairs or not), made the only one it times."""
     _hopper()
-    from peregrine.kernels import decode_layers as kd
-    assert placement in kd.PLACEMENTS
-    monkeypatch.setattr(kd, "PLACEMENTS", (placement,))
+    from peregrine.kernels import decode_layers, decode_rows
+    kernels = decode_rows if form == "rows" else decode_layers
+    assert placement in kernels.PLACEMENTS
+    monkeypatch.setattr(kernels, "PLACEMENTS", (placement,))
     path, ref, prompts, params = bf16_awq
     _as_close_as_the_layer_path(path, ref, prompts, [params] * len(prompts), monkeypatch,
-                                record_property)
+                                record_property, form)
 
 
-def test_graphs_eager_batches_and_prefix_hits(bf16_awq, monkeypatch, record_property) -> None:
+@pytest.mark.parametrize("form", ("split", "rows"))
+def test_graphs_eager_batches_and_prefix_hits(bf16_awq, monkeypatch, record_property,
+                                              form) -> None:
     """The path in CUDA graphs gives its eager tokens; several sequences at once, of several
     lengths (the layer-by-layer path's steps until one is left), and a repeated prompt (a
     prefix-cache hit) stay as close to the exact model as the layer-by-layer path."""
     _hopper()
     path, ref, prompts, params = bf16_awq
-    graphs, used = _tokens(path, prompts, params, monkeypatch, on=True)
-    eager, _ = _tokens(path, prompts, params, monkeypatch, on=True, enforce_eager=True)
+    graphs, used = _tokens(path, prompts, params, monkeypatch, on=form)
+    eager, _ = _tokens(path, prompts, params, monkeypatch, on=form, enforce_eager=True)
     assert used and graphs == eager
     # (the first prompt decodes alone for its last 12 steps: one-row steps, the kernel's)
     lengths = (params.max_tokens, 16, 22, 28, 10)
     _as_close_as_the_layer_path(path, ref, prompts + prompts[:1],
                                 [replace(params, max_tokens=n) for n in lengths], monkeypatch,
-                                record_property, together=True, enable_prefix_caching=True)
+                                record_property, form, together=True,
+                                enable_prefix_caching=True)

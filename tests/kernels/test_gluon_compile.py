@@ -1,5 +1,6 @@
 """The Gluon kernels (the 4/6-bit and FP8 tensor-core GEMVs, the FP8-cache attention, the
-persistent decode kernel in seven forms, the row-tile probe's kernel) compile for an sm_90a GPU
+persistent decode kernel in seven forms, the row-tile probe's kernel, the row-tile persistent
+decode kernel in its two forms) compile for an sm_90a GPU
 with the installed Triton, on the CPU (benchmarks/gluon_compile.py, in a process without
 TRITON_INTERPRET): a Triton release that renames what they use fails here rather than at a
 GPU's first call. Their numbers are checked on the GPU (tests/gpu)."""
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow  # (about 15 s of compiling, uncached)
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = ("gemv_tc4", "gemv_tc6", "w8_tc", "attn_fp8", "layers:engine", "layers:fold",
         "layers:l2", "layers:pipe", "layers:pipexsum", "layers:allpoll", "layers:xpairs",
-        "rows", "rows_pre")
+        "rows", "rows_pre", "decode_rows", "decode_rows_pre")
 SM90_SHARED = 227 * 1024  # the most shared memory a program may take on sm_90
 
 
@@ -105,3 +106,23 @@ def test_the_row_tile_probe_made_once_inputs_halve_the_mmas(compiled: dict) -> N
     """With x's pairs and group sums made by the copying warp, the consumers' constant-weight
     MMAs are gone: two MMAs a step instead of four."""
     assert _job(compiled, "rows")["ptx"]["mma"] == 2 * _job(compiled, "rows_pre")["ptx"]["mma"]
+
+
+@pytest.mark.parametrize("name", ("decode_rows", "decode_rows_pre"))
+def test_the_row_tile_decode_kernel_fits_two_programs_an_sm(compiled: dict, name: str) -> None:
+    """With Llama-3-8B's input buffers and a ring of 4: two programs an SM at 128 registers."""
+    job = _job(compiled, name)
+    assert job["registers"] <= 128
+    assert 2 * (job["shared_bytes"] + 1024) <= 228 * 1024
+    ptx = job["ptx"]
+    # weights by TMA, inputs by cp.async, the groups' counters read with acquire
+    assert ptx["tma"] >= 2 and ptx["cp_async"] > 0 and ptx["acquire_loads"] > 0
+    # a consumed slot is given back by one thread after a barrier of the consumer warps
+    assert job["arrives"]["after_a_barrier"] > 0
+
+
+def test_the_row_tile_decode_kernels_inputs_made_once_halve_the_mmas(compiled: dict) -> None:
+    """Its inputs written as B pairs with their groups' sums by the phases that make them: no
+    constant-weight MMAs and no byte permutes left in the projections' steps."""
+    plain, pre = _job(compiled, "decode_rows")["ptx"], _job(compiled, "decode_rows_pre")["ptx"]
+    assert plain["mma"] == 2 * pre["mma"] and pre["prmt"] == 0 < plain["prmt"]

@@ -1,0 +1,159 @@
+"""The row-tile persistent decode kernel's layouts and tables (kernels/decode_rows.py): each
+16-channel tile's chunks of 8 groups, read in the order its lanes read them, give x @ dequant(W);
+the qkv and gate/up channel orders pair what each tile's finish needs; the phases' tiles are
+shared out evenly; the phase table chains the phases' counters and sums. (The kernel itself is
+Gluon and runs on the GPU only: tests/gpu.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from peregrine.kernels.decode_layers import ATTN, DOWN, GU, O, QKV, Dims, LayerWeights  # noqa: E402
+from peregrine.kernels.decode_rows import (DecodeRows, balance, emulate,  # noqa: E402
+                                           gate_up_rows, pack, pairs_at, qkv_order, qkv_tile,
+                                           unsupported)
+from peregrine.layers.quantization.wna16 import WNA16Layout  # noqa: E402
+
+
+def _weights(k: int, n: int, seed: int) -> WNA16Layout:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (k, n), dtype=torch.int32, generator=g)
+    scales = torch.rand(k // 128, n, generator=g) * 0.01 + 0.002
+    zeros = torch.randint(0, 16, (k // 128, n), generator=g).float()
+    return WNA16Layout.build(q, scales, zeros, None, 4, torch.bfloat16)
+
+
+@pytest.mark.parametrize("k,n", [(1024, 16), (2048, 48), (3072, 32)])
+def test_the_packed_chunks_read_as_the_lanes_read_them_give_the_product(k: int, n: int) -> None:
+    w = _weights(k, n, k + n)
+    rows = pack(w.qweight, w.scales, w.zeros)
+    assert rows.shape == (n // 16 * (k // 1024) * 17, 128)
+    x = torch.randn(k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    want = (x.float()[None] @ w.dequantize(torch.float32).t())[0]
+    torch.testing.assert_close(emulate(rows, x, n), want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_misplaced_word_or_scale_shows() -> None:
+    w = _weights(1024, 16, 3)
+    rows = pack(w.qweight, w.scales, w.zeros)
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    want = emulate(rows, x, 16)
+    for r, c0, c1 in ((0, 0, 1), (3, 5, 37), (16, 0, 8)):  # two words, then two scale words
+        bad = rows.clone()
+        bad[r, c0], bad[r, c1] = rows[r, c1], rows[r, c0]
+        assert (emulate(bad, x, 16) - want).abs().max() > 1e-3
+
+
+def test_qkv_tiles_pair_each_channel_with_its_rope_partner_kv_head_by_kv_head() -> None:
+    heads, kv, d = 8, 2, 128
+    order = qkv_order(heads, kv, d).view(-1, 16)  # (tile in the programs' order, row)
+    assert torch.equal(order.flatten().sort().values, torch.arange((heads + 2 * kv) * d))
+    t = torch.arange(order.shape[0])
+    real = qkv_tile(t, heads, kv, d // 16)
+    assert torch.equal(real.sort().values, t)
+    # the programs' first 48 tiles: KV head 0's four query heads, then its K, then its V
+    heads_of = order[:, 0] // d
+    assert heads_of[:48].unique().tolist() == [0, 1, 2, 3, heads, heads + kv]
+    for i in range(order.shape[0]):  # the kernel's finish takes tile real[i]'s channels
+        rows, head, a = order[i], int(real[i]) // 8, int(real[i]) % 8
+        assert bool((rows // d == head).all())
+        e = rows % d
+        if head < heads + kv:  # rows 2g, 2g + 1: channel 8a + g and its partner, + 64
+            assert torch.equal(e[0::2], 8 * a + torch.arange(8))
+            assert torch.equal(e[1::2], e[0::2] + d // 2)
+        else:  # v: as it is
+            assert torch.equal(e, 16 * a + torch.arange(16))
+
+
+def test_gate_up_tiles_pair_each_gate_channel_with_its_up_channel() -> None:
+    rows = gate_up_rows(64).view(-1, 16)
+    assert torch.equal(rows[:, 0::2] + 64, rows[:, 1::2])
+    assert torch.equal(rows[:, 0::2].flatten(), torch.arange(64))
+
+
+def test_a_layers_tiles_are_shared_out_evenly() -> None:
+    """Each phase's tiles past its whole rounds go to the least loaded programs: no program
+    gets more than a tile of each phase above another, and the attention programs are ones
+    whose qkv share is the smaller."""
+    phases = [(384, 4), (128, -1), (256, 4), (1792, 4), (256, 14)]
+    programs = 264
+    firsts = balance(phases, programs)
+    load = torch.zeros(programs)
+    per_phase = []
+    for (tiles, chunks), first in zip(phases, firsts):
+        got = torch.zeros(programs)
+        for t in range(tiles):
+            got[(t + first) % programs] += 4 if chunks < 0 else chunks
+        per_phase.append(got)
+        load += got
+    qkv, attn = per_phase[0], per_phase[1]
+    assert qkv.max() - qkv.min() == 4
+    assert bool((qkv[attn > 0] == 4).all())  # attention on programs with one qkv tile
+    assert load.max() < 1.1 * load.mean()
+
+
+def _weights(k: int, n: int, seed: int) -> WNA16Layout:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (k, n), dtype=torch.int32, generator=g)
+    return WNA16Layout.build(q, torch.rand(k // 128, n, generator=g) * 0.01 + 0.002,
+                             torch.randint(0, 16, (k // 128, n), generator=g).float(), None, 4,
+                             torch.bfloat16)
+
+
+def _small(layers: int = 2, hidden: int = 1024, inter: int = 2048) -> tuple:
+    dims = Dims(hidden, 8, 2, 128, inter, 16, 1e-6)
+    qd = 8 * 128
+    shapes = ((hidden, qd + 2 * 256), (qd, hidden), (hidden, 2 * inter), (inter, hidden))
+    ws = [LayerWeights(*(_weights(k, n, 10 * i + j) for j, (k, n) in enumerate(shapes)),
+                       torch.ones(hidden, dtype=torch.bfloat16),
+                       torch.ones(hidden, dtype=torch.bfloat16)) for i in range(layers)]
+    return dims, ws
+
+
+def test_the_phase_table_chains_counters_sums_and_inputs() -> None:
+    dims, ws = _small()
+    dl = DecodeRows(dims, ws, torch.ones(1024, dtype=torch.bfloat16), torch.device("cpu"),
+                    splits=4, programs=8)
+    tab = dl.table.tolist()
+    assert [r[0] for r in tab] == [QKV, ATTN, O, GU, DOWN] * 2
+    pa = pairs_at(dims)
+    cnt = 0
+    for f, r in enumerate(tab):
+        assert r[5] == cnt  # each phase's counters follow the one before's
+        groups = {QKV: 12, ATTN: 8, O: 8, GU: 16, DOWN: 8}[r[0]]
+        cnt += groups
+        if f:
+            before = tab[f - 1]
+            want = {QKV: 8, ATTN: 12, O: 8, GU: 8, DOWN: 16}[r[0]]
+            assert (r[6], r[7]) == (want, before[5])  # the groups it waits for
+        else:
+            assert r[6] == 0  # (the prologue's input: no wait)
+        if r[0] != ATTN:
+            assert r[15] - pa == 8 * r[16]  # the input's pairs and its rows' sums
+    assert cnt == dl.cnt.numel()
+    # 1 / rms from the sums the o / down phase before wrote (the prologue's for the first)
+    assert tab[0][8] == 0 and tab[3][8] == tab[2][9] and tab[5][8] == tab[4][9]
+    assert len({r[9] for r in tab if r[0] in (O, DOWN)}) == 4  # each its own
+    assert dl.weight_bytes == dl.rows.numel() * 4
+    # the packed rows of layer 1's o, read as the lanes read them, are its product
+    o = ws[1].o
+    base = tab[7][1]
+    rows = dl.rows[17 * base:17 * (base + tab[7][2] * tab[7][3])]
+    x = torch.randn(1024).to(torch.bfloat16)
+    torch.testing.assert_close(emulate(rows, x, 1024),
+                               (x.float()[None] @ o.dequantize(torch.float32).t())[0],
+                               rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="1 layers' caches for 2 layers"):
+        dl.bind_caches([(torch.zeros(4, 16, 2, 128, dtype=torch.bfloat16),) * 2])
+
+
+def test_shapes_it_cannot_run_are_refused_with_the_reason() -> None:
+    dims, ws = _small(1, hidden=1024, inter=1536)
+    assert "intermediate size 1536" in unsupported(dims, ws, torch.bfloat16)
+    dims, ws = _small(1)
+    assert unsupported(dims, ws, torch.bfloat16) is None
+    with pytest.raises(ValueError, match="fewer than the attention's"):
+        DecodeRows(dims, ws, torch.ones(1024, dtype=torch.bfloat16), torch.device("cpu"),
+                   splits=4, programs=4)
