@@ -1,8 +1,8 @@
-"""Batch-1 paged decode attention as a phase of the persistent decode kernel (decode_layers.py;
-Gluon, sm_90+): KV heads x SPLITS programs each take a share of the context for the KV head's
-four query heads (online softmax in float32, log2 units; the earlier steps' K/V rows read
-before the wait for the qkv phase, this step's own row after it), store (m, l, acc), and the
-last share of a head to arrive merges them. Its inputs are the qkv phase's q and this step's
+"""Batch-1 paged decode attention as a phase of the persistent decode kernels (decode_layers.py,
+decode_rows.py; Gluon, sm_90+): KV heads x SPLITS programs each take a share of the context for
+the KV head's four query heads (online softmax in float32, log2 units; the earlier steps' K/V
+rows read before the wait for the qkv phase, this step's own row after it), store (m, l, acc),
+and the last share of a head to arrive merges them. Its inputs are the qkv phase's q and this step's
 K/V row, or (`_attn_inputs_folded`) made here from the qkv projection's partials.
 """
 from __future__ import annotations
@@ -148,7 +148,7 @@ def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, q0, q1, q2, q3, k_cur,
     k_cur, v_cur); the last share of a head to arrive merges the shares into the output (XSUM:
     and stores its sums a block of 64 at bs_ptr, the arena's blocks' input sums; PAIRS: and
     the output's copy as B pairs at pp_ptr and its sums a row of 8 at rs_ptr, as
-    decode_rows._pairs_at orders them). Whether this share merged."""
+    decode_rows._pairs orders them). Whether this share merged."""
     GQA: gl.constexpr = HEADS // KVH
     Q_OFF: gl.constexpr = 2 * H
     AT_OFF: gl.constexpr = Q_OFF + HEADS * D
