@@ -79,6 +79,7 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+@pytest.mark.slow  # (it waits out the shutdown timeout)
 def test_sigterm_aborts_open_requests_after_the_timeout_and_exits():
     timeout = 2.0
     proc, base = _start(timeout)

@@ -86,6 +86,7 @@ def test_bad_arguments_are_refused():
             soak.parse_args(argv)
 
 
+@pytest.mark.slow  # (a few seconds of load)
 def test_a_soak_of_the_fake_engine_passes():
     args, _ = soak.parse_args(["--rounds", "2", "--requests", "80", "--max-tokens", "6",
                                "--drain-timeout", "10"])

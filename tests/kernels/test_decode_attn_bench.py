@@ -11,6 +11,8 @@ import torch
 
 from benchmark_scripts import load
 
+pytestmark = pytest.mark.slow  # (a benchmark script's checks: about 8 s under the interpreter)
+
 bench = load("decode_attn_bench")
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import (FP8_DTYPES, FP8_IDS, K_SCALE, TOLERANCES, V_SCALE, exact_reference,
-                          fp8_case, make_paged_case)
+from kernel_cases import (FP8_E5M2_SLOW, K_SCALE, TOLERANCES, V_SCALE, exact_reference, fp8_case,
+                          make_paged_case)
 from peregrine.kernels.decode_attention import paged_decode_attention
 
 SCALE = 0.125
@@ -32,7 +32,7 @@ OPTIONS = [(False, False, False, False), (True, True, True, True), (True, False,
 OPTION_IDS = ["plain", "all", "prefetch-aligned", "clamp-heads-first"]
 
 
-@pytest.mark.parametrize("cache_dtype", FP8_DTYPES, ids=FP8_IDS)
+@pytest.mark.parametrize("cache_dtype", FP8_E5M2_SLOW)
 @pytest.mark.parametrize("group,kv_heads,per_program,head_dim", SHAPES, ids=SHAPE_IDS)
 def test_fp8_cache_is_exact_on_the_dequantized_cache(cache_dtype: torch.dtype, group: int,
                                                      kv_heads: int, per_program: int,

@@ -220,7 +220,8 @@ def test_the_unsplit_wide_tile_matches_dequantized_matmul(block_k: int) -> None:
                        w8_gemv(silu_and_mul(h), wq, ws, config=cfg))
 
 
-@pytest.mark.parametrize("form", [0, 1])
+# (form 0, the reduce-every-block form, in the full suite only: the default is 1)
+@pytest.mark.parametrize("form", [pytest.param(0, marks=pytest.mark.slow), 1])
 @pytest.mark.parametrize("block_k, split", [(64, 1), (512, 1), (64, 2), (32, 8)])
 @pytest.mark.parametrize("dtype", [FP8_DTYPE, torch.int8], ids=["fp8", "int8"])
 def test_normed_row_is_the_rms_norm_then_the_gemv(dtype: torch.dtype, block_k: int, split: int,

@@ -203,6 +203,7 @@ def test_the_default_variant_and_every_variant_agrees() -> None:
         assert _ulps(wna16_gemv(x, w, variant=variant), x, w) < ULP, variant
 
 
+@pytest.mark.slow  # (a variant for benchmarks; about 5 s under the interpreter)
 @pytest.mark.parametrize("bits, group, zp", [(4, 32, True), (6, 16, True), (8, 128, False),
                                              (4, K, False)])
 def test_fma_prefetch_equals_fma_bit_for_bit(bits: int, group: int, zp: bool) -> None:
@@ -409,6 +410,7 @@ def test_staged_variant_matches_dequantized_matmul(zp: bool, group: int) -> None
     torch.testing.assert_close(got, _reference(x, w), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.slow  # (a variant for benchmarks; about 6 s under the interpreter)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("split", [1, 2, 3])
 def test_staged_split_k_ragged_and_gated(split: int, dtype: torch.dtype) -> None:
