@@ -6,10 +6,10 @@ Checks (decode_layer_ring.reference_layers: the layers in torch with the kernels
 points): one and two layers at several context lengths (the first token, a context within one
 attention block a program, one longer than all of them together), and that repeated calls give
 the same bits; over the timed model's 32 layers the largest relative RMS difference is recorded
-beside the other kernel's on the same layers (both drift past the few-layer bound there). Times are CUDA-graph replays of 32 layers, per
-placement (programs an SM x ring stages), inputs as B pairs or not, and loader form
-(`dataflow`: a chunk's groups; `phase`: the whole phase before; `free`: no waits, a floor whose
-outputs are not the layers').
+beside the other kernel's on the same layers (both drift past the few-layer bound there).
+Times are CUDA-graph replays of 32 layers, per placement (programs an SM x ring stages), inputs
+as B pairs or not, and loader form (`dataflow`: a chunk's groups; `phase`: the whole phase
+before; `free`: no waits, a floor whose outputs are not the layers').
 
     python benchmarks/decode_rows_bench.py --out /tmp/out/decode_rows.json
 """

@@ -10,11 +10,12 @@ tensor-core GEMV), `attn_fp8` (the FP8-cache decode attention's split kernel), `
 `rows_pre` (the row-tile probe's kernel), `decode_rows` / `decode_rows_pre` (the row-tile
 persistent decode kernel, kernels/decode_rows.py, its inputs' buffers as large as
 Llama-3-8B's) and `layers:<form>` (the persistent decode kernel, kernels/decode_layers.py, in
-a form of FORMS, at each register cap of --regs). Per job: registers, stack bytes (the spills' room), spill
-stores and loads, shared memory, a few SASS instructions' counts and the PTX pieces the design
-depends on; or the compiler's error. Shapes: `small` (a 512-wide model, fast) or `llama3-8b`
-(the persistent kernel packed for 132 programs from Llama-3-8B's shapes). Triton must not be
-in interpreter mode (TRITON_INTERPRET unset): its reductions would be the interpreter's.
+a form of FORMS, at each register cap of --regs). Per job: registers, stack bytes (the spills'
+room), spill stores and loads, shared memory, a few SASS instructions' counts and the PTX pieces
+the design depends on; or the compiler's error. Shapes: `small` (a 512-wide model, fast) or
+`llama3-8b` (the persistent kernel packed for 132 programs from Llama-3-8B's shapes). Triton
+must not be in interpreter mode (TRITON_INTERPRET unset): its reductions would be the
+interpreter's.
 """
 from __future__ import annotations
 

@@ -252,11 +252,11 @@ def _loader(xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_
     """Each projection's input row into buffer gf % 2 (gf: the projections so far that have
     tiles in this program; the consumer counts the same), a chunk's 8 groups at a time, as soon
     as the groups of the phase before's outputs they stand for are complete (MODE 1; 0: once
-    all of them are; 2: no wait): xready[gf % 2][c] says chunk c's groups have landed. A pass reads up to 128 counters at once and copies every chunk they
-    make ready, in one round trip. A normed input's 1 / rms goes into rrbuf[gf % 2] before its
-    last chunk is announced (every tile's sum of h^2 is in once every group is). PRE: the
-    input's copy as B pairs is copied, and each chunk's groups' input sums are made from their
-    rows' sums (_group_sums)."""
+    all of them are; 2: no wait): xready[gf % 2][c] says chunk c's groups have landed. A pass
+    reads up to 128 counters at once and copies every chunk they make ready, in one round trip.
+    A normed input's 1 / rms goes into rrbuf[gf % 2] before its last chunk is announced (every
+    tile's sum of h^2 is in once every group is). PRE: the input's copy as B pairs is copied,
+    and each chunk's groups' input sums are made from their rows' sums (_group_sums)."""
     LP: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])
     LC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0])
     LG: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
