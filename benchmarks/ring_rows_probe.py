@@ -51,7 +51,7 @@ from benchmarks.cuda_timing import graph_replay_ms, write_results  # noqa: E402
 from benchmarks.ring_int4_probe import _ulps  # noqa: E402
 from peregrine.kernels._gluon import (cp_async, cta_barrier, poll_acquire,  # noqa: E402
                                       ring_barriers, smem_reinterpret, tma_load)
-from peregrine.kernels.decode_rows import CG, ROW, TILE, _chunk, _chunk_pre, pack  # noqa: E402
+from peregrine.kernels.decode_rows import CG, ROW, TILE, _chunk, pack  # noqa: E402
 from peregrine.kernels.wna16_gemv_tc import _PAIRS, _f32_hi, _f32_lo  # noqa: E402
 
 HBM_GBPS = 4200.0
@@ -225,13 +225,10 @@ def _consumer(wbufs, sbufs, xbufs, xsums, ready, empty, xready, xfree, tab_ptr, 
                     mbarrier.wait(xready.index(b * CMAX + c), (f // 2) & 1)
                 slot = i % S
                 mbarrier.wait(ready.index(slot), (i // S) & 1)
-                if PRE:  # (x's rows hold their B pairs already, its groups' sums beside)
-                    y = _chunk_pre(y, wvs.index(slot), svs.index(slot).load(L),
-                                   xv.index(b * (GMAX // 8) + c), xsv.index(b * CMAX + c), g,
-                                   idx // 32, sel, L, T, WARPS)
-                else:
-                    y = _chunk(y, wvs.index(slot), svs.index(slot).load(L),
-                               xv.index(b * (GMAX // 8) + c), g, ones, sel, L, T, WARPS)
+                # (PRE: x's rows hold their B pairs already, its groups' sums beside)
+                y = _chunk(y, wvs.index(slot), svs.index(slot).load(L),
+                           xv.index(b * (GMAX // 8) + c), g, ones, sel, L, T, WARPS, PRE,
+                           xsv.index(b * CMAX + c), idx // 32)
                 # every warp's loads of the slot are done before it is refilled (the arrive
                 # is a barrier of the consumer warps and one thread's arrive)
                 mbarrier.arrive(empty.index(slot), count=1)

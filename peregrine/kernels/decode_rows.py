@@ -340,17 +340,24 @@ def _rows(w, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr):
 
 
 @gluon.jit
-def _chunk(y, wv, sv, xc, g, ones, sel, L: gl.constexpr, T: gl.constexpr,
-           WARPS: gl.constexpr):
+def _chunk(y, wv, sv, xc, g, ones, sel, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr,
+           PRE: gl.constexpr = False, xs=None, w_id=None):
     """One ring chunk into the tile's sums y: warp w's groups 2w and 2w + 1 of the chunk, each
     four MMA steps on the words (wv) and x's rows (xc), then scaled by the group's scales and
-    zero points (sv, the chunk's row of them)."""
+    zero points (sv, the chunk's row of them). PRE: x's copy holds its B pairs and xs the
+    groups' input sums (group gi's at gi; w_id: the warp), so that a step is its weight MMAs
+    alone."""
     LW: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 1, 1, 32], [WARPS, 1, 1, 1],
                                         [3, 2, 1, 0])
     LX: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 1, 4, 8], [WARPS, 1, 1, 1],
                                         [2, 3, 1, 0])
+    B2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [WARPS, 1], [1, 0])
     zero = gl.zeros([T], gl.float32, layout=L)
     c4 = (zero, zero, zero, zero)
+    if PRE:
+        xs4 = xs.load(gl.SliceLayout(0, B2))
+        xs4 = gl.convert_layout(gl.reshape(gl.expand_dims(xs4, 0).broadcast_to([WARPS, 32]),
+                                           [T]), L).to(gl.int32, bitcast=True)
     for h in gl.static_range(2):
         s_w = _shfl(sv, 16 * h + g)
         z_w = _shfl(sv, 16 * h + 8 + g)
@@ -365,52 +372,20 @@ def _chunk(y, wv, sv, xc, g, ones, sel, L: gl.constexpr, T: gl.constexpr,
             pa, pb = gl.split(gl.reshape(xl, [WARPS, 4, 2, 2]))
             x0, x2 = gl.split(pa)
             x1, x3 = gl.split(pb)
-            bx = gl.inline_asm_elementwise(
-                _PAIRS, "=r,=r,=r,=r,r,r,r,r",
-                [_rows(x0, L, T, WARPS), _rows(x1, L, T, WARPS),
-                 _rows(x2, L, T, WARPS), _rows(x3, L, T, WARPS)],
-                dtype=(gl.int32,) * 4, is_pure=True, pack=1)
-            acc, cx = _step(acc, cx, ones, (e0, e0, e0, e0, e1, e0, e0, e0),
-                            (bx[0], bx[1], bx[2], bx[3]), sel, 1, True, 4)
-        y = _group_done(y, acc, cx, ((s_w, s_w, s_w, s_w), (z_w, z_w, z_w, z_w)),
-                        0, 1, True, True, 4)
-    return y
-
-
-@gluon.jit
-def _chunk_pre(y, wv, sv, xc, xs, g, w_id, sel, L: gl.constexpr, T: gl.constexpr,
-               WARPS: gl.constexpr):
-    """_chunk on x's copy as B pairs, with the groups' input sums made once (xs: group gi's
-    at gi): a step is its weight MMAs alone."""
-    LW: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 1, 1, 32], [WARPS, 1, 1, 1],
-                                        [3, 2, 1, 0])
-    LX: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 1, 4, 8], [WARPS, 1, 1, 1],
-                                        [2, 3, 1, 0])
-    B2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [WARPS, 1], [1, 0])
-    zero = gl.zeros([T], gl.float32, layout=L)
-    c4 = (zero, zero, zero, zero)
-    xs4 = xs.load(gl.SliceLayout(0, B2))
-    xs4 = gl.convert_layout(gl.reshape(gl.expand_dims(xs4, 0).broadcast_to([WARPS, 32]), [T]),
-                            L).to(gl.int32, bitcast=True)
-    for h in gl.static_range(2):
-        s_w = _shfl(sv, 16 * h + g)
-        z_w = _shfl(sv, 16 * h + 8 + g)
-        acc = (c4, c4, c4, c4)
-        for s in gl.static_range(4):
-            wl = wv.slice(h, 1, dim=1).slice(s, 1, dim=2).load(LW)
-            e0, e1 = gl.split(gl.reshape(wl, [WARPS, 32, 2]))
-            e0 = gl.convert_layout(gl.reshape(e0, [T]), L)
-            e1 = gl.convert_layout(gl.reshape(e1, [T]), L)
-            xl = xc.slice(h, 1, dim=1).slice(4 * s, 4, dim=2).load(LX)
-            pa, pb = gl.split(gl.reshape(xl, [WARPS, 4, 2, 2]))
-            x0, x2 = gl.split(pa)
-            x1, x3 = gl.split(pb)
             bx = (_rows(x0, L, T, WARPS), _rows(x1, L, T, WARPS), _rows(x2, L, T, WARPS),
                   _rows(x3, L, T, WARPS))
-            acc = (_tiles((e0, e0, e0, e0, e1, e0, e0, e0), 0, bx, acc[0], sel, 4, True),
-                   acc[1], acc[2], acc[3])
-        xg = _shfl(xs4, 2 * w_id + h).to(gl.float32, bitcast=True)
-        y = _group_done(y, acc, (xg, xg, xg, xg), ((s_w, s_w, s_w, s_w), (z_w, z_w, z_w, z_w)),
+            if PRE:
+                acc = (_tiles((e0, e0, e0, e0, e1, e0, e0, e0), 0, bx, acc[0], sel, 4, True),
+                       acc[1], acc[2], acc[3])
+            else:
+                bx = gl.inline_asm_elementwise(_PAIRS, "=r,=r,=r,=r,r,r,r,r", list(bx),
+                                               dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+                acc, cx = _step(acc, cx, ones, (e0, e0, e0, e0, e1, e0, e0, e0),
+                                (bx[0], bx[1], bx[2], bx[3]), sel, 1, True, 4)
+        if PRE:
+            xg = _shfl(xs4, 2 * w_id + h).to(gl.float32, bitcast=True)
+            cx = (xg, xg, xg, xg)
+        y = _group_done(y, acc, cx, ((s_w, s_w, s_w, s_w), (z_w, z_w, z_w, z_w)),
                         0, 1, True, True, 4)
     return y
 
@@ -577,14 +552,9 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, ta
                         mbarrier.wait(xready.index(b * CMAX + c), (gf // 2) & 1)
                     slot_r = i % S
                     mbarrier.wait(ready.index(slot_r), (i // S) & 1)
-                    if PRE:
-                        y = _chunk_pre(y, wvs.index(slot_r), svs.index(slot_r).load(L),
-                                       xv.index(b * (GMAX // 8) + c),
-                                       xsums.index(b * CMAX + c),
-                                       g, idx // 32, sel, L, T, WARPS)
-                    else:
-                        y = _chunk(y, wvs.index(slot_r), svs.index(slot_r).load(L),
-                                   xv.index(b * (GMAX // 8) + c), g, ones, sel, L, T, WARPS)
+                    y = _chunk(y, wvs.index(slot_r), svs.index(slot_r).load(L),
+                               xv.index(b * (GMAX // 8) + c), g, ones, sel, L, T, WARPS, PRE,
+                               xsums.index(b * CMAX + c), idx // 32)
                     # every warp's loads of the slot are done before it is refilled (the
                     # arrive is a barrier of the consumer warps and one thread's arrive)
                     mbarrier.arrive(empty.index(slot_r), count=1)
