@@ -16,7 +16,7 @@ checked against x @ dequant(W)):
   robin (tile p, p + P, ...), so a phase's tiles complete in order of their index;
 - the four consumer warps of a program split a tile's K between them (a chunk is 8 groups of
   one tile, 2 a warp) and add their sums through shared memory at the tile's end;
-- a tile's owner writes its 16 outputs and adds one (release) to its group of 128 outputs'
+- a tile's owner writes its 16 outputs and adds 16 (release) to its group of 128 outputs'
   counter; a third partition of the kernel, one warp, copies the next phase's input into a
   shared-memory buffer (two, alternating between phases) chunk by chunk as soon as the groups
   that chunk reads are complete (`dataflow`), or after every group of the phase before is
@@ -49,9 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_timing import graph_replay_ms, write_results  # noqa: E402
 from benchmarks.ring_int4_probe import _ulps  # noqa: E402
-from peregrine.kernels._gluon import (cp_async, cta_barrier, poll_acquire,  # noqa: E402
-                                      ring_barriers, smem_reinterpret, tma_load)
-from peregrine.kernels.decode_rows import CG, ROW, TILE, _chunk, pack  # noqa: E402
+from peregrine.kernels._gluon import (cp_async, cta_barrier, ring_barriers,  # noqa: E402
+                                      smem_reinterpret, tma_load)
+from peregrine.kernels.decode_rows import (CG, ROW, TILE, _chunk, _ready_groups,  # noqa: E402
+                                           pack)
 from peregrine.kernels.wna16_gemv_tc import _PAIRS, _f32_hi, _f32_lo  # noqa: E402
 
 HBM_GBPS = 4200.0
@@ -90,15 +91,6 @@ def _producer(desc_w, desc_s, wbufs, sbufs, ready, empty, tab_ptr, n_phases, P,
                 tma_load(desc_w, [row, 0], ready.index(slot), wbufs.index(slot))
                 tma_load(desc_s, [row + 16, 0], ready.index(slot), sbufs.index(slot))
                 i += 1
-
-
-@gluon.jit
-def _ready_groups(cnt_ptr, lo, gp, LG: gl.constexpr):
-    """How many of the phase before's groups of outputs, from 0, are known complete: the
-    counters [lo, lo + 128) read at once (acquire), those before lo complete already."""
-    j = lo + gl.arange(0, 128, layout=LG)
-    v = poll_acquire(cnt_ptr + gl.minimum(j, gp - 1))
-    return gl.minimum(gl.min(gl.where((v >= 8) | (j >= gp), lo + 128, j), 0), gp)
 
 
 @gluon.jit
@@ -243,7 +235,8 @@ def _consumer(wbufs, sbufs, xbufs, xsums, ready, empty, xready, xfree, tab_ptr, 
             gl.store(out_ptr + o_off + n0 + 2 * ch + 1, gl.convert_layout(gl.sum(v1, 0), LT)
                      .to(gl.bfloat16))
             cta_barrier()
-            gl.atomic_add(cnt_ptr + cnt_off + n0 // 128, 1, sem="release", scope="gpu")
+            # (a group's count is its outputs written, as the decode kernel's)
+            gl.atomic_add(cnt_ptr + cnt_off + n0 // 128, _TILE, sem="release", scope="gpu")
         mbarrier.arrive(xfree.index(b), count=1)
 
 
