@@ -6,8 +6,8 @@ evenly over the programs, so a tile's pieces lie in several programs that add pa
 L2 under a ticket, and every phase waits for the whole phase before. Here a projection is cut
 into tiles of 16 output channels taken whole, every group of their K, by one program (tile t
 by program (t + the phase's first program) % P, `balance`): no partials, no tickets, and a
-tile's owner does its finish itself. A program is three partitions (a projection with none of
-its tiles in a program is skipped by all three):
+tile's owner does its finish itself. A program is four partitions (a projection with none of
+its tiles in a program is skipped by all of them):
 
 - a producer warp copies the program's tiles of every projection, in the order the layers use
   them, into a ring of shared-memory chunks by TMA, waiting only for a free chunk; a chunk is
@@ -30,6 +30,10 @@ its tiles in a program is skipped by all three):
   4. gate/up (rows 2g, 2g + 1 a gate channel and its up channel): scale, round,
      silu(gate) * up, 8 outputs a tile;
   5. down: as o, with the next layer's input norm weight (the final norm's after the last).
+
+- a releasing warp adds each finished tile's outputs to their group's counter (release) once
+  the consumer warps say its finish is stored: they go on to the next tile's chunks without
+  waiting for the release's round trip to L2.
 
 So a phase starts on the rows its first chunks read while the phase before is still writing
 its last ones, and no phase waits for a whole phase. Every counter and sum has its own place
@@ -71,12 +75,14 @@ _TILE = gl.constexpr(TILE)
 _ROW = gl.constexpr(ROW)
 DONE = 128  # a group's count once its 128 outputs are written
 DONE_C = gl.constexpr(DONE)
+NDONE = gl.constexpr(4)  # tiles the consumers may finish ahead of their counts
 # (programs an SM, ring stages, inputs as B pairs) that choose_placement times: the first is
 # the built form
 PLACEMENTS = ((2, 4, False), (2, 4, True), (1, 8, False))
 # the loader's wait: 1 a chunk's groups (the engine's), 0 the whole phase before, 2 none (a
-# floor for measurement: the outputs are not the layers')
-WAITS = {"dataflow": 1, "phase": 0, "free": 2}
+# floor for measurement: the outputs are not the layers'), 3 none and no MMAs (the weight
+# stream and the finishes alone, for measurement)
+WAITS = {"dataflow": 1, "phase": 0, "free": 2, "nochunk": 3}
 
 
 def pack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
@@ -252,7 +258,7 @@ def _loader(xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_
     """Each projection's input row into buffer gf % 2 (gf: the projections so far that have
     tiles in this program; the consumer counts the same), a chunk's 8 groups at a time, as soon
     as the groups of the phase before's outputs they stand for are complete (MODE 1; 0: once
-    all of them are; 2: no wait): xready[gf % 2][c] says chunk c's groups have landed. A pass
+    all of them are; 2, 3: no wait): xready[gf % 2][c] says chunk c's groups have landed. A pass
     reads up to 128 counters at once and copies every chunk they make ready, in one round trip.
     A normed input's 1 / rms goes into rrbuf[gf % 2] before its last chunk is announced (every
     tile's sum of h^2 is in once every group is). PRE: the input's copy as B pairs is copied,
@@ -290,7 +296,7 @@ def _loader(xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_
             done = 0
             passes = 0
             while done < C:
-                if (MODE == 2) or (gp == 0):
+                if (MODE >= 2) or (gp == 0):
                     upto = C
                 elif MODE == 0:  # (up to 256 groups of outputs)
                     avail = _ready_groups(cnt_ptr + pcnt, 0, gp, LG)
@@ -476,7 +482,33 @@ def _wait_heads(cnt_ptr, kh, HEADS: gl.constexpr, KVH: gl.constexpr, WARPS: gl.c
 
 
 @gluon.jit
-def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, tab_ptr,
+def _releaser(done, dfree, tab_ptr, n_phases, cnt_ptr, P, HEADS: gl.constexpr,
+              KVH: gl.constexpr, D: gl.constexpr):
+    """The program's tiles' outputs counted (release, GPU scope) in the order the consumer
+    warps finish them, each once they say its finish is stored, so that they go on to the next
+    tile without waiting for the release's round trip."""
+    pid = gl.program_id(0)
+    k = 0
+    for f in range(n_phases):
+        kind = _tab(tab_ptr, f, 0)
+        if kind != K_ATTN:
+            cnt_off = _tab(tab_ptr, f, 5)
+            outs = _tab(tab_ptr, f, 13)
+            for tile in range(_first(tab_ptr, f, pid, P), _tab(tab_ptr, f, 2), P):
+                mbarrier.wait(done.index(k % NDONE), (k // NDONE) & 1)
+                if kind == K_QKV:
+                    real = _qkv_tile(tile, HEADS, KVH, D // 16)
+                else:
+                    real = tile
+                gl.atomic_add(cnt_ptr + cnt_off + (real * outs) // DONE_C, outs, sem="release",
+                              scope="gpu")
+                mbarrier.arrive(dfree.index(k % NDONE), count=1)
+                k += 1
+
+
+@gluon.jit
+def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, done, dfree,
+              tab_ptr,
               n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr,
               pos_ptr, slot_ptr, bt_ptr, kc_ptr, vc_ptr, scale, P, S: gl.constexpr,
               CMAX: gl.constexpr, GMAX: gl.constexpr, H: gl.constexpr, HEADS: gl.constexpr,
@@ -510,6 +542,7 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, ta
     PA: gl.constexpr = 2 * H + 2 * HEADS * D + INTER  # (pairs_at)
     i = 0
     gf = 0
+    k = 0  # tiles finished
     for f in range(n_phases):
         kind = _tab(tab_ptr, f, 0)
         cnt_off = _tab(tab_ptr, f, 5)
@@ -522,7 +555,7 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, ta
                 # the earlier steps' K/V rows need no wait
                 kt0, vt0 = _attn_early(apid, kc_l, vc_l, bt_ptr, pos, KVH, D, BS, SPLITS, TB,
                                        WARPS)
-                if MODE != 2:
+                if MODE < 2:
                     _wait_heads(cnt_ptr + _tab(tab_ptr, f, 7), kh, HEADS, KVH, WARPS)
                 q0, q1, q2, q3, k_cur, v_cur = _attn_inputs(apid, vec_ptr, kc_l, vc_l, pos,
                                                             slot, scale, H, HEADS, KVH, D,
@@ -552,9 +585,12 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, ta
                         mbarrier.wait(xready.index(b * CMAX + c), (gf // 2) & 1)
                     slot_r = i % S
                     mbarrier.wait(ready.index(slot_r), (i // S) & 1)
-                    y = _chunk(y, wvs.index(slot_r), svs.index(slot_r).load(L),
-                               xv.index(b * (GMAX // 8) + c), g, ones, sel, L, T, WARPS, PRE,
-                               xsums.index(b * CMAX + c), idx // 32)
+                    if MODE != 3:
+                        y = _chunk(y, wvs.index(slot_r), svs.index(slot_r).load(L),
+                                   xv.index(b * (GMAX // 8) + c), g, ones, sel, L, T, WARPS,
+                                   PRE, xsums.index(b * CMAX + c), idx // 32)
+                    else:  # (the stream and the finishes alone)
+                        cta_barrier()
                     # every warp's loads of the slot are done before it is refilled (the
                     # arrive is a barrier of the consumer warps and one thread's arrive)
                     mbarrier.arrive(empty.index(slot_r), count=1)
@@ -573,9 +609,11 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, ta
                     real = tile
                 _finish(kind, real, v0, v1, rr, ch, vec_ptr, g_l, ss_out, cs_ptr, pos, slot,
                         kc_l, vc_l, rs_ptr, H, HEADS, KVH, D, INTER, PRE)
-                cta_barrier()
-                gl.atomic_add(cnt_ptr + cnt_off + (real * outs) // DONE_C, outs, sem="release",
-                              scope="gpu")
+                # the releasing warp counts the tile's outputs (the arrive is a barrier of
+                # the consumer warps, after every warp's stores, and one thread's arrive)
+                mbarrier.wait(dfree.index(k % NDONE), ((k // NDONE) & 1) ^ 1)
+                mbarrier.arrive(done.index(k % NDONE), count=1)
+                k += 1
             mbarrier.arrive(xfree.index(b), count=1)
             gf += 1
 
@@ -601,6 +639,7 @@ def decode_rows_kernel(desc_w, desc_s, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_
     xsums = gl.allocate_shared_memory(gl.float32, [2 * CMAX, 32],
                                       gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready, empty = ring_barriers(S)
+    done, dfree = ring_barriers(NDONE)
     xready = gl.allocate_shared_memory(gl.int64, [2 * CMAX, 1], mbarrier.MBarrierLayout())
     xfree = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for j in gl.static_range(2 * CMAX):
@@ -608,14 +647,16 @@ def decode_rows_kernel(desc_w, desc_s, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_
     for j in gl.static_range(2):
         mbarrier.init(xfree.index(j), count=1)
     gl.warp_specialize([
-        (_consumer, (wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, tab_ptr,
+        (_consumer, (wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, done,
+                     dfree, tab_ptr,
                      n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr, apart_ptr, lock_ptr, cnt_ptr,
                      cs_ptr, pos_ptr, slot_ptr, bt_ptr, kc_ptr, vc_ptr, scale, P, S, CMAX, GMAX,
                      H, HEADS, KVH, D, BS, SPLITS, TB, MODE, INTER, PRE)),
         (_producer, (desc_w, desc_s, wbufs, sbufs, ready, empty, tab_ptr, n_phases, P, S)),
         (_loader, (xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_ptr,
                    ss_ptr, rs_ptr, eps, P, H, CMAX, MODE, PRE)),
-    ], [1, 1], [48, 80])
+        (_releaser, (done, dfree, tab_ptr, n_phases, cnt_ptr, P, HEADS, KVH, D)),
+    ], [1, 1, 1], [48, 80, 48])
 
 
 @triton.jit
