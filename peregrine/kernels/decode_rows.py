@@ -306,6 +306,9 @@ def _loader(xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_
                 else:
                     avail = _ready_groups(cnt_ptr + pcnt, (8 * done * gp) // G, gp, LG)
                     upto = gl.minimum(C, (avail * G) // (8 * gp))
+                # each lane acquired only its own counters: a barrier of the warp orders every
+                # lane's reads below (the copies, the sums) after all of those acquires
+                cta_barrier()
                 for c in range(done, upto):  # the chunk's 8 groups: 128 rows of 16 B
                     src = src0 + gl.multiple_of(x_off // 2 + c * 512, 64) + off
                     for q in gl.static_range(4):
