@@ -315,14 +315,18 @@ def _loader(xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_
                         cp_async(blocks.index(b * NB + 4 * c + q), src + q * 128,
                                  cache_modifier=".cg")
                 async_copy.commit_group()
+                # every tile's sum of h^2 is in once every group is: read in flight with the
+                # copies (not after them: the last chunk's announcement waits for 1 / rms)
+                normed = (upto == C) & (ss_in >= 0)
+                sq = gl.load(ss_ptr + ss_in + gl.arange(0, NSS, layout=LS),
+                             mask=(gl.arange(0, NSS, layout=LS) >= 0) & normed, other=0.0,
+                             cache_modifier=".cg")
                 if PRE:
                     for c in range(done, upto, 4):
                         _group_sums(xsums, b * CMAX + c, rs_ptr + rs_in + 128 * c, upto - c,
                                     LP)
                 async_copy.wait_group(0)
-                if (upto == C) & (ss_in >= 0):  # every tile's sum of h^2 is in
-                    sq = gl.load(ss_ptr + ss_in + gl.arange(0, NSS, layout=LS),
-                                 cache_modifier=".cg")
+                if normed:
                     rr = gl.rsqrt(gl.sum(sq, 0) / H + eps)
                     rrbuf.index(b).store(gl.full([32], 0.0, gl.float32, layout=L32) + rr)
                 cta_barrier()  # (every lane's copies and stores before the arrivals)
