@@ -515,12 +515,12 @@ def _releaser(done, dfree, tab_ptr, n_phases, cnt_ptr, P, HEADS: gl.constexpr,
 
 @gluon.jit
 def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, done, dfree,
-              tab_ptr,
-              n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr,
-              pos_ptr, slot_ptr, bt_ptr, kc_ptr, vc_ptr, scale, P, S: gl.constexpr,
-              CMAX: gl.constexpr, GMAX: gl.constexpr, H: gl.constexpr, HEADS: gl.constexpr,
-              KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr, SPLITS: gl.constexpr,
-              TB: gl.constexpr, MODE: gl.constexpr, INTER: gl.constexpr, PRE: gl.constexpr):
+              tab_ptr, n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr, apart_ptr, lock_ptr,
+              cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr, kc_ptr, vc_ptr, scale, P,
+              S: gl.constexpr, CMAX: gl.constexpr, GMAX: gl.constexpr, H: gl.constexpr,
+              HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
+              SPLITS: gl.constexpr, TB: gl.constexpr, MODE: gl.constexpr,
+              INTER: gl.constexpr, PRE: gl.constexpr):
     """The program's tiles of every projection (the loader's buffer waited for chunk by chunk
     on the phase's first tile), the warps' sums added at a tile's end, its finish, and its
     outputs counted (release); and, in the first KVH * SPLITS programs, attention."""
@@ -655,10 +655,10 @@ def decode_rows_kernel(desc_w, desc_s, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_
         mbarrier.init(xfree.index(j), count=1)
     gl.warp_specialize([
         (_consumer, (wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, done,
-                     dfree, tab_ptr,
-                     n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr, apart_ptr, lock_ptr, cnt_ptr,
-                     cs_ptr, pos_ptr, slot_ptr, bt_ptr, kc_ptr, vc_ptr, scale, P, S, CMAX, GMAX,
-                     H, HEADS, KVH, D, BS, SPLITS, TB, MODE, INTER, PRE)),
+                     dfree, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr, apart_ptr,
+                     lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr, kc_ptr, vc_ptr,
+                     scale, P, S, CMAX, GMAX, H, HEADS, KVH, D, BS, SPLITS, TB, MODE, INTER,
+                     PRE)),
         (_producer, (desc_w, desc_s, wbufs, sbufs, ready, empty, tab_ptr, n_phases, P, S)),
         (_loader, (xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_ptr,
                    ss_ptr, rs_ptr, eps, P, H, CMAX, MODE, PRE)),
