@@ -5,7 +5,8 @@
 #          samplerbench w2 w2hf w1 w1prof w1trace w1hf serve ttft pacing pacetrace coldstart asyncprobe poolcost
 #          w5 (int4 AWQ layout, batch 1) w8a8 gemvbench stagegraphs w8a8lat w6 w1fp8 w5prof
 #          streamprobe w5ablate logitsbench w8tc replayprobe stepgap decodelayers (dltests dlbench
-#          dlw5 dlengine) dldiff dlncu rows (rowstests rowsbench rowsw5)
+#          dlw5 dlengine) dldiff dlncu rows (rowstests rowsbench rowsw5) rowsstress
+#          (the row-tile kernel's repeated-call test, STRESS_RUNS times, each run's report kept)
 #          two GPUs: tptests tp2lat tp2serve 70btp2 70bserve ppbench arbench
 #            (SPLITS_70B="tp2 pp2": the 70B splits, as tags; TP_SIZES="2 1"; PP_MODEL, PP_SETUPS)
 # Logs, JUnit XML (tests) and JSON results go under $OUT (default /tmp/out).
@@ -87,6 +88,9 @@ for s in $steps; do
     # the row-tile persistent kernel: its checks, its forms' timings beside the other kernel's,
     # W5 with each form of the one-kernel path and without it
     rows|rowstests) gputest decode_rows 300 tests/gpu/test_gpu_decode_rows.py ;;&
+    rowsstress) for n in $(seq "${STRESS_RUNS:-10}"); do
+                  gputest "decode_rows_repeated_$n" 120 tests/gpu/test_gpu_decode_rows.py -k repeated
+                done ;;
     rows|rowsbench) run decode_rows_bench 300 python benchmarks/decode_rows_bench.py --out "$OUT/decode_rows.json" ;;&
     rows|rowsw5) awq_config
              for flag in rows 0 split; do
