@@ -110,8 +110,9 @@ def prepare(model: nn.Module, block_size: int, cache_dtype: torch.dtype,
 def bind(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str | None:
     """Give the packed layers (if any) the KV caches, compile and run the kernel on a padding
     row (position 0, slot -1: it stores no K/V), keep the fastest of its placements
-    (`choose_placement`), and turn the path on. None when it is on, else why not
-    (nothing packed, or the kernel failed: the layer-by-layer path stays)."""
+    (`choose_placement`; each one's ms a step in `placement_ms`), and turn the path on. None
+    when it is on, else why not (nothing packed, or the kernel failed: the layer-by-layer path
+    stays)."""
     dl = getattr(model, "decode_layers_packed", None)
     if dl is None:
         return "nothing packed"
@@ -126,12 +127,23 @@ def bind(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -
         dl(x, pos, slot, table, cos_sin)
         torch.cuda.synchronize(dev)
         # the placement (the kernel module's PLACEMENTS) that runs this GPU's step fastest
-        dl.choose_placement(lambda: dl(x, pos, slot, table, cos_sin))
+        dl.placement_ms = dl.choose_placement(lambda: dl(x, pos, slot, table, cos_sin))
     except Exception as e:  # noqa: BLE001 - any failure keeps the layer-by-layer path
         del model.decode_layers_packed
         return f"{type(e).__name__}: {e}"
     model.decode_layers = dl
     return None
+
+
+
+def describe(dl, layers: int) -> str:
+    """What the start-up line says of a bound kernel: its placement and how long a step took
+    in each placement it timed."""
+    timed = ", ".join(f"{form}: {ms:.3f}" for form, ms in dl.placement_ms.items())
+    pairs = ", inputs as B pairs" if getattr(dl, "pre", False) else ""
+    return (f"decode steps of one sequence run all {layers} layers in one kernel "
+            f"({dl.programs} programs, {dl.programs // dl.sms} an SM, a ring of {dl.stages}"
+            f"{pairs}; ms a step by placement: {timed})")
 
 
 def run(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -173,10 +173,8 @@ class Worker:
             from peregrine.models import one_kernel_decode
             reason = one_kernel_decode.bind(self.model, kv)
             if reason is None:
-                dl = self.model.decode_layers
-                logger.info("PEREGRINE_DECODE_LAYERS: decode steps of one sequence run all %d "
-                            "layers in one kernel (%d programs, %d an SM)",
-                            len(self.model.layers), dl.programs, dl.programs // dl.sms)
+                logger.info("PEREGRINE_DECODE_LAYERS: %s", one_kernel_decode.describe(
+                    self.model.decode_layers, len(self.model.layers)))
             else:
                 logger.warning("PEREGRINE_DECODE_LAYERS: the one-kernel decode failed its first "
                                "run (%s); the layers run one kernel a phase", reason)
