@@ -135,7 +135,6 @@ def bind(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -
     return None
 
 
-
 def describe(dl, layers: int) -> str:
     """What the start-up line says of a bound kernel: its placement and how long a step took
     in each placement it timed."""
