@@ -420,6 +420,23 @@ def decode_prologue_kernel(table_ptr, tok_ptr, g_ptr, vec_ptr, ss_ptr, lock_ptr,
 PLACEMENTS = ((1, 16), (2, 8))
 
 
+def keep_fastest(forms, apply, run, timer=None, iters: int = 5) -> dict:
+    """apply(*form) each of forms in turn and time run in it (timer(run, iters) -> ms a call;
+    default: CUDA events, the median of `iters` calls after one that compiles; inf where it is
+    refused before the launch, its programs not all resident at once), then apply the fastest.
+    The ms of each form."""
+    timer = timer or _time_ms
+    times = {}
+    for form in forms:
+        apply(*form)
+        try:
+            times[form] = timer(run, iters)
+        except ValueError:  # (refused before the launch: not resident at once)
+            times[form] = math.inf
+    apply(*min(times, key=times.get))
+    return times
+
+
 def _time_ms(run, iters: int) -> float:
     """The median ms of `iters` calls of run on the current CUDA stream, after one more."""
     run()
@@ -692,21 +709,11 @@ class DecodeLayers:
         resident is skipped. timer(run, iters) -> ms a call (default: CUDA events, the median
         of `iters` calls after one that compiles). The ms of each placement tried (inf where
         refused)."""
-        if timer is None:
-            timer = _time_ms
-        sms = self.sms
-        times: dict[tuple[int, int], float] = {}
-        for per_sm, stages in PLACEMENTS:
-            self.stages = stages
-            self.place(per_sm * sms)
-            try:
-                times[(per_sm, stages)] = timer(run, iters)
-            except ValueError:  # (refused before the launch: not resident at once)
-                times[(per_sm, stages)] = math.inf
-        per_sm, stages = min(times, key=times.get)
+        return keep_fastest(PLACEMENTS, self._form, run, timer, iters)
+
+    def _form(self, per_sm: int, stages: int) -> None:
         self.stages = stages
-        self.place(per_sm * sms)
-        return times
+        self.place(per_sm * self.sms)
 
     @property
     def weight_bytes(self) -> int:

@@ -60,7 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from peregrine.kernels._gluon import (cp_async, cta_barrier, poll_acquire, ring_barriers,
                                       smem_reinterpret, tma_load)
 from peregrine.kernels.decode_layers import (ATTN, DOWN, GU, O, QKV, Dims, LayerWeights,
-                                             check_resident, offsets)
+                                             check_resident, keep_fastest, offsets)
 from peregrine.kernels.ring_attention import _attention, _attn_early, _attn_inputs
 from peregrine.kernels.ring_gemv import _shfl
 from peregrine.kernels.wna16_gemv_tc import _PAIRS, _group_done, _step, _tiles
@@ -861,17 +861,7 @@ class DecodeRows:
         PLACEMENTS (programs an SM, ring stages, `pre`) and keep the fastest (inf where
         refused): the inputs made once as B pairs speed the projections up but lengthen the
         chain between the phases, which wins depends on the GPU (see the benchmarks)."""
-        from peregrine.kernels.decode_layers import _time_ms
-        timer = timer or _time_ms
-        times: dict[tuple[int, int, bool], float] = {}
-        for form in PLACEMENTS:
-            self._form(*form)
-            try:
-                times[form] = timer(run, iters)
-            except ValueError:  # (refused before the launch: not resident at once)
-                times[form] = math.inf
-        self._form(*min(times, key=times.get))
-        return times
+        return keep_fastest(PLACEMENTS, self._form, run, timer, iters)
 
     def _form(self, per_sm: int, stages: int, pre: bool) -> None:
         self.stages, self.pre = stages, pre

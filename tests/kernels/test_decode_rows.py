@@ -11,9 +11,9 @@ import torch
 pytest.importorskip("triton.experimental.gluon")
 
 from peregrine.kernels.decode_layers import ATTN, DOWN, GU, O, QKV, Dims, LayerWeights  # noqa: E402
-from peregrine.kernels.decode_rows import (DecodeRows, balance, emulate,  # noqa: E402
-                                           gate_up_rows, pack, pairs_at, qkv_order, qkv_tile,
-                                           unsupported)
+from peregrine.kernels.decode_rows import (PLACEMENTS, DecodeRows, balance,  # noqa: E402
+                                           emulate, gate_up_rows, pack, pairs_at, qkv_order,
+                                           qkv_tile, unsupported)
 from peregrine.layers.quantization.wna16 import WNA16Layout  # noqa: E402
 
 
@@ -157,3 +157,36 @@ def test_shapes_it_cannot_run_are_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match="fewer than the attention's"):
         DecodeRows(dims, ws, torch.ones(1024, dtype=torch.bfloat16), torch.device("cpu"),
                    splits=4, programs=4)
+
+
+@pytest.mark.parametrize("faster", PLACEMENTS)
+def test_the_fastest_form_is_kept(faster: tuple) -> None:
+    """choose_placement times every form (programs an SM, ring stages, inputs as B pairs) and
+    leaves the kernel in the fastest; a form refused before its launch counts as never
+    faster."""
+    dims, ws = _small()
+    dl = DecodeRows(dims, ws, torch.ones(1024, dtype=torch.bfloat16), torch.device("cpu"),
+                    splits=4, programs=8)
+    seen = []
+
+    def form() -> tuple:
+        return (dl.programs // dl.sms, dl.stages, dl.pre)
+
+    def timer(run, iters):
+        seen.append(form())
+        return 1.0 if form() == faster else 2.0
+
+    times = dl.choose_placement(lambda: None, timer=timer)
+    assert seen == list(PLACEMENTS) and set(times) == set(PLACEMENTS)
+    assert form() == faster
+    assert dl.table[:5, 14].tolist() == balance(
+        [(int(r[2]), int(r[3])) if r[0] != ATTN else (dims.kv_heads * 4, -1)
+         for r in dl.table[:5].tolist()], dl.programs)
+
+    def refused(run, iters):
+        if dl.programs > dl.sms:
+            raise ValueError("decode_rows: not resident at once")
+        return 5.0
+
+    times = dl.choose_placement(lambda: None, timer=refused)
+    assert form()[0] == 1 and all(times[f] == float("inf") for f in PLACEMENTS if f[0] > 1)
