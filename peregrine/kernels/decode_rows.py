@@ -353,11 +353,18 @@ def _rows(w, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr):
 
 
 @gluon.jit
+def _add4(a, b):
+    """Two sets of four registers added."""
+    return a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3]
+
+
+@gluon.jit
 def _chunk(y, wv, sv, xc, g, ones, sel, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr,
            PRE: gl.constexpr = False, xs=None, w_id=None):
     """One ring chunk into the tile's sums y: warp w's groups 2w and 2w + 1 of the chunk, each
-    four MMA steps on the words (wv) and x's rows (xc), then scaled by the group's scales and
-    zero points (sv, the chunk's row of them). PRE: x's copy holds its B pairs and xs the
+    four MMA steps on the words (wv) and x's rows (xc) into two accumulator sets (even and odd
+    steps: dependent chains half as long, added at the group's end), then scaled by the group's
+    scales and zero points (sv, the chunk's row of them). PRE: x's copy holds its B pairs and xs the
     groups' input sums (group gi's at gi; w_id: the warp), so that a step is its weight MMAs
     alone."""
     LW: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 1, 1, 32], [WARPS, 1, 1, 1],
@@ -374,8 +381,10 @@ def _chunk(y, wv, sv, xc, g, ones, sel, L: gl.constexpr, T: gl.constexpr, WARPS:
     for h in gl.static_range(2):
         s_w = _shfl(sv, 16 * h + g)
         z_w = _shfl(sv, 16 * h + 8 + g)
-        acc = (c4, c4, c4, c4)
+        acc = (c4, c4, c4, c4)  # (the even steps'; acc_b, cx_b the odd steps')
         cx = c4
+        acc_b = (c4, c4, c4, c4)
+        cx_b = c4
         for s in gl.static_range(4):
             wl = wv.slice(h, 1, dim=1).slice(s, 1, dim=2).load(LW)
             e0, e1 = gl.split(gl.reshape(wl, [WARPS, 32, 2]))
@@ -388,16 +397,27 @@ def _chunk(y, wv, sv, xc, g, ones, sel, L: gl.constexpr, T: gl.constexpr, WARPS:
             bx = (_rows(x0, L, T, WARPS), _rows(x1, L, T, WARPS), _rows(x2, L, T, WARPS),
                   _rows(x3, L, T, WARPS))
             if PRE:
-                acc = (_tiles((e0, e0, e0, e0, e1, e0, e0, e0), 0, bx, acc[0], sel, 4, True),
-                       acc[1], acc[2], acc[3])
+                if s % 2 == 0:
+                    acc = (_tiles((e0, e0, e0, e0, e1, e0, e0, e0), 0, bx, acc[0], sel, 4,
+                                  True), c4, c4, c4)
+                else:
+                    acc_b = (_tiles((e0, e0, e0, e0, e1, e0, e0, e0), 0, bx, acc_b[0], sel, 4,
+                                    True), c4, c4, c4)
             else:
                 bx = gl.inline_asm_elementwise(_PAIRS, "=r,=r,=r,=r,r,r,r,r", list(bx),
                                                dtype=(gl.int32,) * 4, is_pure=True, pack=1)
-                acc, cx = _step(acc, cx, ones, (e0, e0, e0, e0, e1, e0, e0, e0),
-                                (bx[0], bx[1], bx[2], bx[3]), sel, 1, True, 4)
+                if s % 2 == 0:
+                    acc, cx = _step(acc, cx, ones, (e0, e0, e0, e0, e1, e0, e0, e0),
+                                    (bx[0], bx[1], bx[2], bx[3]), sel, 1, True, 4)
+                else:
+                    acc_b, cx_b = _step(acc_b, cx_b, ones, (e0, e0, e0, e0, e1, e0, e0, e0),
+                                        (bx[0], bx[1], bx[2], bx[3]), sel, 1, True, 4)
+        acc = (_add4(acc[0], acc_b[0]), c4, c4, c4)
         if PRE:
             xg = _shfl(xs4, 2 * w_id + h).to(gl.float32, bitcast=True)
             cx = (xg, xg, xg, xg)
+        else:
+            cx = _add4(cx, cx_b)
         y = _group_done(y, acc, cx, ((s_w, s_w, s_w, s_w), (z_w, z_w, z_w, z_w)),
                         0, 1, True, True, 4)
     return y
