@@ -13,6 +13,12 @@ before; `free`: no waits, a floor whose outputs are not the layers'; `nochunk`: 
 no MMAs, the weight stream and the finishes alone).
 
     python benchmarks/decode_rows_bench.py --out /tmp/out/decode_rows.json
+
+`--ncu`: one launch of each wait and input form of the first placement, for Nsight Compute:
+
+    ncu --clock-control none --profile-from-start off -k regex:decode_rows_kernel \
+        --section WarpStateStats --section SourceCounters -o /tmp/out/rows \
+        python benchmarks/decode_rows_bench.py --ncu --out - --layers 8 --waits free --pre 0
 """
 from __future__ import annotations
 
@@ -52,6 +58,25 @@ def check(layers: int, ctx: int, P: int, dev: torch.device, splits: int) -> dict
     return rec
 
 
+def profile_once(ns, dev: torch.device, sms: int) -> None:
+    """--ncu: each wait and input form of the first placement launched once (after a warm-up
+    call) between cudaProfilerStart and cudaProfilerStop."""
+    d = build(ns.layers, 2 * sms, ns.ctx, dev, rows=True, splits=ns.splits)
+    dl = d["dl"]
+    per_sm, stages = (int(v) for v in ns.placements.split(",")[0].split("x"))
+    dl.stages = stages
+    dl.place(per_sm * sms)
+    for wait, pre in [(w, int(r)) for w in ns.waits.split(",") for r in ns.pre.split(",")]:
+        dl.wait, dl.pre = wait, bool(pre)
+        call(d)
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        call(d)
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        print("profiled", f"{per_sm}x{stages}:{wait}:pre{pre}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -67,9 +92,15 @@ def main() -> None:
     p.add_argument("--baseline", default="2x8,1x16",
                    help="decode_layers placements timed beside it (empty: none)")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--ncu", action="store_true",
+                   help="one launch of the first placement in each wait and input form between "
+                        "cudaProfilerStart/Stop, for a profiler (no checks, no timings)")
     ns = p.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    if ns.ncu:
+        profile_once(ns, dev, sms)
+        return
     t0 = time.time()
     results: list = []
     fails = 0
