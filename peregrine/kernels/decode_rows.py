@@ -396,22 +396,20 @@ def _chunk(y, wv, sv, xc, g, ones, sel, L: gl.constexpr, T: gl.constexpr, WARPS:
             x1, x3 = gl.split(pb)
             bx = (_rows(x0, L, T, WARPS), _rows(x1, L, T, WARPS), _rows(x2, L, T, WARPS),
                   _rows(x3, L, T, WARPS))
+            w8 = (e0, e0, e0, e0, e1, e0, e0, e0)
             if PRE:
                 if s % 2 == 0:
-                    acc = (_tiles((e0, e0, e0, e0, e1, e0, e0, e0), 0, bx, acc[0], sel, 4,
-                                  True), c4, c4, c4)
+                    acc = (_tiles(w8, 0, bx, acc[0], sel, 4, True), c4, c4, c4)
                 else:
-                    acc_b = (_tiles((e0, e0, e0, e0, e1, e0, e0, e0), 0, bx, acc_b[0], sel, 4,
-                                    True), c4, c4, c4)
+                    acc_b = (_tiles(w8, 0, bx, acc_b[0], sel, 4, True), c4, c4, c4)
             else:
                 bx = gl.inline_asm_elementwise(_PAIRS, "=r,=r,=r,=r,r,r,r,r", list(bx),
                                                dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+                bx = (bx[0], bx[1], bx[2], bx[3])
                 if s % 2 == 0:
-                    acc, cx = _step(acc, cx, ones, (e0, e0, e0, e0, e1, e0, e0, e0),
-                                    (bx[0], bx[1], bx[2], bx[3]), sel, 1, True, 4)
+                    acc, cx = _step(acc, cx, ones, w8, bx, sel, 1, True, 4)
                 else:
-                    acc_b, cx_b = _step(acc_b, cx_b, ones, (e0, e0, e0, e0, e1, e0, e0, e0),
-                                        (bx[0], bx[1], bx[2], bx[3]), sel, 1, True, 4)
+                    acc_b, cx_b = _step(acc_b, cx_b, ones, w8, bx, sel, 1, True, 4)
         acc = (_add4(acc[0], acc_b[0]), c4, c4, c4)
         if PRE:
             xg = _shfl(xs4, 2 * w_id + h).to(gl.float32, bitcast=True)
