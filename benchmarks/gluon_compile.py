@@ -12,10 +12,11 @@ persistent decode kernel, kernels/decode_rows.py, its inputs' buffers as large a
 Llama-3-8B's) and `layers:<form>` (the persistent decode kernel, kernels/decode_layers.py, in
 a form of FORMS, at each register cap of --regs). Per job: registers, stack bytes (the spills'
 room), spill stores and loads, shared memory, a few SASS instructions' counts and the PTX pieces
-the design depends on; or the compiler's error. Shapes: `small` (a 512-wide model, fast) or
-`llama3-8b` (the persistent kernel packed for 132 programs from Llama-3-8B's shapes). Triton
-must not be in interpreter mode (TRITON_INTERPRET unset): its reductions would be the
-interpreter's.
+the design depends on, and the values a loop carries only as an inner loop's bound (which
+Triton 3.6 miscompiles, `offline_compile.carried_bounds`); or the compiler's error. Shapes:
+`small` (a 512-wide model, fast) or `llama3-8b` (the persistent kernel packed for 132 programs
+from Llama-3-8B's shapes). Triton must not be in interpreter mode (TRITON_INTERPRET unset): its
+reductions would be the interpreter's.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.decode_layer_ring import LLAMA3_8B, build, call  # noqa: E402
-from peregrine.testing.offline_compile import offline_compile, resources  # noqa: E402
+from peregrine.testing.offline_compile import (carried_bounds, offline_compile,  # noqa: E402
+                                               resources)
 
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 # the persistent kernel's forms: DecodeLayers attributes (the engine's: the defaults)
@@ -87,7 +89,9 @@ def report(kernel) -> dict:
     return {"kernel": kernel.name, **resources(kernel), "spill_stores": ops["STL"],
             "spill_loads": ops["LDL"], "ops": dict(sorted(ops.items())),
             "ptx": {name: ptx.count(piece) for name, piece in PTX.items()},
-            "arrives": arrives(ptx)}
+            "arrives": arrives(ptx),
+            "carried_bounds": carried_bounds(kernel.asm.get("source")
+                                             or kernel.asm.get("ttir", ""))}
 
 
 def arrives(ptx: str) -> dict:

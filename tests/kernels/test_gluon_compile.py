@@ -3,7 +3,9 @@ persistent decode kernel in seven forms, the row-tile probe's kernel, the row-ti
 decode kernel in its two forms) compile for an sm_90a GPU
 with the installed Triton, on the CPU (benchmarks/gluon_compile.py, in a process without
 TRITON_INTERPRET): a Triton release that renames what they use fails here rather than at a
-GPU's first call. Their numbers are checked on the GPU (tests/gpu)."""
+GPU's first call. None of them may carry a value from one loop iteration to the next only as
+an inner loop's bound, which Triton 3.6 miscompiles. Their numbers are checked on the GPU
+(tests/gpu)."""
 from __future__ import annotations
 
 import json
@@ -126,3 +128,38 @@ def test_the_row_tile_decode_kernels_inputs_made_once_halve_the_mmas(compiled: d
     constant-weight MMAs and no byte permutes left in the projections' steps."""
     plain, pre = _job(compiled, "decode_rows")["ptx"], _job(compiled, "decode_rows_pre")["ptx"]
     assert plain["mma"] == 2 * pre["mma"] and pre["prmt"] == 0 < plain["prmt"]
+
+
+@pytest.mark.parametrize("name", JOBS)
+def test_no_loop_carries_a_value_only_as_an_inner_loops_bound(compiled: dict,
+                                                              name: str) -> None:
+    """Triton 3.6 (the GPU machines') drops such a value, and the inner loop then keeps the
+    value from before the outer loop: a kernel that waits on counts it miscounts hangs."""
+    assert _job(compiled, name)["carried_bounds"] == []
+
+
+# a loop carrying b (and a) to the next iteration, as Gluon's frontend writes it: b's only use
+# is as the bound of the inner loop (through a cast); the second form also adds b to i
+_CARRIED = ("    %i_2:3 = scf.for %f = %0 to %1 step %2 iter_args(%a_3 = %a, %b_4 = %b_1, "
+            "%i_5 = %i) -> (i32, i32, i32)  : i32 {\n" + """\
+      %a_18 = tt.load %a_17 : !tt.ptr<i32>
+      %b_33 = tt.load %b_32 : !tt.ptr<i32>
+      %4 = arith.bitcast %c0_i32 : i32 to i32
+      %5 = arith.bitcast %b_4 : i32 to i32
+      %i_36 = scf.for %c = %4 to %5 step %6 iter_args(%i_37 = %i_5) -> (i32)  : i32 {
+        %i_38 = arith.addi %i_37, %a_3 : i32
+        scf.yield %i_38 : i32
+      }
+      scf.yield %a_18, %b_33, %i_36 : i32, i32, i32
+    }
+    %5 = arith.addi %i_2#1, %c1_i32 : i32""")
+
+
+def test_a_value_carried_only_as_a_loop_bound_is_found() -> None:
+    sys.path.insert(0, str(ROOT))
+    from peregrine.testing.offline_compile import carried_bounds
+    assert carried_bounds(_CARRIED) == ["line 1: %b_4"]
+    other_use = _CARRIED.replace("scf.yield %a_18, %b_33, %i_36",
+                                 "%i_39 = arith.addi %i_36, %b_4 : i32\n"
+                                 "      scf.yield %a_18, %b_33, %i_39")
+    assert carried_bounds(other_use) == []
