@@ -125,4 +125,3 @@ def carried_bounds(ir: str) -> list[str]:
             if seen and len(bound) == len(seen):
                 found.append(f"line {k + 1}: {name}")
     return found
-

@@ -156,7 +156,6 @@ _CARRIED = ("    %i_2:3 = scf.for %f = %0 to %1 step %2 iter_args(%a_3 = %a, %b_
 
 
 def test_a_value_carried_only_as_a_loop_bound_is_found() -> None:
-    sys.path.insert(0, str(ROOT))
     from peregrine.testing.offline_compile import carried_bounds
     assert carried_bounds(_CARRIED) == ["line 1: %b_4"]
     other_use = _CARRIED.replace("scf.yield %a_18, %b_33, %i_36",
