@@ -630,8 +630,7 @@ def _wait_heads(cnt_ptr, kh, HEADS: gl.constexpr, KVH: gl.constexpr, WARPS: gl.c
         seen = gl.min(poll_acquire(cnt_ptr + grp), 0)
         n += 1
         if n > LIMIT:
-            gl.inline_asm_elementwise("trap; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                      pack=1)
+            _trap()
     cta_barrier()
 
 
