@@ -173,7 +173,7 @@ def state(d: dict) -> dict:
     cfg, dl = d["cfg"], d["dl"]
     H, KVH, D = cfg["H"], cfg["KVH"], cfg["D"]
     off = offsets(dl.dims)
-    vec = (dl.vectors() if hasattr(dl, "vectors") else dl.vec).float()
+    vec = dl.vec.float()
     return {"h": vec[:H], "xn": vec[H:2 * H],
             "k": torch.stack([k.reshape(-1, KVH, D)[d["slot"]] for k, _ in d["caches"]]).float(),
             "v": torch.stack([v.reshape(-1, KVH, D)[d["slot"]] for _, v in d["caches"]]).float(),

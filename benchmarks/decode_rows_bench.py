@@ -8,10 +8,9 @@ attention block a program, one longer than all of them together), and that repea
 the same bits; over the timed model's 32 layers the largest relative RMS difference is recorded
 beside the other kernel's on the same layers (both drift past the few-layer bound there).
 Times are CUDA-graph replays of 32 layers, per placement (programs an SM x ring stages), inputs
-as B pairs or not, and loader form (`dataflow`: a chunk's groups, counted; `tagged`: a chunk's
-tagged words, inputs as they are; `phase`: the whole phase before; `free`: no waits, a floor
-whose outputs are not the layers'; `nochunk`: no waits and no MMAs, the weight stream and the
-finishes alone).
+as B pairs or not, and loader form (`dataflow`: a chunk's groups; `phase`: the whole phase
+before; `free`: no waits, a floor whose outputs are not the layers'; `nochunk`: no waits and
+no MMAs, the weight stream and the finishes alone).
 
     python benchmarks/decode_rows_bench.py --out /tmp/out/decode_rows.json
 
@@ -86,7 +85,7 @@ def main() -> None:
     p.add_argument("--checks", default="1x1,1x256,2x37,2x777",
                    help="layers x context lengths checked first, comma-separated")
     p.add_argument("--placements", default="2x4,1x8", help="programs an SM x ring stages")
-    p.add_argument("--waits", default="dataflow,tagged,free,phase,nochunk")
+    p.add_argument("--waits", default="dataflow,free,phase,nochunk")
     p.add_argument("--pre", default="1,0",
                    help="inputs as B pairs with their groups' sums made once (1) or not (0)")
     p.add_argument("--splits", type=int, default=16)
@@ -123,8 +122,7 @@ def main() -> None:
         per_sm, stages = (int(v) for v in pl.split("x"))
         dl.stages = stages
         dl.place(per_sm * sms)
-        for wait, pre in [(w, int(r)) for w in ns.waits.split(",") for r in ns.pre.split(",")
-                          if not (w == "tagged" and r == "1")]:  # (tagged: inputs as they are)
+        for wait, pre in [(w, int(r)) for w in ns.waits.split(",") for r in ns.pre.split(",")]:
             dl.wait, dl.pre = wait, bool(pre)
             key = f"{pl}:{wait}:pre{pre}"
             try:
@@ -139,8 +137,8 @@ def main() -> None:
             rec["us_per_layer"] = round(ms * 1e3 / ns.layers, 2)
             if ns.layers == 32:  # the LM head at the wall and the step's other kernels
                 rec["est_tok_s"] = round(1e6 / (ms * 1e3 + 250 + 30), 1)
-            if wait in ("dataflow", "tagged", "phase"):  # (32 layers drift past LAYERS' bound
-                # in both kernels: the largest relative RMS is recorded beside the other's)
+            if wait in ("dataflow", "phase"):  # (32 layers drift past LAYERS' bound in both
+                # kernels: the largest relative RMS is recorded beside the other kernel's)
                 call(d)
                 torch.cuda.synchronize()
                 rec["rel_rms"] = max(e["rel_rms"] for e in compare(state(d), want).values())

@@ -7,15 +7,13 @@ ptxas, cuobjdump and nvdisasm its wheel bundles (peregrine/testing/offline_compi
 
 Jobs: `gemv_tc4` / `gemv_tc6` (the 4- and 6-bit tensor-core GEMV, one row), `w8_tc` (the FP8
 tensor-core GEMV), `attn_fp8` (the FP8-cache decode attention's split kernel), `rows` /
-`rows_pre` (the row-tile probe's kernel), `decode_rows` / `decode_rows_pre` /
-`decode_rows_tagged` (the row-tile persistent decode kernel, kernels/decode_rows.py, in its
-`dataflow` form, with its inputs as B pairs, and in its `tagged` form; its inputs' buffers as
-large as Llama-3-8B's) and `layers:<form>` (the persistent decode kernel,
-kernels/decode_layers.py, in a form of FORMS, at each register cap of --regs). Per job:
-registers, stack bytes (the spills' room), spill stores and loads, shared memory, a few SASS
-instructions' counts and the PTX pieces the design depends on, and the values a loop carries
-only as an inner loop's bound (which Triton 3.6 miscompiles, `offline_compile.carried_bounds`);
-or the compiler's error. Shapes:
+`rows_pre` (the row-tile probe's kernel), `decode_rows` / `decode_rows_pre` (the row-tile
+persistent decode kernel, kernels/decode_rows.py, its inputs' buffers as large as
+Llama-3-8B's) and `layers:<form>` (the persistent decode kernel, kernels/decode_layers.py, in
+a form of FORMS, at each register cap of --regs). Per job: registers, stack bytes (the spills'
+room), spill stores and loads, shared memory, a few SASS instructions' counts and the PTX pieces
+the design depends on, and the values a loop carries only as an inner loop's bound (which
+Triton 3.6 miscompiles, `offline_compile.carried_bounds`); or the compiler's error. Shapes:
 `small` (a 512-wide model, fast) or `llama3-8b` (the persistent kernel packed for 132 programs
 from Llama-3-8B's shapes). Triton must not be in interpreter mode (TRITON_INTERPRET unset): its
 reductions would be the interpreter's.
@@ -70,8 +68,7 @@ OPS = ("UTMALDG", "HMMA", "ATOM", "RED", "LDG", "LDS", "STG", "MEMBAR", "FENCE",
 PTX = {"tma": "cp.async.bulk.tensor", "cp_async": "cp.async.cg", "mma": "mma.sync.aligned",
        "release_inc": "atom.release.gpu.global.inc", "acquire_loads": "ld.acquire.gpu",
        "fence_acq_rel": "fence.acq_rel.gpu", "ld_shared_v4": "ld.shared.v4",
-       "prmt": "prmt.b32", "relaxed_st": "st.relaxed.gpu.global",
-       "volatile_v4": "ld.volatile.global.v4"}
+       "prmt": "prmt.b32"}
 
 
 def report(kernel) -> dict:
@@ -158,10 +155,10 @@ def _rows_probe(pre: bool) -> None:
                                 CMAX=16, MODE=1, PRE=pre, num_warps=4, maxnreg=128)
 
 
-def _decode_rows(pre: bool, wait: str = "dataflow") -> None:
+def _decode_rows(pre: bool) -> None:
     d = build(1, 8, 37, torch.device("cpu"), SHAPES["rows"], splits=4, rows=True)
     dl = d["dl"]
-    dl.stages, dl.pre, dl.wait = 4, pre, wait  # (two programs an SM: the form that must fit)
+    dl.stages, dl.pre = 4, pre  # (two programs an SM: the form that must fit twice)
     dl.k_max = LLAMA3_8B["INTER"]  # (its inputs' buffers as large as Llama-3-8B's)
     call(d)
 
@@ -173,8 +170,7 @@ KERNELS = {"gemv_tc4": (lambda: _gemv_tc(4), "wna16_gemv_tc_kernel"),
            "rows": (lambda: _rows_probe(False), "ring_rows_kernel"),
            "rows_pre": (lambda: _rows_probe(True), "ring_rows_kernel"),
            "decode_rows": (lambda: _decode_rows(False), "decode_rows_kernel"),
-           "decode_rows_pre": (lambda: _decode_rows(True), "decode_rows_kernel"),
-           "decode_rows_tagged": (lambda: _decode_rows(False, "tagged"), "decode_rows_kernel")}
+           "decode_rows_pre": (lambda: _decode_rows(True), "decode_rows_kernel")}
 
 
 def _compiled(fn, name: str) -> dict:

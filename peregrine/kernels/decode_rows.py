@@ -41,10 +41,7 @@ a layer, zeroed by the prologue each call. The norms round as decode_layers.py's
 each projection reads is h * g rounded once; 1 / rms scales the sums). In the `pre` form the
 phases also write what a projection reads as B pairs with its sums a row of 8, so that the
 consumers' steps are their weight MMAs alone (faster steps, a longer chain between phases:
-which wins depends on the GPU, `DecodeRows.choose_placement`). In the `tagged` form (for
-measurement) the o, gate/up and down finishes write their outputs and sums of h^2 as words
-that carry a tag, which the loaders (and the finishes, for h) read until it is the awaited
-one, with no counters between those phases. `DecodeRows` packs a
+which wins depends on the GPU, `DecodeRows.choose_placement`). `DecodeRows` packs a
 model's layers and runs the prologue and the kernel; `benchmarks/decode_rows_bench.py` checks
 and times it.
 """
@@ -73,8 +70,7 @@ CG = 8  # groups of 128 inputs a chunk
 ROW = 128  # int32 words a row of the packed weights (a chunk: 16 rows of words, 1 of scales)
 TAB = 17  # int64 fields a phase (see DecodeRows)
 TAB_C = gl.constexpr(TAB)
-K_QKV, K_ATTN, K_O, K_GU, K_DOWN = (gl.constexpr(QKV), gl.constexpr(ATTN), gl.constexpr(O),
-                                    gl.constexpr(GU), gl.constexpr(DOWN))
+K_QKV, K_ATTN, K_GU = gl.constexpr(QKV), gl.constexpr(ATTN), gl.constexpr(GU)
 _TILE = gl.constexpr(TILE)
 _ROW = gl.constexpr(ROW)
 DONE = 128  # a group's count once its 128 outputs are written
@@ -85,14 +81,8 @@ NDONE = gl.constexpr(4)  # tiles the consumers may finish ahead of their counts
 PLACEMENTS = ((2, 4, False), (2, 4, True), (1, 8, False))
 # the loader's wait: 1 a chunk's groups (the engine's), 0 the whole phase before, 2 none (a
 # floor for measurement: the outputs are not the layers'), 3 none and no MMAs (the weight
-# stream and the finishes alone, for measurement), 4 a chunk's tagged words (`tagged`: the
-# projections' outputs written as words that carry their writer's tag, read and checked in
-# one pass, with no counters between the projections)
-WAITS = {"dataflow": 1, "phase": 0, "free": 2, "nochunk": 3, "tagged": 4}
-# a tag: the call's epoch (6 bits, from the prologue's count of calls) and the writing phase's
-# index + 1 (10 bits; the prologue's 0), so that a word left by an earlier phase or call never
-# passes for the one awaited
-PHASE_BITS = 10
+# stream and the finishes alone, for measurement)
+WAITS = {"dataflow": 1, "phase": 0, "free": 2, "nochunk": 3}
 
 
 def pack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
@@ -209,47 +199,9 @@ def _first(tab_ptr, f, pid, P):
     return (pid + P - _tab(tab_ptr, f, 14)) % P
 
 
-_PB = gl.constexpr(PHASE_BITS)
-SPIN_LIMIT = gl.constexpr(1 << 26)  # polls before a wait that never ends traps (seconds)
-
-
-@gluon.jit
-def _tag(epoch, f):
-    """The tag of phase f's words in the call of `epoch` (f = -1: the prologue's)."""
-    return ((epoch & 63) << _PB) | (f + 1)
-
-
 @gluon.jit
 def _trap():
     gl.inline_asm_elementwise("trap; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _put(ptr, v, tag):
-    """bf16 values v stored at ptr as tagged words (the value's bits low, the tag high), each
-    word in one relaxed store at GPU scope (a store, not an exchange: nothing waits for a
-    value to come back)."""
-    w = (v.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF) | (tag << 16)
-    gl.inline_asm_elementwise("st.relaxed.gpu.global.b32 [$1], $2; mov.b32 $0, 0;", "=r,l,r",
-                              [ptr, w], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _get2(ptr, tag):
-    """The bf16 values of the tagged words at ptr and ptr + 1 (a 1-D tensor of pointers), read
-    again until all of them carry `tag`."""
-    a = gl.load(ptr, volatile=True)
-    b = gl.load(ptr + 1, volatile=True)
-    n = 0
-    while gl.max(gl.where((((a >> 16) & 0xFFFF) == tag) & (((b >> 16) & 0xFFFF) == tag), 0, 1),
-                 0) > 0:
-        a = gl.load(ptr, volatile=True)
-        b = gl.load(ptr + 1, volatile=True)
-        n += 1
-        if n > SPIN_LIMIT:
-            _trap()
-    return ((a & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True),
-            (b & 0xFFFF).to(gl.int16).to(gl.bfloat16, bitcast=True))
 
 
 @gluon.jit
@@ -306,8 +258,8 @@ def _group_sums(xsums, row, rs_ptr, n, LP: gl.constexpr):
 
 @gluon.jit
 def _loader(xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_ptr, ss_ptr,
-            rs_ptr, tag_ptr, ss64_ptr, ep_ptr, eps, P, H: gl.constexpr, CMAX: gl.constexpr,
-            MODE: gl.constexpr, PRE: gl.constexpr):
+            rs_ptr, eps, P, H: gl.constexpr, CMAX: gl.constexpr, MODE: gl.constexpr,
+            PRE: gl.constexpr):
     """Each projection's input row into buffer gf % 2 (gf: the projections so far that have
     tiles in this program; the consumer counts the same), a chunk's 8 groups at a time, as soon
     as the groups of the phase before's outputs they stand for are complete (MODE 1; 0: once
@@ -315,10 +267,7 @@ def _loader(xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_
     reads up to 128 counters at once and copies every chunk they make ready, in one round trip.
     A normed input's 1 / rms goes into rrbuf[gf % 2] before its last chunk is announced (every
     tile's sum of h^2 is in once every group is). PRE: the input's copy as B pairs is copied,
-    and each chunk's groups' input sums are made from their rows' sums (_group_sums). MODE 4
-    (`tagged`): a tagged input (every projection's but o's, which attention counts) is read
-    a chunk at a time as its words, again until all carry the tag of the phase before, and
-    written into the buffer as bf16; 1 / rms from the tiles' tagged sums of h^2 likewise."""
+    and each chunk's groups' input sums are made from their rows' sums (_group_sums)."""
     LP: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])
     LC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0])
     LG: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
@@ -333,18 +282,6 @@ def _loader(xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_
     blocks = smem_reinterpret(xbufs, gl.int32, [2 * NB, 32, 4],
                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     pid = gl.program_id(0)
-    # MODE 4: half a chunk's tagged words (512, 4 a lane at a time), and the buffer as rows of
-    # 256 bf16 pairs (a chunk: 2 of them)
-    LW4: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
-    LW2: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
-    NCH: gl.constexpr = xbufs.shape[1] // 128
-    halves = smem_reinterpret(xbufs, gl.int32, [4 * NCH, 256],
-                              gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    w_off = gl.arange(0, 512, layout=LW4)
-    epoch = gl.load(ep_ptr + 1)
-    if MODE == 4:
-        if pid == 0:  # (the next call's prologue counts on from it)
-            gl.store(ep_ptr, epoch)
     gf = 0
     for f in range(n_phases):
         # (a projection with none of its tiles here: nothing to copy, no buffer used)
@@ -363,46 +300,8 @@ def _loader(xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_
             G = C * 8
             done = 0
             passes = 0
-            if MODE == 4:  # (a static branch: no dead code in the other forms)
-                if _tab(tab_ptr, f, 0) != K_O:
-                    tag = _tag(epoch, f - 1)
-                    t0 = gl.where(_tab(tab_ptr, f, 0) == K_DOWN, 2 * H, H)
-                    for c in range(C):  # (both halves in flight at once: one round trip)
-                        at = tag_ptr + t0 + c * 1024 + w_off
-                        tw0 = gl.load(at, volatile=True)
-                        tw1 = gl.load(at + 512, volatile=True)
-                        n = 0
-                        while gl.max(gl.where((((tw0 >> 16) & 0xFFFF) == tag)
-                                              & (((tw1 >> 16) & 0xFFFF) == tag), 0, 1), 0) > 0:
-                            tw0 = gl.load(at, volatile=True)
-                            tw1 = gl.load(at + 512, volatile=True)
-                            n += 1
-                            if n > SPIN_LIMIT:
-                                _trap()
-                        lo, hi = gl.split(gl.reshape(tw0 & 0xFFFF, [256, 2]))
-                        halves.index(2 * (b * NCH + c)).store(
-                            gl.convert_layout(lo | (hi << 16), LW2))
-                        lo, hi = gl.split(gl.reshape(tw1 & 0xFFFF, [256, 2]))
-                        halves.index(2 * (b * NCH + c) + 1).store(
-                            gl.convert_layout(lo | (hi << 16), LW2))
-                        if (c == C - 1) & (ss_in >= 0):  # every tile's sum of h^2 is in by now
-                            sq64 = gl.load(ss64_ptr + ss_in + gl.arange(0, NSS, layout=LS),
-                                         volatile=True)
-                            n = 0
-                            while gl.max(gl.where((sq64 >> 32) == tag, 0, 1), 0) > 0:
-                                sq64 = gl.load(ss64_ptr + ss_in + gl.arange(0, NSS, layout=LS),
-                                             volatile=True)
-                                n += 1
-                                if n > SPIN_LIMIT:
-                                    _trap()
-                            sq32 = sq64.to(gl.int32).to(gl.float32, bitcast=True)
-                            rr = gl.rsqrt(gl.sum(sq32, 0) / H + eps)
-                            rrbuf.index(b).store(gl.full([32], 0.0, gl.float32, layout=L32) + rr)
-                        cta_barrier()  # (every lane's stores before the arrival)
-                        mbarrier.arrive(xready.index(b * CMAX + c), count=1)
-                    done = C
             while done < C:
-                if (MODE == 2) or (MODE == 3) or (gp == 0):
+                if (MODE >= 2) or (gp == 0):
                     upto = C
                 elif MODE == 0:  # (up to 256 groups of outputs)
                     avail = _ready_groups(cnt_ptr + pcnt, 0, gp, LG)
@@ -528,15 +427,11 @@ def _chunk(y, wv, sv, xc, g, ones, sel, L: gl.constexpr, T: gl.constexpr, WARPS:
 
 @gluon.jit
 def _finish(kind, tile, v0, v1, rr, ch, vec_ptr, g_ptr, ss_out_ptr, cs_ptr, pos, slot, kc_ptr,
-            vc_ptr, rs_ptr, tag_ptr, ss64_ptr, tag, tag_h, H: gl.constexpr, HEADS: gl.constexpr,
-            KVH: gl.constexpr, D: gl.constexpr, INTER: gl.constexpr, PRE: gl.constexpr,
-            TAG: gl.constexpr):
+            vc_ptr, rs_ptr, H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr,
+            D: gl.constexpr, INTER: gl.constexpr, PRE: gl.constexpr):
     """Tile `tile`'s finish from its rows' sums v0 (rows 2g) and v1 (rows 2g + 1), g = ch
     (see the module docstring). PRE: the outputs that a projection reads also go into their
-    copy as B pairs, with their sums a row of 8 (rs_ptr). TAG: h, the next projection's input
-    and the tile's sum of h^2 are written as words tagged `tag` (tag_ptr: h, xn, silu(gate) *
-    up; ss64_ptr: the sums), and h is read once its words carry tag_h (the phase before's);
-    h also goes into vec for the caller."""
+    copy as B pairs, with their sums a row of 8 (rs_ptr)."""
     HALF: gl.constexpr = D // 2
     Q_OFF: gl.constexpr = 2 * H
     ACT_OFF: gl.constexpr = Q_OFF + 2 * HEADS * D
@@ -567,47 +462,27 @@ def _finish(kind, tile, v0, v1, rr, ch, vec_ptr, g_ptr, ss_out_ptr, cs_ptr, pos,
         gt = (v0 * rr).to(gl.bfloat16).to(gl.float32)
         up = (v1 * rr).to(gl.bfloat16).to(gl.float32)
         act = (gt / (1.0 + gl.exp(-gt)) * up).to(gl.bfloat16)
-        if TAG:
-            _put(tag_ptr + 2 * H + 8 * tile + ch, act, tag)
-        else:
-            gl.store(vec_ptr + ACT_OFF + 8 * tile + ch, act)
+        gl.store(vec_ptr + ACT_OFF + 8 * tile + ch, act)
         if PRE:
             gl.store(vec_ptr + PA + H + HEADS * D + _pairs(8 * tile + ch), act)
             gl.store(rs_ptr + (H + HEADS * D) // 8 + tile, gl.sum(act.to(gl.float32), 0))
     else:  # o or down: the residual add, the next norm's input and the tile's sum of h^2
         n = 16 * tile + 2 * ch
-        if TAG:
-            hv0, hv1 = _get2(tag_ptr + n, tag_h)
-            h0 = hv0.to(gl.float32)
-            h1 = hv1.to(gl.float32)
-        else:
-            h0 = gl.load(vec_ptr + n, cache_modifier=".cg").to(gl.float32)
-            h1 = gl.load(vec_ptr + n + 1, cache_modifier=".cg").to(gl.float32)
+        h0 = gl.load(vec_ptr + n, cache_modifier=".cg").to(gl.float32)
+        h1 = gl.load(vec_ptr + n + 1, cache_modifier=".cg").to(gl.float32)
         g0 = gl.load(g_ptr + n).to(gl.float32)
         g1 = gl.load(g_ptr + n + 1).to(gl.float32)
         hb0 = (h0 + v0.to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16)
         hb1 = (h1 + v1.to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16)
+        gl.store(vec_ptr + n, hb0)
+        gl.store(vec_ptr + n + 1, hb1)
         f0 = hb0.to(gl.float32)
         f1 = hb1.to(gl.float32)
         x0 = (f0 * g0).to(gl.bfloat16)
         x1 = (f1 * g1).to(gl.bfloat16)
-        ss = gl.sum(f0 * f0 + f1 * f1, 0)
-        if TAG:
-            _put(tag_ptr + H + n, x0, tag)
-            _put(tag_ptr + H + n + 1, x1, tag)
-            gl.inline_asm_elementwise(
-                "st.relaxed.gpu.global.b64 [$1], $2; mov.b32 $0, 0;", "=r,l,l",
-                [ss64_ptr + tile + ch * 0, gl.full([8], 0, gl.int64, layout=ch.type.layout)
-                 + ((ss.to(gl.int32, bitcast=True).to(gl.int64) & 0xFFFFFFFF)
-                    | (tag.to(gl.int64) << 32))], dtype=gl.int32, is_pure=False, pack=1)
-            _put(tag_ptr + n, hb0, tag)
-            _put(tag_ptr + n + 1, hb1, tag)
-        else:
-            gl.store(vec_ptr + H + n, x0)
-            gl.store(vec_ptr + H + n + 1, x1)
-            gl.store(ss_out_ptr + tile, ss)
-        gl.store(vec_ptr + n, hb0)
-        gl.store(vec_ptr + n + 1, hb1)
+        gl.store(vec_ptr + H + n, x0)
+        gl.store(vec_ptr + H + n + 1, x1)
+        gl.store(ss_out_ptr + tile, gl.sum(f0 * f0 + f1 * f1, 0))
         if PRE:
             gl.store(vec_ptr + PA + _pairs(n), x0)
             gl.store(vec_ptr + PA + _pairs(n + 1), x1)
@@ -636,15 +511,15 @@ def _wait_heads(cnt_ptr, kh, HEADS: gl.constexpr, KVH: gl.constexpr, WARPS: gl.c
 
 @gluon.jit
 def _releaser(done, dfree, tab_ptr, n_phases, cnt_ptr, P, HEADS: gl.constexpr,
-              KVH: gl.constexpr, D: gl.constexpr, MODE: gl.constexpr):
+              KVH: gl.constexpr, D: gl.constexpr):
     """The program's tiles' outputs counted (release, GPU scope) in the order the consumer
     warps finish them, each once they say its finish is stored, so that they go on to the next
-    tile without waiting for the release's round trip (MODE 4: qkv's alone, for attention)."""
+    tile without waiting for the release's round trip."""
     pid = gl.program_id(0)
     k = 0
     for f in range(n_phases):
         kind = _tab(tab_ptr, f, 0)
-        if (kind != K_ATTN) & ((MODE != 4) | (kind == K_QKV)):
+        if kind != K_ATTN:
             cnt_off = _tab(tab_ptr, f, 5)
             outs = _tab(tab_ptr, f, 13)
             for tile in range(_first(tab_ptr, f, pid, P), _tab(tab_ptr, f, 2), P):
@@ -662,15 +537,14 @@ def _releaser(done, dfree, tab_ptr, n_phases, cnt_ptr, P, HEADS: gl.constexpr,
 @gluon.jit
 def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, done, dfree,
               tab_ptr, n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr, apart_ptr, lock_ptr,
-              cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr, kc_ptr, vc_ptr, tag_ptr, ss64_ptr,
-              ep_ptr, scale, P, S: gl.constexpr, CMAX: gl.constexpr, GMAX: gl.constexpr,
-              H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr,
-              BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr, MODE: gl.constexpr,
+              cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr, kc_ptr, vc_ptr, scale, P,
+              S: gl.constexpr, CMAX: gl.constexpr, GMAX: gl.constexpr, H: gl.constexpr,
+              HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
+              SPLITS: gl.constexpr, TB: gl.constexpr, MODE: gl.constexpr,
               INTER: gl.constexpr, PRE: gl.constexpr):
     """The program's tiles of every projection (the loader's buffer waited for chunk by chunk
     on the phase's first tile), the warps' sums added at a tile's end, its finish, and its
-    outputs counted (release; MODE 4: qkv's, the others' outputs tagged); and, in the first
-    KVH * SPLITS programs, attention."""
+    outputs counted (release); and, in the first KVH * SPLITS programs, attention."""
     WARPS: gl.constexpr = 4
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -687,7 +561,6 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, do
     ch = gl.arange(0, 8, layout=LT)  # a tile's row pairs
     pos = gl.load(pos_ptr).to(gl.int64)
     slot = gl.load(slot_ptr).to(gl.int64)
-    epoch = gl.load(ep_ptr + 1)
     # views of the whole buffers (a view of one slot cannot be reinterpreted)
     xv = smem_reinterpret(xbufs, gl.int32, [2 * (GMAX // 8), WARPS, 2, 16, 4],
                           gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
@@ -710,7 +583,7 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, do
                 # the earlier steps' K/V rows need no wait
                 kt0, vt0 = _attn_early(apid, kc_l, vc_l, bt_ptr, pos, KVH, D, BS, SPLITS, TB,
                                        WARPS)
-                if (MODE < 2) or (MODE == 4):
+                if MODE < 2:
                     _wait_heads(cnt_ptr + _tab(tab_ptr, f, 7), kh, HEADS, KVH, WARPS)
                 q0, q1, q2, q3, k_cur, v_cur = _attn_inputs(apid, vec_ptr, kc_l, vc_l, pos,
                                                             slot, scale, H, HEADS, KVH, D,
@@ -729,10 +602,6 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, do
             C = _tab(tab_ptr, f, 3)
             outs = _tab(tab_ptr, f, 13)  # outputs a tile
             ss_out = ss_ptr + gl.load(tab_ptr + f * TAB_C + 9)
-            ss64_out = ss64_ptr + gl.load(tab_ptr + f * TAB_C + 9)
-            tag = _tag(epoch, f)
-            # h's writer before: o reads the layer before's down (or the prologue), down this o
-            tag_h = _tag(epoch, gl.where(kind == K_O, f - 3, f - 2))
             g_l = norm_ptr + gl.load(tab_ptr + f * TAB_C + 10)
             b = gf % 2
             rr = gl.max(gl.full([32], 1.0, gl.float32, layout=L32), 0)
@@ -767,14 +636,12 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, do
                 else:
                     real = tile
                 _finish(kind, real, v0, v1, rr, ch, vec_ptr, g_l, ss_out, cs_ptr, pos, slot,
-                        kc_l, vc_l, rs_ptr, tag_ptr, ss64_out, tag, tag_h, H, HEADS, KVH, D,
-                        INTER, PRE, MODE == 4)
-                if (MODE != 4) or (kind == K_QKV):
-                    # the releasing warp counts the tile's outputs (the arrive is a barrier of
-                    # the consumer warps, after every warp's stores, and one thread's arrive)
-                    mbarrier.wait(dfree.index(k % NDONE), ((k // NDONE) & 1) ^ 1)
-                    mbarrier.arrive(done.index(k % NDONE), count=1)
-                    k += 1
+                        kc_l, vc_l, rs_ptr, H, HEADS, KVH, D, INTER, PRE)
+                # the releasing warp counts the tile's outputs (the arrive is a barrier of
+                # the consumer warps, after every warp's stores, and one thread's arrive)
+                mbarrier.wait(dfree.index(k % NDONE), ((k // NDONE) & 1) ^ 1)
+                mbarrier.arrive(done.index(k % NDONE), count=1)
+                k += 1
             mbarrier.arrive(xfree.index(b), count=1)
             gf += 1
 
@@ -782,8 +649,7 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, do
 @gluon.jit
 def decode_rows_kernel(desc_w, desc_s, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr,
                        apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr, kc_ptr,
-                       vc_ptr, tag_ptr, ss64_ptr, ep_ptr, eps, scale, P, S: gl.constexpr,
-                       GMAX: gl.constexpr,
+                       vc_ptr, eps, scale, P, S: gl.constexpr, GMAX: gl.constexpr,
                        CMAX: gl.constexpr, H: gl.constexpr, HEADS: gl.constexpr,
                        KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
                        SPLITS: gl.constexpr, TB: gl.constexpr, INTER: gl.constexpr,
@@ -792,8 +658,7 @@ def decode_rows_kernel(desc_w, desc_s, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_
     and the first norm's input xn (in vec) and its tiles' sums of h^2 to the last layer's h
     (see the module docstring). MODE: the loader's wait (WAITS); PRE: the projections read
     their inputs' copies as B pairs and their groups' sums, made once by the phases that write
-    them (rs_ptr: the sums a row of 8). tag_ptr, ss64_ptr: h, xn, silu(gate) * up and the
-    tiles' sums of h^2 as tagged words (MODE 4); ep_ptr: the calls' count (see the prologue)."""
+    them (rs_ptr: the sums a row of 8)."""
     wbufs = gl.allocate_shared_memory(gl.int32, [S, 16, _ROW], desc_w.layout)
     sbufs = gl.allocate_shared_memory(gl.int32, [S, 1, _ROW], desc_s.layout)
     xbufs = gl.allocate_shared_memory(gl.int32, [2, GMAX * 16, 4],
@@ -813,25 +678,23 @@ def decode_rows_kernel(desc_w, desc_s, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_
         (_consumer, (wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, done,
                      dfree, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr, apart_ptr,
                      lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr, kc_ptr, vc_ptr,
-                     tag_ptr, ss64_ptr, ep_ptr, scale, P, S, CMAX, GMAX, H, HEADS, KVH, D, BS,
-                     SPLITS, TB, MODE, INTER, PRE)),
+                     scale, P, S, CMAX, GMAX, H, HEADS, KVH, D, BS, SPLITS, TB, MODE, INTER,
+                     PRE)),
         (_producer, (desc_w, desc_s, wbufs, sbufs, ready, empty, tab_ptr, n_phases, P, S)),
         (_loader, (xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_ptr,
-                   ss_ptr, rs_ptr, tag_ptr, ss64_ptr, ep_ptr, eps, P, H, CMAX, MODE, PRE)),
-        (_releaser, (done, dfree, tab_ptr, n_phases, cnt_ptr, P, HEADS, KVH, D, MODE)),
+                   ss_ptr, rs_ptr, eps, P, H, CMAX, MODE, PRE)),
+        (_releaser, (done, dfree, tab_ptr, n_phases, cnt_ptr, P, HEADS, KVH, D)),
     ], [1, 1, 1], [48, 80, 48])
 
 
 @triton.jit
 def rows_prologue_kernel(table_ptr, tok_ptr, g_ptr, vec_ptr, ss_ptr, rs_ptr, lock_ptr, cnt_ptr,
-                         tag_ptr, ss64_ptr, ep_ptr, n_lock, n_cnt, pairs, H: tl.constexpr,
-                         PB: tl.constexpr):
+                         n_lock, n_cnt, pairs, H: tl.constexpr):
     """The persistent kernel's inputs, one program a block of 128 channels: h = row tok[0] of
     table (the embedding, or the step's row itself with tok 0), xn = h * g rounded to bf16
     (and its copy as B pairs at element `pairs` of vec, with its sums a row of 8) and the sums
-    of h^2 a tile of 16, each also as words tagged with this call's epoch (ep[0] + 1, which
-    program 0 puts in ep[1] for the kernel; the kernel puts it back in ep[0] for the next
-    call); the counters zeroed (a share each) and, in program 0, the attention tickets."""
+    of h^2 a tile of 16; the counters zeroed (a share each) and, in program 0, the attention
+    tickets."""
     j = tl.program_id(0)
     c = j * 128 + tl.arange(0, 128)
     row = tl.load(tok_ptr).to(tl.int64)
@@ -845,16 +708,7 @@ def rows_prologue_kernel(table_ptr, tok_ptr, g_ptr, vec_ptr, ss_ptr, rs_ptr, loc
     tl.store(vec_ptr + pairs + c - k + 2 * (k % 4) + k // 4, xn)
     tl.store(rs_ptr + j * 16 + tl.arange(0, 16),
              tl.sum(tl.reshape(xn.to(tl.float32), (16, 8)), 1))
-    ss = tl.sum(tl.reshape(hf * hf, (8, 16)), 1)
-    tl.store(ss_ptr + j * 8 + tl.arange(0, 8), ss)
-    epoch = tl.load(ep_ptr) + 1
-    if j == 0:
-        tl.store(ep_ptr + 1, epoch)
-    tag = (epoch & 63) << PB  # (the prologue's phase index: -1)
-    tl.store(tag_ptr + c, (h.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (tag << 16))
-    tl.store(tag_ptr + H + c, (xn.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (tag << 16))
-    tl.store(ss64_ptr + j * 8 + tl.arange(0, 8),
-             (ss.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF) | (tag.to(tl.int64) << 32))
+    tl.store(ss_ptr + j * 8 + tl.arange(0, 8), tl.sum(tl.reshape(hf * hf, (8, 16)), 1))
     for k in range(j * 128, n_cnt, tl.num_programs(0) * 128):
         tl.store(cnt_ptr + k + tl.arange(0, 128), 0, mask=k + tl.arange(0, 128) < n_cnt)
     if j == 0:
@@ -897,8 +751,6 @@ def unsupported(dims: Dims, layers: list[LayerWeights], dtype: torch.dtype,
             return f"{name} {k} is not a multiple of {128 * CG} (a chunk's inputs)"
     if dims.hidden % 512:
         return f"hidden size {dims.hidden} is not a multiple of 512 (the loader's sums)"
-    if 5 * len(layers) >= (1 << PHASE_BITS) - 1:
-        return f"{len(layers)} layers: more phases than a tag counts"
     return None
 
 
@@ -908,9 +760,8 @@ class DecodeRows:
     words with their scales and zero points (the same bytes, in chunk order).
 
     stages: the ring's chunks (17 rows of 512 bytes); splits: attention programs a KV head;
-    `wait` (WAITS) the loader's form (`tagged`: inputs as they are, not as B pairs); `pre`:
-    the projections read their inputs as B pairs with their groups' sums, made once
-    (`choose_placement` times both). Shared memory a program: the
+    `wait` (WAITS) the loader's form; `pre`: the projections read their inputs as B pairs with
+    their groups' sums, made once (`choose_placement` times both). Shared memory a program: the
     ring and two copies of the widest input (64 KB for Llama-3-8B): two programs an SM with 4
     stages, one with 8.
 
@@ -998,11 +849,6 @@ class DecodeRows:
         self.cnt = torch.zeros(cnt, dtype=torch.int32, device=device)
         self.vec = torch.zeros(pa + H + qd + dims.inter, dtype=torch.bfloat16, device=device)
         self.row_sums = torch.zeros((H + qd + dims.inter) // 8, **f32)
-        # the `tagged` form's words: h, xn and silu(gate) * up (int32), the sums of h^2
-        # (int64), and the calls' count that the tags carry
-        self.tags = torch.zeros(2 * H + dims.inter, dtype=torch.int32, device=device)
-        self.sums64 = torch.zeros(self.sums.numel(), dtype=torch.int64, device=device)
-        self.epoch = torch.zeros(2, dtype=torch.int32, device=device)
         self.zero_token = torch.zeros(1, dtype=torch.int64, device=device)
         self.caches: tuple[torch.Tensor, torch.Tensor] | None = None
         self._resident: set = set()
@@ -1072,19 +918,14 @@ class DecodeRows:
                              f"contiguous bf16 (rows, {H})")
         if token is None:
             token = self.zero_token
-        if self.pre and self.wait == "tagged":
-            raise ValueError("decode_rows: the tagged form reads its inputs as they are, not "
-                             "as B pairs")
         rows_prologue_kernel[(H // 128,)](
             x, token, self.norms, self.vec, self.sums, self.row_sums, self.lock, self.cnt,
-            self.tags, self.sums64, self.epoch, self.lock.numel(), self.cnt.numel(),
-            pairs_at(d), H=H, PB=PHASE_BITS, num_warps=4)
+            self.lock.numel(), self.cnt.numel(), pairs_at(d), H=H, num_warps=4)
         k0, v0 = self.caches
         gmax = 1 << (self.k_max // 128 - 1).bit_length()  # (shared shapes: powers of 2)
         args = (*self.descs, self.table, len(self.table), self.vec, self.norms, self.sums,
                 self.row_sums, self.apart, self.lock, self.cnt, cos_sin, positions, slot_mapping,
-                block_table, k0, v0, self.tags, self.sums64, self.epoch, d.eps,
-                1.0 / math.sqrt(d.head_dim), self.programs)
+                block_table, k0, v0, d.eps, 1.0 / math.sqrt(d.head_dim), self.programs)
         kw = dict(S=self.stages, GMAX=gmax, CMAX=gmax // CG, H=H, HEADS=d.heads,
                   KVH=d.kv_heads, D=d.head_dim, BS=d.block_size, SPLITS=self.splits, TB=self.tb,
                   INTER=d.inter, MODE=WAITS[self.wait], PRE=int(self.pre),
@@ -1093,16 +934,3 @@ class DecodeRows:
                        "decode_rows")
         decode_rows_kernel[(self.programs,)](*args, **kw)
         return self.vec[:H].view(1, H)
-
-    def vectors(self) -> torch.Tensor:
-        """The arena's vectors after a call (h, xn, q, the attention output, silu(gate) * up):
-        in the tagged form, xn and silu(gate) * up from their tagged words (for checks)."""
-        if self.wait != "tagged":
-            return self.vec
-        H = self.dims.hidden
-        off = offsets(self.dims)
-        vec = self.vec.clone()
-        bits = (self.tags & 0xFFFF).to(torch.int16).view(torch.bfloat16)
-        vec[H:2 * H] = bits[H:2 * H]
-        vec[off["act"]:off["size"]] = bits[2 * H:]
-        return vec

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow  # (about 15 s of compiling, uncached)
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = ("gemv_tc4", "gemv_tc6", "w8_tc", "attn_fp8", "layers:engine", "layers:fold",
         "layers:l2", "layers:pipe", "layers:pipexsum", "layers:allpoll", "layers:xpairs",
-        "rows", "rows_pre", "decode_rows", "decode_rows_pre", "decode_rows_tagged")
+        "rows", "rows_pre", "decode_rows", "decode_rows_pre")
 SM90_SHARED = 227 * 1024  # the most shared memory a program may take on sm_90
 
 
@@ -110,7 +110,7 @@ def test_the_row_tile_probe_made_once_inputs_halve_the_mmas(compiled: dict) -> N
     assert _job(compiled, "rows")["ptx"]["mma"] == 2 * _job(compiled, "rows_pre")["ptx"]["mma"]
 
 
-@pytest.mark.parametrize("name", ("decode_rows", "decode_rows_pre", "decode_rows_tagged"))
+@pytest.mark.parametrize("name", ("decode_rows", "decode_rows_pre"))
 def test_the_row_tile_decode_kernel_fits_two_programs_an_sm(compiled: dict, name: str) -> None:
     """With Llama-3-8B's input buffers and a ring of 4: two programs an SM at 128 registers."""
     job = _job(compiled, name)
@@ -128,16 +128,6 @@ def test_the_row_tile_decode_kernels_inputs_made_once_halve_the_mmas(compiled: d
     constant-weight MMAs and no byte permutes left in the projections' steps."""
     plain, pre = _job(compiled, "decode_rows")["ptx"], _job(compiled, "decode_rows_pre")["ptx"]
     assert plain["mma"] == 2 * pre["mma"] and pre["prmt"] == 0 < plain["prmt"]
-
-
-def test_the_tagged_form_writes_and_reads_words_with_no_fence(compiled: dict) -> None:
-    """The tagged form writes the projections' outputs as relaxed stores of words (a value and
-    its tag each, with no release fence) and reads them back 16 bytes a lane with volatile
-    loads; the counted form does neither."""
-    tagged = _job(compiled, "decode_rows_tagged")["ptx"]
-    plain = _job(compiled, "decode_rows")["ptx"]
-    assert tagged["relaxed_st"] > 0 == plain["relaxed_st"]
-    assert tagged["volatile_v4"] > 0 == plain["volatile_v4"]
 
 
 @pytest.mark.parametrize("name", JOBS)
