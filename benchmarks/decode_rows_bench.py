@@ -37,11 +37,9 @@ from benchmarks.decode_layer_ring import (LAYERS, ONE_LAYER, build, call, compar
                                           mismatches, reference_layers, state)
 
 
-def check(layers: int, ctx: int, P: int, dev: torch.device, splits: int,
-          cwarps: int = 4) -> dict:
+def check(layers: int, ctx: int, P: int, dev: torch.device, splits: int) -> dict:
     """The kernel's outputs against the reference, and whether 5 more calls give its bits."""
     d = build(layers, P, ctx, dev, rows=True, splits=splits)
-    d["dl"].cwarps = cwarps
     want = reference_layers(d)
     call(d)
     torch.cuda.synchronize()
@@ -53,8 +51,7 @@ def check(layers: int, ctx: int, P: int, dev: torch.device, splits: int,
         call(d)
         torch.cuda.synchronize()
         same &= all(torch.equal(v, got[k]) for k, v in state(d).items())
-    rec = {"layers": layers, "ctx": ctx, "programs": P, "consumer_warps": cwarps,
-           "errors": compare(got, want),
+    rec = {"layers": layers, "ctx": ctx, "programs": P, "errors": compare(got, want),
            "outside_bounds": sorted(bad), "same_bits": bool(same)}
     del d
     torch.cuda.empty_cache()
@@ -66,9 +63,8 @@ def profile_once(ns, dev: torch.device, sms: int) -> None:
     call) between cudaProfilerStart and cudaProfilerStop."""
     d = build(ns.layers, 2 * sms, ns.ctx, dev, rows=True, splits=ns.splits)
     dl = d["dl"]
-    form, _, cw = ns.placements.split(",")[0].partition("w")
-    per_sm, stages = (int(v) for v in form.split("x"))
-    dl.stages, dl.cwarps = stages, int(cw or 4)
+    per_sm, stages = (int(v) for v in ns.placements.split(",")[0].split("x"))
+    dl.stages = stages
     dl.place(per_sm * sms)
     for wait, pre in [(w, int(r)) for w in ns.waits.split(",") for r in ns.pre.split(",")]:
         dl.wait, dl.pre = wait, bool(pre)
@@ -88,9 +84,7 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=256)
     p.add_argument("--checks", default="1x1,1x256,2x37,2x777",
                    help="layers x context lengths checked first, comma-separated")
-    p.add_argument("--placements", default="2x4,1x8",
-                   help="programs an SM x ring stages, with w8 for eight consumer warps a "
-                        "program (2x4w8)")
+    p.add_argument("--placements", default="2x4,1x8", help="programs an SM x ring stages")
     p.add_argument("--waits", default="dataflow,free,phase,nochunk")
     p.add_argument("--pre", default="1,0",
                    help="inputs as B pairs with their groups' sums made once (1) or not (0)")
@@ -110,14 +104,11 @@ def main() -> None:
     t0 = time.time()
     results: list = []
     fails = 0
-    placements = []
-    for pl in ns.placements.split(","):
-        form, _, cw = pl.partition("w")
-        placements.append((pl, *(int(v) for v in form.split("x")), int(cw or 4)))
-    for spec, cw in [(s, cw) for cw in sorted({p[3] for p in placements})
-                     for s in ns.checks.split(",") if s]:
+    for spec in ns.checks.split(","):
+        if not spec:
+            continue
         n, ctx = (int(v) for v in spec.split("x"))
-        rec = check(n, ctx, 2 * sms, dev, ns.splits, cw)
+        rec = check(n, ctx, 2 * sms, dev, ns.splits)
         fails += bool(rec["outside_bounds"]) or not rec["same_bits"]
         results.append(rec)
         print(json.dumps(rec), f"({time.time() - t0:.0f} s)", flush=True)
@@ -127,8 +118,9 @@ def main() -> None:
     timed = {"layers": ns.layers, "ctx": ns.ctx, "gpu": torch.cuda.get_device_name(dev),
              "weight_bytes_per_layer": dl.weight_bytes / ns.layers,
              "wall_us_per_layer": round(dl.weight_bytes / ns.layers / 4.2e6, 2), "rows": {}}
-    for pl, per_sm, stages, cw in placements:
-        dl.stages, dl.cwarps = stages, cw
+    for pl in ns.placements.split(","):
+        per_sm, stages = (int(v) for v in pl.split("x"))
+        dl.stages = stages
         dl.place(per_sm * sms)
         for wait, pre in [(w, int(r)) for w in ns.waits.split(",") for r in ns.pre.split(",")]:
             dl.wait, dl.pre = wait, bool(pre)

@@ -18,9 +18,8 @@ its tiles in a program is skipped by all of them):
   are complete (each group of 128 outputs has a counter that its tiles' owners add their
   outputs to, release; the loader polls them, acquire), and for a normed input (qkv, gate/up)
   makes RMSNorm's 1 / rms from the tiles' sums of h^2 once all of them are in;
-- four consumer warps (or eight, `cwarps`) take the tiles: a chunk's 8 groups two a warp (one
-  with eight; the int4 tensor-core GEMV's steps, wna16_gemv_tc.py), the warps' sums added at
-  the tile's end, then the finish:
+- four consumer warps take the tiles: a chunk's 8 groups two a warp (the int4 tensor-core
+  GEMV's steps, wna16_gemv_tc.py), the warps' sums added at the tile's end, then the finish:
 
   1. qkv (channels reordered so that a tile's rows 2g, 2g + 1 are a q or k channel e and its
      RoPE partner e + 64): scale by 1 / rms, round, rotate, store q, or K and V into the
@@ -77,12 +76,9 @@ _ROW = gl.constexpr(ROW)
 DONE = 128  # a group's count once its 128 outputs are written
 DONE_C = gl.constexpr(DONE)
 NDONE = gl.constexpr(4)  # tiles the consumers may finish ahead of their counts
-# (programs an SM, ring stages, inputs as B pairs, consumer warps a program) that
-# choose_placement times: the first is the built form
-PLACEMENTS = ((2, 4, False, 4), (2, 4, True, 4), (1, 8, False, 4))
-# forms with eight consumer warps a program (one group of a chunk each): checked by the GPU
-# tests and timed by the benchmark (`2x4w8`), not yet by the engine
-EIGHT_WARPS = ((2, 4, False, 8), (1, 8, False, 8))
+# (programs an SM, ring stages, inputs as B pairs) that choose_placement times: the first is
+# the built form
+PLACEMENTS = ((2, 4, False), (2, 4, True), (1, 8, False))
 # the loader's wait: 1 a chunk's groups (the engine's), 0 the whole phase before, 2 none (a
 # floor for measurement: the outputs are not the layers'), 3 none and no MMAs (the weight
 # stream and the finishes alone, for measurement)
@@ -368,8 +364,8 @@ def _add4(a, b):
 
 @gluon.jit
 def _chunk(y, wv, sv, xc, g, ones, sel, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr,
-           PRE: gl.constexpr = False, xs=None, w_id=None, GPW: gl.constexpr = 2):
-    """One ring chunk into the tile's sums y: warp w's GPW groups GPW w + h of the chunk, each
+           PRE: gl.constexpr = False, xs=None, w_id=None):
+    """One ring chunk into the tile's sums y: warp w's groups 2w and 2w + 1 of the chunk, each
     four MMA steps on the words (wv) and x's rows (xc) into two accumulator sets (even and odd
     steps: dependent chains half as long, added at the group's end), then scaled by the group's
     scales and zero points (sv, the chunk's row of them). PRE: x's copy holds its B pairs and xs the
@@ -386,7 +382,7 @@ def _chunk(y, wv, sv, xc, g, ones, sel, L: gl.constexpr, T: gl.constexpr, WARPS:
         xs4 = xs.load(gl.SliceLayout(0, B2))
         xs4 = gl.convert_layout(gl.reshape(gl.expand_dims(xs4, 0).broadcast_to([WARPS, 32]),
                                            [T]), L).to(gl.int32, bitcast=True)
-    for h in gl.static_range(GPW):
+    for h in gl.static_range(2):
         s_w = _shfl(sv, 16 * h + g)
         z_w = _shfl(sv, 16 * h + 8 + g)
         acc = (c4, c4, c4, c4)  # (the even steps'; acc_b, cx_b the odd steps')
@@ -420,7 +416,7 @@ def _chunk(y, wv, sv, xc, g, ones, sel, L: gl.constexpr, T: gl.constexpr, WARPS:
                     acc_b, cx_b = _step(acc_b, cx_b, ones, w8, bx, sel, 1, True, 4)
         acc = (_add4(acc[0], acc_b[0]), c4, c4, c4)
         if PRE:
-            xg = _shfl(xs4, GPW * w_id + h).to(gl.float32, bitcast=True)
+            xg = _shfl(xs4, 2 * w_id + h).to(gl.float32, bitcast=True)
             cx = (xg, xg, xg, xg)
         else:
             cx = _add4(cx, cx_b)
@@ -545,12 +541,11 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, do
               S: gl.constexpr, CMAX: gl.constexpr, GMAX: gl.constexpr, H: gl.constexpr,
               HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
               SPLITS: gl.constexpr, TB: gl.constexpr, MODE: gl.constexpr,
-              INTER: gl.constexpr, PRE: gl.constexpr, WARPS: gl.constexpr):
+              INTER: gl.constexpr, PRE: gl.constexpr):
     """The program's tiles of every projection (the loader's buffer waited for chunk by chunk
     on the phase's first tile), the warps' sums added at a tile's end, its finish, and its
-    outputs counted (release); and, in the first KVH * SPLITS programs, attention. WARPS
-    consumer warps share a chunk's 8 groups."""
-    GPW: gl.constexpr = 8 // WARPS  # groups a warp in a chunk
+    outputs counted (release); and, in the first KVH * SPLITS programs, attention."""
+    WARPS: gl.constexpr = 4
     T: gl.constexpr = 32 * WARPS
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     LT: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -567,16 +562,11 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, do
     pos = gl.load(pos_ptr).to(gl.int64)
     slot = gl.load(slot_ptr).to(gl.int64)
     # views of the whole buffers (a view of one slot cannot be reinterpreted)
-    xv = smem_reinterpret(xbufs, gl.int32, [2 * (GMAX // 8), WARPS, GPW, 16, 4],
+    xv = smem_reinterpret(xbufs, gl.int32, [2 * (GMAX // 8), WARPS, 2, 16, 4],
                           gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
-    wvs = smem_reinterpret(wbufs, gl.int32, [S, WARPS, GPW, 4, 64],
+    wvs = smem_reinterpret(wbufs, gl.int32, [S, WARPS, 2, 4, 64],
                            gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
-    # a chunk's row of scales and zero points, warp w's lane l holding word 32 w + l (two
-    # groups a warp) or 16 w + l % 16 (one)
-    svs = smem_reinterpret(sbufs, gl.int32, [S, 8 // GPW, 16 * GPW],
-                           gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    BS3: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 2 // GPW, 16 * GPW], [WARPS, 1, 1],
-                                         [2, 1, 0])
+    svs = smem_reinterpret(sbufs, gl.int32, [S, T], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     PA: gl.constexpr = 2 * H + 2 * HEADS * D + INTER  # (pairs_at)
     i = 0
     gf = 0
@@ -624,12 +614,9 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, do
                     slot_r = i % S
                     mbarrier.wait(ready.index(slot_r), (i // S) & 1)
                     if MODE != 3:
-                        sv = svs.index(slot_r).load(gl.SliceLayout(1, BS3))
-                        sv = gl.convert_layout(gl.reshape(gl.expand_dims(sv, 1).broadcast_to(
-                            [WARPS, 2 // GPW, 16 * GPW]), [T]), L)
-                        y = _chunk(y, wvs.index(slot_r), sv,
+                        y = _chunk(y, wvs.index(slot_r), svs.index(slot_r).load(L),
                                    xv.index(b * (GMAX // 8) + c), g, ones, sel, L, T, WARPS,
-                                   PRE, xsums.index(b * CMAX + c), idx // 32, GPW)
+                                   PRE, xsums.index(b * CMAX + c), idx // 32)
                     else:  # (the stream and the finishes alone)
                         cta_barrier()
                     # every warp's loads of the slot are done before it is refilled (the
@@ -666,12 +653,12 @@ def decode_rows_kernel(desc_w, desc_s, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_
                        CMAX: gl.constexpr, H: gl.constexpr, HEADS: gl.constexpr,
                        KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
                        SPLITS: gl.constexpr, TB: gl.constexpr, INTER: gl.constexpr,
-                       MODE: gl.constexpr = 1, PRE: gl.constexpr = 0, CW: gl.constexpr = 4):
+                       MODE: gl.constexpr = 1, PRE: gl.constexpr = 0):
     """The layers of the phase table (TAB int64 fields a phase), from the residual stream h
     and the first norm's input xn (in vec) and its tiles' sums of h^2 to the last layer's h
     (see the module docstring). MODE: the loader's wait (WAITS); PRE: the projections read
     their inputs' copies as B pairs and their groups' sums, made once by the phases that write
-    them (rs_ptr: the sums a row of 8). CW: the consumer warps (the kernel's num_warps)."""
+    them (rs_ptr: the sums a row of 8)."""
     wbufs = gl.allocate_shared_memory(gl.int32, [S, 16, _ROW], desc_w.layout)
     sbufs = gl.allocate_shared_memory(gl.int32, [S, 1, _ROW], desc_s.layout)
     xbufs = gl.allocate_shared_memory(gl.int32, [2, GMAX * 16, 4],
@@ -692,7 +679,7 @@ def decode_rows_kernel(desc_w, desc_s, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_
                      dfree, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr, apart_ptr,
                      lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr, kc_ptr, vc_ptr,
                      scale, P, S, CMAX, GMAX, H, HEADS, KVH, D, BS, SPLITS, TB, MODE, INTER,
-                     PRE, CW)),
+                     PRE)),
         (_producer, (desc_w, desc_s, wbufs, sbufs, ready, empty, tab_ptr, n_phases, P, S)),
         (_loader, (xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_ptr,
                    ss_ptr, rs_ptr, eps, P, H, CMAX, MODE, PRE)),
@@ -866,7 +853,6 @@ class DecodeRows:
         self.caches: tuple[torch.Tensor, torch.Tensor] | None = None
         self._resident: set = set()
         self.pre = False
-        self.cwarps = 4  # consumer warps a program (4 or 8)
         self.place(programs)
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -891,25 +877,16 @@ class DecodeRows:
         self.programs = programs
 
     def choose_placement(self, run, timer=None,
-                         iters: int = 5) -> dict[tuple[int, int, bool, int], float]:
+                         iters: int = 5) -> dict[tuple[int, int, bool], float]:
         """Time `run` (a call of this object on fixed inputs, caches bound) in each form of
-        PLACEMENTS (programs an SM, ring stages, `pre`, consumer warps) and keep the fastest
-        (inf where refused): the inputs made once as B pairs speed the projections up but
-        lengthen the chain between the phases, which wins depends on the GPU (see the
-        benchmarks)."""
+        PLACEMENTS (programs an SM, ring stages, `pre`) and keep the fastest (inf where
+        refused): the inputs made once as B pairs speed the projections up but lengthen the
+        chain between the phases, which wins depends on the GPU (see the benchmarks)."""
         return keep_fastest(PLACEMENTS, self._form, run, timer, iters)
 
-    def _form(self, per_sm: int, stages: int, pre: bool, cwarps: int) -> None:
-        self.stages, self.pre, self.cwarps = stages, pre, cwarps
+    def _form(self, per_sm: int, stages: int, pre: bool) -> None:
+        self.stages, self.pre = stages, pre
         self.place(per_sm * self.sms)
-
-    def _maxnreg(self) -> int:
-        """Registers a thread at launch: the consumer warps and the four others of every
-        program an SM share the SM's 64K (the partitions then move them between them)."""
-        if self.cwarps == 4:
-            return 128
-        per_sm = max(1, self.programs // self.sms)
-        return min(168, 65536 // (per_sm * (self.cwarps + 4) * 32) // 8 * 8)
 
     @property
     def weight_bytes(self) -> int:
@@ -951,8 +928,8 @@ class DecodeRows:
                 block_table, k0, v0, d.eps, 1.0 / math.sqrt(d.head_dim), self.programs)
         kw = dict(S=self.stages, GMAX=gmax, CMAX=gmax // CG, H=H, HEADS=d.heads,
                   KVH=d.kv_heads, D=d.head_dim, BS=d.block_size, SPLITS=self.splits, TB=self.tb,
-                  INTER=d.inter, MODE=WAITS[self.wait], PRE=int(self.pre), CW=self.cwarps,
-                  num_warps=self.cwarps, maxnreg=self._maxnreg())
+                  INTER=d.inter, MODE=WAITS[self.wait], PRE=int(self.pre),
+                  num_warps=4, maxnreg=128)
         check_resident(decode_rows_kernel, self.programs, self.sms, args, kw, self._resident,
                        "decode_rows")
         decode_rows_kernel[(self.programs,)](*args, **kw)

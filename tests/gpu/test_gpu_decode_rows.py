@@ -1,8 +1,7 @@
 """The row-tile persistent decode kernel (kernels/decode_rows.py; sm_90+): a step's layers at
 batch 1 in one kernel, whole-K row tiles and readiness a group of 128 outputs, against the same
 layers in torch with the same rounding points (benchmarks/decode_layer_ring.py), in each form
-the engine may keep and with eight consumer warps a program; repeated calls give the same
-bits."""
+the engine may keep; repeated calls give the same bits."""
 from __future__ import annotations
 
 import pytest
@@ -20,8 +19,7 @@ SMALL = {"H": 1024, "HEADS": 8, "KVH": 2, "D": 128, "INTER": 2048, "BS": 16, "th
 
 def _build(shape: str, ctx: int, layers: int, form: tuple, wait: str = "dataflow") -> tuple:
     """The benchmark module and the packed layers and inputs in `form` (programs an SM, ring
-    stages, inputs as B pairs, and consumer warps a program where given, else 4) for this GPU
-    (sm_90+ only)."""
+    stages, inputs as B pairs) for this GPU (sm_90+ only)."""
     if torch.cuda.get_device_capability(DEV) < (9, 0):
         pytest.skip("TMA and warp specialization need sm_90+")
     bench = load("decode_layer_ring")
@@ -29,8 +27,7 @@ def _build(shape: str, ctx: int, layers: int, form: tuple, wait: str = "dataflow
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     d = bench.build(layers, 2 * sms, ctx, DEV, cfg, rows=True)
     dl = d["dl"]
-    per_sm, dl.stages, dl.pre, *cwarps = form
-    dl.cwarps = cwarps[0] if cwarps else 4
+    per_sm, dl.stages, dl.pre = form
     dl.wait = wait
     dl.place(per_sm * sms)
     return bench, d
@@ -43,8 +40,8 @@ def _run(bench, d: dict) -> dict:
 
 
 def _forms() -> tuple:
-    from peregrine.kernels.decode_rows import EIGHT_WARPS, PLACEMENTS
-    return PLACEMENTS + EIGHT_WARPS
+    from peregrine.kernels.decode_rows import PLACEMENTS
+    return PLACEMENTS
 
 
 @pytest.mark.parametrize("form", _forms())

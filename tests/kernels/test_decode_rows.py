@@ -161,16 +161,16 @@ def test_shapes_it_cannot_run_are_refused_with_the_reason() -> None:
 
 @pytest.mark.parametrize("faster", PLACEMENTS)
 def test_the_fastest_form_is_kept(faster: tuple) -> None:
-    """choose_placement times every form (programs an SM, ring stages, inputs as B pairs,
-    consumer warps) and leaves the kernel in the fastest; a form refused before its launch
-    counts as never faster."""
+    """choose_placement times every form (programs an SM, ring stages, inputs as B pairs) and
+    leaves the kernel in the fastest; a form refused before its launch counts as never
+    faster."""
     dims, ws = _small()
     dl = DecodeRows(dims, ws, torch.ones(1024, dtype=torch.bfloat16), torch.device("cpu"),
                     splits=4, programs=8)
     seen = []
 
     def form() -> tuple:
-        return (dl.programs // dl.sms, dl.stages, dl.pre, dl.cwarps)
+        return (dl.programs // dl.sms, dl.stages, dl.pre)
 
     def timer(run, iters):
         seen.append(form())
