@@ -72,6 +72,12 @@ def fence_acq_rel_gpu_if(flag):
 
 
 @gluon.jit
+def trap():
+    """Abort the launch (the kernel fails with an error rather than hanging the GPU)."""
+    gl.inline_asm_elementwise("trap; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def wait_count(ptr, target, LIMIT: gl.constexpr = 1 << 26):
     """Spin until the int32 counter at ptr (acquire loads, GPU scope) reaches target. A wait
     longer than LIMIT polls (seconds, where a phase takes microseconds: a program that never
@@ -82,8 +88,7 @@ def wait_count(ptr, target, LIMIT: gl.constexpr = 1 << 26):
         seen = poll_acquire(ptr)
         n += 1
         if n > LIMIT:
-            gl.inline_asm_elementwise("trap; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                      pack=1)
+            trap()
 
 
 # thread 0's spin on a counter (see wait_count_one): the other threads skip it; a wait past

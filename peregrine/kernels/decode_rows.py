@@ -58,7 +58,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from peregrine.kernels._gluon import (cp_async, cta_barrier, poll_acquire, ring_barriers,
-                                      smem_reinterpret, tma_load)
+                                      smem_reinterpret, tma_load, trap)
 from peregrine.kernels.decode_layers import (ATTN, DOWN, GU, O, QKV, Dims, LayerWeights,
                                              check_resident, keep_fastest, offsets)
 from peregrine.kernels.ring_attention import _attention, _attn_early, _attn_inputs
@@ -200,11 +200,6 @@ def _first(tab_ptr, f, pid, P):
 
 
 @gluon.jit
-def _trap():
-    gl.inline_asm_elementwise("trap; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _producer(desc_w, desc_s, wbufs, sbufs, ready, empty, tab_ptr, n_phases, P,
               S: gl.constexpr):
     """The program's tiles of every projection, chunk by chunk, into the next free slot (an
@@ -340,7 +335,7 @@ def _loader(xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_
                 done = gl.maximum(done, upto)
                 passes += 1
                 if passes > (1 << 24):  # a phase that never completes: fail, do not hang
-                    _trap()
+                    trap()
             for c in range(C, CMAX):  # (every barrier of the buffer completes once a use)
                 mbarrier.arrive(xready.index(b * CMAX + c), count=1)
             gf += 1
@@ -505,7 +500,7 @@ def _wait_heads(cnt_ptr, kh, HEADS: gl.constexpr, KVH: gl.constexpr, WARPS: gl.c
         seen = gl.min(poll_acquire(cnt_ptr + grp), 0)
         n += 1
         if n > LIMIT:
-            _trap()
+            trap()
     cta_barrier()
 
 
