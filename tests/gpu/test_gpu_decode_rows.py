@@ -96,15 +96,23 @@ def test_repeated_calls_give_the_same_bits(form: tuple) -> None:
 
 
 def _differences(got: dict, first: dict) -> dict:
-    """Where got's bits are not first's: for K and V (a row a layer) the layers, for the other
-    outputs (the last layer's) how many values."""
+    """Where got's bits are not first's: for K and V (a row a layer) each such layer's first
+    differing values, for the other outputs (the last layer's) how many values and the first
+    of them; each with the largest difference, so that a failure names its tiles."""
     out = {}
     for k, v in first.items():
         if torch.equal(got[k], v):
             continue
         if k in ("k", "v"):
-            out[k] = "layers " + str([i for i in range(v.shape[0])
-                                      if not torch.equal(got[k][i], v[i])])
+            out[k] = {i: _where(got[k][i], v[i]) for i in range(v.shape[0])
+                      if not torch.equal(got[k][i], v[i])}
         else:
-            out[k] = f"{int((got[k] != v).sum())} of {v.numel()} values"
+            out[k] = f"{int((got[k] != v).sum())} of {v.numel()} values, " + _where(got[k], v)
     return out
+
+
+def _where(got: torch.Tensor, want: torch.Tensor) -> str:
+    """The first eight flat indices where got differs from want, and the largest difference."""
+    diff = (got.float() - want.float()).abs().flatten()
+    idx = torch.nonzero(got.flatten() != want.flatten()).flatten()
+    return f"at {idx[:8].tolist()}, largest {float(diff.max()):.3g}"
