@@ -96,16 +96,19 @@ def report(kernel) -> dict:
 
 def arrives(ptx: str) -> dict:
     """The plain mbarrier arrives (a consumer giving a ring slot back; not the producer's
-    arrive with an expected byte count) and how many of them a bar.sync comes right before
-    (among the last few instructions): one thread arrives for all the warps, so it must."""
+    arrive with an expected byte count), how many of them a bar.sync comes right before
+    (among the last few instructions): one thread arrives for all the warps, so it must; and
+    how many a proxy fence comes before too, among the last few dozen (a ring slot's reads,
+    ordered before the TMA that refills it)."""
     lines = [ln.strip() for ln in ptx.splitlines()
              if ln.strip() and not ln.strip().startswith(("//", ".loc", "$"))]
-    total = fenced = 0
+    total = fenced = proxy = 0
     for i, ln in enumerate(lines):
         if "mbarrier.arrive.shared::cta.b64" in ln and "expect_tx" not in ln:
             total += 1
             fenced += any(p.startswith("bar.sync") for p in lines[max(0, i - 4):i])
-    return {"plain": total, "after_a_barrier": fenced}
+            proxy += any(p.startswith("fence.proxy.async") for p in lines[max(0, i - 24):i])
+    return {"plain": total, "after_a_barrier": fenced, "after_a_proxy_fence": proxy}
 
 
 def _gemv_tc(bits: int) -> None:

@@ -42,7 +42,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -221,8 +221,9 @@ def _consumer(wbufs, sbufs, xbufs, xsums, ready, empty, xready, xfree, tab_ptr, 
                 y = _chunk(y, wvs.index(slot), svs.index(slot).load(L),
                            xv.index(b * (GMAX // 8) + c), g, ones, sel, L, T, WARPS, PRE,
                            xsv.index(b * CMAX + c), idx // 32)
-                # every warp's loads of the slot are done before it is refilled (the arrive
-                # is a barrier of the consumer warps and one thread's arrive)
+                # every warp's reads of the slot are ordered before the TMA that refills it
+                # (a proxy fence), then a barrier of the consumer warps and one thread's arrive
+                fence_async_shared()
                 mbarrier.arrive(empty.index(slot), count=1)
                 i += 1
             # the warps' sums of the tile's channels 2g (y[0]) and 2g + 1 (y[4]), equal in a

@@ -42,8 +42,7 @@ def decode_layers() -> str | None:
     0: off (default: measured no faster than the layer-by-layer path, see the benchmarks);
     1 or `split`: kernels/decode_layers.py (each projection's tiles split over the programs);
     `rows`: kernels/decode_rows.py (whole-K row tiles, each phase starting on the inputs that
-    are ready; its repeated calls on the same inputs have, rarely, given other bits: see the
-    benchmarks). The form, or None when off."""
+    are ready). The form, or None when off."""
     value = (os.environ.get("PEREGRINE_DECODE_LAYERS") or "").strip().lower()
     if value in ("", "0", "false", "no", "off"):
         return None

@@ -55,7 +55,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from peregrine.kernels._gluon import (cp_async, cta_barrier, poll_acquire, ring_barriers,
                                       smem_reinterpret, tma_load, trap)
@@ -614,8 +614,10 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, do
                                    PRE, xsums.index(b * CMAX + c), idx // 32)
                     else:  # (the stream and the finishes alone)
                         cta_barrier()
-                    # every warp's loads of the slot are done before it is refilled (the
-                    # arrive is a barrier of the consumer warps and one thread's arrive)
+                    # every warp's reads of the slot are ordered before the TMA that refills
+                    # it (a proxy fence: the refill is an async-proxy write), then a barrier
+                    # of the consumer warps and one thread's arrive
+                    fence_async_shared()
                     mbarrier.arrive(empty.index(slot_r), count=1)
                     i += 1
                 if tile == first:

@@ -295,12 +295,14 @@ def _chunk_sz(sbuf, lane, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr)
     return (s01, s23, s01, s01), (z01, z23, z01, z01)
 
 
-# RELEASE: a consumed chunk's slot is given back by one arrive on its `empty` barrier, which
-# Gluon lowers to a barrier of the consumer warps and one thread's mbarrier.arrive: every warp's
-# shared loads of the chunk have returned (their values fed its MMAs) before the producer, which
-# waits on that arrival, issues the TMA that overwrites the slot. Reads before an async-proxy
-# write need no proxy fence (only generic writes read by the async proxy do). The offline
-# compile test checks that the barrier is there.
+# RELEASE: a consumed chunk's slot is given back by a proxy fence and one arrive on its `empty`
+# barrier, which Gluon lowers to a barrier of the consumer warps and one thread's
+# mbarrier.arrive; the producer waits on that arrival and then issues the TMA that overwrites
+# the slot. The barrier alone does not order the warps' shared loads before that async-proxy
+# write: ptxas may leave a load's value still to come (its MMA after the barrier), and the
+# row-tile kernel (decode_rows.py), whose consumer gave slots back that way, read a refilled
+# slot about twice in 1,000 calls until the fence went in. The offline compile test checks
+# that the barrier is there.
 @gluon.jit
 def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off, x_base,
                 part_ptr, pid, idx, t, g, zero, ones, sel, LW: gl.constexpr, L: gl.constexpr,
@@ -358,6 +360,7 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
                                   L, T, WARPS, xsb, XSUM, XP)
             y = _group_done(y, acc, cx, _sz_pairs(sz_c), 0, V, True, True, 4)
             # the slot may be refilled (RELEASE, above)
+            fence_async_shared()
             mbarrier.arrive(empty.index(i % S), count=1)
             i += 1
             cur = nxt
@@ -401,6 +404,7 @@ def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr
         acc, cx, x_q0 = _chunk_mma(buf, xs, x_q0, xa, g0, c, last, zero, ones, sel, LW, L, T,
                                    X_AHEAD, WARPS, XS, ACC2, F16, XP)
         # the slot may be refilled (RELEASE, above)
+        fence_async_shared()
         mbarrier.arrive(empty.index(slot), count=1)
         i += 1
         if F16:

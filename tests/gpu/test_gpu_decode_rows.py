@@ -82,17 +82,23 @@ def test_waiting_for_whole_phases_gives_the_same_bits(pre: bool) -> None:
 
 @pytest.mark.parametrize("form", _forms())
 def test_repeated_calls_give_the_same_bits(form: tuple) -> None:
-    """Forty calls on the same inputs (four Llama-3-8B layers, a 700-token context) give the
-    first call's bits every time: no outcome depends on how the programs interleave."""
+    """Three thousand calls on the same inputs (four Llama-3-8B layers, a 700-token context)
+    give the first call's bits every time: no outcome depends on how the programs interleave.
+    (A ring slot refilled before its reads were ordered before the copy showed in about 2
+    calls in 1,000, always in one tile of a qkv phase: forty calls rarely caught it.)"""
     bench, d = _build("llama3_8b", 700, 4, form)
     first = _run(bench, d)
-    differ = []
-    for i in range(40):
-        got = _run(bench, d)
-        bad = _differences(got, first)
-        if bad:
-            differ.append((i, bad))
-    assert not differ, differ
+    differ, calls = [], 0
+    for i in range(3000):
+        bench.call(d)
+        calls += 1
+        got = bench.state(d)
+        if all(torch.equal(got[k], v) for k, v in first.items()):
+            continue
+        differ.append((i, _differences(got, first)))
+        if len(differ) == 5:
+            break
+    assert not differ, (f"{len(differ)} of {calls} calls differ", differ)
 
 
 def _differences(got: dict, first: dict) -> dict:

@@ -68,9 +68,11 @@ def test_the_persistent_decode_kernel_compiles(compiled: dict, form: str) -> Non
     # x into shared memory once a phase by cp.async, except in the form that reads it via L2
     assert (ptx["cp_async"] > 0) == (form != "l2")
     assert job["shared_bytes"] <= SM90_SHARED
-    # a consumed slot is given back by one thread after a barrier of the consumer warps
+    # a consumed slot is given back by one thread after a proxy fence and a barrier of the
+    # consumer warps
     assert job["arrives"]["plain"] > 0
     assert job["arrives"]["after_a_barrier"] == job["arrives"]["plain"], job["arrives"]
+    assert job["arrives"]["after_a_proxy_fence"] == job["arrives"]["plain"], job["arrives"]
 
 
 def test_x_written_as_its_pairs_leaves_the_mma_steps_no_rearranging(compiled: dict) -> None:
@@ -89,7 +91,10 @@ def test_an_arrive_without_a_barrier_before_it_is_counted_apart() -> None:
                      "add.s32 %r5, %r2, 1;", "add.s32 %r6, %r2, 1;",
                      "@%p1 mbarrier.arrive.shared::cta.b64 _, [%r1];",
                      "@%p1 mbarrier.arrive.expect_tx.shared::cta.b64 _, [%r1], 8704;"])
-    assert arrives(ptx) == {"plain": 2, "after_a_barrier": 1}
+    assert arrives(ptx) == {"plain": 2, "after_a_barrier": 1, "after_a_proxy_fence": 0}
+    # a proxy fence after the first arrive comes before the second only
+    fenced = ptx.replace("mov.b32 %r3, 0;", "fence.proxy.async.shared::cta;")
+    assert arrives(fenced)["after_a_proxy_fence"] == 1
 
 
 @pytest.mark.parametrize("name", ("rows", "rows_pre"))
@@ -119,8 +124,9 @@ def test_the_row_tile_decode_kernel_fits_two_programs_an_sm(compiled: dict, name
     ptx = job["ptx"]
     # weights by TMA, inputs by cp.async, the groups' counters read with acquire
     assert ptx["tma"] >= 2 and ptx["cp_async"] > 0 and ptx["acquire_loads"] > 0
-    # a consumed slot is given back by one thread after a barrier of the consumer warps
-    assert job["arrives"]["after_a_barrier"] > 0
+    # a consumed slot is given back by one thread after a proxy fence and a barrier of the
+    # consumer warps
+    assert job["arrives"]["after_a_barrier"] > 0 and job["arrives"]["after_a_proxy_fence"] > 0
 
 
 def test_the_row_tile_decode_kernels_inputs_made_once_halve_the_mmas(compiled: dict) -> None:
