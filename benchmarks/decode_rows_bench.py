@@ -7,8 +7,8 @@ points): one and two layers at several context lengths (the first token, a conte
 attention block a program, one longer than all of them together), and that repeated calls give
 the same bits; over the timed model's 32 layers the largest relative RMS difference is recorded
 beside the other kernel's on the same layers (both drift past the few-layer bound there).
-Times are CUDA-graph replays of 32 layers, per placement (programs an SM x ring stages), inputs
-as B pairs or not, and loader form (`dataflow`: a chunk's groups; `phase`: the whole phase
+Times are CUDA-graph replays of 32 layers, per placement (programs an SM x ring stages), group
+sums made once or not, and loader form (`dataflow`: a chunk's groups; `phase`: the whole phase
 before; `free`: no waits, a floor whose outputs are not the layers'; `nochunk`: no waits and
 no MMAs, the weight stream and the finishes alone).
 
@@ -87,7 +87,7 @@ def main() -> None:
     p.add_argument("--placements", default="2x4,1x8", help="programs an SM x ring stages")
     p.add_argument("--waits", default="dataflow,free,phase,nochunk")
     p.add_argument("--pre", default="1,0",
-                   help="inputs as B pairs with their groups' sums made once (1) or not (0)")
+                   help="the inputs' group sums made once (1) or not (0)")
     p.add_argument("--splits", type=int, default=16)
     p.add_argument("--baseline", default="2x8,1x16",
                    help="decode_layers placements timed beside it (empty: none)")

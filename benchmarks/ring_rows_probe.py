@@ -21,9 +21,8 @@ checked against x @ dequant(W)):
   shared-memory buffer (two, alternating between phases) chunk by chunk as soon as the groups
   that chunk reads are complete (`dataflow`), or after every group of the phase before is
   (`phase`), or without waiting (`free`: the stream and the MMAs alone, the floor of the form);
-- `_pre` forms: the copying warp also rewrites each row of x's copy as its B pairs and writes
-  each group's input sum once, so that a consumer step is two MMAs on its words alone (no byte
-  permutes, no constant-weight MMAs).
+- `_pre` forms: the copying warp also writes each group's input sum once, so that a consumer
+  step is two MMAs on its words alone (no constant-weight MMAs).
 
 The phases' inputs are fixed rows (not the outputs before them); phase f's input group j
 waits for the groups of phase f - 1's outputs at the same fraction of its width (qkv stands in
@@ -53,7 +52,7 @@ from peregrine.kernels._gluon import (cp_async, cta_barrier, ring_barriers,  # n
                                       smem_reinterpret, tma_load)
 from peregrine.kernels.decode_rows import (CG, ROW, TILE, _chunk, _ready_groups,  # noqa: E402
                                            pack)
-from peregrine.kernels.wna16_gemv_tc import _PAIRS, _f32_hi, _f32_lo  # noqa: E402
+from peregrine.kernels.wna16_gemv_tc import _f32_hi, _f32_lo  # noqa: E402
 
 HBM_GBPS = 4200.0
 PROJ = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096))
@@ -62,7 +61,7 @@ _TILE = gl.constexpr(TILE)
 _ROW = gl.constexpr(ROW)
 # table fields: chunk base, tiles, chunks a tile, N, input offset, output offset, this phase's
 # counters' offset, the phase before's groups of outputs, their counters' offset
-# form: (how the input waits, x's pairs and group sums made once by the copying warp)
+# form: (how the input waits, the group sums made once by the copying warp)
 MODES = {"dataflow": (1, False), "phase": (0, False), "free": (2, False),
          "dataflow_pre": (1, True), "phase_pre": (0, True), "free_pre": (2, True)}
 
@@ -95,8 +94,8 @@ def _producer(desc_w, desc_s, wbufs, sbufs, ready, empty, tab_ptr, n_phases, P,
 
 @gluon.jit
 def _pre_chunk(blocks, xsums, blk, row, LC: gl.constexpr):
-    """A chunk's x copy (blocks blk .. blk + 3 of 32 rows, lane r holding row r of each) as its
-    B pairs, and its 8 groups' input sums (16 rows each) at xsums[row][gi]."""
+    """A chunk's 8 groups' input sums (16 rows each, from its x copy: blocks blk .. blk + 3 of
+    32 rows, lane r holding row r of each) at xsums[row][gi]."""
     LS: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
     view = smem_reinterpret(xsums, gl.float32, [xsums.shape[0], 32],
                             gl.SwizzledSharedLayout(1, 1, 1, [0])).index(row)
@@ -105,10 +104,6 @@ def _pre_chunk(blocks, xsums, blk, row, LC: gl.constexpr):
         a, c = gl.split(gl.reshape(v, [32, 2, 2]))
         w0, w2 = gl.split(a)
         w1, w3 = gl.split(c)
-        p = gl.inline_asm_elementwise(_PAIRS, "=r,=r,=r,=r,r,r,r,r", [w0, w1, w2, w3],
-                                      dtype=(gl.int32,) * 4, is_pure=True, pack=1)
-        pv = gl.reshape(gl.join(gl.join(p[0], p[2]), gl.join(p[1], p[3])), [32, 4])
-        blocks.index(blk + q).store(gl.convert_layout(pv, LC))
         rs = (_f32_lo(w0, True) + _f32_hi(w0, True) + _f32_lo(w1, True) + _f32_hi(w1, True)
               + _f32_lo(w2, True) + _f32_hi(w2, True) + _f32_lo(w3, True) + _f32_hi(w3, True))
         gs = gl.sum(gl.reshape(rs, [2, 16]), 1)  # groups 2q, 2q + 1 of the chunk
@@ -122,8 +117,8 @@ def _loader(xbufs, xsums, xready, xfree, tab_ptr, n_phases, x_ptr, cnt_ptr,
     groups of the phase before that they stand for are complete (MODE 1; 0: once all of them
     are; 2: no wait): xready[f % 2][c] says chunk c's groups have landed. A pass reads up to
     128 counters at once and copies every chunk they make ready, in one round trip. PRE: each
-    row of a chunk's copy rewritten as its B pairs, and each group's input sum written into
-    xsums (group gi of a chunk at gi of its row), so that the consumers do neither."""
+    group's input sum written into xsums (group gi of a chunk at gi of its row), so that the
+    consumers do not make it."""
     LC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0])
     LG: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
     r = gl.arange(0, 32, layout=gl.SliceLayout(1, LC))
@@ -217,7 +212,7 @@ def _consumer(wbufs, sbufs, xbufs, xsums, ready, empty, xready, xfree, tab_ptr, 
                     mbarrier.wait(xready.index(b * CMAX + c), (f // 2) & 1)
                 slot = i % S
                 mbarrier.wait(ready.index(slot), (i // S) & 1)
-                # (PRE: x's rows hold their B pairs already, its groups' sums beside)
+                # (PRE: its groups' sums beside the copy)
                 y = _chunk(y, wvs.index(slot), svs.index(slot).load(L),
                            xv.index(b * (GMAX // 8) + c), g, ones, sel, L, T, WARPS, PRE,
                            xsv.index(b * CMAX + c), idx // 32)

@@ -38,12 +38,14 @@ its tiles in a program is skipped by all of them):
 So a phase starts on the rows its first chunks read while the phase before is still writing
 its last ones, and no phase waits for a whole phase. Every counter and sum has its own place
 a layer, zeroed by the prologue each call. The norms round as decode_layers.py's do (the input
-each projection reads is h * g rounded once; 1 / rms scales the sums). In the `pre` form the
-phases also write what a projection reads as B pairs with its sums a row of 8, so that the
-consumers' steps are their weight MMAs alone (faster steps, a longer chain between phases:
-which wins depends on the GPU, `DecodeRows.choose_placement`). `DecodeRows` packs a
-model's layers and runs the prologue and the kernel; `benchmarks/decode_rows_bench.py` checks
-and times it.
+each projection reads is h * g rounded once; 1 / rms scales the sums). The packed words hold
+their nibbles in the order (NIB) that makes each pair the decode takes out of a word two
+adjacent inputs, so x's words are the MMAs' B registers as they were copied. In the `pre` form
+the phases also write their outputs' sums a row of 8, from which the loader makes each chunk's
+group sums, so that the consumers' steps are their weight MMAs alone (faster steps, a longer
+chain between phases: which wins depends on the GPU, `DecodeRows.choose_placement`).
+`DecodeRows` packs a model's layers and runs the prologue and the kernel;
+`benchmarks/decode_rows_bench.py` checks and times it.
 """
 from __future__ import annotations
 
@@ -63,12 +65,15 @@ from peregrine.kernels.decode_layers import (ATTN, DOWN, GU, O, QKV, Dims, Layer
                                              check_resident, keep_fastest, offsets)
 from peregrine.kernels.ring_attention import _attention, _attn_early, _attn_inputs
 from peregrine.kernels.ring_gemv import _shfl
-from peregrine.kernels.wna16_gemv_tc import _PAIRS, _group_done, _step, _tiles
+from peregrine.kernels.wna16_gemv_tc import _group_done, _step, _tiles
 
 TILE = 16  # output channels a tile
 CG = 8  # groups of 128 inputs a chunk
 ROW = 128  # int32 words a row of the packed weights (a chunk: 16 rows of words, 1 of scales)
-TAB = 17  # int64 fields a phase (see DecodeRows)
+TAB = 16  # int64 fields a phase (see DecodeRows)
+# the nibble of a packed word that holds input j of its 8: the decode takes nibbles p and p + 4
+# (bits 4p and 16 + 4p) as one pair, which is then inputs 2p and 2p + 1, as x's words pair them
+NIB = (0, 4, 1, 5, 2, 6, 3, 7)
 TAB_C = gl.constexpr(TAB)
 K_QKV, K_ATTN, K_GU = gl.constexpr(QKV), gl.constexpr(ATTN), gl.constexpr(GU)
 _TILE = gl.constexpr(TILE)
@@ -76,7 +81,7 @@ _ROW = gl.constexpr(ROW)
 DONE = 128  # a group's count once its 128 outputs are written
 DONE_C = gl.constexpr(DONE)
 NDONE = gl.constexpr(4)  # tiles the consumers may finish ahead of their counts
-# (programs an SM, ring stages, inputs as B pairs) that choose_placement times: the first is
+# (programs an SM, ring stages, group sums made once) that choose_placement times: the first is
 # the built form
 PLACEMENTS = ((2, 4, False), (2, 4, True), (1, 8, False))
 # the loader's wait: 1 a chunk's groups (the engine's), 0 the whole phase before, 2 none (a
@@ -90,10 +95,14 @@ def pack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> to
     int32: tile i's chunk c (groups 8c .. 8c + 7, tile-major) is 17 rows; its first 16 hold, for
     group gi of the chunk and step s (word rows 4s .. 4s + 3 of the group), 64 words at
     256 gi + 64 s: lane 4g + t's two at 2 (4g + t) + h are word row 4s + t of channels 2g + h of
-    the tile (rows g and g + 8 of the MMA's M-tile); the 17th holds group gi's scale pairs
-    (channels 2g, 2g + 1) at 16 gi + g and zero point pairs at 16 gi + 8 + g."""
+    the tile (rows g and g + 8 of the MMA's M-tile), input j of the word row in nibble NIB[j];
+    the 17th holds group gi's scale pairs (channels 2g, 2g + 1) at 16 gi + g and zero point
+    pairs at 16 gi + 8 + g."""
     k8, n = qweight.shape
     groups = k8 // 16
+    q64 = qweight.to(torch.int64) & 0xFFFFFFFF
+    q64 = sum(((q64 >> (4 * j)) & 0xF) << (4 * NIB[j]) for j in range(8))
+    qweight = torch.where(q64 >= 1 << 31, q64 - (1 << 32), q64).to(torch.int32)
     chunks, tiles = groups // CG, n // TILE
     w = qweight.view(chunks, CG, 4, 4, tiles, 8, 2)  # (c, gi, s, t, tile, g, h)
     w = w.permute(4, 0, 1, 2, 5, 3, 6).reshape(tiles, chunks, CG * 256)
@@ -110,7 +119,7 @@ def emulate(packed: torch.Tensor, x: torch.Tensor, n: int) -> torch.Tensor:
     chunks, tiles = k // (128 * CG), n // TILE
     rows = packed.view(tiles, chunks, 17, ROW)
     words = rows[:, :, :16].reshape(tiles, chunks, CG, 4, 8, 4, 2)  # (.., gi, s, g, t, h)
-    q = torch.stack([(words >> (4 * j)) & 0xF for j in range(8)], -1).float()
+    q = torch.stack([(words >> (4 * NIB[j])) & 0xF for j in range(8)], -1).float()
     # (tile, c, gi, s, g, t, h, j) -> weight of input 128 (8c + gi) + 32 s + 8 t + j, channel
     # 2g + h of the tile
     q = q.permute(0, 4, 6, 1, 2, 3, 5, 7).reshape(tiles, 8, 2, k)
@@ -159,20 +168,6 @@ def gate_up_rows(inter: int) -> torch.Tensor:
     channel 8t + g and the same up channel inter + 8t + g."""
     gate = torch.arange(inter)
     return torch.stack([gate, gate + inter], 1).reshape(-1)
-
-
-def pairs_at(dims: Dims) -> int:
-    """Where the inputs' copies as B pairs start in the arena (after decode_layers.offsets'
-    vectors): xn, the attention output, silu(gate) * up; each row of 8 values j at
-    2 (j % 4) + j // 4 (the order an MMA step's B registers take them in)."""
-    return offsets(dims)["size"]
-
-
-@gluon.jit
-def _pairs(n):
-    """Where value n of a vector goes in its copy as B pairs."""
-    j = n % 8
-    return n - j + 2 * (j % 4) + j // 4
 
 
 @gluon.jit
@@ -261,8 +256,8 @@ def _loader(xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_
     all of them are; 2, 3: no wait): xready[gf % 2][c] says chunk c's groups have landed. A pass
     reads up to 128 counters at once and copies every chunk they make ready, in one round trip.
     A normed input's 1 / rms goes into rrbuf[gf % 2] before its last chunk is announced (every
-    tile's sum of h^2 is in once every group is). PRE: the input's copy as B pairs is copied,
-    and each chunk's groups' input sums are made from their rows' sums (_group_sums)."""
+    tile's sum of h^2 is in once every group is). PRE: each chunk's groups' input sums are
+    made from their rows' sums (_group_sums)."""
     LP: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])
     LC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0])
     LG: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
@@ -282,11 +277,8 @@ def _loader(xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_
         # (a projection with none of its tiles here: nothing to copy, no buffer used)
         if (_tab(tab_ptr, f, 0) != K_ATTN) & (_first(tab_ptr, f, pid, P) < _tab(tab_ptr, f, 2)):
             C = _tab(tab_ptr, f, 3)
-            if PRE:
-                x_off = _tab(tab_ptr, f, 15)
-            else:
-                x_off = _tab(tab_ptr, f, 4)
-            rs_in = _tab(tab_ptr, f, 16)
+            x_off = _tab(tab_ptr, f, 4)
+            rs_in = _tab(tab_ptr, f, 15)
             gp = _tab(tab_ptr, f, 6)
             pcnt = _tab(tab_ptr, f, 7)
             ss_in = _tab(tab_ptr, f, 8)
@@ -363,9 +355,9 @@ def _chunk(y, wv, sv, xc, g, ones, sel, L: gl.constexpr, T: gl.constexpr, WARPS:
     """One ring chunk into the tile's sums y: warp w's groups 2w and 2w + 1 of the chunk, each
     four MMA steps on the words (wv) and x's rows (xc) into two accumulator sets (even and odd
     steps: dependent chains half as long, added at the group's end), then scaled by the group's
-    scales and zero points (sv, the chunk's row of them). PRE: x's copy holds its B pairs and xs the
-    groups' input sums (group gi's at gi; w_id: the warp), so that a step is its weight MMAs
-    alone."""
+    scales and zero points (sv, the chunk's row of them). x's words are the steps' B registers
+    as they are (the words' nibble order, NIB). PRE: xs holds the groups' input sums (group
+    gi's at gi; w_id: the warp), so that a step is its weight MMAs alone."""
     LW: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 1, 1, 32], [WARPS, 1, 1, 1],
                                         [3, 2, 1, 0])
     LX: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 1, 4, 8], [WARPS, 1, 1, 1],
@@ -402,9 +394,6 @@ def _chunk(y, wv, sv, xc, g, ones, sel, L: gl.constexpr, T: gl.constexpr, WARPS:
                 else:
                     acc_b = (_tiles(w8, 0, bx, acc_b[0], sel, 4, True), c4, c4, c4)
             else:
-                bx = gl.inline_asm_elementwise(_PAIRS, "=r,=r,=r,=r,r,r,r,r", list(bx),
-                                               dtype=(gl.int32,) * 4, is_pure=True, pack=1)
-                bx = (bx[0], bx[1], bx[2], bx[3])
                 if s % 2 == 0:
                     acc, cx = _step(acc, cx, ones, w8, bx, sel, 1, True, 4)
                 else:
@@ -423,14 +412,13 @@ def _chunk(y, wv, sv, xc, g, ones, sel, L: gl.constexpr, T: gl.constexpr, WARPS:
 @gluon.jit
 def _finish(kind, tile, v0, v1, rr, ch, vec_ptr, g_ptr, ss_out_ptr, cs_ptr, pos, slot, kc_ptr,
             vc_ptr, rs_ptr, H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr,
-            D: gl.constexpr, INTER: gl.constexpr, PRE: gl.constexpr):
+            D: gl.constexpr, PRE: gl.constexpr):
     """Tile `tile`'s finish from its rows' sums v0 (rows 2g) and v1 (rows 2g + 1), g = ch
-    (see the module docstring). PRE: the outputs that a projection reads also go into their
-    copy as B pairs, with their sums a row of 8 (rs_ptr)."""
+    (see the module docstring). PRE: the sums a row of 8 of the outputs that a projection
+    reads (rs_ptr)."""
     HALF: gl.constexpr = D // 2
     Q_OFF: gl.constexpr = 2 * H
     ACT_OFF: gl.constexpr = Q_OFF + 2 * HEADS * D
-    PA: gl.constexpr = ACT_OFF + INTER  # (pairs_at)
     if kind == K_QKV:
         y0 = (v0 * rr).to(gl.bfloat16).to(gl.float32)
         y1 = (v1 * rr).to(gl.bfloat16).to(gl.float32)
@@ -459,7 +447,6 @@ def _finish(kind, tile, v0, v1, rr, ch, vec_ptr, g_ptr, ss_out_ptr, cs_ptr, pos,
         act = (gt / (1.0 + gl.exp(-gt)) * up).to(gl.bfloat16)
         gl.store(vec_ptr + ACT_OFF + 8 * tile + ch, act)
         if PRE:
-            gl.store(vec_ptr + PA + H + HEADS * D + _pairs(8 * tile + ch), act)
             gl.store(rs_ptr + (H + HEADS * D) // 8 + tile, gl.sum(act.to(gl.float32), 0))
     else:  # o or down: the residual add, the next norm's input and the tile's sum of h^2
         n = 16 * tile + 2 * ch
@@ -479,8 +466,6 @@ def _finish(kind, tile, v0, v1, rr, ch, vec_ptr, g_ptr, ss_out_ptr, cs_ptr, pos,
         gl.store(vec_ptr + H + n + 1, x1)
         gl.store(ss_out_ptr + tile, gl.sum(f0 * f0 + f1 * f1, 0))
         if PRE:
-            gl.store(vec_ptr + PA + _pairs(n), x0)
-            gl.store(vec_ptr + PA + _pairs(n + 1), x1)
             both = x0.to(gl.float32) + x1.to(gl.float32)
             gl.store(rs_ptr + 2 * tile, gl.sum(gl.where(ch < 4, both, 0.0), 0))
             gl.store(rs_ptr + 2 * tile + 1, gl.sum(gl.where(ch < 4, 0.0, both), 0))
@@ -536,7 +521,7 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, do
               S: gl.constexpr, CMAX: gl.constexpr, GMAX: gl.constexpr, H: gl.constexpr,
               HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
               SPLITS: gl.constexpr, TB: gl.constexpr, MODE: gl.constexpr,
-              INTER: gl.constexpr, PRE: gl.constexpr):
+              PRE: gl.constexpr):
     """The program's tiles of every projection (the loader's buffer waited for chunk by chunk
     on the phase's first tile), the warps' sums added at a tile's end, its finish, and its
     outputs counted (release); and, in the first KVH * SPLITS programs, attention."""
@@ -562,7 +547,6 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, do
     wvs = smem_reinterpret(wbufs, gl.int32, [S, WARPS, 2, 4, 64],
                            gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
     svs = smem_reinterpret(sbufs, gl.int32, [S, T], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    PA: gl.constexpr = 2 * H + 2 * HEADS * D + INTER  # (pairs_at)
     i = 0
     gf = 0
     k = 0  # tiles finished
@@ -585,8 +569,7 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, do
                                                             SPLITS, WARPS)
                 merged = _attention(apid, vec_ptr, kc_l, vc_l, bt_ptr, pos, q0, q1, q2, q3,
                                     k_cur, v_cur, kt0, vt0, apart_ptr, lock_ptr, H, HEADS, KVH,
-                                    D, BS, SPLITS, TB, WARPS, ss_ptr, 0, vec_ptr + PA + H,
-                                    rs_ptr + H // 8, PRE)
+                                    D, BS, SPLITS, TB, WARPS, ss_ptr, 0, rs_ptr + H // 8, PRE)
                 if merged:  # the head's four query heads' outputs are in: count them
                     cta_barrier()
                     for j in gl.static_range(HEADS // KVH):
@@ -633,7 +616,7 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, do
                 else:
                     real = tile
                 _finish(kind, real, v0, v1, rr, ch, vec_ptr, g_l, ss_out, cs_ptr, pos, slot,
-                        kc_l, vc_l, rs_ptr, H, HEADS, KVH, D, INTER, PRE)
+                        kc_l, vc_l, rs_ptr, H, HEADS, KVH, D, PRE)
                 # the releasing warp counts the tile's outputs (the arrive is a barrier of
                 # the consumer warps, after every warp's stores, and one thread's arrive)
                 mbarrier.wait(dfree.index(k % NDONE), ((k // NDONE) & 1) ^ 1)
@@ -649,13 +632,13 @@ def decode_rows_kernel(desc_w, desc_s, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_
                        vc_ptr, eps, scale, P, S: gl.constexpr, GMAX: gl.constexpr,
                        CMAX: gl.constexpr, H: gl.constexpr, HEADS: gl.constexpr,
                        KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
-                       SPLITS: gl.constexpr, TB: gl.constexpr, INTER: gl.constexpr,
-                       MODE: gl.constexpr = 1, PRE: gl.constexpr = 0):
+                       SPLITS: gl.constexpr, TB: gl.constexpr, MODE: gl.constexpr = 1,
+                       PRE: gl.constexpr = 0):
     """The layers of the phase table (TAB int64 fields a phase), from the residual stream h
     and the first norm's input xn (in vec) and its tiles' sums of h^2 to the last layer's h
     (see the module docstring). MODE: the loader's wait (WAITS); PRE: the projections read
-    their inputs' copies as B pairs and their groups' sums, made once by the phases that write
-    them (rs_ptr: the sums a row of 8)."""
+    their groups' input sums, made once from the sums a row of 8 (rs_ptr) that the phases
+    before write."""
     wbufs = gl.allocate_shared_memory(gl.int32, [S, 16, _ROW], desc_w.layout)
     sbufs = gl.allocate_shared_memory(gl.int32, [S, 1, _ROW], desc_s.layout)
     xbufs = gl.allocate_shared_memory(gl.int32, [2, GMAX * 16, 4],
@@ -675,8 +658,7 @@ def decode_rows_kernel(desc_w, desc_s, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_
         (_consumer, (wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, done,
                      dfree, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr, apart_ptr,
                      lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr, kc_ptr, vc_ptr,
-                     scale, P, S, CMAX, GMAX, H, HEADS, KVH, D, BS, SPLITS, TB, MODE, INTER,
-                     PRE)),
+                     scale, P, S, CMAX, GMAX, H, HEADS, KVH, D, BS, SPLITS, TB, MODE, PRE)),
         (_producer, (desc_w, desc_s, wbufs, sbufs, ready, empty, tab_ptr, n_phases, P, S)),
         (_loader, (xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_ptr,
                    ss_ptr, rs_ptr, eps, P, H, CMAX, MODE, PRE)),
@@ -686,12 +668,11 @@ def decode_rows_kernel(desc_w, desc_s, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_
 
 @triton.jit
 def rows_prologue_kernel(table_ptr, tok_ptr, g_ptr, vec_ptr, ss_ptr, rs_ptr, lock_ptr, cnt_ptr,
-                         n_lock, n_cnt, pairs, H: tl.constexpr):
+                         n_lock, n_cnt, H: tl.constexpr):
     """The persistent kernel's inputs, one program a block of 128 channels: h = row tok[0] of
     table (the embedding, or the step's row itself with tok 0), xn = h * g rounded to bf16
-    (and its copy as B pairs at element `pairs` of vec, with its sums a row of 8) and the sums
-    of h^2 a tile of 16; the counters zeroed (a share each) and, in program 0, the attention
-    tickets."""
+    (with its sums a row of 8) and the sums of h^2 a tile of 16; the counters zeroed (a share
+    each) and, in program 0, the attention tickets."""
     j = tl.program_id(0)
     c = j * 128 + tl.arange(0, 128)
     row = tl.load(tok_ptr).to(tl.int64)
@@ -701,8 +682,6 @@ def rows_prologue_kernel(table_ptr, tok_ptr, g_ptr, vec_ptr, ss_ptr, rs_ptr, loc
     g = tl.load(g_ptr + c).to(tl.float32)
     xn = (hf * g).to(tl.bfloat16)
     tl.store(vec_ptr + H + c, xn)
-    k = c % 8
-    tl.store(vec_ptr + pairs + c - k + 2 * (k % 4) + k // 4, xn)
     tl.store(rs_ptr + j * 16 + tl.arange(0, 16),
              tl.sum(tl.reshape(xn.to(tl.float32), (16, 8)), 1))
     tl.store(ss_ptr + j * 8 + tl.arange(0, 8), tl.sum(tl.reshape(hf * hf, (8, 16)), 1))
@@ -757,8 +736,8 @@ class DecodeRows:
     words with their scales and zero points (the same bytes, in chunk order).
 
     stages: the ring's chunks (17 rows of 512 bytes); splits: attention programs a KV head;
-    `wait` (WAITS) the loader's form; `pre`: the projections read their inputs as B pairs with
-    their groups' sums, made once (`choose_placement` times both). Shared memory a program: the
+    `wait` (WAITS) the loader's form; `pre`: the projections read their groups' input sums,
+    made once (`choose_placement` times both). Shared memory a program: the
     ring and two copies of the widest input (64 KB for Llama-3-8B): two programs an SM with 4
     stages, one with 8.
 
@@ -766,8 +745,8 @@ class DecodeRows:
     the arena), this phase's counters, the phase before's groups of outputs (0: no wait) and
     their counters, the tiles' sums of h^2 that 1 / rms is made from (-1: not normed), where
     this phase's go, the norm weight's offset, the layer's K and V cache offsets (elements from
-    layer 0's), outputs a tile, the phase's first program (`place`), the input's copy as B pairs
-    (`pairs_at`) and its rows' sums (in row_sums)."""
+    layer 0's), outputs a tile, the phase's first program (`place`) and the input's sums a row
+    of 8 (in row_sums)."""
 
     def __init__(self, dims: Dims, layers: list[LayerWeights], final_norm: torch.Tensor,
                  device: torch.device, *, stages: int = PLACEMENTS[0][1], splits: int = 16,
@@ -791,8 +770,9 @@ class DecodeRows:
         gu_rows = gate_up_rows(dims.inter).to(device)
         off = offsets(dims)
         x_in = {QKV: off["xn"], O: off["attn"], GU: off["xn"], DOWN: off["act"]}
-        pa, qd = pairs_at(dims), dims.heads * dims.head_dim
-        x_pairs = {QKV: pa, O: pa + H, GU: pa, DOWN: pa + H + qd}  # (their rows' sums: / 8)
+        qd = dims.heads * dims.head_dim
+        # where each projection's input's sums a row of 8 start (in row_sums)
+        x_sums = {QKV: 0, O: H // 8, GU: 0, DOWN: (H + qd) // 8}
         projections = [(kind, w) for layer in layers
                        for kind, w in ((QKV, layer.qkv), (O, layer.o), (GU, layer.gate_up),
                                        (DOWN, layer.down))]
@@ -825,15 +805,13 @@ class DecodeRows:
             g_off = {QKV: 0, O: 2 * i + 1, GU: 0, DOWN: 2 * i + 2}[kind] * H
             outs = TILE // 2 if kind == GU else TILE
             table.append([kind, chunk, tiles, n_chunks, x_in[kind], cnt, prev_groups, prev_cnt,
-                          ss_in, ss_out, g_off, 0, 0, outs, 0, x_pairs[kind],
-                          (x_pairs[kind] - pa) // 8])
+                          ss_in, ss_out, g_off, 0, 0, outs, 0, x_sums[kind]])
             prev_groups, prev_cnt = per_layer[kind], cnt
             cnt += per_layer[kind]
             if kind in (O, DOWN):
                 ss_last = ss_out
             if kind == QKV:  # attention: waits on qkv's heads, counts o's input groups
-                table.append([ATTN, 0, 0, 0, 0, cnt, q_groups, prev_cnt, -1, 0, 0, 0, 0, 0, 0, 0,
-                              0])
+                table.append([ATTN, 0, 0, 0, 0, cnt, q_groups, prev_cnt, -1] + [0] * 7)
                 prev_groups, prev_cnt = per_layer[ATTN], cnt
                 cnt += per_layer[ATTN]
             chunk += tiles * n_chunks
@@ -844,7 +822,7 @@ class DecodeRows:
         self.apart = torch.empty(dims.kv_heads * splits * 4 * (dims.head_dim + 2), **f32)
         self.lock = torch.zeros(dims.kv_heads, dtype=torch.int32, device=device)
         self.cnt = torch.zeros(cnt, dtype=torch.int32, device=device)
-        self.vec = torch.zeros(pa + H + qd + dims.inter, dtype=torch.bfloat16, device=device)
+        self.vec = torch.zeros(off["size"], dtype=torch.bfloat16, device=device)
         self.row_sums = torch.zeros((H + qd + dims.inter) // 8, **f32)
         self.zero_token = torch.zeros(1, dtype=torch.int64, device=device)
         self.caches: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -877,7 +855,7 @@ class DecodeRows:
                          iters: int = 5) -> dict[tuple[int, int, bool], float]:
         """Time `run` (a call of this object on fixed inputs, caches bound) in each form of
         PLACEMENTS (programs an SM, ring stages, `pre`) and keep the fastest (inf where
-        refused): the inputs made once as B pairs speed the projections up but lengthen the
+        refused): the group sums made once speed the projections up but lengthen the
         chain between the phases, which wins depends on the GPU (see the benchmarks)."""
         return keep_fastest(PLACEMENTS, self._form, run, timer, iters)
 
@@ -917,7 +895,7 @@ class DecodeRows:
             token = self.zero_token
         rows_prologue_kernel[(H // 128,)](
             x, token, self.norms, self.vec, self.sums, self.row_sums, self.lock, self.cnt,
-            self.lock.numel(), self.cnt.numel(), pairs_at(d), H=H, num_warps=4)
+            self.lock.numel(), self.cnt.numel(), H=H, num_warps=4)
         k0, v0 = self.caches
         gmax = 1 << (self.k_max // 128 - 1).bit_length()  # (shared shapes: powers of 2)
         args = (*self.descs, self.table, len(self.table), self.vec, self.norms, self.sums,
@@ -925,7 +903,7 @@ class DecodeRows:
                 block_table, k0, v0, d.eps, 1.0 / math.sqrt(d.head_dim), self.programs)
         kw = dict(S=self.stages, GMAX=gmax, CMAX=gmax // CG, H=H, HEADS=d.heads,
                   KVH=d.kv_heads, D=d.head_dim, BS=d.block_size, SPLITS=self.splits, TB=self.tb,
-                  INTER=d.inter, MODE=WAITS[self.wait], PRE=int(self.pre),
+                  MODE=WAITS[self.wait], PRE=int(self.pre),
                   num_warps=4, maxnreg=128)
         check_resident(decode_rows_kernel, self.programs, self.sms, args, kw, self._resident,
                        "decode_rows")

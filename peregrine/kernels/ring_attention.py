@@ -141,14 +141,13 @@ def _attn_inputs_folded(pid, part_ptr, ss_ptr, cs_ptr, vec_ptr, kc_ptr, vc_ptr, 
 def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, q0, q1, q2, q3, k_cur, v_cur, kt0, vt0,
                apart_ptr, lock_ptr, H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr,
                D: gl.constexpr, BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr,
-               WARPS: gl.constexpr, bs_ptr=None, XSUM: gl.constexpr = 0, pp_ptr=None,
-               rs_ptr=None, PAIRS: gl.constexpr = 0):
+               WARPS: gl.constexpr, bs_ptr=None, XSUM: gl.constexpr = 0, rs_ptr=None,
+               ROW_SUMS: gl.constexpr = 0):
     """KV head pid // SPLITS, its share of the context 0 .. pos for the head's four query rows
     q0 .. q3 (the share's first TB tokens' K/V rows kt0, vt0 read early, this step's own rows
     k_cur, v_cur); the last share of a head to arrive merges the shares into the output (XSUM:
-    and stores its sums a block of 64 at bs_ptr, the arena's blocks' input sums; PAIRS: and
-    the output's copy as B pairs at pp_ptr and its sums a row of 8 at rs_ptr, as
-    decode_rows._pairs orders them). Whether this share merged."""
+    and stores its sums a block of 64 at bs_ptr, the arena's blocks' input sums; ROW_SUMS: and
+    its sums a row of 8 at rs_ptr). Whether this share merged."""
     GQA: gl.constexpr = HEADS // KVH
     Q_OFF: gl.constexpr = 2 * H
     AT_OFF: gl.constexpr = Q_OFF + HEADS * D
@@ -189,10 +188,9 @@ def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, q0, q1, q2, q3, k_cur,
     cta_barrier()
     ticket = gl.atomic_add(lock_ptr + kh, 1, sem="acq_rel", scope="gpu")
     if ticket == SPLITS - 1:
-        if PAIRS:
+        if ROW_SUMS:
             _merge(apart_ptr, kh * SPLITS * GQA, vec_ptr + AT_OFF + kh * GQA * D, SPLITS, GQA,
-                   D, WARPS, bs_ptr, XSUM, pp_ptr + kh * GQA * D,
-                   rs_ptr + kh * GQA * (D // 8), PAIRS)
+                   D, WARPS, bs_ptr, XSUM, rs_ptr + kh * GQA * (D // 8), ROW_SUMS)
         else:
             _merge(apart_ptr, kh * SPLITS * GQA, vec_ptr + AT_OFF + kh * GQA * D, SPLITS, GQA,
                    D, WARPS, bs_ptr + (AT_OFF + kh * GQA * D) // 64, XSUM)
@@ -226,8 +224,8 @@ def _put(apart_ptr, r, m, l, acc, d, D: gl.constexpr):
 
 @gluon.jit
 def _merge(apart_ptr, r0, out_ptr, SPLITS: gl.constexpr, GQA: gl.constexpr, D: gl.constexpr,
-           WARPS: gl.constexpr, bs_ptr=None, XSUM: gl.constexpr = 0, pp_ptr=None, rs_ptr=None,
-           PAIRS: gl.constexpr = 0):
+           WARPS: gl.constexpr, bs_ptr=None, XSUM: gl.constexpr = 0, rs_ptr=None,
+           ROW_SUMS: gl.constexpr = 0):
     """The shares' (m, l, acc) of a KV head's GQA = 4 query heads (rows r0 + s * GQA + h of
     the partials) merged and stored (bf16) at out_ptr, a query head a warp (or two): sum_s
     2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, the maximum M kept as the shares come (share 0
@@ -254,9 +252,7 @@ def _merge(apart_ptr, r0, out_ptr, SPLITS: gl.constexpr, GQA: gl.constexpr, D: g
         big = top
     out = (num / gl.expand_dims(den, 1)).to(gl.bfloat16)
     gl.store(out_ptr + gl.expand_dims(hq, 1) * D + dd, out)
-    if PAIRS:  # (the copy as B pairs: value j of a row of 8 at 2 (j % 4) + j // 4)
-        j = dd % 8
-        gl.store(pp_ptr + gl.expand_dims(hq, 1) * D + dd - j + 2 * (j % 4) + j // 4, out)
+    if ROW_SUMS:  # (the sums a row of 8)
         rows = gl.sum(gl.reshape(out.to(gl.float32), [GQA, D // 8, 8]), 2)
         LR: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [GQA, WARPS // GQA], [1, 0])
         rows = gl.convert_layout(rows, LR)

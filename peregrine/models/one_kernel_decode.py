@@ -139,7 +139,7 @@ def describe(dl, layers: int) -> str:
     """What the start-up line says of a bound kernel: its placement and how long a step took
     in each placement it timed."""
     timed = ", ".join(f"{form}: {ms:.3f}" for form, ms in dl.placement_ms.items())
-    pairs = ", inputs as B pairs" if getattr(dl, "pre", False) else ""
+    pairs = ", group sums made once" if getattr(dl, "pre", False) else ""
     return (f"decode steps of one sequence run all {layers} layers in one kernel "
             f"({dl.programs} programs, {dl.programs // dl.sms} an SM, a ring of {dl.stages}"
             f"{pairs}; ms a step by placement: {timed})")

@@ -19,7 +19,7 @@ SMALL = {"H": 1024, "HEADS": 8, "KVH": 2, "D": 128, "INTER": 2048, "BS": 16, "th
 
 def _build(shape: str, ctx: int, layers: int, form: tuple, wait: str = "dataflow") -> tuple:
     """The benchmark module and the packed layers and inputs in `form` (programs an SM, ring
-    stages, inputs as B pairs) for this GPU (sm_90+ only)."""
+    stages, group sums made once) for this GPU (sm_90+ only)."""
     if torch.cuda.get_device_capability(DEV) < (9, 0):
         pytest.skip("TMA and warp specialization need sm_90+")
     bench = load("decode_layer_ring")

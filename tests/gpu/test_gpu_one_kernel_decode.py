@@ -162,7 +162,7 @@ def test_one_row_decode_is_as_close_to_exact_as_the_layer_path(bf16_awq, monkeyp
                                                               record_property, form,
                                                               placement) -> None:
     """In each placement the engine may keep (programs an SM, ring stages; the row-tile form's
-    inputs as B pairs or not), made the only one it times."""
+    group sums made once or not), made the only one it times."""
     _hopper()
     from peregrine.kernels import decode_layers, decode_rows
     kernels = decode_rows if form == "rows" else decode_layers

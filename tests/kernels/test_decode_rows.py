@@ -12,7 +12,7 @@ pytest.importorskip("triton.experimental.gluon")
 
 from peregrine.kernels.decode_layers import ATTN, DOWN, GU, O, QKV, Dims, LayerWeights  # noqa: E402
 from peregrine.kernels.decode_rows import (PLACEMENTS, DecodeRows, balance,  # noqa: E402
-                                           emulate, gate_up_rows, pack, pairs_at, qkv_order,
+                                           emulate, gate_up_rows, pack, qkv_order,
                                            qkv_tile, unsupported)
 from peregrine.layers.quantization.wna16 import WNA16Layout  # noqa: E402
 
@@ -33,6 +33,21 @@ def test_the_packed_chunks_read_as_the_lanes_read_them_give_the_product(k: int, 
     x = torch.randn(k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     want = (x.float()[None] @ w.dequantize(torch.float32).t())[0]
     torch.testing.assert_close(emulate(rows, x, n), want, rtol=1e-5, atol=1e-4)
+
+
+def test_the_pairs_a_word_decodes_to_are_adjacent_inputs() -> None:
+    """The kernel takes nibbles p and p + 4 of a word (bits 4p and 16 + 4p, one shift and one
+    lop3) as one 16-bit pair for the MMA, whose B register holds x's word p: inputs 2p, 2p + 1.
+    Lane (g, t)'s first word of a chunk is word row t of channel 2g."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 16, (1024, 16), dtype=torch.int32, generator=g)
+    w = WNA16Layout.build(q, torch.ones(8, 16), torch.zeros(8, 16), None, 4, torch.bfloat16)
+    rows = pack(w.qweight, w.scales, w.zeros)
+    for gg, t in ((0, 0), (3, 2), (7, 3)):
+        word = int(rows[0, 2 * (4 * gg + t)]) & 0xFFFFFFFF
+        for p in range(4):
+            pair = ((word >> (4 * p)) & 0xF, (word >> (16 + 4 * p)) & 0xF)
+            assert pair == (int(q[8 * t + 2 * p, 2 * gg]), int(q[8 * t + 2 * p + 1, 2 * gg]))
 
 
 def test_a_misplaced_word_or_scale_shows() -> None:
@@ -118,7 +133,7 @@ def test_the_phase_table_chains_counters_sums_and_inputs() -> None:
                     splits=4, programs=8)
     tab = dl.table.tolist()
     assert [r[0] for r in tab] == [QKV, ATTN, O, GU, DOWN] * 2
-    pa = pairs_at(dims)
+    qd = dims.heads * dims.head_dim
     cnt = 0
     for f, r in enumerate(tab):
         assert r[5] == cnt  # each phase's counters follow the one before's
@@ -130,8 +145,9 @@ def test_the_phase_table_chains_counters_sums_and_inputs() -> None:
             assert (r[6], r[7]) == (want, before[5])  # the groups it waits for
         else:
             assert r[6] == 0  # (the prologue's input: no wait)
-        if r[0] != ATTN:
-            assert r[15] - pa == 8 * r[16]  # the input's pairs and its rows' sums
+        if r[0] != ATTN:  # where the input's sums a row of 8 are (xn, attention, activation)
+            assert r[15] == {QKV: 0, O: dims.hidden // 8, GU: 0,
+                             DOWN: (dims.hidden + qd) // 8}[r[0]]
     assert cnt == dl.cnt.numel()
     # 1 / rms from the sums the o / down phase before wrote (the prologue's for the first)
     assert tab[0][8] == 0 and tab[3][8] == tab[2][9] and tab[5][8] == tab[4][9]

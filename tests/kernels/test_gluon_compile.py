@@ -110,7 +110,7 @@ def test_the_row_tile_probe_compiles_to_fit_two_programs_an_sm(compiled: dict, n
 
 
 def test_the_row_tile_probe_made_once_inputs_halve_the_mmas(compiled: dict) -> None:
-    """With x's pairs and group sums made by the copying warp, the consumers' constant-weight
+    """With the group sums made by the copying warp, the consumers' constant-weight
     MMAs are gone: two MMAs a step instead of four."""
     assert _job(compiled, "rows")["ptx"]["mma"] == 2 * _job(compiled, "rows_pre")["ptx"]["mma"]
 
@@ -130,10 +130,11 @@ def test_the_row_tile_decode_kernel_fits_two_programs_an_sm(compiled: dict, name
 
 
 def test_the_row_tile_decode_kernels_inputs_made_once_halve_the_mmas(compiled: dict) -> None:
-    """Its inputs written as B pairs with their groups' sums by the phases that make them: no
-    constant-weight MMAs and no byte permutes left in the projections' steps."""
+    """Its inputs' group sums made once by the phases that write them: no constant-weight MMAs
+    left in the projections' steps; and in neither form a byte permute (the packed words'
+    nibble order pairs adjacent inputs, as x's words hold them)."""
     plain, pre = _job(compiled, "decode_rows")["ptx"], _job(compiled, "decode_rows_pre")["ptx"]
-    assert plain["mma"] == 2 * pre["mma"] and pre["prmt"] == 0 < plain["prmt"]
+    assert plain["mma"] == 2 * pre["mma"] > 0 and plain["prmt"] == pre["prmt"] == 0
 
 
 @pytest.mark.parametrize("name", JOBS)

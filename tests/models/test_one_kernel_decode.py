@@ -82,8 +82,8 @@ def test_the_start_up_line_names_the_kept_placement_and_each_ones_time() -> None
                                          (1, 8, False): float("inf")})
     line = okd.describe(rows, 32)
     assert "all 32 layers" in line
-    assert "264 programs, 2 an SM, a ring of 4, inputs as B pairs" in line
+    assert "264 programs, 2 an SM, a ring of 4, group sums made once" in line
     assert "(2, 4, False): 2.000, (2, 4, True): 1.938, (1, 8, False): inf" in line
     split = SimpleNamespace(programs=132, sms=132, stages=16, placement_ms={(1, 16): 2.1})
     line = okd.describe(split, 32)
-    assert "132 programs, 1 an SM, a ring of 16;" in line and "B pairs" not in line
+    assert "132 programs, 1 an SM, a ring of 16;" in line and "group sums" not in line
