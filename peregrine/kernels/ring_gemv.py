@@ -302,7 +302,7 @@ def _chunk_sz(sbuf, lane, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr)
 # write: ptxas may leave a load's value still to come (its MMA after the barrier), and the
 # row-tile kernel (decode_rows.py), whose consumer gave slots back that way, read a refilled
 # slot about twice in 1,000 calls until the fence went in. The offline compile test checks
-# that the barrier is there.
+# that the fence and the barrier are there.
 @gluon.jit
 def _gemv_piece(bufs, sbufs, ready, empty, i, u, end, CHUNKS, N, W, s_ptr, z_ptr, s_off, x_base,
                 part_ptr, pid, idx, t, g, zero, ones, sel, LW: gl.constexpr, L: gl.constexpr,
