@@ -207,21 +207,27 @@ def test_x_written_as_its_pairs_gives_the_same_bits(shape: str, ctx: int, layers
 @pytest.mark.parametrize("poll_one", (True, False))
 @pytest.mark.parametrize("per_sm", (1, 2))
 def test_repeated_calls_give_the_same_bits(per_sm: int, poll_one: bool) -> None:
-    """Forty calls on the same inputs (four Llama-3-8B layers, a 700-token context: attention
-    programs that take three blocks each) give the first call's bits every time: no call's
-    outcome depends on how the programs' phases happen to interleave."""
+    """Three thousand calls on the same inputs (four Llama-3-8B layers, a 700-token context:
+    attention programs that take three blocks each) give the first call's bits every time: no
+    call's outcome depends on how the programs' phases happen to interleave. (The row-tile
+    kernel's ring slots, refilled before their reads were ordered, showed in about 2 calls in
+    1,000: forty calls rarely catch a fault that rare.)"""
     bench, d = _build("llama3_8b", 700, 4, 4, 16 if per_sm == 1 else 8)
     dl = d["dl"]
     dl.x_smem, dl.poll_one = True, poll_one
     dl.place(per_sm * torch.cuda.get_device_properties(DEV).multi_processor_count)
     first = _run(bench, d)
-    differ = []
-    for i in range(40):
-        got = _run(bench, d)
+    differ, calls = [], 0
+    for i in range(3000):
+        bench.call(d)
+        calls += 1
+        got = bench.state(d)
         bad = sorted(k for k, v in first.items() if not torch.equal(got[k], v))
         if bad:
             differ.append((i, bad))
-    assert not differ, differ
+            if len(differ) == 5:
+                break
+    assert not differ, (f"{len(differ)} of {calls} calls differ", differ)
 
 
 @pytest.mark.parametrize("per_sm", (1, 2))
