@@ -219,7 +219,9 @@ def _producer(desc_w, desc_s, wbufs, sbufs, ready, empty, tab_ptr, n_phases, P,
 @gluon.jit
 def _ready_groups(cnt_ptr, lo, gp, LG: gl.constexpr):
     """How many of the phase before's groups of outputs, from 0, are known complete: the
-    counters [lo, lo + 128) read at once (acquire), those before lo complete already."""
+    counters [lo, lo + 128) read (acquire, four a lane), those before lo complete already. (A
+    lane's four acquire loads wait for each other: each compiles to a load and an invalidation
+    of L1 that waits for it, so a poll is four round trips to L2, not one.)"""
     j = lo + gl.arange(0, 128, layout=LG)
     v = poll_acquire(cnt_ptr + gl.minimum(j, gp - 1))
     return gl.minimum(gl.min(gl.where((v >= DONE_C) | (j >= gp), lo + 128, j), 0), gp)
@@ -254,7 +256,8 @@ def _loader(xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_
     tiles in this program; the consumer counts the same), a chunk's 8 groups at a time, as soon
     as the groups of the phase before's outputs they stand for are complete (MODE 1; 0: once
     all of them are; 2, 3: no wait): xready[gf % 2][c] says chunk c's groups have landed. A pass
-    reads up to 128 counters at once and copies every chunk they make ready, in one round trip.
+    polls up to 128 counters (_ready_groups) and copies every chunk they make ready, in one
+    round trip.
     A normed input's 1 / rms goes into rrbuf[gf % 2] before its last chunk is announced (every
     tile's sum of h^2 is in once every group is). PRE: each chunk's groups' input sums are
     made from their rows' sums (_group_sums)."""
