@@ -305,7 +305,8 @@ def run(layers: int, per_sm: int, stages: int, iters: int, modes: list[str],
     n_phases = table.shape[0]
     gmax = 1 << (max(k for _, k, _ in PROJ) // 128 - 1).bit_length()  # (shapes: powers of 2)
     cmax = gmax // CG
-    cnt = torch.zeros(d["counters"], dtype=torch.int32, device=dev)
+    # (the loader's poll reads past the last phase's counters: _ready_groups)
+    cnt = torch.zeros(d["counters"] + 256, dtype=torch.int32, device=dev)
     out = torch.zeros(d["out_n"], dtype=torch.bfloat16, device=dev)
     weight_bytes = rows.numel() * 4 / layers
     result = {"layers": layers, "programs": P, "per_sm": per_sm, "stages": stages,

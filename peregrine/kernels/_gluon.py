@@ -50,6 +50,16 @@ def poll_acquire(ptr):
 
 
 @gluon.jit
+def poll_acquire4(ptr):
+    """poll_acquire of four int32 at once: one 16-byte acquire load (GPU scope) for each run of
+    four consecutive elements a thread holds, at the first one's address (which must be a
+    multiple of 16 bytes; the others' pointers are not read)."""
+    return gl.inline_asm_elementwise(
+        "ld.acquire.gpu.global.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l,l,l,l", [ptr],
+        dtype=gl.int32, is_pure=False, pack=4)
+
+
+@gluon.jit
 def ticket_release(ptr, flag):
     """A release increment of the counter at ptr in the threads whose flag is nonzero: the count
     before it (-1 in the other threads). An `inc` with a bound it never reaches, written out,

@@ -59,8 +59,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from peregrine.kernels._gluon import (cp_async, cta_barrier, poll_acquire, ring_barriers,
-                                      smem_reinterpret, tma_load, trap)
+from peregrine.kernels._gluon import (cp_async, cta_barrier, poll_acquire, poll_acquire4,
+                                      ring_barriers, smem_reinterpret, tma_load, trap)
 from peregrine.kernels.decode_layers import (ATTN, DOWN, GU, O, QKV, Dims, LayerWeights,
                                              check_resident, keep_fastest, offsets)
 from peregrine.kernels.ring_attention import _attention, _attn_early, _attn_inputs
@@ -219,11 +219,14 @@ def _producer(desc_w, desc_s, wbufs, sbufs, ready, empty, tab_ptr, n_phases, P,
 @gluon.jit
 def _ready_groups(cnt_ptr, lo, gp, LG: gl.constexpr):
     """How many of the phase before's groups of outputs, from 0, are known complete: the
-    counters [lo, lo + 128) read (acquire, four a lane), those before lo complete already. (A
-    lane's four acquire loads wait for each other: each compiles to a load and an invalidation
-    of L1 that waits for it, so a poll is four round trips to L2, not one.)"""
+    counters [lo, lo + 128) read, those before lo complete already. A lane's four counters are
+    one 16-byte acquire load, from lo rounded down to a multiple of 4 (a phase's counters start
+    at a multiple of 4, and the last phase's are followed by 256 more), so that a poll is one
+    round trip to L2. (Four acquire loads a lane would be four round trips one after another:
+    each compiles to a load and an invalidation of L1 that waits for it.)"""
+    lo = lo - lo % 4
     j = lo + gl.arange(0, 128, layout=LG)
-    v = poll_acquire(cnt_ptr + gl.minimum(j, gp - 1))
+    v = poll_acquire4(cnt_ptr + j)
     return gl.minimum(gl.min(gl.where((v >= DONE_C) | (j >= gp), lo + 128, j), 0), gp)
 
 
@@ -256,8 +259,8 @@ def _loader(xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_
     tiles in this program; the consumer counts the same), a chunk's 8 groups at a time, as soon
     as the groups of the phase before's outputs they stand for are complete (MODE 1; 0: once
     all of them are; 2, 3: no wait): xready[gf % 2][c] says chunk c's groups have landed. A pass
-    polls up to 128 counters (_ready_groups), then copies every chunk they make ready, the
-    copies in one round trip.
+    polls up to 128 counters in one round trip (_ready_groups), then copies every chunk they
+    make ready in one more.
     A normed input's 1 / rms goes into rrbuf[gf % 2] before its last chunk is announced (every
     tile's sum of h^2 is in once every group is). PRE: each chunk's groups' input sums are
     made from their rows' sums (_group_sums)."""
@@ -725,7 +728,8 @@ def unsupported(dims: Dims, layers: list[LayerWeights], dtype: torch.dtype,
     reason = kd.unsupported(dims, layers, dtype, 4, programs, splits)
     if reason is not None:
         return reason
-    for name, k in (("hidden size", dims.hidden), ("intermediate size", dims.inter)):
+    for name, k in (("hidden size", dims.hidden), ("intermediate size", dims.inter),
+                    ("attention width", dims.heads * dims.head_dim)):
         if k % (128 * CG):
             return f"{name} {k} is not a multiple of {128 * CG} (a chunk's inputs)"
     if dims.hidden % 512:
@@ -810,6 +814,8 @@ class DecodeRows:
             table.append([kind, chunk, tiles, n_chunks, x_in[kind], cnt, prev_groups, prev_cnt,
                           ss_in, ss_out, g_off, 0, 0, outs, 0, x_sums[kind]])
             prev_groups, prev_cnt = per_layer[kind], cnt
+            # (every count a multiple of 4 where `unsupported` admits the shapes: each phase's
+            # counters start at a multiple of 16 bytes, as the poll's loads need)
             cnt += per_layer[kind]
             if kind in (O, DOWN):
                 ss_last = ss_out
@@ -824,7 +830,9 @@ class DecodeRows:
         f32 = dict(dtype=torch.float32, device=device)
         self.apart = torch.empty(dims.kv_heads * splits * 4 * (dims.head_dim + 2), **f32)
         self.lock = torch.zeros(dims.kv_heads, dtype=torch.int32, device=device)
-        self.cnt = torch.zeros(cnt, dtype=torch.int32, device=device)
+        # (256 more after the last phase's: a poll reads 128 from a multiple of 4 past the
+        # phase before's first, the whole-phase wait 256)
+        self.cnt = torch.zeros(cnt + 256, dtype=torch.int32, device=device)
         self.vec = torch.zeros(off["size"], dtype=torch.bfloat16, device=device)
         self.row_sums = torch.zeros((H + qd + dims.inter) // 8, **f32)
         self.zero_token = torch.zeros(1, dtype=torch.int64, device=device)

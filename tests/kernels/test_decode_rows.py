@@ -117,10 +117,12 @@ def _weights(k: int, n: int, seed: int) -> WNA16Layout:
                              torch.bfloat16)
 
 
-def _small(layers: int = 2, hidden: int = 1024, inter: int = 2048) -> tuple:
-    dims = Dims(hidden, 8, 2, 128, inter, 16, 1e-6)
-    qd = 8 * 128
-    shapes = ((hidden, qd + 2 * 256), (qd, hidden), (hidden, 2 * inter), (inter, hidden))
+def _small(layers: int = 2, hidden: int = 1024, inter: int = 2048, heads: int = 8,
+           kv_heads: int = 2) -> tuple:
+    dims = Dims(hidden, heads, kv_heads, 128, inter, 16, 1e-6)
+    qd = heads * 128
+    shapes = ((hidden, qd + 2 * 128 * kv_heads), (qd, hidden), (hidden, 2 * inter),
+              (inter, hidden))
     ws = [LayerWeights(*(_weights(k, n, 10 * i + j) for j, (k, n) in enumerate(shapes)),
                        torch.ones(hidden, dtype=torch.bfloat16),
                        torch.ones(hidden, dtype=torch.bfloat16)) for i in range(layers)]
@@ -136,7 +138,9 @@ def test_the_phase_table_chains_counters_sums_and_inputs() -> None:
     qd = dims.heads * dims.head_dim
     cnt = 0
     for f, r in enumerate(tab):
-        assert r[5] == cnt  # each phase's counters follow the one before's
+        # each phase's counters follow the one before's, from a multiple of 4 (the poll's
+        # 16-byte loads)
+        assert r[5] == cnt and cnt % 4 == 0
         groups = {QKV: 12, ATTN: 8, O: 8, GU: 16, DOWN: 8}[r[0]]
         cnt += groups
         if f:
@@ -148,7 +152,7 @@ def test_the_phase_table_chains_counters_sums_and_inputs() -> None:
         if r[0] != ATTN:  # where the input's sums a row of 8 are (xn, attention, activation)
             assert r[15] == {QKV: 0, O: dims.hidden // 8, GU: 0,
                              DOWN: (dims.hidden + qd) // 8}[r[0]]
-    assert cnt == dl.cnt.numel()
+    assert cnt + 256 == dl.cnt.numel()  # (a poll past the last phase's reads padding)
     # 1 / rms from the sums the o / down phase before wrote (the prologue's for the first)
     assert tab[0][8] == 0 and tab[3][8] == tab[2][9] and tab[5][8] == tab[4][9]
     assert len({r[9] for r in tab if r[0] in (O, DOWN)}) == 4  # each its own
@@ -168,6 +172,9 @@ def test_the_phase_table_chains_counters_sums_and_inputs() -> None:
 def test_shapes_it_cannot_run_are_refused_with_the_reason() -> None:
     dims, ws = _small(1, hidden=1024, inter=1536)
     assert "intermediate size 1536" in unsupported(dims, ws, torch.bfloat16)
+    # four query heads of 128 over one KV head: o's 512 inputs are not whole chunks
+    dims, ws = _small(1, heads=4, kv_heads=1)
+    assert "attention width 512" in unsupported(dims, ws, torch.bfloat16)
     dims, ws = _small(1)
     assert unsupported(dims, ws, torch.bfloat16) is None
     with pytest.raises(ValueError, match="fewer than the attention's"):
