@@ -50,8 +50,8 @@ from benchmarks.cuda_timing import graph_replay_ms, write_results  # noqa: E402
 from benchmarks.ring_int4_probe import _ulps  # noqa: E402
 from peregrine.kernels._gluon import (cp_async, cta_barrier, ring_barriers,  # noqa: E402
                                       smem_reinterpret, tma_load)
-from peregrine.kernels.decode_rows import (CG, ROW, TILE, _chunk, _ready_groups,  # noqa: E402
-                                           pack)
+from peregrine.kernels.decode_rows import (CG, CNT_PAD, ROW, TILE, _chunk,  # noqa: E402
+                                           _ready_groups, pack)
 from peregrine.kernels.wna16_gemv_tc import _f32_hi, _f32_lo  # noqa: E402
 
 HBM_GBPS = 4200.0
@@ -305,8 +305,7 @@ def run(layers: int, per_sm: int, stages: int, iters: int, modes: list[str],
     n_phases = table.shape[0]
     gmax = 1 << (max(k for _, k, _ in PROJ) // 128 - 1).bit_length()  # (shapes: powers of 2)
     cmax = gmax // CG
-    # (the loader's poll reads past the last phase's counters: _ready_groups)
-    cnt = torch.zeros(d["counters"] + 256, dtype=torch.int32, device=dev)
+    cnt = torch.zeros(d["counters"] + CNT_PAD, dtype=torch.int32, device=dev)
     out = torch.zeros(d["out_n"], dtype=torch.bfloat16, device=dev)
     weight_bytes = rows.numel() * 4 / layers
     result = {"layers": layers, "programs": P, "per_sm": per_sm, "stages": stages,

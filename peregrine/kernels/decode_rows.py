@@ -81,6 +81,9 @@ _ROW = gl.constexpr(ROW)
 DONE = 128  # a group's count once its 128 outputs are written
 DONE_C = gl.constexpr(DONE)
 NDONE = gl.constexpr(4)  # tiles the consumers may finish ahead of their counts
+# spare counters after the last phase's: a poll (_ready_groups) reads 128 from a multiple of 4
+# at or past the phase before's first, the whole-phase wait 256
+CNT_PAD = 256
 # (programs an SM, ring stages, group sums made once) that choose_placement times: the first is
 # the built form
 PLACEMENTS = ((2, 4, False), (2, 4, True), (1, 8, False))
@@ -221,7 +224,7 @@ def _ready_groups(cnt_ptr, lo, gp, LG: gl.constexpr):
     """How many of the phase before's groups of outputs, from 0, are known complete: the
     counters [lo, lo + 128) read, those before lo complete already. A lane's four counters are
     one 16-byte acquire load, from lo rounded down to a multiple of 4 (a phase's counters start
-    at a multiple of 4, and the last phase's are followed by 256 more), so that a poll is one
+    at a multiple of 4, and the last phase's are followed by CNT_PAD more), so that a poll is one
     round trip to L2. (Four acquire loads a lane would be four round trips one after another:
     each compiles to a load and an invalidation of L1 that waits for it.)"""
     lo = lo - lo % 4
@@ -830,9 +833,7 @@ class DecodeRows:
         f32 = dict(dtype=torch.float32, device=device)
         self.apart = torch.empty(dims.kv_heads * splits * 4 * (dims.head_dim + 2), **f32)
         self.lock = torch.zeros(dims.kv_heads, dtype=torch.int32, device=device)
-        # (256 more after the last phase's: a poll reads 128 from a multiple of 4 past the
-        # phase before's first, the whole-phase wait 256)
-        self.cnt = torch.zeros(cnt + 256, dtype=torch.int32, device=device)
+        self.cnt = torch.zeros(cnt + CNT_PAD, dtype=torch.int32, device=device)
         self.vec = torch.zeros(off["size"], dtype=torch.bfloat16, device=device)
         self.row_sums = torch.zeros((H + qd + dims.inter) // 8, **f32)
         self.zero_token = torch.zeros(1, dtype=torch.int64, device=device)
