@@ -524,9 +524,9 @@ def _releaser(done, dfree, tab_ptr, n_phases, cnt_ptr, P, HEADS: gl.constexpr,
 
 
 @gluon.jit
-def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, done, dfree,
-              tab_ptr, n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr, apart_ptr, lock_ptr,
-              cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr, kc_ptr, vc_ptr, scale, P,
+def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, ready, empty, xready, xfree,
+              done, dfree, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr, apart_ptr,
+              lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr, kc_ptr, vc_ptr, scale, P,
               S: gl.constexpr, CMAX: gl.constexpr, GMAX: gl.constexpr, H: gl.constexpr,
               HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
               SPLITS: gl.constexpr, TB: gl.constexpr, MODE: gl.constexpr,
@@ -539,6 +539,9 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, do
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     LT: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     L32: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    # a tile's sums as (warp, row pair, lane of the quad), and the warps' sums a lane
+    Q3: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 8, 4], [WARPS, 1, 1], [2, 1, 0])
+    LW4: gl.constexpr = gl.BlockedLayout([WARPS, 1], [1, 32], [1, WARPS], [1, 0])
     pid = gl.program_id(0)
     idx = gl.arange(0, T, layout=L)
     lane = idx % 32
@@ -615,11 +618,13 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, do
                 if tile == first:
                     rr = gl.max(rrbuf.index(b).load(L32), 0)
                 # the warps' sums of the tile's rows 2g (y[0]) and 2g + 1 (y[4]), equal in a
-                # quad's four lanes, added over the warps
-                v0 = gl.convert_layout(gl.sum(gl.max(gl.reshape(y[0], [WARPS, 8, 4]), 2), 0),
-                                       LT)
-                v1 = gl.convert_layout(gl.sum(gl.max(gl.reshape(y[4], [WARPS, 8, 4]), 2), 0),
-                                       LT)
+                # quad's four lanes, added over the warps: each warp's 8 of each into shared
+                # memory, then every lane adds the four warps' in its registers (two barriers
+                # a tile; a reduction over the warps' axis takes six)
+                tsum0.store(gl.max(gl.convert_layout(gl.reshape(y[0], [WARPS, 8, 4]), Q3), 2))
+                tsum1.store(gl.max(gl.convert_layout(gl.reshape(y[4], [WARPS, 8, 4]), Q3), 2))
+                v0 = gl.convert_layout(gl.sum(tsum0.load(LW4), 0), LT)
+                v1 = gl.convert_layout(gl.sum(tsum1.load(LW4), 0), LT)
                 if kind == K_QKV:  # (the tiles in the order qkv_order packs them)
                     real = _qkv_tile(tile, HEADS, KVH, D // 16)
                 else:
@@ -653,6 +658,9 @@ def decode_rows_kernel(desc_w, desc_s, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_
     xbufs = gl.allocate_shared_memory(gl.int32, [2, GMAX * 16, 4],
                                       gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     rrbuf = gl.allocate_shared_memory(gl.float32, [2, 32], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    # (two buffers, not one of two: the compiler's barriers treat a buffer as one)
+    tsum0 = gl.allocate_shared_memory(gl.float32, [4, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    tsum1 = gl.allocate_shared_memory(gl.float32, [4, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     xsums = gl.allocate_shared_memory(gl.float32, [2 * CMAX, 32],
                                       gl.SwizzledSharedLayout(1, 1, 1, [0]))
     ready, empty = ring_barriers(S)
@@ -664,10 +672,11 @@ def decode_rows_kernel(desc_w, desc_s, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_
     for j in gl.static_range(2):
         mbarrier.init(xfree.index(j), count=1)
     gl.warp_specialize([
-        (_consumer, (wbufs, sbufs, xbufs, xsums, rrbuf, ready, empty, xready, xfree, done,
-                     dfree, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr, apart_ptr,
-                     lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr, kc_ptr, vc_ptr,
-                     scale, P, S, CMAX, GMAX, H, HEADS, KVH, D, BS, SPLITS, TB, MODE, PRE)),
+        (_consumer, (wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, ready, empty, xready,
+                     xfree, done, dfree, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr,
+                     apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr, kc_ptr,
+                     vc_ptr, scale, P, S, CMAX, GMAX, H, HEADS, KVH, D, BS, SPLITS, TB, MODE,
+                     PRE)),
         (_producer, (desc_w, desc_s, wbufs, sbufs, ready, empty, tab_ptr, n_phases, P, S)),
         (_loader, (xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_ptr,
                    ss_ptr, rs_ptr, eps, P, H, CMAX, MODE, PRE)),
