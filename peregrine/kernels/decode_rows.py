@@ -13,7 +13,8 @@ its tiles in a program is skipped by all of them):
   them, into a ring of shared-memory chunks by TMA, waiting only for a free chunk; a chunk is
   8 groups of 128 inputs of one tile (`pack`: 16 rows of words, a row of scales and zero
   points);
-- a loader warp copies each projection's input row into one of two shared-memory buffers, 8
+- a loader warp copies each projection's input row into a shared-memory buffer (once the
+  consumer warps are done with the projection before's; `DecodeRows.nbuf` buffers), 8
   groups at a time, as soon as the groups of the phase before's outputs that those 8 stand for
   are complete (each group of 128 outputs has a counter that its tiles' owners add their
   outputs to, release; the loader polls them, acquire), and for a normed input (qkv, gate/up)
@@ -258,13 +259,14 @@ def _group_sums(xsums, row, rs_ptr, n, LP: gl.constexpr):
 def _loader(xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_ptr, ss_ptr,
             rs_ptr, eps, P, H: gl.constexpr, CMAX: gl.constexpr, MODE: gl.constexpr,
             PRE: gl.constexpr):
-    """Each projection's input row into buffer gf % 2 (gf: the projections so far that have
-    tiles in this program; the consumer counts the same), a chunk's 8 groups at a time, as soon
-    as the groups of the phase before's outputs they stand for are complete (MODE 1; 0: once
-    all of them are; 2, 3: no wait): xready[gf % 2][c] says chunk c's groups have landed. A pass
+    """Each projection's input row into buffer gf % NBUF (gf: the projections so far that have
+    tiles in this program; the consumer counts the same), once the consumer warps have freed
+    it, a chunk's 8 groups at a time, as soon as the groups of the phase before's outputs they
+    stand for are complete (MODE 1; 0: once all of them are; 2, 3: no wait):
+    xready[gf % NBUF][c] says chunk c's groups have landed. A pass
     polls up to 128 counters in one round trip (_ready_groups), then copies every chunk they
     make ready in one more.
-    A normed input's 1 / rms goes into rrbuf[gf % 2] before its last chunk is announced (every
+    A normed input's 1 / rms goes into rrbuf[gf % NBUF] before its last chunk is announced (every
     tile's sum of h^2 is in once every group is). PRE: each chunk's groups' input sums are
     made from their rows' sums (_group_sums)."""
     LP: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])
@@ -278,7 +280,8 @@ def _loader(xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_
     off = gl.expand_dims(r, 1) * 4 + gl.expand_dims(w, 0)
     src0 = vec_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
     NB: gl.constexpr = xbufs.shape[1] // 32  # blocks of 32 rows a buffer
-    blocks = smem_reinterpret(xbufs, gl.int32, [2 * NB, 32, 4],
+    NBUF: gl.constexpr = xbufs.shape[0]
+    blocks = smem_reinterpret(xbufs, gl.int32, [NBUF * NB, 32, 4],
                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     pid = gl.program_id(0)
     gf = 0
@@ -291,8 +294,8 @@ def _loader(xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_
             gp = _tab(tab_ptr, f, 6)
             pcnt = _tab(tab_ptr, f, 7)
             ss_in = _tab(tab_ptr, f, 8)
-            b = gf % 2
-            mbarrier.wait(xfree.index(b), ((gf // 2) & 1) ^ 1)
+            b = gf % NBUF
+            mbarrier.wait(xfree.index(b), ((gf // NBUF) & 1) ^ 1)
             G = C * 8
             done = 0
             passes = 0
@@ -554,7 +557,8 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, ready, empty, xre
     pos = gl.load(pos_ptr).to(gl.int64)
     slot = gl.load(slot_ptr).to(gl.int64)
     # views of the whole buffers (a view of one slot cannot be reinterpreted)
-    xv = smem_reinterpret(xbufs, gl.int32, [2 * (GMAX // 8), WARPS, 2, 16, 4],
+    NBUF: gl.constexpr = xbufs.shape[0]
+    xv = smem_reinterpret(xbufs, gl.int32, [NBUF * (GMAX // 8), WARPS, 2, 16, 4],
                           gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
     wvs = smem_reinterpret(wbufs, gl.int32, [S, WARPS, 2, 4, 64],
                            gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
@@ -593,14 +597,14 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, ready, empty, xre
             outs = _tab(tab_ptr, f, 13)  # outputs a tile
             ss_out = ss_ptr + gl.load(tab_ptr + f * TAB_C + 9)
             g_l = norm_ptr + gl.load(tab_ptr + f * TAB_C + 10)
-            b = gf % 2
+            b = gf % NBUF
             rr = gl.max(gl.full([32], 1.0, gl.float32, layout=L32), 0)
             first = _first(tab_ptr, f, pid, P)
             for tile in range(first, tiles, P):
                 y = (zero, zero, zero, zero, zero, zero, zero, zero)
                 for c in range(C):
                     if tile == first:
-                        mbarrier.wait(xready.index(b * CMAX + c), (gf // 2) & 1)
+                        mbarrier.wait(xready.index(b * CMAX + c), (gf // NBUF) & 1)
                     slot_r = i % S
                     mbarrier.wait(ready.index(slot_r), (i // S) & 1)
                     if MODE != 3:
@@ -647,7 +651,7 @@ def decode_rows_kernel(desc_w, desc_s, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_
                        CMAX: gl.constexpr, H: gl.constexpr, HEADS: gl.constexpr,
                        KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
                        SPLITS: gl.constexpr, TB: gl.constexpr, MODE: gl.constexpr = 1,
-                       PRE: gl.constexpr = 0):
+                       PRE: gl.constexpr = 0, NBUF: gl.constexpr = 1):
     """The layers of the phase table (TAB int64 fields a phase), from the residual stream h
     and the first norm's input xn (in vec) and its tiles' sums of h^2 to the last layer's h
     (see the module docstring). MODE: the loader's wait (WAITS); PRE: the projections read
@@ -655,7 +659,7 @@ def decode_rows_kernel(desc_w, desc_s, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_
     before write."""
     wbufs = gl.allocate_shared_memory(gl.int32, [S, 16, _ROW], desc_w.layout)
     sbufs = gl.allocate_shared_memory(gl.int32, [S, 1, _ROW], desc_s.layout)
-    xbufs = gl.allocate_shared_memory(gl.int32, [2, GMAX * 16, 4],
+    xbufs = gl.allocate_shared_memory(gl.int32, [NBUF, GMAX * 16, 4],
                                       gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     rrbuf = gl.allocate_shared_memory(gl.float32, [2, 32], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     # (two buffers, not one of two: the compiler's barriers treat a buffer as one)
@@ -756,9 +760,11 @@ class DecodeRows:
 
     stages: the ring's chunks (17 rows of 512 bytes); splits: attention programs a KV head;
     `wait` (WAITS) the loader's form; `pre`: the projections read their groups' input sums,
-    made once (`choose_placement` times both). Shared memory a program: the
-    ring and two copies of the widest input (64 KB for Llama-3-8B): two programs an SM with 4
-    stages, one with 8.
+    made once (`choose_placement` times both); `nbuf`: buffers for the projections' inputs (1:
+    a projection's copies wait until the consumer warps are done with the one before's; 2
+    measured slower in the engine's form, see the benchmarks). Shared memory a program: the
+    ring and nbuf copies of the widest input (32 KB each for Llama-3-8B): two programs an SM
+    with 4 stages (70.5 KB a program with one copy), one with 8.
 
     The phase table's int64 fields: kind, chunk base, tiles, chunks a tile, input offset (in
     the arena), this phase's counters, the phase before's groups of outputs (0: no wait) and
@@ -849,6 +855,7 @@ class DecodeRows:
         self.caches: tuple[torch.Tensor, torch.Tensor] | None = None
         self._resident: set = set()
         self.pre = False
+        self.nbuf = 1
         self.place(programs)
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
@@ -924,7 +931,7 @@ class DecodeRows:
                 block_table, k0, v0, d.eps, 1.0 / math.sqrt(d.head_dim), self.programs)
         kw = dict(S=self.stages, GMAX=gmax, CMAX=gmax // CG, H=H, HEADS=d.heads,
                   KVH=d.kv_heads, D=d.head_dim, BS=d.block_size, SPLITS=self.splits, TB=self.tb,
-                  MODE=WAITS[self.wait], PRE=int(self.pre),
+                  MODE=WAITS[self.wait], PRE=int(self.pre), NBUF=self.nbuf,
                   num_warps=4, maxnreg=128)
         check_resident(decode_rows_kernel, self.programs, self.sms, args, kw, self._resident,
                        "decode_rows")
