@@ -759,7 +759,9 @@ class DecodeRows:
     words with their scales and zero points (the same bytes, in chunk order).
 
     stages: the ring's chunks (17 rows of 512 bytes); splits: attention programs a KV head;
-    `wait` (WAITS) the loader's form; `pre`: the projections read their groups' input sums,
+    tb: the tokens of K/V an attention program reads a block (its first block before the wait
+    for the qkv phase: 32 keeps contexts up to splits * 32 tokens to one block, each further
+    block costing a round trip and a pass; see the benchmarks); `wait` (WAITS) the loader's form; `pre`: the projections read their groups' input sums,
     made once (`choose_placement` times both); `nbuf`: buffers for the projections' inputs (1:
     a projection's copies wait until the consumer warps are done with the one before's; 2
     measured slower in the engine's form, see the benchmarks). Shared memory a program: the
@@ -775,7 +777,7 @@ class DecodeRows:
 
     def __init__(self, dims: Dims, layers: list[LayerWeights], final_norm: torch.Tensor,
                  device: torch.device, *, stages: int = PLACEMENTS[0][1], splits: int = 16,
-                 tb: int = 16, programs: int | None = None) -> None:
+                 tb: int = 32, programs: int | None = None) -> None:
         props = (torch.cuda.get_device_properties(device)
                  if torch.device(device).type == "cuda" else None)
         self.sms = props.multi_processor_count if props is not None else (programs or 1)
