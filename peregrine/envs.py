@@ -39,7 +39,9 @@ def decode_layers() -> str | None:
     """PEREGRINE_DECODE_LAYERS: a decode step of one sequence runs all the decoder layers of a
     4-bit Llama-style model in one persistent kernel on sm_90+ (models/one_kernel_decode.py),
     where the model qualifies; its packed copy of the weights costs their size again. Unset or
-    0: off (default: measured no faster than the layer-by-layer path, see the benchmarks);
+    0: off (the default: `rows` is faster at batch 1 on an H100 at short contexts, but slower at
+    long ones and not yet timed on an H200 in its latest form, and its packed copy comes out of
+    the KV cache's room; `split` measured slower; see the benchmarks);
     1 or `split`: kernels/decode_layers.py (each projection's tiles split over the programs);
     `rows`: kernels/decode_rows.py (whole-K row tiles, each phase starting on the inputs that
     are ready). The form, or None when off."""
