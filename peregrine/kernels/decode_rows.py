@@ -761,8 +761,9 @@ class DecodeRows:
     stages: the ring's chunks (17 rows of 512 bytes); splits: attention programs a KV head;
     tb: the tokens of K/V an attention program reads a block (its first block before the wait
     for the qkv phase: 32 keeps contexts up to splits * 32 tokens to one block, each further
-    block costing a round trip and a pass; see the benchmarks); `wait` (WAITS) the loader's form; `pre`: the projections read their groups' input sums,
-    made once (`choose_placement` times both); `nbuf`: buffers for the projections' inputs (1:
+    block costing a round trip and a pass; see the benchmarks); `wait` (WAITS) the loader's
+    form; `pre`: the projections read their groups' input sums, made once
+    (`choose_placement` times both); `nbuf`: buffers for the projections' inputs (1:
     a projection's copies wait until the consumer warps are done with the one before's; 2
     measured slower in the engine's form, see the benchmarks). Shared memory a program: the
     ring and nbuf copies of the widest input (32 KB each for Llama-3-8B): two programs an SM
