@@ -263,9 +263,8 @@ def _loader(xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_
     tiles in this program; the consumer counts the same), once the consumer warps have freed
     it, a chunk's 8 groups at a time, as soon as the groups of the phase before's outputs they
     stand for are complete (MODE 1; 0: once all of them are; 2, 3: no wait):
-    xready[gf % NBUF][c] says chunk c's groups have landed. A pass
-    polls up to 128 counters in one round trip (_ready_groups), then copies every chunk they
-    make ready in one more.
+    xready[gf % NBUF][c] says chunk c's groups have landed. A pass polls up to 128 counters in
+    one round trip (_ready_groups), then copies every chunk they make ready in one more.
     A normed input's 1 / rms goes into rrbuf[gf % NBUF] before its last chunk is announced (every
     tile's sum of h^2 is in once every group is). PRE: each chunk's groups' input sums are
     made from their rows' sums (_group_sums)."""
