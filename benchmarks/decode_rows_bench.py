@@ -10,7 +10,9 @@ beside the other kernel's on the same layers (both drift past the few-layer boun
 Times are CUDA-graph replays of 32 layers, per placement (programs an SM x ring stages), group
 sums made once or not, and loader form (`dataflow`: a chunk's groups; `phase`: the whole phase
 before; `free`: no waits, a floor whose outputs are not the layers'; `nochunk`: no waits and
-no MMAs, the weight stream and the finishes alone).
+no MMAs, the weight stream and the finishes alone; `nostream`: no waits and no weight stream,
+the consumer warps alone; `skeleton`: no waits, no stream and no MMAs, the consumer warps' work
+outside the chunks' steps).
 
     python benchmarks/decode_rows_bench.py --out /tmp/out/decode_rows.json
 
@@ -85,7 +87,7 @@ def main() -> None:
     p.add_argument("--checks", default="1x1,1x256,2x37,2x777",
                    help="layers x context lengths checked first, comma-separated")
     p.add_argument("--placements", default="2x4,1x8", help="programs an SM x ring stages")
-    p.add_argument("--waits", default="dataflow,free,phase,nochunk")
+    p.add_argument("--waits", default="dataflow,free,phase,nochunk,nostream,skeleton")
     p.add_argument("--pre", default="1,0",
                    help="the inputs' group sums made once (1) or not (0)")
     p.add_argument("--splits", type=int, default=16)

@@ -51,7 +51,7 @@ from benchmarks.ring_int4_probe import _ulps  # noqa: E402
 from peregrine.kernels._gluon import (cp_async, cta_barrier, ring_barriers,  # noqa: E402
                                       smem_reinterpret, tma_load)
 from peregrine.kernels.decode_rows import (CG, CNT_PAD, ROW, TILE, _chunk,  # noqa: E402
-                                           _ready_groups, pack)
+                                           _chunk_done, _ready_groups, pack)
 from peregrine.kernels.wna16_gemv_tc import _f32_hi, _f32_lo  # noqa: E402
 
 HBM_GBPS = 4200.0
@@ -213,9 +213,10 @@ def _consumer(wbufs, sbufs, xbufs, xsums, ready, empty, xready, xfree, tab_ptr, 
                 slot = i % S
                 mbarrier.wait(ready.index(slot), (i // S) & 1)
                 # (PRE: its groups' sums beside the copy)
-                y = _chunk(y, wvs.index(slot), svs.index(slot).load(L),
-                           xv.index(b * (GMAX // 8) + c), g, ones, sel, L, T, WARPS, PRE,
-                           xsv.index(b * CMAX + c), idx // 32)
+                y = _chunk_done(y, _chunk(wvs.index(slot), xv.index(b * (GMAX // 8) + c), ones,
+                                          sel, L, T, WARPS, PRE),
+                                svs.index(slot).load(L), g, L, T, WARPS, PRE,
+                                xsv.index(b * CMAX + c), idx // 32)
                 # every warp's reads of the slot are ordered before the TMA that refills it
                 # (a proxy fence), then a barrier of the consumer warps and one thread's arrive
                 fence_async_shared()

@@ -90,8 +90,10 @@ CNT_PAD = 256
 PLACEMENTS = ((2, 4, False), (2, 4, True), (1, 8, False))
 # the loader's wait: 1 a chunk's groups (the engine's), 0 the whole phase before, 2 none (a
 # floor for measurement: the outputs are not the layers'), 3 none and no MMAs (the weight
-# stream and the finishes alone, for measurement)
-WAITS = {"dataflow": 1, "phase": 0, "free": 2, "nochunk": 3}
+# stream and the finishes alone, for measurement); with no weight stream (every ring slot
+# given back unfilled, for measurement): 4 none (the consumer warps alone), 5 none and no
+# MMAs (the consumer warps' work outside the chunks' steps)
+WAITS = {"dataflow": 1, "phase": 0, "free": 2, "nochunk": 3, "nostream": 4, "skeleton": 5}
 
 
 def pack(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
@@ -200,9 +202,9 @@ def _first(tab_ptr, f, pid, P):
 
 @gluon.jit
 def _producer(desc_w, desc_s, wbufs, sbufs, ready, empty, tab_ptr, n_phases, P,
-              S: gl.constexpr):
+              S: gl.constexpr, MODE: gl.constexpr):
     """The program's tiles of every projection, chunk by chunk, into the next free slot (an
-    attention phase has no tiles)."""
+    attention phase has no tiles; MODE 4 and 5 give the slots back unfilled)."""
     pid = gl.program_id(0)
     i = 0
     for f in range(n_phases):
@@ -213,10 +215,13 @@ def _producer(desc_w, desc_s, wbufs, sbufs, ready, empty, tab_ptr, n_phases, P,
             for c in range(C):
                 slot = i % S
                 mbarrier.wait(empty.index(slot), ((i // S) & 1) ^ 1)
-                mbarrier.expect(ready.index(slot), 17 * _ROW * 4)
-                row = (base + tile * C + c) * 17
-                tma_load(desc_w, [row, 0], ready.index(slot), wbufs.index(slot))
-                tma_load(desc_s, [row + 16, 0], ready.index(slot), sbufs.index(slot))
+                if MODE >= 4:
+                    mbarrier.arrive(ready.index(slot), count=1)
+                else:
+                    mbarrier.expect(ready.index(slot), 17 * _ROW * 4)
+                    row = (base + tile * C + c) * 17
+                    tma_load(desc_w, [row, 0], ready.index(slot), wbufs.index(slot))
+                    tma_load(desc_s, [row + 16, 0], ready.index(slot), sbufs.index(slot))
                 i += 1
 
 
@@ -361,28 +366,21 @@ def _add4(a, b):
 
 
 @gluon.jit
-def _chunk(y, wv, sv, xc, g, ones, sel, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr,
-           PRE: gl.constexpr = False, xs=None, w_id=None):
-    """One ring chunk into the tile's sums y: warp w's groups 2w and 2w + 1 of the chunk, each
-    four MMA steps on the words (wv) and x's rows (xc) into two accumulator sets (even and odd
-    steps: dependent chains half as long, added at the group's end), then scaled by the group's
-    scales and zero points (sv, the chunk's row of them). x's words are the steps' B registers
-    as they are (the words' nibble order, NIB). PRE: xs holds the groups' input sums (group
-    gi's at gi; w_id: the warp), so that a step is its weight MMAs alone."""
+def _chunk(wv, xc, ones, sel, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr,
+           PRE: gl.constexpr = False):
+    """One ring chunk's MMAs: warp w's groups 2w and 2w + 1 of the chunk, each four MMA steps
+    on the words (wv) and x's rows (xc) into two accumulator sets (even and odd steps:
+    dependent chains half as long, added here), and (not PRE) the input sums' MMAs; x's words
+    are the steps' B registers as they are (the words' nibble order, NIB). Returns the two
+    groups' (C registers, input sums) for _chunk_done."""
     LW: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 1, 1, 32], [WARPS, 1, 1, 1],
                                         [3, 2, 1, 0])
     LX: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 1, 4, 8], [WARPS, 1, 1, 1],
                                         [2, 3, 1, 0])
-    B2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [WARPS, 1], [1, 0])
     zero = gl.zeros([T], gl.float32, layout=L)
     c4 = (zero, zero, zero, zero)
-    if PRE:
-        xs4 = xs.load(gl.SliceLayout(0, B2))
-        xs4 = gl.convert_layout(gl.reshape(gl.expand_dims(xs4, 0).broadcast_to([WARPS, 32]),
-                                           [T]), L).to(gl.int32, bitcast=True)
+    out = ()
     for h in gl.static_range(2):
-        s_w = _shfl(sv, 16 * h + g)
-        z_w = _shfl(sv, 16 * h + 8 + g)
         acc = (c4, c4, c4, c4)  # (the even steps'; acc_b, cx_b the odd steps')
         cx = c4
         acc_b = (c4, c4, c4, c4)
@@ -409,13 +407,31 @@ def _chunk(y, wv, sv, xc, g, ones, sel, L: gl.constexpr, T: gl.constexpr, WARPS:
                     acc, cx = _step(acc, cx, ones, w8, bx, sel, 1, True, 4)
                 else:
                     acc_b, cx_b = _step(acc_b, cx_b, ones, w8, bx, sel, 1, True, 4)
-        acc = (_add4(acc[0], acc_b[0]), c4, c4, c4)
+        out = out + ((_add4(acc[0], acc_b[0]), _add4(cx, cx_b)),)
+    return out
+
+
+@gluon.jit
+def _chunk_done(y, groups, sv, g, L: gl.constexpr, T: gl.constexpr, WARPS: gl.constexpr,
+                PRE: gl.constexpr = False, xs=None, w_id=None):
+    """The tile's sums y plus a chunk's two groups (_chunk's), scaled by their scales and zero
+    points (sv, the chunk's row of them, in registers). PRE: xs holds the groups' input sums
+    (group gi's at gi; w_id: the warp)."""
+    B2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [WARPS, 1], [1, 0])
+    zero = gl.zeros([T], gl.float32, layout=L)
+    c4 = (zero, zero, zero, zero)
+    if PRE:
+        xs4 = xs.load(gl.SliceLayout(0, B2))
+        xs4 = gl.convert_layout(gl.reshape(gl.expand_dims(xs4, 0).broadcast_to([WARPS, 32]),
+                                           [T]), L).to(gl.int32, bitcast=True)
+    for h in gl.static_range(2):
+        s_w = _shfl(sv, 16 * h + g)
+        z_w = _shfl(sv, 16 * h + 8 + g)
+        acc, cx = groups[h]
         if PRE:
             xg = _shfl(xs4, 2 * w_id + h).to(gl.float32, bitcast=True)
             cx = (xg, xg, xg, xg)
-        else:
-            cx = _add4(cx, cx_b)
-        y = _group_done(y, acc, cx, ((s_w, s_w, s_w, s_w), (z_w, z_w, z_w, z_w)),
+        y = _group_done(y, (acc, c4, c4, c4), cx, ((s_w, s_w, s_w, s_w), (z_w, z_w, z_w, z_w)),
                         0, 1, True, True, 4)
     return y
 
@@ -601,16 +617,25 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, ready, empty, xre
             first = _first(tab_ptr, f, pid, P)
             for tile in range(first, tiles, P):
                 y = (zero, zero, zero, zero, zero, zero, zero, zero)
+                # a chunk's groups are added to y after the next chunk's MMAs are issued, so
+                # that a warp does not wait for its MMA chains at every chunk (the chunk
+                # before the first: zeros, which add nothing)
+                c4 = (zero, zero, zero, zero)
+                prev = ((c4, c4), (c4, c4))
+                sv_prev = gl.zeros([T], gl.int32, layout=L)
                 for c in range(C):
                     if tile == first:
                         mbarrier.wait(xready.index(b * CMAX + c), (gf // NBUF) & 1)
                     slot_r = i % S
                     mbarrier.wait(ready.index(slot_r), (i // S) & 1)
-                    if MODE != 3:
-                        y = _chunk(y, wvs.index(slot_r), svs.index(slot_r).load(L),
-                                   xv.index(b * (GMAX // 8) + c), g, ones, sel, L, T, WARPS,
-                                   PRE, xsums.index(b * CMAX + c), idx // 32)
-                    else:  # (the stream and the finishes alone)
+                    if (MODE != 3) & (MODE != 5):
+                        sv = svs.index(slot_r).load(L)
+                        groups = _chunk(wvs.index(slot_r), xv.index(b * (GMAX // 8) + c), ones,
+                                        sel, L, T, WARPS, PRE)
+                        y = _chunk_done(y, prev, sv_prev, g, L, T, WARPS, PRE,
+                                        xsums.index(b * CMAX + gl.maximum(c - 1, 0)), idx // 32)
+                        prev, sv_prev = groups, sv
+                    else:  # (no MMAs: for measurement)
                         cta_barrier()
                     # every warp's reads of the slot are ordered before the TMA that refills
                     # it (a proxy fence: the refill is an async-proxy write), then a barrier
@@ -618,6 +643,9 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, ready, empty, xre
                     fence_async_shared()
                     mbarrier.arrive(empty.index(slot_r), count=1)
                     i += 1
+                if (MODE != 3) & (MODE != 5):
+                    y = _chunk_done(y, prev, sv_prev, g, L, T, WARPS, PRE,
+                                    xsums.index(b * CMAX + C - 1), idx // 32)
                 if tile == first:
                     rr = gl.max(rrbuf.index(b).load(L32), 0)
                 # the warps' sums of the tile's rows 2g (y[0]) and 2g + 1 (y[4]), equal in a
@@ -680,7 +708,8 @@ def decode_rows_kernel(desc_w, desc_s, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_
                      apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr, kc_ptr,
                      vc_ptr, scale, P, S, CMAX, GMAX, H, HEADS, KVH, D, BS, SPLITS, TB, MODE,
                      PRE)),
-        (_producer, (desc_w, desc_s, wbufs, sbufs, ready, empty, tab_ptr, n_phases, P, S)),
+        (_producer, (desc_w, desc_s, wbufs, sbufs, ready, empty, tab_ptr, n_phases, P, S,
+                      MODE)),
         (_loader, (xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_ptr,
                    ss_ptr, rs_ptr, eps, P, H, CMAX, MODE, PRE)),
         (_releaser, (done, dfree, tab_ptr, n_phases, cnt_ptr, P, HEADS, KVH, D)),
