@@ -68,7 +68,8 @@ OPS = ("UTMALDG", "HMMA", "ATOM", "RED", "LDG", "LDS", "STG", "MEMBAR", "FENCE",
 PTX = {"tma": "cp.async.bulk.tensor", "cp_async": "cp.async.cg", "mma": "mma.sync.aligned",
        "release_inc": "atom.release.gpu.global.inc", "acquire_loads": "ld.acquire.gpu",
        "fence_acq_rel": "fence.acq_rel.gpu", "ld_shared_v4": "ld.shared.v4",
-       "prmt": "prmt.b32"}
+       "prmt": "prmt.b32", "wgmma": "wgmma.mma_async", "shr": "shr.u32",
+       "mul_hi": "mul.hi.u32", "sub_bf16x2": "sub.rn.bf16x2"}
 
 
 def report(kernel) -> dict:
@@ -166,6 +167,12 @@ def _decode_rows(pre: bool) -> None:
     call(d)
 
 
+def _int4_steps(form: tuple) -> None:
+    from benchmarks import int4_step_bench as sb
+    sb.launch(form, (1,), torch.zeros(4 * 512), torch.zeros(sb.WORDS * 512, dtype=torch.int32),
+              4)
+
+
 KERNELS = {"gemv_tc4": (lambda: _gemv_tc(4), "wna16_gemv_tc_kernel"),
            "gemv_tc6": (lambda: _gemv_tc(6), "wna16_gemv_tc_kernel"),
            "w8_tc": (_w8_tc, "w8_gemv_tc_kernel"),
@@ -173,7 +180,13 @@ KERNELS = {"gemv_tc4": (lambda: _gemv_tc(4), "wna16_gemv_tc_kernel"),
            "rows": (lambda: _rows_probe(False), "ring_rows_kernel"),
            "rows_pre": (lambda: _rows_probe(True), "ring_rows_kernel"),
            "decode_rows": (lambda: _decode_rows(False), "decode_rows_kernel"),
-           "decode_rows_pre": (lambda: _decode_rows(True), "decode_rows_kernel")}
+           "decode_rows_pre": (lambda: _decode_rows(True), "decode_rows_kernel"),
+           # the int4 steps benchmark's forms (with their sums, if any)
+           "steps_bf16": (lambda: _int4_steps(("sync", "bf16", 1)), "steps_sync"),
+           "steps_mulhi": (lambda: _int4_steps(("sync", "bf16-mulhi", 1)), "steps_sync"),
+           "steps_fp16": (lambda: _int4_steps(("sync", "fp16", 1)), "steps_sync"),
+           "steps_wgmma": (lambda: _int4_steps(("wgmma", "ones", 1)), "steps_wgmma"),
+           "steps_wgmma_hsub": (lambda: _int4_steps(("wgmma", "hsub", 2)), "steps_wgmma")}
 
 
 def _compiled(fn, name: str) -> dict:

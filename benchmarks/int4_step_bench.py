@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_timing import write_results  # noqa: E402
+from peregrine.kernels._gluon import cta_barrier  # noqa: E402
 from peregrine.kernels.wna16_gemv_tc import _SUM_BF16, _SUM_F16  # noqa: E402
 
 WORDS = 16  # words a thread an iteration: a chunk's share of a consumer warp's lane
@@ -121,7 +122,7 @@ def steps_sync(out_ptr, words_ptr, iters, m1s, m2s, m3s, D: gl.constexpr, SUMS: 
     off = gl.expand_dims(r, 1) * 4 + gl.expand_dims(q, 0)
     for s in gl.static_range(_WORDS):
         wsm.index(s).store(gl.load(words_ptr + s * 512 + off))
-    gl.thread_barrier()
+    cta_barrier()
     m1 = gl.full([128], 0, gl.int32, layout=L) + m1s
     m2 = gl.full([128], 0, gl.int32, layout=L) + m2s
     m3 = gl.full([128], 0, gl.int32, layout=L) + m3s
@@ -225,8 +226,11 @@ def steps_wgmma(out_ptr, seed, iters, SUMS: gl.constexpr):
     BL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     BI: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0])
     pid = gl.program_id(0)
+    # (each group its own B, as two groups' inputs are, so that no MMA repeats another)
     bs = gl.allocate_shared_memory(gl.bfloat16, [16, 8], BL)
     bs.store(gl.full([16, 8], 1.0, gl.bfloat16, BI))
+    bs2 = gl.allocate_shared_memory(gl.bfloat16, [16, 8], BL)
+    bs2.store(gl.full([16, 8], 2.0, gl.bfloat16, BI))
     fence_async_shared()
     m = gl.arange(0, 64, layout=gl.SliceLayout(1, DOT))
     k = gl.arange(0, 16, layout=gl.SliceLayout(0, DOT))
@@ -239,7 +243,7 @@ def steps_wgmma(out_ptr, seed, iters, SUMS: gl.constexpr):
     for i in range(iters):
         w0 = base ^ (i * _WORDS)
         acc, sm, a = _wg_group(w0, 0, zp, ones, bs, tot, SUMS)
-        acd, sd, b = _wg_group(w0, 8, zp, ones, bs, tot, SUMS)
+        acd, sd, b = _wg_group(w0, 8, zp, ones, bs2, tot, SUMS)
         n_later: gl.constexpr = 16 if SUMS == 1 else 8
         acc, sm, a0, a1, a2, a3, a4, a5, a6, a7 = warpgroup_mma_wait(
             n_later, deps=[acc, sm, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]])

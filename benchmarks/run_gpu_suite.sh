@@ -5,7 +5,7 @@
 #          samplerbench w2 w2hf w1 w1prof w1trace w1hf serve ttft pacing pacetrace coldstart asyncprobe poolcost
 #          w5 (int4 AWQ layout, batch 1) w8a8 gemvbench stagegraphs w8a8lat w6 w1fp8 w5prof
 #          streamprobe w5ablate logitsbench w8tc replayprobe stepgap decodelayers (dltests dlbench
-#          dlw5 dlengine) dldiff dlncu rows (rowstests rowsbench rowsw5) rowsstress rowsncu
+#          dlw5 dlengine) dldiff dlncu rows (rowstests rowsbench rowsw5) rowsstress rowsncu int4steps
 #          (the row-tile kernel's repeated-call test, STRESS_RUNS times, each run's report kept)
 #          two GPUs: tptests tp2lat tp2serve 70btp2 70bserve ppbench arbench
 #            (SPLITS_70B="tp2 pp2": the 70B splits, as tags; TP_SIZES="2 1"; PP_MODEL, PP_SETUPS)
@@ -92,6 +92,7 @@ for s in $steps; do
                   gputest "decode_rows_repeated_$n" 120 tests/gpu/test_gpu_decode_rows.py -k repeated
                 done ;;
     # the row-tile kernel's warp stalls by SASS instruction, per loader form (Nsight Compute)
+    int4steps) run int4_step_bench 120 python benchmarks/int4_step_bench.py --out "$OUT/int4_step.json" ;;
     rowsncu) for w in ${NCU_WAITS:-free dataflow nochunk}; do
                run "rows_ncu_$w" 200 ncu --clock-control none --profile-from-start off -k regex:decode_rows_kernel --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis -f -o "$OUT/rows_$w" python benchmarks/decode_rows_bench.py --ncu --out - --layers "${NCU_LAYERS:-8}" --placements 2x4 --waits "$w" --pre 0
                ncu --import "$OUT/rows_$w.ncu-rep" --page source --csv --print-source sass > "$OUT/rows_${w}_sass.csv" 2>&1

@@ -1,6 +1,6 @@
 """The Gluon kernels (the 4/6-bit and FP8 tensor-core GEMVs, the FP8-cache attention, the
 persistent decode kernel in seven forms, the row-tile probe's kernel, the row-tile persistent
-decode kernel in its two forms) compile for an sm_90a GPU
+decode kernel in its two forms, the int4 steps benchmark's forms) compile for an sm_90a GPU
 with the installed Triton, on the CPU (benchmarks/gluon_compile.py, in a process without
 TRITON_INTERPRET): a Triton release that renames what they use fails here rather than at a
 GPU's first call. None of them may carry a value from one loop iteration to the next only as
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow  # (about 15 s of compiling, uncached)
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = ("gemv_tc4", "gemv_tc6", "w8_tc", "attn_fp8", "layers:engine", "layers:fold",
         "layers:l2", "layers:pipe", "layers:pipexsum", "layers:allpoll", "layers:xpairs",
-        "rows", "rows_pre", "decode_rows", "decode_rows_pre")
+        "rows", "rows_pre", "decode_rows", "decode_rows_pre", "steps_bf16", "steps_mulhi",
+        "steps_fp16", "steps_wgmma", "steps_wgmma_hsub")
 SM90_SHARED = 227 * 1024  # the most shared memory a program may take on sm_90
 
 
@@ -169,3 +170,16 @@ def test_a_value_carried_only_as_a_loop_bound_is_found() -> None:
                                  "%i_39 = arith.addi %i_36, %b_4 : i32\n"
                                  "      scf.yield %a_18, %b_33, %i_39")
     assert carried_bounds(other_use) == []
+
+
+def test_the_int4_steps_benchmark_runs_the_forms_it_names(compiled: dict) -> None:
+    """An iteration is 8 steps of two words a warp: bf16 decodes a word with 3 shifts, the
+    mul.hi form with 3 multiplies instead, fp16 with 1; the warpgroup form issues 16 weight
+    MMAs and 16 sum MMAs, or with the zero point subtracted in the decode 16 and no sums."""
+    bf16, mulhi, fp16 = (_job(compiled, f"steps_{n}")["ptx"] for n in ("bf16", "mulhi", "fp16"))
+    assert bf16["mma"] == mulhi["mma"] == fp16["mma"] == 32  # (16 weight, 16 sum MMAs)
+    assert bf16["shr"] - fp16["shr"] == 8 * 2 * (3 - 1)
+    assert bf16["shr"] - mulhi["shr"] == mulhi["mul_hi"] - bf16["mul_hi"] == 8 * 2 * 3
+    wg, hsub = _job(compiled, "steps_wgmma")["ptx"], _job(compiled, "steps_wgmma_hsub")["ptx"]
+    assert (wg["mma"], wg["wgmma"], wg["sub_bf16x2"]) == (0, 32, 0)
+    assert (hsub["wgmma"], hsub["sub_bf16x2"]) == (16, 16 * 4)
