@@ -20,7 +20,8 @@ its tiles in a program is skipped by all of them):
   outputs to, release; the loader polls them, acquire), and for a normed input (qkv, gate/up)
   makes RMSNorm's 1 / rms from the tiles' sums of h^2 once all of them are in;
 - four consumer warps take the tiles: a chunk's 8 groups two a warp (the int4 tensor-core
-  GEMV's steps, wna16_gemv_tc.py), the warps' sums added at the tile's end, then the finish:
+  GEMV's steps, wna16_gemv_tc.py; a chunk's groups scaled into the tile's sums once the next
+  chunk's MMAs are issued), the warps' sums added at the tile's end, then the finish:
 
   1. qkv (channels reordered so that a tile's rows 2g, 2g + 1 are a q or k channel e and its
      RoPE partner e + 64): scale by 1 / rms, round, rotate, store q, or K and V into the
