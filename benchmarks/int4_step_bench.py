@@ -82,28 +82,19 @@ DECODES = {"bf16": 0, "bf16-mulhi": 1, "fp16": 2}
 
 @gluon.jit
 def _mma_step(D: gl.constexpr, lo, hi, b, c, m1, m2, m3):
-    args = [lo, hi, b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3], m1, m2, m3]
-    if D == 0:
-        r = gl.inline_asm_elementwise(_STEP_BF16, _STEP_CONS, args, dtype=(gl.float32,) * 4,
-                                      is_pure=True, pack=1)
-    elif D == 1:
-        r = gl.inline_asm_elementwise(_STEP_MULHI, _STEP_CONS, args, dtype=(gl.float32,) * 4,
-                                      is_pure=True, pack=1)
-    else:
-        r = gl.inline_asm_elementwise(_STEP_F16, _STEP_CONS, args, dtype=(gl.float32,) * 4,
-                                      is_pure=True, pack=1)
+    ASM: gl.constexpr = _STEP_BF16 if D == 0 else (_STEP_MULHI if D == 1 else _STEP_F16)
+    r = gl.inline_asm_elementwise(ASM, _STEP_CONS,
+                                  [lo, hi, b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3], m1,
+                                   m2, m3], dtype=(gl.float32,) * 4, is_pure=True, pack=1)
     return r[0], r[1], r[2], r[3]
 
 
 @gluon.jit
 def _sum_step(D: gl.constexpr, ones, b, c):
-    args = [ones, b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3]]
-    if D == 2:
-        r = gl.inline_asm_elementwise(_SUM_F16, _SUM_CONS, args, dtype=(gl.float32,) * 4,
-                                      is_pure=True, pack=1)
-    else:
-        r = gl.inline_asm_elementwise(_SUM_BF16, _SUM_CONS, args, dtype=(gl.float32,) * 4,
-                                      is_pure=True, pack=1)
+    ASM: gl.constexpr = _SUM_F16 if D == 2 else _SUM_BF16
+    r = gl.inline_asm_elementwise(ASM, _SUM_CONS,
+                                  [ones, b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3]],
+                                  dtype=(gl.float32,) * 4, is_pure=True, pack=1)
     return r[0], r[1], r[2], r[3]
 
 
