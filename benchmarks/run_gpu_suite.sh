@@ -91,8 +91,8 @@ for s in $steps; do
     rowsstress) for n in $(seq "${STRESS_RUNS:-10}"); do
                   gputest "decode_rows_repeated_$n" 120 tests/gpu/test_gpu_decode_rows.py -k repeated
                 done ;;
-    # the row-tile kernel's warp stalls by SASS instruction, per loader form (Nsight Compute)
     int4steps) run int4_step_bench 120 python benchmarks/int4_step_bench.py --out "$OUT/int4_step.json" ;;
+    # the row-tile kernel's warp stalls by SASS instruction, per loader form (Nsight Compute)
     rowsncu) for w in ${NCU_WAITS:-free dataflow nochunk}; do
                run "rows_ncu_$w" 200 ncu --clock-control none --profile-from-start off -k regex:decode_rows_kernel --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis -f -o "$OUT/rows_$w" python benchmarks/decode_rows_bench.py --ncu --out - --layers "${NCU_LAYERS:-8}" --placements 2x4 --waits "$w" --pre 0
                ncu --import "$OUT/rows_$w.ncu-rep" --page source --csv --print-source sass > "$OUT/rows_${w}_sass.csv" 2>&1
