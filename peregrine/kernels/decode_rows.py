@@ -558,6 +558,7 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, ready, empty, xre
     L: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     LT: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     L32: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    STEPS: gl.constexpr = (MODE != 3) and (MODE != 5)  # (3, 5: no chunk MMAs, for measurement)
     # a tile's sums as (warp, row pair, lane of the quad), and the warps' sums a lane
     Q3: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 8, 4], [WARPS, 1, 1], [2, 1, 0])
     LW4: gl.constexpr = gl.BlockedLayout([WARPS, 1], [1, 32], [1, WARPS], [1, 0])
@@ -629,7 +630,7 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, ready, empty, xre
                         mbarrier.wait(xready.index(b * CMAX + c), (gf // NBUF) & 1)
                     slot_r = i % S
                     mbarrier.wait(ready.index(slot_r), (i // S) & 1)
-                    if (MODE != 3) & (MODE != 5):
+                    if STEPS:
                         sv = svs.index(slot_r).load(L)
                         groups = _chunk(wvs.index(slot_r), xv.index(b * (GMAX // 8) + c), ones,
                                         sel, L, T, WARPS, PRE)
@@ -644,7 +645,7 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, ready, empty, xre
                     fence_async_shared()
                     mbarrier.arrive(empty.index(slot_r), count=1)
                     i += 1
-                if (MODE != 3) & (MODE != 5):
+                if STEPS:
                     y = _chunk_done(y, prev, sv_prev, g, L, T, WARPS, PRE,
                                     xsums.index(b * CMAX + C - 1), idx // 32)
                 if tile == first:
