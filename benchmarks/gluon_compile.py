@@ -62,14 +62,15 @@ SHAPES = {"small": dict(LLAMA3_8B, H=512, HEADS=8, KVH=2, INTER=1024), "llama3-8
           # (the row-tile kernel's chunks are 1,024 inputs)
           "rows": dict(LLAMA3_8B, H=1024, HEADS=8, KVH=2, INTER=2048)}
 # SASS opcode prefixes counted
-OPS = ("UTMALDG", "HMMA", "ATOM", "RED", "LDG", "LDS", "STG", "MEMBAR", "FENCE", "BAR",
+OPS = ("UTMALDG", "HMMA", "IMMA", "ATOM", "RED", "LDG", "LDS", "STG", "MEMBAR", "FENCE", "BAR",
        "SYNCS", "LDL", "STL")
 # PTX pieces counted
 PTX = {"tma": "cp.async.bulk.tensor", "cp_async": "cp.async.cg", "mma": "mma.sync.aligned",
        "release_inc": "atom.release.gpu.global.inc", "acquire_loads": "ld.acquire.gpu",
        "fence_acq_rel": "fence.acq_rel.gpu", "ld_shared_v4": "ld.shared.v4",
        "prmt": "prmt.b32", "wgmma": "wgmma.mma_async", "shr": "shr.u32",
-       "mul_hi": "mul.hi.u32", "sub_bf16x2": "sub.rn.bf16x2"}
+       "mul_hi": "mul.hi.u32", "sub_bf16x2": "sub.rn.bf16x2",
+       "imma": "m16n8k32.row.col.s32.u8.s8"}
 
 
 def report(kernel) -> dict:
@@ -186,7 +187,8 @@ KERNELS = {"gemv_tc4": (lambda: _gemv_tc(4), "wna16_gemv_tc_kernel"),
            "steps_mulhi": (lambda: _int4_steps(("sync", "bf16-mulhi", 1)), "steps_sync"),
            "steps_fp16": (lambda: _int4_steps(("sync", "fp16", 1)), "steps_sync"),
            "steps_wgmma": (lambda: _int4_steps(("wgmma", "ones", 1)), "steps_wgmma"),
-           "steps_wgmma_hsub": (lambda: _int4_steps(("wgmma", "hsub", 2)), "steps_wgmma")}
+           "steps_wgmma_hsub": (lambda: _int4_steps(("wgmma", "hsub", 2)), "steps_wgmma"),
+           "steps_imma": (lambda: _int4_steps(("imma", "u8", 0)), "steps_imma")}
 
 
 def _compiled(fn, name: str) -> dict:

@@ -14,7 +14,13 @@ four warps a program, 1 to 4 programs an SM. The forms:
   (1024 + 16 q): four masks and one shift a word;
 - `wgmma`: a warpgroup's m64n8k16 MMA with A (the decoded pairs) from registers and B from
   shared memory, each warp's 16 rows a different group; sums none, `ones` (a second MMA with
-  all-ones A), or `hsub` (the zero point subtracted from each pair in the decode, sub.bf16x2).
+  all-ones A), or `hsub` (the zero point subtracted from each pair in the decode, sub.bf16x2);
+- `imma`, `u8`: the nibbles as bytes for the 8-bit integer MMA (m16n8k32, u8 weights times s8
+  inputs, int32 sums): a word's even nibbles by one mask (q) and its odd ones by another (16 q,
+  in a second accumulator set), so a word costs two integer instructions and four words two
+  MMAs; x would be two int8 parts a group (hi and lo, in B's columns 0 and 1), made once a
+  projection, and a group's input sum with it (no sum MMAs). A group's end: 16 E + O a column,
+  to float32 by the 2^23 + 2^22 offset, and hi + lo / 254.
 
 The outputs are not checked (the inputs are arbitrary bits): this measures throughput only.
 
@@ -78,6 +84,18 @@ _STEP_F16 = gl.constexpr(_step_asm("fp16"))
 _STEP_CONS = gl.constexpr("=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f,r,r,r")
 _SUM_CONS = gl.constexpr("=f,=f,=f,=f,r,r,r,r,r,f,f,f,f")
 DECODES = {"bf16": 0, "bf16-mulhi": 1, "fp16": 2}
+# PTX: words $8..$11 (rows g, g + 8 of one step, then of the next) as bytes, the even nibbles
+# (mask) onto E ($16..$19, out $0..$3) with B $12, $13 and the odd ones (16 q) onto O ($20..$23,
+# out $4..$7) with B $14, $15
+_IMMA = gl.constexpr("\n".join(
+    ["{", ".reg .b32 e0, e1, e2, e3, o0, o1, o2, o3;"]
+    + [f"and.b32 e{j}, ${8 + j}, 0x0F0F0F0F;" for j in range(4)]
+    + [f"and.b32 o{j}, ${8 + j}, 0xF0F0F0F0;" for j in range(4)]
+    + ["mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {$0, $1, $2, $3}, {e0, e1, e2, e3}, "
+       "{$12, $13}, {$16, $17, $18, $19};",
+       "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {$4, $5, $6, $7}, {o0, o1, o2, o3}, "
+       "{$14, $15}, {$20, $21, $22, $23};", "}"]))
+_IMMA_CONS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 16))
 
 
 @gluon.jit
@@ -153,6 +171,71 @@ def steps_sync(out_ptr, words_ptr, iters, m1s, m2s, m3s, D: gl.constexpr, SUMS: 
                     if SUMS:
                         cx_o = _sum_step(D, ones, bb, cx_o)
             tot = tot + (acc_e[0] + acc_o[0]) * 0.5 - (cx_e[0] + cx_o[0]) * 136.0
+    gl.store(out_ptr + pid * 128 + idx, tot)
+
+
+@gluon.jit
+def _imma_pair(ws, b, e, o):
+    """Four words (ws), four B registers (b): the even nibbles' MMA onto e, the odd ones' onto
+    o (4 int32 registers each)."""
+    r = gl.inline_asm_elementwise(_IMMA, _IMMA_CONS,
+                                  [ws[0], ws[1], ws[2], ws[3], b[0], b[1], b[2], b[3], e[0],
+                                   e[1], e[2], e[3], o[0], o[1], o[2], o[3]],
+                                  dtype=(gl.int32,) * 8, is_pure=True, pack=1)
+    return (r[0], r[1], r[2], r[3]), (r[4], r[5], r[6], r[7])
+
+
+@gluon.jit
+def _i2f(v):
+    """int32 v (|v| < 2^22) as float32: its bits added to those of 1.5 * 2^23, less that."""
+    return (v + 0x4B400000).to(gl.float32, bitcast=True) - 12582912.0
+
+
+@gluon.jit
+def steps_imma(out_ptr, words_ptr, iters):
+    """Two groups of two MMA pairs (four words each) an iteration a warp, 16 words a thread from
+    one of four shared-memory slots (as steps_sync), then each group's end: its C columns 0 and
+    1 (hi, lo) as 16 E + O, scaled into the total."""
+    L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    LW: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [4, 1], [1, 0])
+    pid = gl.program_id(0)
+    idx = gl.arange(0, 128, layout=L)
+    wsm = gl.allocate_shared_memory(gl.int32, [_WORDS, 128, 4],
+                                    gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    r = gl.arange(0, 128, layout=gl.SliceLayout(1, LW))
+    q = gl.arange(0, 4, layout=gl.SliceLayout(0, LW))
+    off = gl.expand_dims(r, 1) * 4 + gl.expand_dims(q, 0)
+    for s in gl.static_range(_WORDS):
+        wsm.index(s).store(gl.load(words_ptr + s * 512 + off))
+    cta_barrier()
+    bx = idx * 0x01030507
+    bs = (bx, bx ^ 0x10101010, bx ^ 0x20202020, bx ^ 0x30303030)
+    zi = gl.zeros([128], gl.int32, layout=L)
+    z = gl.zeros([128], gl.float32, layout=L)
+    tot = z
+    for i in range(iters):
+        slot = (i % 4) * 4
+        ws = ()
+        for k in gl.static_range(4):
+            wl = wsm.index(slot + k).load(LW)
+            pa, pb = gl.split(gl.reshape(wl, [128, 2, 2]))
+            w0, w1 = gl.split(pa)
+            w2, w3 = gl.split(pb)
+            ws = ws + (gl.convert_layout(w0, L), gl.convert_layout(w1, L),
+                       gl.convert_layout(w2, L), gl.convert_layout(w3, L))
+        for h in gl.static_range(2):
+            e = (zi, zi, zi, zi)
+            o = (zi, zi, zi, zi)
+            for p in gl.static_range(2):
+                # (B differs a pair and a group, so that no MMA repeats another)
+                bb = (bs[p] ^ (h << 8), bs[p + 1], bs[p + 2] ^ h, bs[(p + 3) % 4])
+                e, o = _imma_pair((ws[8 * h + 4 * p], ws[8 * h + 4 * p + 1],
+                                   ws[8 * h + 4 * p + 2], ws[8 * h + 4 * p + 3]), bb, e, o)
+            hi = _i2f(e[0] * 16 + o[0])
+            lo = _i2f(e[1] * 16 + o[1])
+            hi8 = _i2f(e[2] * 16 + o[2])
+            lo8 = _i2f(e[3] * 16 + o[3])
+            tot = tot + (hi + lo * (1.0 / 254.0)) * 0.5 + (hi8 + lo8 * (1.0 / 254.0)) * 0.25
     gl.store(out_ptr + pid * 128 + idx, tot)
 
 
@@ -249,7 +332,7 @@ def steps_wgmma(out_ptr, seed, iters, SUMS: gl.constexpr):
 
 FORMS = [("sync", "bf16", 1), ("sync", "bf16", 0), ("sync", "bf16-mulhi", 1),
          ("sync", "bf16-mulhi", 0), ("sync", "fp16", 1), ("sync", "fp16", 0),
-         ("wgmma", "ones", 1), ("wgmma", "none", 0), ("wgmma", "hsub", 2)]
+         ("wgmma", "ones", 1), ("wgmma", "none", 0), ("wgmma", "hsub", 2), ("imma", "u8", 0)]
 
 
 def launch(form, grid, out, words, iters) -> None:
@@ -257,6 +340,8 @@ def launch(form, grid, out, words, iters) -> None:
     if kind == "sync":
         steps_sync[grid](out, words, iters, 1 << 28, 1 << 24, 1 << 20, DECODES[what], sums,
                          num_warps=4)
+    elif kind == "imma":
+        steps_imma[grid](out, words, iters, num_warps=4)
     else:
         steps_wgmma[grid](out, 1, iters, sums, num_warps=4)
 
@@ -266,7 +351,9 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--iters", type=int, default=4000)
     p.add_argument("--per-sm", default="1,2,3,4", help="programs an SM, comma-separated")
+    p.add_argument("--forms", default="", help="kinds to time (sync, wgmma, imma; all if empty)")
     ns = p.parse_args()
+    forms = [f for f in FORMS if not ns.forms or f[0] in ns.forms.split(",")]
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     out = torch.empty(4 * sms * 512, dtype=torch.float32, device=dev)
@@ -274,7 +361,7 @@ def main() -> None:
     results = []
     for per_sm in (int(v) for v in ns.per_sm.split(",")):
         grid = (sms * per_sm,)
-        for form in FORMS:
+        for form in forms:
             launch(form, grid, out, words, ns.iters)
             torch.cuda.synchronize()
             times = []
