@@ -117,13 +117,9 @@ def _sum_step(D: gl.constexpr, ones, b, c):
 
 
 @gluon.jit
-def steps_sync(out_ptr, words_ptr, iters, m1s, m2s, m3s, D: gl.constexpr, SUMS: gl.constexpr):
-    """Two groups of four steps an iteration a warp (even and odd steps in two accumulator
-    sets, as the kernel), 16 words a thread from one of four shared-memory slots."""
-    L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    LW: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [4, 1], [1, 0])
-    pid = gl.program_id(0)
-    idx = gl.arange(0, 128, layout=L)
+def _stage_words(words_ptr, LW: gl.constexpr):
+    """The 16 x 512 words at words_ptr in shared memory (a thread's 16 words an iteration come
+    from one of four slots of four)."""
     wsm = gl.allocate_shared_memory(gl.int32, [_WORDS, 128, 4],
                                     gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     r = gl.arange(0, 128, layout=gl.SliceLayout(1, LW))
@@ -132,6 +128,32 @@ def steps_sync(out_ptr, words_ptr, iters, m1s, m2s, m3s, D: gl.constexpr, SUMS: 
     for s in gl.static_range(_WORDS):
         wsm.index(s).store(gl.load(words_ptr + s * 512 + off))
     cta_barrier()
+    return wsm
+
+
+@gluon.jit
+def _slot_words(wsm, slot, LW: gl.constexpr, L: gl.constexpr):
+    """A thread's 16 words of slots slot .. slot + 3, as a tuple."""
+    ws = ()
+    for k in gl.static_range(4):
+        wl = wsm.index(slot + k).load(LW)
+        pa, pb = gl.split(gl.reshape(wl, [128, 2, 2]))
+        w0, w1 = gl.split(pa)
+        w2, w3 = gl.split(pb)
+        ws = ws + (gl.convert_layout(w0, L), gl.convert_layout(w1, L),
+                   gl.convert_layout(w2, L), gl.convert_layout(w3, L))
+    return ws
+
+
+@gluon.jit
+def steps_sync(out_ptr, words_ptr, iters, m1s, m2s, m3s, D: gl.constexpr, SUMS: gl.constexpr):
+    """Two groups of four steps an iteration a warp (even and odd steps in two accumulator
+    sets, as the kernel), 16 words a thread from one of four shared-memory slots."""
+    L: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    LW: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [4, 1], [1, 0])
+    pid = gl.program_id(0)
+    idx = gl.arange(0, 128, layout=L)
+    wsm = _stage_words(words_ptr, LW)
     m1 = gl.full([128], 0, gl.int32, layout=L) + m1s
     m2 = gl.full([128], 0, gl.int32, layout=L) + m2s
     m3 = gl.full([128], 0, gl.int32, layout=L) + m3s
@@ -143,15 +165,7 @@ def steps_sync(out_ptr, words_ptr, iters, m1s, m2s, m3s, D: gl.constexpr, SUMS: 
     z = gl.zeros([128], gl.float32, layout=L)
     tot = z
     for i in range(iters):
-        slot = (i % 4) * 4
-        ws = ()
-        for k in gl.static_range(4):
-            wl = wsm.index(slot + k).load(LW)
-            pa, pb = gl.split(gl.reshape(wl, [128, 2, 2]))
-            w0, w1 = gl.split(pa)
-            w2, w3 = gl.split(pb)
-            ws = ws + (gl.convert_layout(w0, L), gl.convert_layout(w1, L),
-                       gl.convert_layout(w2, L), gl.convert_layout(w3, L))
+        ws = _slot_words(wsm, (i % 4) * 4, LW, L)
         for h in gl.static_range(2):
             acc_e = (z, z, z, z)
             acc_o = (z, z, z, z)
@@ -200,29 +214,14 @@ def steps_imma(out_ptr, words_ptr, iters):
     LW: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [4, 1], [1, 0])
     pid = gl.program_id(0)
     idx = gl.arange(0, 128, layout=L)
-    wsm = gl.allocate_shared_memory(gl.int32, [_WORDS, 128, 4],
-                                    gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    r = gl.arange(0, 128, layout=gl.SliceLayout(1, LW))
-    q = gl.arange(0, 4, layout=gl.SliceLayout(0, LW))
-    off = gl.expand_dims(r, 1) * 4 + gl.expand_dims(q, 0)
-    for s in gl.static_range(_WORDS):
-        wsm.index(s).store(gl.load(words_ptr + s * 512 + off))
-    cta_barrier()
+    wsm = _stage_words(words_ptr, LW)
     bx = idx * 0x01030507
     bs = (bx, bx ^ 0x10101010, bx ^ 0x20202020, bx ^ 0x30303030)
     zi = gl.zeros([128], gl.int32, layout=L)
     z = gl.zeros([128], gl.float32, layout=L)
     tot = z
     for i in range(iters):
-        slot = (i % 4) * 4
-        ws = ()
-        for k in gl.static_range(4):
-            wl = wsm.index(slot + k).load(LW)
-            pa, pb = gl.split(gl.reshape(wl, [128, 2, 2]))
-            w0, w1 = gl.split(pa)
-            w2, w3 = gl.split(pb)
-            ws = ws + (gl.convert_layout(w0, L), gl.convert_layout(w1, L),
-                       gl.convert_layout(w2, L), gl.convert_layout(w3, L))
+        ws = _slot_words(wsm, (i % 4) * 4, LW, L)
         for h in gl.static_range(2):
             e = (zi, zi, zi, zi)
             o = (zi, zi, zi, zi)
