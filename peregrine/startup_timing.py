@@ -129,15 +129,18 @@ class StartupPhases:
         out["total"] = top.get("pre_engine", 0.0) + elapsed
         return out
 
-    def line(self) -> str:
-        """The one log line: LINE_PREFIX, then name=seconds pairs."""
-        return LINE_PREFIX + " " + " ".join(f"{k}={v:.2f}" for k, v in self.summary().items())
+    def line(self, summary: dict[str, float] | None = None) -> str:
+        """The one log line: LINE_PREFIX, then name=seconds pairs (of `summary`, or of the
+        phases now)."""
+        summary = self.summary() if summary is None else summary
+        return LINE_PREFIX + " " + " ".join(f"{k}={v:.2f}" for k, v in summary.items())
 
     def finish(self, where: str = "") -> dict[str, float]:
         """Log the line (tagged with `where`), forget the phases, and return the summary."""
         self.take_pre_engine()
         summary = self.summary()
-        logger.info("%s%s", self.line(), f" [{where}]" if where else "")
+        # the line shows the very figures returned (a second reading of the clock would not)
+        logger.info("%s%s", self.line(summary), f" [{where}]" if where else "")
         self.seconds.clear()
         self._open.clear()
         self._begun = None

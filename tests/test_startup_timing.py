@@ -129,6 +129,27 @@ def test_finish_logs_one_line_that_parse_line_reads_back(caplog) -> None:
     assert parse_line("INFO peregrine: KV cache: 12 blocks") is None
 
 
+def test_the_logged_line_shows_the_figures_finish_returns(caplog) -> None:
+    """The clock moves at every reading: a line made from a second reading would show a
+    larger total and `other` than the summary returned."""
+    clock = FakeClock()
+
+    def ticking() -> float:
+        clock.advance(0.25)
+        return clock.now
+
+    p = StartupPhases(clock=ticking, age=lambda: None)
+    p.begin()
+    with p.phase("model"):
+        pass
+    with caplog.at_level(logging.INFO, logger="peregrine"):
+        summary = p.finish()
+    lines = [r.getMessage() for r in caplog.records if LINE_PREFIX in r.getMessage()]
+    assert len(lines) == 1
+    assert parse_line(lines[0]) == pytest.approx(summary, abs=0.006)
+    assert summary["total"] == pytest.approx(0.75) and summary["other"] == pytest.approx(0.5)
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux's /proc")
 def test_process_age_is_the_time_since_this_process_started() -> None:
     age = process_age()
