@@ -129,10 +129,9 @@ class StartupPhases:
         out["total"] = top.get("pre_engine", 0.0) + elapsed
         return out
 
-    def line(self, summary: dict[str, float] | None = None) -> str:
-        """The one log line: LINE_PREFIX, then name=seconds pairs (of `summary`, or of the
-        phases now)."""
-        summary = self.summary() if summary is None else summary
+    @staticmethod
+    def line(summary: dict[str, float]) -> str:
+        """The one log line of a summary: LINE_PREFIX, then name=seconds pairs."""
         return LINE_PREFIX + " " + " ".join(f"{k}={v:.2f}" for k, v in summary.items())
 
     def finish(self, where: str = "") -> dict[str, float]:
