@@ -61,8 +61,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from peregrine.kernels._gluon import (cp_async, cta_barrier, poll_acquire, poll_acquire4,
-                                      ring_barriers, smem_reinterpret, tma_load, trap)
+from peregrine.kernels._gluon import (cp_async, cta_barrier, fence_acq_rel_gpu_if, poll_acquire,
+                                      poll_acquire4, ring_barriers, smem_reinterpret, tma_load,
+                                      trap)
 from peregrine.kernels.decode_layers import (ATTN, DOWN, GU, O, QKV, Dims, LayerWeights,
                                              check_resident, keep_fastest, offsets)
 from peregrine.kernels.ring_attention import _attention, _attn_early, _attn_inputs
@@ -604,10 +605,14 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, ready, empty, xre
                                     k_cur, v_cur, kt0, vt0, apart_ptr, lock_ptr, H, HEADS, KVH,
                                     D, BS, SPLITS, TB, WARPS, ss_ptr, 0, rs_ptr + H // 8, PRE)
                 if merged:  # the head's four query heads' outputs are in: count them
+                    # one release fence, then plain adds: four release adds would each wait
+                    # for the one before to reach L2 (a fence each), with the o phase's
+                    # loader waiting for the last
                     cta_barrier()
+                    fence_acq_rel_gpu_if(gl.full([T], 1, gl.int32, layout=L))
                     for j in gl.static_range(HEADS // KVH):
                         gl.atomic_add(cnt_ptr + cnt_off + (HEADS // KVH) * kh + j, DONE_C,
-                                      sem="release", scope="gpu")
+                                      sem="relaxed", scope="gpu")
         elif _first(tab_ptr, f, pid, P) < _tab(tab_ptr, f, 2):  # (else none of its tiles here)
             tiles = _tab(tab_ptr, f, 2)
             C = _tab(tab_ptr, f, 3)
