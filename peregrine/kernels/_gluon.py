@@ -75,7 +75,8 @@ def ticket_release(ptr, flag):
 def fence_acq_rel_gpu_if(flag):
     """fence.acq_rel.gpu in the threads whose flag (an int32 tensor) is nonzero: after a release
     atomic whose value says other programs' writes are done, an acquire fence, so that those
-    writes are visible to what follows a barrier with this thread."""
+    writes are visible to what follows a barrier with this thread; or before relaxed atomics,
+    one release for all of them (each release atomic would be a fence of its own)."""
     return gl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.b32 p, $1, 0; @p fence.acq_rel.gpu; mov.b32 $0, 0; }", "=r,r",
         [flag], dtype=gl.int32, is_pure=False, pack=1)
