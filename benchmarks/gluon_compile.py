@@ -72,6 +72,9 @@ PTX = {"tma": "cp.async.bulk.tensor", "cp_async": "cp.async.cg", "mma": "mma.syn
        "mul_hi": "mul.hi.u32", "sub_bf16x2": "sub.rn.bf16x2",
        "imma": "m16n8k32.row.col.s32.u8.s8"}
 
+# an MMA whose A operand is one register four times (a constant weight: the input sums' MMAs)
+_CONST_A = re.compile(r"mma\.sync\.aligned\S*\s*\{[^}]*\},\s*\{(%r\d+), \1, \1, \1\}")
+
 
 def report(kernel) -> dict:
     """Registers, spills, shared memory and instruction counts of a compiled kernel."""
@@ -90,7 +93,8 @@ def report(kernel) -> dict:
     ptx = kernel.asm["ptx"]
     return {"kernel": kernel.name, **resources(kernel), "spill_stores": ops["STL"],
             "spill_loads": ops["LDL"], "ops": dict(sorted(ops.items())),
-            "ptx": {name: ptx.count(piece) for name, piece in PTX.items()},
+            "ptx": {**{name: ptx.count(piece) for name, piece in PTX.items()},
+                    "mma_const_a": len(_CONST_A.findall(ptx))},
             "arrives": arrives(ptx),
             "carried_bounds": carried_bounds(kernel.asm.get("source")
                                              or kernel.asm.get("ttir", ""))}

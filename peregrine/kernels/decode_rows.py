@@ -26,8 +26,10 @@ its tiles in a program is skipped by all of them):
   1. qkv (channels reordered so that a tile's rows 2g, 2g + 1 are a q or k channel e and its
      RoPE partner e + 64): scale by 1 / rms, round, rotate, store q, or K and V into the
      paged cache at the step's slot; a group is a head;
-  2. attention (KV heads x SPLITS programs, ring_attention.py) waits for its six heads' counts
-     (four query heads, K, V); the share that merges adds to the o phase's counters;
+  2. attention (KV heads x SPLITS programs, ring_attention.py's tensor-core share) copies its
+     first block of earlier K/V rows into shared memory, waits for its six heads' counts (four
+     query heads, K, V), then takes q and the step's own row and runs S = Q K^T and O = P V
+     as MMAs; the share that merges adds to the o phase's counters;
   3. o: h = h + o (bf16), xn = h * g (the post-attention norm's weight), the tile's sum of h^2;
   4. gate/up (rows 2g, 2g + 1 a gate channel and its up channel): scale, round,
      silu(gate) * up, 8 outputs a tile;
@@ -66,7 +68,7 @@ from peregrine.kernels._gluon import (cp_async, cta_barrier, fence_acq_rel_gpu_i
                                       trap)
 from peregrine.kernels.decode_layers import (ATTN, DOWN, GU, O, QKV, Dims, LayerWeights,
                                              check_resident, keep_fastest, offsets)
-from peregrine.kernels.ring_attention import _attention, _attn_early, _attn_inputs
+from peregrine.kernels.ring_attention import _mma_early, _mma_share
 from peregrine.kernels.ring_gemv import _shfl
 from peregrine.kernels.wna16_gemv_tc import _group_done, _step, _tiles
 
@@ -544,8 +546,8 @@ def _releaser(done, dfree, tab_ptr, n_phases, cnt_ptr, P, HEADS: gl.constexpr,
 
 
 @gluon.jit
-def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, ready, empty, xready, xfree,
-              done, dfree, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr, apart_ptr,
+def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, q_s, k_s, v_s, ready, empty,
+              xready, xfree, done, dfree, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr, apart_ptr,
               lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr, kc_ptr, vc_ptr, scale, P,
               S: gl.constexpr, CMAX: gl.constexpr, GMAX: gl.constexpr, H: gl.constexpr,
               HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
@@ -587,23 +589,20 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, ready, empty, xre
     for f in range(n_phases):
         kind = _tab(tab_ptr, f, 0)
         cnt_off = _tab(tab_ptr, f, 5)
-        kc_l = kc_ptr + gl.load(tab_ptr + f * TAB_C + 11)  # the layer's caches
-        vc_l = vc_ptr + gl.load(tab_ptr + f * TAB_C + 12)
+        # the layer's caches (16-byte aligned: bind_caches)
+        kc_l = kc_ptr + gl.multiple_of(gl.load(tab_ptr + f * TAB_C + 11), 8)
+        vc_l = vc_ptr + gl.multiple_of(gl.load(tab_ptr + f * TAB_C + 12), 8)
         if kind == K_ATTN:
             apid = _first(tab_ptr, f, pid, P)  # (the phase's programs: apid < KVH * SPLITS)
             if apid < KVH * SPLITS:
                 kh = apid // SPLITS
                 # the earlier steps' K/V rows need no wait
-                kt0, vt0 = _attn_early(apid, kc_l, vc_l, bt_ptr, pos, KVH, D, BS, SPLITS, TB,
-                                       WARPS)
+                _mma_early(apid, k_s, v_s, kc_l, vc_l, bt_ptr, pos, KVH, D, BS, SPLITS, TB, WARPS)
                 if MODE < 2:
                     _wait_heads(cnt_ptr + _tab(tab_ptr, f, 7), kh, HEADS, KVH, WARPS)
-                q0, q1, q2, q3, k_cur, v_cur = _attn_inputs(apid, vec_ptr, kc_l, vc_l, pos,
-                                                            slot, scale, H, HEADS, KVH, D,
-                                                            SPLITS, WARPS)
-                merged = _attention(apid, vec_ptr, kc_l, vc_l, bt_ptr, pos, q0, q1, q2, q3,
-                                    k_cur, v_cur, kt0, vt0, apart_ptr, lock_ptr, H, HEADS, KVH,
-                                    D, BS, SPLITS, TB, WARPS, ss_ptr, 0, rs_ptr + H // 8, PRE)
+                merged = _mma_share(apid, vec_ptr, kc_l, vc_l, bt_ptr, pos, slot, scale, q_s, k_s,
+                                    v_s, apart_ptr, lock_ptr, H, HEADS, KVH, D, BS, SPLITS, TB,
+                                    WARPS, ss_ptr, 0, rs_ptr + H // 8, PRE)
                 if merged:  # the head's four query heads' outputs are in: count them
                     # one release fence, then plain adds: four release adds would each wait
                     # for the one before to reach L2 (a fence each), with the o phase's
@@ -701,6 +700,11 @@ def decode_rows_kernel(desc_w, desc_s, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_
     tsum1 = gl.allocate_shared_memory(gl.float32, [4, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     xsums = gl.allocate_shared_memory(gl.float32, [2 * CMAX, 32],
                                       gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    # attention's query rows (16, the head's four first) and a block of K and V rows
+    QKV_SMEM: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [16, D], QKV_SMEM)
+    k_s = gl.allocate_shared_memory(gl.bfloat16, [TB, D], QKV_SMEM)
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [TB, D], QKV_SMEM)
     ready, empty = ring_barriers(S)
     done, dfree = ring_barriers(NDONE)
     xready = gl.allocate_shared_memory(gl.int64, [2 * CMAX, 1], mbarrier.MBarrierLayout())
@@ -710,8 +714,8 @@ def decode_rows_kernel(desc_w, desc_s, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_
     for j in gl.static_range(2):
         mbarrier.init(xfree.index(j), count=1)
     gl.warp_specialize([
-        (_consumer, (wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, ready, empty, xready,
-                     xfree, done, dfree, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr,
+        (_consumer, (wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, q_s, k_s, v_s, ready,
+                     empty, xready, xfree, done, dfree, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr,
                      apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr, kc_ptr,
                      vc_ptr, scale, P, S, CMAX, GMAX, H, HEADS, KVH, D, BS, SPLITS, TB, MODE,
                      PRE)),
@@ -794,15 +798,17 @@ class DecodeRows:
     words with their scales and zero points (the same bytes, in chunk order).
 
     stages: the ring's chunks (17 rows of 512 bytes); splits: attention programs a KV head;
-    tb: the tokens of K/V an attention program reads a block (its first block before the wait
-    for the qkv phase: 32 keeps contexts up to splits * 32 tokens to one block, each further
-    block costing a round trip and a pass; see the benchmarks); `wait` (WAITS) the loader's
+    tb: the tokens of K/V an attention program reads a block, a multiple of 32 (its first block
+    before the wait for the qkv phase: 32 keeps contexts up to splits * 32 tokens to one block,
+    each further block costing a round trip and a pass; see the benchmarks); `wait` (WAITS) the
+    loader's
     form; `pre`: the projections read their groups' input sums, made once
     (`choose_placement` times both); `nbuf`: buffers for the projections' inputs (1:
     a projection's copies wait until the consumer warps are done with the one before's; 2
     measured slower in the engine's form, see the benchmarks). Shared memory a program: the
-    ring and nbuf copies of the widest input (32 KB each for Llama-3-8B): two programs an SM
-    with 4 stages (70.5 KB a program with one copy), one with 8.
+    ring, nbuf copies of the widest input (32 KB each for Llama-3-8B) and attention's query
+    rows and K/V block (20 KB at tb 32): two programs an SM with 4 stages (90 KB a program
+    with one copy), one with 8.
 
     The phase table's int64 fields: kind, chunk base, tiles, chunks a tile, input offset (in
     the arena), this phase's counters, the phase before's groups of outputs (0: no wait) and
@@ -823,6 +829,8 @@ class DecodeRows:
                              torch.bfloat16, programs, splits)
         if not layers:
             reason = "no layers"
+        if reason is None and (tb <= 0 or tb % 32):
+            reason = f"tb {tb} is not a positive multiple of 32 (attention's 4 warps x 8 tokens)"
         if reason is not None:
             raise ValueError(f"decode_rows: {reason}")
         self.dims, self.stages, self.splits, self.tb = dims, stages, splits, tb
@@ -936,10 +944,15 @@ class DecodeRows:
 
     def bind_caches(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Each layer's (k_cache, v_cache), (blocks, block_size, kv_heads, head_dim) bf16: their
-        element offsets from layer 0's go into the table."""
+        element offsets from layer 0's go into the table. Attention copies their rows 16 bytes
+        at a time: every cache must start at a multiple of 16 bytes."""
         from peregrine.kernels.decode_layers import check_caches
-        self.table[:, 11:13] = check_caches(self.dims, caches, len(self.table) // 5,
-                                            "decode_rows").repeat_interleave(5, 0)
+        offs = check_caches(self.dims, caches, len(self.table) // 5, "decode_rows")
+        if caches and (caches[0][0].data_ptr() % 16 or caches[0][1].data_ptr() % 16
+                       or bool((offs % 8).any())):
+            raise ValueError("decode_rows: every layer's K and V cache must start at a "
+                             "multiple of 16 bytes")
+        self.table[:, 11:13] = offs.repeat_interleave(5, 0)
         self.caches = caches[0]
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,

@@ -4,13 +4,22 @@ the KV head's four query heads (online softmax in float32, log2 units; the earli
 rows read before the wait for the qkv phase, this step's own row after it), store (m, l, acc),
 and the last share of a head to arrive merges them. Its inputs are the qkv phase's q and this step's
 K/V row, or (`_attn_inputs_folded`) made here from the qkv projection's partials.
+
+The row-tile kernel's share (`_mma_early`, `_mma_share`) does the same on tensor cores: the
+block's K/V rows and the head's query rows (padded to 16) go into shared memory by cp.async
+(the first block's earlier rows before the wait), S = Q K^T and O = P V are 16x8x16 MMAs with
+the four warps taking a quarter of the block's tokens (S) and of the head dim (O), and p enters
+P V as two bf16 parts (its rounding and the rest), so that the product keeps about 16 bits of
+it. Its scores, softmax and partials are those of the float32 share, in another summation
+order.
 """
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from peregrine.kernels._gluon import cta_barrier
+from peregrine.kernels._gluon import cp_async, cta_barrier
 from peregrine.kernels.ring_gemv import _tile_sum
 
 
@@ -149,8 +158,6 @@ def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, q0, q1, q2, q3, k_cur,
     and stores its sums a block of 64 at bs_ptr, the arena's blocks' input sums; ROW_SUMS: and
     its sums a row of 8 at rs_ptr). Whether this share merged."""
     GQA: gl.constexpr = HEADS // KVH
-    Q_OFF: gl.constexpr = 2 * H
-    AT_OFF: gl.constexpr = Q_OFF + HEADS * D
     LK: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
     LT: gl.constexpr = gl.SliceLayout(1, LK)
     LD: gl.constexpr = gl.SliceLayout(0, LK)
@@ -185,6 +192,18 @@ def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, q0, q1, q2, q3, k_cur,
     _put(apart_ptr, base + 1, m1, l1, a1, d, D)
     _put(apart_ptr, base + 2, m2, l2, a2, d, D)
     _put(apart_ptr, base + 3, m3, l3, a3, d, D)
+    return _settle(kh, vec_ptr, apart_ptr, lock_ptr, H, HEADS, KVH, D, SPLITS, WARPS, bs_ptr,
+                   XSUM, rs_ptr, ROW_SUMS)
+
+
+@gluon.jit
+def _settle(kh, vec_ptr, apart_ptr, lock_ptr, H: gl.constexpr, HEADS: gl.constexpr,
+            KVH: gl.constexpr, D: gl.constexpr, SPLITS: gl.constexpr, WARPS: gl.constexpr,
+            bs_ptr, XSUM: gl.constexpr, rs_ptr, ROW_SUMS: gl.constexpr):
+    """A share's partials are stored: its ticket, and the last share of KV head kh to take one
+    merges them all (_merge). Whether this share merged."""
+    GQA: gl.constexpr = HEADS // KVH
+    AT_OFF: gl.constexpr = 2 * H + HEADS * D
     cta_barrier()
     ticket = gl.atomic_add(lock_ptr + kh, 1, sem="acq_rel", scope="gpu")
     if ticket == SPLITS - 1:
@@ -196,6 +215,122 @@ def _attention(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, q0, q1, q2, q3, k_cur,
                    D, WARPS, bs_ptr + (AT_OFF + kh * GQA * D) // 64, XSUM)
         gl.atomic_xchg(lock_ptr + kh, 0, sem="relaxed", scope="gpu")  # (see decode_layers._settle)
     return ticket == SPLITS - 1
+
+
+# the tensor-core share (_mma_share): S = Q K^T and O = P V as 16x8x16 MMAs, the warps taking
+# a quarter of the tokens (S) and of the head dim (O) each
+@gluon.constexpr_function
+def _mma_layout(warps):
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, warps],
+                                     instr_shape=[16, 8])
+
+
+@gluon.jit
+def _stage_kv(k_s, v_s, kc_ptr, vc_ptr, bt_ptr, kh, t_lo, t_hi, KVH: gl.constexpr,
+              D: gl.constexpr, BS: gl.constexpr, TB: gl.constexpr, WARPS: gl.constexpr):
+    """cp.async of the K and V rows of tokens t_lo + i (i < TB) through the block table into
+    rows i of k_s and v_s ((TB, D) bf16) where t_lo + i < t_hi, zeros in the others; one group."""
+    LC: gl.constexpr = gl.BlockedLayout([1, 8], [256 // D, D // 8], [WARPS, 1], [1, 0])
+    tok = t_lo + gl.arange(0, TB, layout=gl.SliceLayout(1, LC))
+    ok = tok < t_hi
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, LC))
+    blk = gl.load(bt_ptr + tok // BS, mask=ok, other=0).to(gl.int64)
+    row = gl.multiple_of(((blk * BS + tok % BS) * KVH + kh) * D, D)
+    addr = gl.expand_dims(row, 1) + gl.expand_dims(d, 0)
+    okk = gl.expand_dims(ok, 1) & gl.expand_dims(d >= 0, 0)
+    cp_async(k_s, kc_ptr + addr, mask=okk, cache_modifier=".cg")
+    cp_async(v_s, vc_ptr + addr, mask=okk, cache_modifier=".cg")
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _mma_early(pid, k_s, v_s, kc_ptr, vc_ptr, bt_ptr, pos, KVH: gl.constexpr, D: gl.constexpr,
+               BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr, WARPS: gl.constexpr):
+    """The tensor-core share's first TB tokens' K and V rows but this step's own (earlier steps
+    wrote them) into shared memory, before the wait for the qkv phase (in flight until
+    _mma_share waits for them)."""
+    kh, t0, t1 = _attn_share(pid, pos, SPLITS)
+    _stage_kv(k_s, v_s, kc_ptr, vc_ptr, bt_ptr, kh, t0, gl.minimum(t1, pos), KVH, D, BS, TB,
+              WARPS)
+
+
+@gluon.jit
+def _mma_block(q_s, k_s, v_s, tok0, t1, m, l, acc, scale_log2, TB: gl.constexpr,
+               WARPS: gl.constexpr):
+    """One block of tokens tok0 .. tok0 + TB (those below t1) for the 16 query rows in q_s:
+    scores (log2 units) and online softmax in float32; p added to acc as two bf16 parts (its
+    rounding and what the rounding left), so that P V keeps about 16 bits of p."""
+    MS: gl.constexpr = _mma_layout(WARPS)
+    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MS, k_width=2)
+    B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MS, k_width=2)
+    s = mma_v2(q_s.load(A_OP), k_s.permute((1, 0)).load(B_OP),
+               gl.zeros([16, TB], gl.float32, layout=MS)) * scale_log2
+    tok = tok0 + gl.arange(0, TB, layout=gl.SliceLayout(0, MS))
+    s = gl.where(gl.expand_dims(tok < t1, 0), s, float("-inf"))
+    m_new = gl.maximum(m, gl.max(s, 1))
+    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)  # (-inf - -inf would be NaN)
+    alpha = gl.exp2(m - m_sub)
+    p = gl.exp2(s - gl.expand_dims(m_sub, 1))
+    l = l * alpha + gl.sum(p, 1)
+    hi = p.to(gl.bfloat16)
+    lo = (p - hi.to(gl.float32)).to(gl.bfloat16)
+    vb = v_s.load(B_OP)
+    acc = acc * gl.expand_dims(alpha, 1)
+    acc = mma_v2(gl.convert_layout(hi, A_OP), vb, acc)
+    acc = mma_v2(gl.convert_layout(lo, A_OP), vb, acc)
+    return m_new, l, acc
+
+
+@gluon.jit
+def _mma_share(pid, vec_ptr, kc_ptr, vc_ptr, bt_ptr, pos, slot, scale, q_s, k_s, v_s,
+               apart_ptr, lock_ptr, H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr,
+               D: gl.constexpr, BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr,
+               WARPS: gl.constexpr, bs_ptr=None, XSUM: gl.constexpr = 0, rs_ptr=None,
+               ROW_SUMS: gl.constexpr = 0):
+    """As _attention, on tensor cores, after the wait for the qkv phase (_mma_early copied the
+    first block's earlier rows): the head's query rows (GQA of 16 rows, the others zeros) and
+    every block of K and V through shared memory (q_s (16, D), k_s and v_s (TB, D), bf16)."""
+    GQA: gl.constexpr = HEADS // KVH
+    Q_OFF: gl.constexpr = 2 * H
+    LOG2E: gl.constexpr = 1.4426950408889634
+    MS: gl.constexpr = _mma_layout(WARPS)
+    LQ: gl.constexpr = gl.BlockedLayout([1, 8], [256 // D, D // 8], [WARPS, 1], [1, 0])
+    kh, t0, t1 = _attn_share(pid, pos, SPLITS)
+    sp = pid % SPLITS
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, LQ))
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, LQ))
+    q_at = vec_ptr + Q_OFF + kh * GQA * D + gl.expand_dims(r, 1) * D + gl.expand_dims(dq, 0)
+    async_copy.wait_group(0)  # (block 0's earlier rows)
+    cp_async(q_s, q_at, mask=gl.expand_dims(r < GQA, 1) & gl.expand_dims(dq >= 0, 0),
+             cache_modifier=".cg")
+    async_copy.commit_group()
+    if (pos >= t0) & (pos < t1) & (pos < t0 + TB):
+        # this step's own row is in block 0: the block again, now with it (each thread copies
+        # the elements it copied early, whose zeros in that row landed at its wait before)
+        _stage_kv(k_s, v_s, kc_ptr, vc_ptr, bt_ptr, kh, t0, t1, KVH, D, BS, TB, WARPS)
+    async_copy.wait_group(0)
+    cta_barrier()
+    scale_log2 = scale * LOG2E
+    m = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MS))
+    l = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MS))
+    acc = gl.zeros([16, D], gl.float32, layout=MS)
+    m, l, acc = _mma_block(q_s, k_s, v_s, t0, t1, m, l, acc, scale_log2, TB, WARPS)
+    for tb in range(t0 + TB, t1, TB):  # contexts longer than SPLITS * TB tokens
+        cta_barrier()  # (every warp's reads of the block before)
+        _stage_kv(k_s, v_s, kc_ptr, vc_ptr, bt_ptr, kh, tb, t1, KVH, D, BS, TB, WARPS)
+        async_copy.wait_group(0)
+        cta_barrier()
+        m, l, acc = _mma_block(q_s, k_s, v_s, tb, t1, m, l, acc, scale_log2, TB, WARPS)
+    rows = gl.arange(0, 16, layout=gl.SliceLayout(1, MS))
+    dd = gl.arange(0, D, layout=gl.SliceLayout(0, MS))
+    rec = apart_ptr + ((kh * SPLITS + sp) * GQA + rows) * (D + 2)
+    ok = rows < GQA
+    gl.store(gl.expand_dims(rec, 1) + gl.expand_dims(dd, 0), acc,
+             mask=gl.expand_dims(ok, 1) & gl.expand_dims(dd >= 0, 0))
+    gl.store(rec + D, m, mask=ok)
+    gl.store(rec + D + 1, l, mask=ok)
+    return _settle(kh, vec_ptr, apart_ptr, lock_ptr, H, HEADS, KVH, D, SPLITS, WARPS, bs_ptr,
+                   XSUM, rs_ptr, ROW_SUMS)
 
 
 @gluon.jit

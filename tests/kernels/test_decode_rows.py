@@ -180,6 +180,26 @@ def test_shapes_it_cannot_run_are_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match="fewer than the attention's"):
         DecodeRows(dims, ws, torch.ones(1024, dtype=torch.bfloat16), torch.device("cpu"),
                    splits=4, programs=4)
+    # attention's MMAs take a block of K/V rows 8 tokens a warp
+    with pytest.raises(ValueError, match="tb 16 is not a positive multiple of 32"):
+        DecodeRows(dims, ws, torch.ones(1024, dtype=torch.bfloat16), torch.device("cpu"),
+                   splits=4, programs=8, tb=16)
+
+
+def test_caches_that_do_not_start_at_16_bytes_are_refused() -> None:
+    """Attention copies K/V rows 16 bytes at a time: a layer's cache that starts elsewhere is
+    refused when the caches are bound, and aligned ones are taken."""
+    dims, ws = _small()
+    dl = DecodeRows(dims, ws, torch.ones(1024, dtype=torch.bfloat16), torch.device("cpu"),
+                    splits=4, programs=8)
+    arena = torch.zeros(2 * 4 * 16 * 2 * 128 + 8, dtype=torch.bfloat16)
+    one = 4 * 16 * 2 * 128
+    cache = [arena[i * one:(i + 1) * one].view(4, 16, 2, 128) for i in range(2)]
+    dl.bind_caches([(cache[0], cache[0]), (cache[1], cache[1])])
+    assert dl.table[5, 11].item() == one  # layer 1's offset from layer 0's, in elements
+    shifted = arena[4:4 + one].view(4, 16, 2, 128)  # 8 bytes past a 16-byte boundary
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        dl.bind_caches([(cache[0], cache[0]), (shifted, shifted)])
 
 
 @pytest.mark.parametrize("faster", PLACEMENTS)

@@ -132,10 +132,14 @@ def test_the_row_tile_decode_kernel_fits_two_programs_an_sm(compiled: dict, name
 
 def test_the_row_tile_decode_kernels_inputs_made_once_halve_the_mmas(compiled: dict) -> None:
     """Its inputs' group sums made once by the phases that write them: no constant-weight MMAs
-    left in the projections' steps; and in neither form a byte permute (the packed words'
-    nibble order pairs adjacent inputs, as x's words hold them)."""
+    left in the projections' steps (half of their MMAs; the other MMAs, attention's, the same
+    in both forms); and in neither form a byte permute (the packed words' nibble order pairs
+    adjacent inputs, as x's words hold them)."""
     plain, pre = _job(compiled, "decode_rows")["ptx"], _job(compiled, "decode_rows_pre")["ptx"]
-    assert plain["mma"] == 2 * pre["mma"] > 0 and plain["prmt"] == pre["prmt"] == 0
+    assert plain["mma_const_a"] > 0 and pre["mma_const_a"] == 0
+    assert plain["mma"] - pre["mma"] == plain["mma_const_a"]
+    assert pre["mma"] > 2 * plain["mma_const_a"]  # (the weight MMAs and attention's)
+    assert plain["prmt"] == pre["prmt"] == 0
 
 
 @pytest.mark.parametrize("name", JOBS)
