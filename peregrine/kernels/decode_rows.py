@@ -547,9 +547,9 @@ def _releaser(done, dfree, tab_ptr, n_phases, cnt_ptr, P, HEADS: gl.constexpr,
 
 @gluon.jit
 def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, q_s, k_s, v_s, ready, empty,
-              xready, xfree, done, dfree, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr, apart_ptr,
-              lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr, kc_ptr, vc_ptr, scale, P,
-              S: gl.constexpr, CMAX: gl.constexpr, GMAX: gl.constexpr, H: gl.constexpr,
+              xready, xfree, done, dfree, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr,
+              apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr, kc_ptr, vc_ptr,
+              scale, P, S: gl.constexpr, CMAX: gl.constexpr, GMAX: gl.constexpr, H: gl.constexpr,
               HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
               SPLITS: gl.constexpr, TB: gl.constexpr, MODE: gl.constexpr,
               PRE: gl.constexpr):
@@ -715,10 +715,10 @@ def decode_rows_kernel(desc_w, desc_s, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_
         mbarrier.init(xfree.index(j), count=1)
     gl.warp_specialize([
         (_consumer, (wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, q_s, k_s, v_s, ready,
-                     empty, xready, xfree, done, dfree, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr,
-                     apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr, kc_ptr,
-                     vc_ptr, scale, P, S, CMAX, GMAX, H, HEADS, KVH, D, BS, SPLITS, TB, MODE,
-                     PRE)),
+                     empty, xready, xfree, done, dfree, tab_ptr, n_phases, vec_ptr, norm_ptr,
+                     ss_ptr, rs_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr,
+                     bt_ptr, kc_ptr, vc_ptr, scale, P, S, CMAX, GMAX, H, HEADS, KVH, D, BS, SPLITS,
+                     TB, MODE, PRE)),
         (_producer, (desc_w, desc_s, wbufs, sbufs, ready, empty, tab_ptr, n_phases, P, S,
                       MODE)),
         (_loader, (xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_ptr,
@@ -801,8 +801,7 @@ class DecodeRows:
     tb: the tokens of K/V an attention program reads a block, a multiple of 32 (its first block
     before the wait for the qkv phase: 32 keeps contexts up to splits * 32 tokens to one block,
     each further block costing a round trip and a pass; see the benchmarks); `wait` (WAITS) the
-    loader's
-    form; `pre`: the projections read their groups' input sums, made once
+    loader's form; `pre`: the projections read their groups' input sums, made once
     (`choose_placement` times both); `nbuf`: buffers for the projections' inputs (1:
     a projection's copies wait until the consumer warps are done with the one before's; 2
     measured slower in the engine's form, see the benchmarks). Shared memory a program: the
