@@ -18,7 +18,8 @@ its tiles in a program is skipped by all of them):
   groups at a time, as soon as the groups of the phase before's outputs that those 8 stand for
   are complete (each group of 128 outputs has a counter that its tiles' owners add their
   outputs to, release; the loader polls them, acquire), and for a normed input (qkv, gate/up)
-  makes RMSNorm's 1 / rms from the tiles' sums of h^2 once all of them are in;
+  makes RMSNorm's 1 / rms from the tiles' sums of h^2 once all of them are in; for o and
+  down it also copies h at the program's tiles, so that their finishes load nothing;
 - four consumer warps take the tiles: a chunk's 8 groups two a warp (the int4 tensor-core
   GEMV's steps, wna16_gemv_tc.py; a chunk's groups scaled into the tile's sums once the next
   chunk's MMAs are issued), the warps' sums added at the tile's end, then the finish:
@@ -39,7 +40,10 @@ its tiles in a program is skipped by all of them):
   the consumer warps say its finish is stored: they go on to the next tile's chunks without
   waiting for the release's round trip to L2.
 
-So a phase starts on the rows its first chunks read while the phase before is still writing
+Every partition reads the phase table from a copy in shared memory made at the start (from
+global memory each read would be a round trip to L2: the loader's acquire polls invalidate
+L1), and a tile's finish constants (cos and sin, or the norm's weights) are loaded at its
+start. So a phase starts on the rows its first chunks read while the phase before is still writing
 its last ones, and no phase waits for a whole phase. Every counter and sum has its own place
 a layer, zeroed by the prologue each call. The norms round as decode_layers.py's do (the input
 each projection reads is h * g rounded once; 1 / rms scales the sums). The packed words hold
@@ -80,7 +84,8 @@ TAB = 16  # int64 fields a phase (see DecodeRows)
 # (bits 4p and 16 + 4p) as one pair, which is then inputs 2p and 2p + 1, as x's words pair them
 NIB = (0, 4, 1, 5, 2, 6, 3, 7)
 TAB_C = gl.constexpr(TAB)
-K_QKV, K_ATTN, K_GU = gl.constexpr(QKV), gl.constexpr(ATTN), gl.constexpr(GU)
+K_QKV, K_ATTN, K_O = gl.constexpr(QKV), gl.constexpr(ATTN), gl.constexpr(O)
+K_GU, K_DOWN = gl.constexpr(GU), gl.constexpr(DOWN)
 _TILE = gl.constexpr(TILE)
 _ROW = gl.constexpr(ROW)
 DONE = 128  # a group's count once its 128 outputs are written
@@ -194,28 +199,50 @@ def _qkv_tile(t, HEADS: gl.constexpr, KVH: gl.constexpr, PER_HEAD: gl.constexpr)
 
 
 @gluon.jit
-def _tab(tab_ptr, f, j: gl.constexpr):
-    return gl.load(tab_ptr + f * TAB_C + j).to(gl.int32)
+def _tab(tab_s, f, j: gl.constexpr):
+    """Field j of phase f from the table's copy in shared memory (every thread reads it)."""
+    L1: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    return gl.sum(tab_s.index(f).slice(j, 1).load(L1), 0)
 
 
 @gluon.jit
-def _first(tab_ptr, f, pid, P):
+def _fill_table(tab_ptr, n_phases, tab_s, kvo_s, NPH: gl.constexpr):
+    """The phase table (n_phases rows of TAB int64 fields) into shared memory: every field as
+    int32 in tab_s, the cache offsets (fields 11 and 12, multiples of 8) over 8 as int64 in
+    kvo_s; rows from n_phases to NPH zeros."""
+    LF: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [gl.num_warps(), 1], [1, 0])
+    LK: gl.constexpr = gl.BlockedLayout([1, 2], [32, 1], [gl.num_warps(), 1], [1, 0])
+    for p in gl.static_range(0, NPH, 32):
+        r = p + gl.arange(0, 32, layout=gl.SliceLayout(1, LF))
+        c = gl.arange(0, TAB_C, layout=gl.SliceLayout(0, LF))
+        v = gl.load(tab_ptr + gl.expand_dims(r, 1) * TAB_C + gl.expand_dims(c, 0),
+                    mask=gl.expand_dims(r < n_phases, 1) & gl.expand_dims(c >= 0, 0), other=0)
+        tab_s.slice(p, 32).store(v.to(gl.int32))
+        rk = p + gl.arange(0, 32, layout=gl.SliceLayout(1, LK))
+        ck = gl.arange(0, 2, layout=gl.SliceLayout(0, LK))
+        vk = gl.load(tab_ptr + gl.expand_dims(rk, 1) * TAB_C + 11 + gl.expand_dims(ck, 0),
+                     mask=gl.expand_dims(rk < n_phases, 1) & gl.expand_dims(ck >= 0, 0), other=0)
+        kvo_s.slice(p, 32).store(vk // 8)
+
+
+@gluon.jit
+def _first(tab_s, f, pid, P):
     """The program's first tile of phase f (tile t runs in program (t + first program) % P)."""
-    return (pid + P - _tab(tab_ptr, f, 14)) % P
+    return (pid + P - _tab(tab_s, f, 14)) % P
 
 
 @gluon.jit
-def _producer(desc_w, desc_s, wbufs, sbufs, ready, empty, tab_ptr, n_phases, P,
+def _producer(desc_w, desc_s, wbufs, sbufs, ready, empty, tab_s, n_phases, P,
               S: gl.constexpr, MODE: gl.constexpr):
     """The program's tiles of every projection, chunk by chunk, into the next free slot (an
     attention phase has no tiles; MODE 4 and 5 give the slots back unfilled)."""
     pid = gl.program_id(0)
     i = 0
     for f in range(n_phases):
-        base = _tab(tab_ptr, f, 1)
-        tiles = _tab(tab_ptr, f, 2)
-        C = _tab(tab_ptr, f, 3)
-        for tile in range(_first(tab_ptr, f, pid, P), tiles, P):
+        base = _tab(tab_s, f, 1)
+        tiles = _tab(tab_s, f, 2)
+        C = _tab(tab_s, f, 3)
+        for tile in range(_first(tab_s, f, pid, P), tiles, P):
             for c in range(C):
                 slot = i % S
                 mbarrier.wait(empty.index(slot), ((i // S) & 1) ^ 1)
@@ -265,7 +292,7 @@ def _group_sums(xsums, row, rs_ptr, n, LP: gl.constexpr):
 
 
 @gluon.jit
-def _loader(xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_ptr, ss_ptr,
+def _loader(xbufs, xsums, rrbuf, hbuf, xready, xfree, tab_s, n_phases, vec_ptr, cnt_ptr, ss_ptr,
             rs_ptr, eps, P, H: gl.constexpr, CMAX: gl.constexpr, MODE: gl.constexpr,
             PRE: gl.constexpr):
     """Each projection's input row into buffer gf % NBUF (gf: the projections so far that have
@@ -276,7 +303,11 @@ def _loader(xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_
     one round trip (_ready_groups), then copies every chunk they make ready in one more.
     A normed input's 1 / rms goes into rrbuf[gf % NBUF] before its last chunk is announced (every
     tile's sum of h^2 is in once every group is). PRE: each chunk's groups' input sums are
-    made from their rows' sums (_group_sums)."""
+    made from their rows' sums (_group_sums). An o or down projection's pass that copies its
+    first chunks also copies the residual stream h of the program's tiles into
+    hbuf[b * HT + j] (the tiles' finishes add to it): the counters it acquired follow every
+    write of h before (each tile of the phase before waited for 1 / rms, so for all of the
+    phase before it)."""
     LP: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])
     LC: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0])
     LG: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
@@ -291,17 +322,19 @@ def _loader(xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_
     NBUF: gl.constexpr = xbufs.shape[0]
     blocks = smem_reinterpret(xbufs, gl.int32, [NBUF * NB, 32, 4],
                               gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    HT: gl.constexpr = hbuf.shape[0] // xbufs.shape[0]  # a phase's tiles a program, at most
+    LH: gl.constexpr = gl.BlockedLayout([4], [32], [1], [0])
     pid = gl.program_id(0)
     gf = 0
     for f in range(n_phases):
         # (a projection with none of its tiles here: nothing to copy, no buffer used)
-        if (_tab(tab_ptr, f, 0) != K_ATTN) & (_first(tab_ptr, f, pid, P) < _tab(tab_ptr, f, 2)):
-            C = _tab(tab_ptr, f, 3)
-            x_off = _tab(tab_ptr, f, 4)
-            rs_in = _tab(tab_ptr, f, 15)
-            gp = _tab(tab_ptr, f, 6)
-            pcnt = _tab(tab_ptr, f, 7)
-            ss_in = _tab(tab_ptr, f, 8)
+        if (_tab(tab_s, f, 0) != K_ATTN) & (_first(tab_s, f, pid, P) < _tab(tab_s, f, 2)):
+            C = _tab(tab_s, f, 3)
+            x_off = _tab(tab_s, f, 4)
+            rs_in = _tab(tab_s, f, 15)
+            gp = _tab(tab_s, f, 6)
+            pcnt = _tab(tab_s, f, 7)
+            ss_in = _tab(tab_s, f, 8)
             b = gf % NBUF
             mbarrier.wait(xfree.index(b), ((gf // NBUF) & 1) ^ 1)
             G = C * 8
@@ -325,6 +358,15 @@ def _loader(xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_
                     src = src0 + gl.multiple_of(x_off // 2 + c * 512, 64) + off
                     for q in gl.static_range(4):
                         cp_async(blocks.index(b * NB + 4 * c + q), src + q * 128,
+                                 cache_modifier=".cg")
+                kind = _tab(tab_s, f, 0)
+                if ((kind == K_O) | (kind == K_DOWN)) & (done == 0) & (upto > 0):
+                    first = _first(tab_s, f, pid, P)
+                    tiles = _tab(tab_s, f, 2)
+                    for j in gl.static_range(HT):  # (a tile's 16 channels: 8 words)
+                        hw = src0 + (first + j * P) * 8 + gl.arange(0, 8, layout=LH)
+                        cp_async(hbuf.index(b * HT + j), hw,
+                                 mask=(gl.arange(0, 8, layout=LH) >= 0) & (first + j * P < tiles),
                                  cache_modifier=".cg")
                 async_copy.commit_group()
                 # every tile's sum of h^2 is in once every group is: read in flight with the
@@ -441,12 +483,31 @@ def _chunk_done(y, groups, sv, g, L: gl.constexpr, T: gl.constexpr, WARPS: gl.co
 
 
 @gluon.jit
-def _finish(kind, tile, v0, v1, rr, ch, vec_ptr, g_ptr, ss_out_ptr, cs_ptr, pos, slot, kc_ptr,
+def _finish_inputs(kind, tile, ch, g_ptr, cs_ptr, pos, HEADS: gl.constexpr, KVH: gl.constexpr,
+                   D: gl.constexpr):
+    """The constants tile `tile`'s finish reads, loaded at the tile's start so that their round
+    trip passes in the shadow of its chunks: cos and sin of a q or k tile's channels, or the
+    norm weights of an o or down tile's (float32; zeros for the others)."""
+    HALF: gl.constexpr = D // 2
+    rope = (kind == K_QKV) & (tile // (D // 16) < HEADS + KVH) & (ch >= 0)
+    e = 8 * (tile % (D // 16)) + ch
+    cos = gl.load(cs_ptr + pos * D + e, mask=rope, other=0.0)
+    sin = gl.load(cs_ptr + pos * D + HALF + e, mask=rope, other=0.0)
+    resid = (kind != K_QKV) & (kind != K_GU) & (ch >= 0)
+    n = 16 * tile + 2 * ch
+    g0 = gl.load(g_ptr + n, mask=resid, other=0.0).to(gl.float32)
+    g1 = gl.load(g_ptr + n + 1, mask=resid, other=0.0).to(gl.float32)
+    return gl.where(rope, cos, g0), gl.where(rope, sin, g1)
+
+
+@gluon.jit
+def _finish(kind, tile, v0, v1, rr, ch, c0, c1, hw, vec_ptr, ss_out_ptr, pos, slot, kc_ptr,
             vc_ptr, rs_ptr, H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr,
             D: gl.constexpr, PRE: gl.constexpr):
     """Tile `tile`'s finish from its rows' sums v0 (rows 2g) and v1 (rows 2g + 1), g = ch
-    (see the module docstring). PRE: the sums a row of 8 of the outputs that a projection
-    reads (rs_ptr)."""
+    (see the module docstring), its constants c0, c1 (_finish_inputs) and, for o or down,
+    h's channels 2g, 2g + 1 as a word (the loader's copy). PRE: the sums a row of 8 of the
+    outputs that a projection reads (rs_ptr)."""
     HALF: gl.constexpr = D // 2
     Q_OFF: gl.constexpr = 2 * H
     ACT_OFF: gl.constexpr = Q_OFF + 2 * HEADS * D
@@ -457,10 +518,8 @@ def _finish(kind, tile, v0, v1, rr, ch, vec_ptr, g_ptr, ss_out_ptr, cs_ptr, pos,
         a = tile % (D // 16)
         if head < HEADS + KVH:  # q or k: rows 2g, 2g + 1 are channels e and e + D / 2
             e = 8 * a + ch
-            cos = gl.load(cs_ptr + pos * D + e)
-            sin = gl.load(cs_ptr + pos * D + HALF + e)
-            r0 = (y0 * cos - y1 * sin).to(gl.bfloat16)
-            r1 = (y1 * cos + y0 * sin).to(gl.bfloat16)
+            r0 = (y0 * c0 - y1 * c1).to(gl.bfloat16)  # (c0, c1: cos, sin)
+            r1 = (y1 * c0 + y0 * c1).to(gl.bfloat16)
             if head < HEADS:
                 gl.store(vec_ptr + Q_OFF + head * D + e, r0)
                 gl.store(vec_ptr + Q_OFF + head * D + HALF + e, r1)
@@ -481,18 +540,16 @@ def _finish(kind, tile, v0, v1, rr, ch, vec_ptr, g_ptr, ss_out_ptr, cs_ptr, pos,
             gl.store(rs_ptr + (H + HEADS * D) // 8 + tile, gl.sum(act.to(gl.float32), 0))
     else:  # o or down: the residual add, the next norm's input and the tile's sum of h^2
         n = 16 * tile + 2 * ch
-        h0 = gl.load(vec_ptr + n, cache_modifier=".cg").to(gl.float32)
-        h1 = gl.load(vec_ptr + n + 1, cache_modifier=".cg").to(gl.float32)
-        g0 = gl.load(g_ptr + n).to(gl.float32)
-        g1 = gl.load(g_ptr + n + 1).to(gl.float32)
+        h0 = (hw << 16).to(gl.float32, bitcast=True)  # (bf16 to float32: exact)
+        h1 = (hw & -65536).to(gl.float32, bitcast=True)
         hb0 = (h0 + v0.to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16)
         hb1 = (h1 + v1.to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16)
         gl.store(vec_ptr + n, hb0)
         gl.store(vec_ptr + n + 1, hb1)
         f0 = hb0.to(gl.float32)
         f1 = hb1.to(gl.float32)
-        x0 = (f0 * g0).to(gl.bfloat16)
-        x1 = (f1 * g1).to(gl.bfloat16)
+        x0 = (f0 * c0).to(gl.bfloat16)  # (c0, c1: the norm's weights)
+        x1 = (f1 * c1).to(gl.bfloat16)
         gl.store(vec_ptr + H + n, x0)
         gl.store(vec_ptr + H + n + 1, x1)
         gl.store(ss_out_ptr + tile, gl.sum(f0 * f0 + f1 * f1, 0))
@@ -521,7 +578,7 @@ def _wait_heads(cnt_ptr, kh, HEADS: gl.constexpr, KVH: gl.constexpr, WARPS: gl.c
 
 
 @gluon.jit
-def _releaser(done, dfree, tab_ptr, n_phases, cnt_ptr, P, HEADS: gl.constexpr,
+def _releaser(done, dfree, tab_s, n_phases, cnt_ptr, P, HEADS: gl.constexpr,
               KVH: gl.constexpr, D: gl.constexpr):
     """The program's tiles' outputs counted (release, GPU scope) in the order the consumer
     warps finish them, each once they say its finish is stored, so that they go on to the next
@@ -529,11 +586,11 @@ def _releaser(done, dfree, tab_ptr, n_phases, cnt_ptr, P, HEADS: gl.constexpr,
     pid = gl.program_id(0)
     k = 0
     for f in range(n_phases):
-        kind = _tab(tab_ptr, f, 0)
+        kind = _tab(tab_s, f, 0)
         if kind != K_ATTN:
-            cnt_off = _tab(tab_ptr, f, 5)
-            outs = _tab(tab_ptr, f, 13)
-            for tile in range(_first(tab_ptr, f, pid, P), _tab(tab_ptr, f, 2), P):
+            cnt_off = _tab(tab_s, f, 5)
+            outs = _tab(tab_s, f, 13)
+            for tile in range(_first(tab_s, f, pid, P), _tab(tab_s, f, 2), P):
                 mbarrier.wait(done.index(k % NDONE), (k // NDONE) & 1)
                 if kind == K_QKV:
                     real = _qkv_tile(tile, HEADS, KVH, D // 16)
@@ -546,13 +603,13 @@ def _releaser(done, dfree, tab_ptr, n_phases, cnt_ptr, P, HEADS: gl.constexpr,
 
 
 @gluon.jit
-def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, q_s, k_s, v_s, ready, empty,
-              xready, xfree, done, dfree, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_ptr, rs_ptr,
-              apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr, kc_ptr, vc_ptr,
-              scale, P, S: gl.constexpr, CMAX: gl.constexpr, GMAX: gl.constexpr, H: gl.constexpr,
-              HEADS: gl.constexpr, KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
-              SPLITS: gl.constexpr, TB: gl.constexpr, MODE: gl.constexpr,
-              PRE: gl.constexpr):
+def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, hbuf, tsum0, tsum1, q_s, k_s, v_s, ready,
+              empty, xready, xfree, done, dfree, tab_s, kvo_s, n_phases, vec_ptr, norm_ptr,
+              ss_ptr, rs_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr, bt_ptr,
+              kc_ptr, vc_ptr, scale, P, S: gl.constexpr, CMAX: gl.constexpr,
+              GMAX: gl.constexpr, H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr,
+              D: gl.constexpr, BS: gl.constexpr, SPLITS: gl.constexpr, TB: gl.constexpr,
+              MODE: gl.constexpr, PRE: gl.constexpr):
     """The program's tiles of every projection (the loader's buffer waited for chunk by chunk
     on the phase's first tile), the warps' sums added at a tile's end, its finish, and its
     outputs counted (release); and, in the first KVH * SPLITS programs, attention."""
@@ -578,6 +635,7 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, q_s, k_s, v_s, re
     slot = gl.load(slot_ptr).to(gl.int64)
     # views of the whole buffers (a view of one slot cannot be reinterpreted)
     NBUF: gl.constexpr = xbufs.shape[0]
+    HT: gl.constexpr = hbuf.shape[0] // NBUF
     xv = smem_reinterpret(xbufs, gl.int32, [NBUF * (GMAX // 8), WARPS, 2, 16, 4],
                           gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]))
     wvs = smem_reinterpret(wbufs, gl.int32, [S, WARPS, 2, 4, 64],
@@ -587,19 +645,19 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, q_s, k_s, v_s, re
     gf = 0
     k = 0  # tiles finished
     for f in range(n_phases):
-        kind = _tab(tab_ptr, f, 0)
-        cnt_off = _tab(tab_ptr, f, 5)
+        kind = _tab(tab_s, f, 0)
+        cnt_off = _tab(tab_s, f, 5)
         # the layer's caches (16-byte aligned: bind_caches)
-        kc_l = kc_ptr + gl.multiple_of(gl.load(tab_ptr + f * TAB_C + 11), 8)
-        vc_l = vc_ptr + gl.multiple_of(gl.load(tab_ptr + f * TAB_C + 12), 8)
+        kc_l = kc_ptr + _tab(kvo_s, f, 0) * 8
+        vc_l = vc_ptr + _tab(kvo_s, f, 1) * 8
         if kind == K_ATTN:
-            apid = _first(tab_ptr, f, pid, P)  # (the phase's programs: apid < KVH * SPLITS)
+            apid = _first(tab_s, f, pid, P)  # (the phase's programs: apid < KVH * SPLITS)
             if apid < KVH * SPLITS:
                 kh = apid // SPLITS
                 # the earlier steps' K/V rows need no wait
                 _mma_early(apid, k_s, v_s, kc_l, vc_l, bt_ptr, pos, KVH, D, BS, SPLITS, TB, WARPS)
                 if MODE < 2:
-                    _wait_heads(cnt_ptr + _tab(tab_ptr, f, 7), kh, HEADS, KVH, WARPS)
+                    _wait_heads(cnt_ptr + _tab(tab_s, f, 7), kh, HEADS, KVH, WARPS)
                 merged = _mma_share(apid, vec_ptr, kc_l, vc_l, bt_ptr, pos, slot, scale, q_s, k_s,
                                     v_s, apart_ptr, lock_ptr, H, HEADS, KVH, D, BS, SPLITS, TB,
                                     WARPS, ss_ptr, 0, rs_ptr + H // 8, PRE)
@@ -612,16 +670,21 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, q_s, k_s, v_s, re
                     for j in gl.static_range(HEADS // KVH):
                         gl.atomic_add(cnt_ptr + cnt_off + (HEADS // KVH) * kh + j, DONE_C,
                                       sem="relaxed", scope="gpu")
-        elif _first(tab_ptr, f, pid, P) < _tab(tab_ptr, f, 2):  # (else none of its tiles here)
-            tiles = _tab(tab_ptr, f, 2)
-            C = _tab(tab_ptr, f, 3)
-            outs = _tab(tab_ptr, f, 13)  # outputs a tile
-            ss_out = ss_ptr + gl.load(tab_ptr + f * TAB_C + 9)
-            g_l = norm_ptr + gl.load(tab_ptr + f * TAB_C + 10)
+        elif _first(tab_s, f, pid, P) < _tab(tab_s, f, 2):  # (else none of its tiles here)
+            tiles = _tab(tab_s, f, 2)
+            C = _tab(tab_s, f, 3)
+            outs = _tab(tab_s, f, 13)  # outputs a tile
+            ss_out = ss_ptr + _tab(tab_s, f, 9)
+            g_l = norm_ptr + _tab(tab_s, f, 10)
             b = gf % NBUF
             rr = gl.max(gl.full([32], 1.0, gl.float32, layout=L32), 0)
-            first = _first(tab_ptr, f, pid, P)
+            first = _first(tab_s, f, pid, P)
             for tile in range(first, tiles, P):
+                if kind == K_QKV:  # (the tiles in the order qkv_order packs them)
+                    real = _qkv_tile(tile, HEADS, KVH, D // 16)
+                else:
+                    real = tile
+                c0, c1 = _finish_inputs(kind, real, ch, g_l, cs_ptr, pos, HEADS, KVH, D)
                 y = (zero, zero, zero, zero, zero, zero, zero, zero)
                 # a chunk's groups are added to y after the next chunk's MMAs are issued, so
                 # that a warp does not wait for its MMA chains at every chunk (the chunk
@@ -662,12 +725,10 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, q_s, k_s, v_s, re
                 tsum1.store(gl.max(gl.convert_layout(gl.reshape(y[4], [WARPS, 8, 4]), Q3), 2))
                 v0 = gl.convert_layout(gl.sum(tsum0.load(LW4), 0), LT)
                 v1 = gl.convert_layout(gl.sum(tsum1.load(LW4), 0), LT)
-                if kind == K_QKV:  # (the tiles in the order qkv_order packs them)
-                    real = _qkv_tile(tile, HEADS, KVH, D // 16)
-                else:
-                    real = tile
-                _finish(kind, real, v0, v1, rr, ch, vec_ptr, g_l, ss_out, cs_ptr, pos, slot,
-                        kc_l, vc_l, rs_ptr, H, HEADS, KVH, D, PRE)
+                # (h only where o or down: the other phases' tiles can be more than HT)
+                hw = hbuf.index(b * HT + gl.minimum((tile - first) // P, HT - 1)).load(LT)
+                _finish(kind, real, v0, v1, rr, ch, c0, c1, hw, vec_ptr, ss_out, pos, slot, kc_l,
+                        vc_l, rs_ptr, H, HEADS, KVH, D, PRE)
                 # the releasing warp counts the tile's outputs (the arrive is a barrier of
                 # the consumer warps, after every warp's stores, and one thread's arrive)
                 mbarrier.wait(dfree.index(k % NDONE), ((k // NDONE) & 1) ^ 1)
@@ -684,17 +745,34 @@ def decode_rows_kernel(desc_w, desc_s, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_
                        CMAX: gl.constexpr, H: gl.constexpr, HEADS: gl.constexpr,
                        KVH: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
                        SPLITS: gl.constexpr, TB: gl.constexpr, MODE: gl.constexpr = 1,
-                       PRE: gl.constexpr = 0, NBUF: gl.constexpr = 1):
+                       PRE: gl.constexpr = 0, NBUF: gl.constexpr = 1,
+                       NPH: gl.constexpr = 32, HT: gl.constexpr = 1):
     """The layers of the phase table (TAB int64 fields a phase), from the residual stream h
     and the first norm's input xn (in vec) and its tiles' sums of h^2 to the last layer's h
     (see the module docstring). MODE: the loader's wait (WAITS); PRE: the projections read
     their groups' input sums, made once from the sums a row of 8 (rs_ptr) that the phases
-    before write."""
+    before write. NPH: the phases rounded up to a power of 2, at least 32 (the table's copy in
+    shared memory); HT: the most tiles of 16 channels of h a program takes in a phase, rounded
+    up to a power of 2."""
+    # the phase table in shared memory, which every partition reads at each phase (from global
+    # memory each read would be a round trip to L2: the polls' acquires invalidate L1): its
+    # fields as int32, and the layer's cache offsets as int64
+    ROWS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    tab_s = gl.allocate_shared_memory(gl.int32, [NPH, TAB_C], ROWS)
+    kvo_s = gl.allocate_shared_memory(gl.int64, [NPH, 2], ROWS)
+    _fill_table(tab_ptr, n_phases, tab_s, kvo_s, NPH)
+    # (seen as rows: a row's fields are read one at a time)
+    ROW1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    tab_s = smem_reinterpret(tab_s, gl.int32, [NPH, TAB_C], ROW1)
+    kvo_s = smem_reinterpret(kvo_s, gl.int64, [NPH, 2], ROW1)
     wbufs = gl.allocate_shared_memory(gl.int32, [S, 16, _ROW], desc_w.layout)
     sbufs = gl.allocate_shared_memory(gl.int32, [S, 1, _ROW], desc_s.layout)
     xbufs = gl.allocate_shared_memory(gl.int32, [NBUF, GMAX * 16, 4],
                                       gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     rrbuf = gl.allocate_shared_memory(gl.float32, [2, 32], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    # h of the program's o or down tiles (HT at most), a set a buffer
+    hbuf = gl.allocate_shared_memory(gl.int32, [NBUF * HT, 8],
+                                     gl.SwizzledSharedLayout(1, 1, 1, [0]))
     # (two buffers, not one of two: the compiler's barriers treat a buffer as one)
     tsum0 = gl.allocate_shared_memory(gl.float32, [4, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     tsum1 = gl.allocate_shared_memory(gl.float32, [4, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -714,16 +792,16 @@ def decode_rows_kernel(desc_w, desc_s, tab_ptr, n_phases, vec_ptr, norm_ptr, ss_
     for j in gl.static_range(2):
         mbarrier.init(xfree.index(j), count=1)
     gl.warp_specialize([
-        (_consumer, (wbufs, sbufs, xbufs, xsums, rrbuf, tsum0, tsum1, q_s, k_s, v_s, ready,
-                     empty, xready, xfree, done, dfree, tab_ptr, n_phases, vec_ptr, norm_ptr,
+        (_consumer, (wbufs, sbufs, xbufs, xsums, rrbuf, hbuf, tsum0, tsum1, q_s, k_s, v_s, ready,
+                     empty, xready, xfree, done, dfree, tab_s, kvo_s, n_phases, vec_ptr, norm_ptr,
                      ss_ptr, rs_ptr, apart_ptr, lock_ptr, cnt_ptr, cs_ptr, pos_ptr, slot_ptr,
                      bt_ptr, kc_ptr, vc_ptr, scale, P, S, CMAX, GMAX, H, HEADS, KVH, D, BS, SPLITS,
                      TB, MODE, PRE)),
-        (_producer, (desc_w, desc_s, wbufs, sbufs, ready, empty, tab_ptr, n_phases, P, S,
+        (_producer, (desc_w, desc_s, wbufs, sbufs, ready, empty, tab_s, n_phases, P, S,
                       MODE)),
-        (_loader, (xbufs, xsums, rrbuf, xready, xfree, tab_ptr, n_phases, vec_ptr, cnt_ptr,
+        (_loader, (xbufs, xsums, rrbuf, hbuf, xready, xfree, tab_s, n_phases, vec_ptr, cnt_ptr,
                    ss_ptr, rs_ptr, eps, P, H, CMAX, MODE, PRE)),
-        (_releaser, (done, dfree, tab_ptr, n_phases, cnt_ptr, P, HEADS, KVH, D)),
+        (_releaser, (done, dfree, tab_s, n_phases, cnt_ptr, P, HEADS, KVH, D)),
     ], [1, 1, 1], [48, 80, 48])
 
 
@@ -982,6 +1060,8 @@ class DecodeRows:
         kw = dict(S=self.stages, GMAX=gmax, CMAX=gmax // CG, H=H, HEADS=d.heads,
                   KVH=d.kv_heads, D=d.head_dim, BS=d.block_size, SPLITS=self.splits, TB=self.tb,
                   MODE=WAITS[self.wait], PRE=int(self.pre), NBUF=self.nbuf,
+                  NPH=max(32, 1 << (len(self.table) - 1).bit_length()),
+                  HT=1 << (-(-(H // TILE) // self.programs) - 1).bit_length(),
                   num_warps=4, maxnreg=128)
         check_resident(decode_rows_kernel, self.programs, self.sms, args, kw, self._resident,
                        "decode_rows")
