@@ -501,8 +501,8 @@ def _finish_inputs(kind, tile, ch, g_ptr, cs_ptr, pos, HEADS: gl.constexpr, KVH:
 
 
 @gluon.jit
-def _finish(kind, tile, v0, v1, rr, ch, c0, c1, hw, vec_ptr, ss_out_ptr, pos, slot, kc_ptr,
-            vc_ptr, rs_ptr, H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr,
+def _finish(kind, tile, v0, v1, rr, ch, c0, c1, hw, vec_ptr, ss_out_ptr, slot, kc_ptr, vc_ptr,
+            rs_ptr, H: gl.constexpr, HEADS: gl.constexpr, KVH: gl.constexpr,
             D: gl.constexpr, PRE: gl.constexpr):
     """Tile `tile`'s finish from its rows' sums v0 (rows 2g) and v1 (rows 2g + 1), g = ch
     (see the module docstring), its constants c0, c1 (_finish_inputs) and, for o or down,
@@ -727,7 +727,7 @@ def _consumer(wbufs, sbufs, xbufs, xsums, rrbuf, hbuf, tsum0, tsum1, q_s, k_s, v
                 v1 = gl.convert_layout(gl.sum(tsum1.load(LW4), 0), LT)
                 # (h only where o or down: the other phases' tiles can be more than HT)
                 hw = hbuf.index(b * HT + gl.minimum((tile - first) // P, HT - 1)).load(LT)
-                _finish(kind, real, v0, v1, rr, ch, c0, c1, hw, vec_ptr, ss_out, pos, slot, kc_l,
+                _finish(kind, real, v0, v1, rr, ch, c0, c1, hw, vec_ptr, ss_out, slot, kc_l,
                         vc_l, rs_ptr, H, HEADS, KVH, D, PRE)
                 # the releasing warp counts the tile's outputs (the arrive is a barrier of
                 # the consumer warps, after every warp's stores, and one thread's arrive)
