@@ -69,8 +69,8 @@ PTX = {"tma": "cp.async.bulk.tensor", "cp_async": "cp.async.cg", "mma": "mma.syn
        "release_inc": "atom.release.gpu.global.inc", "acquire_loads": "ld.acquire.gpu",
        "fence_acq_rel": "fence.acq_rel.gpu", "ld_shared_v4": "ld.shared.v4",
        "prmt": "prmt.b32", "wgmma": "wgmma.mma_async", "shr": "shr.u32",
-       "mul_hi": "mul.hi.u32", "sub_bf16x2": "sub.rn.bf16x2",
-       "imma": "m16n8k32.row.col.s32.u8.s8"}
+       "mul_hi": "mul.hi.u32", "sub_bf16x2": "sub.rn.bf16x2", "sub_f16x2": "sub.rn.f16x2",
+       "fma_f16x2": "fma.rn.f16x2", "imma": "m16n8k32.row.col.s32.u8.s8"}
 
 # an MMA whose A operand is one register four times (a constant weight: the input sums' MMAs)
 _CONST_A = re.compile(r"mma\.sync\.aligned\S*\s*\{[^}]*\},\s*\{(%r\d+), \1, \1, \1\}")
@@ -188,6 +188,8 @@ KERNELS = {"gemv_tc4": (lambda: _gemv_tc(4), "wna16_gemv_tc_kernel"),
            "decode_rows_pre": (lambda: _decode_rows(True), "decode_rows_kernel"),
            # the int4 steps benchmark's forms (with their sums, if any)
            "steps_bf16": (lambda: _int4_steps(("sync", "bf16", 1)), "steps_sync"),
+           "steps_sub": (lambda: _int4_steps(("sync", "bf16", 2)), "steps_sync"),
+           "steps_fp16_sub": (lambda: _int4_steps(("sync", "fp16", 2)), "steps_sync"),
            "steps_mulhi": (lambda: _int4_steps(("sync", "bf16-mulhi", 1)), "steps_sync"),
            "steps_fp16": (lambda: _int4_steps(("sync", "fp16", 1)), "steps_sync"),
            "steps_wgmma": (lambda: _int4_steps(("wgmma", "ones", 1)), "steps_wgmma"),

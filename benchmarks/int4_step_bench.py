@@ -12,6 +12,10 @@ four warps a program, 1 to 4 programs an SM. The forms:
 - `sync`, `bf16-mulhi`: the shifts as multiplies (mul.hi by a register's power of two);
 - `sync`, `fp16`: fp16 pairs, whose 10-bit mantissa takes the nibble at bits 4-7 in place
   (1024 + 16 q): four masks and one shift a word;
+- `sync`, `bf16` or `fp16` with sums 2: no sum MMAs; each decoded pair less its channel's
+  zero point (bf16: less 128 + z; fp16: less 1024 + z, or times 1/16 less 64 + z for the
+  nibbles in place at bits 4-7; q - z exactly either way), so the MMAs sum (q - z) x and a
+  group's end only scales;
 - `wgmma`: a warpgroup's m64n8k16 MMA with A (the decoded pairs) from registers and B from
   shared memory, each warp's 16 rows a different group; sums none, `ones` (a second MMA with
   all-ones A), or `hsub` (the zero point subtracted from each pair in the decode, sub.bf16x2);
@@ -49,14 +53,19 @@ _WORDS = gl.constexpr(WORDS)
 LAYER_WEIGHTS_AN_SM = 218.1e6 / 132  # Llama-3-8B's 4-bit weights a layer, an SM's share
 
 
-def _step_asm(decode: str) -> str:
+def _step_asm(decode: str, sub: bool = False) -> str:
     """PTX: words $4 (rows g) and $5 (rows g + 8) decoded, the two MMAs of a step with B pairs
-    $6..$9 onto C $10..$13 (out $0..$3); $14..$16 the mul.hi multipliers (2^28, 2^24, 2^20)."""
+    $6..$9 onto C $10..$13 (out $0..$3); $14..$16 the mul.hi multipliers (2^28, 2^24, 2^20);
+    sub: each pair less its zero point: bf16, less $17 (rows g) or $18 (rows g + 8), the
+    128 + z pairs; fp16, the nibbles at bits 0-3 less $17 / $18 (1024 + z) and those at bits
+    4-7 (1024 + 16 q) times 1/16 plus $19 / $20 (-(64 + z)), q - z exactly either way."""
     f16 = decode == "fp16"
     magic = "0x64006400" if f16 else "0x43004300"
     kind = "f16.f16" if f16 else "bf16.bf16"
     mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.f32"
     lines = ["{", ".reg .b32 l0, l1, l2, l3, h0, h1, h2, h3, t;"]
+    if f16 and sub:
+        lines += [".reg .b32 r16;", "mov.b32 r16, 0x2C002C00;"]  # (1/16, 1/16)
     for src, dst in (("$4", "l"), ("$5", "h")):
         if f16:
             lines += [f"lop3.b32 {dst}0, {src}, 0x000F000F, {magic}, 0xEA;",
@@ -64,6 +73,12 @@ def _step_asm(decode: str) -> str:
                       f"shr.u32 t, {src}, 8;",
                       f"lop3.b32 {dst}2, t, 0x000F000F, {magic}, 0xEA;",
                       f"lop3.b32 {dst}3, t, 0x00F000F0, {magic}, 0xEA;"]
+            if sub:
+                z, nz = ("$17", "$19") if dst == "l" else ("$18", "$20")
+                lines += [f"sub.rn.f16x2 {dst}0, {dst}0, {z};",
+                          f"fma.rn.f16x2 {dst}1, {dst}1, r16, {nz};",
+                          f"sub.rn.f16x2 {dst}2, {dst}2, {z};",
+                          f"fma.rn.f16x2 {dst}3, {dst}3, r16, {nz};"]
             continue
         lines.append(f"lop3.b32 {dst}0, {src}, 0x000F000F, {magic}, 0xEA;")
         for j in (1, 2, 3):
@@ -72,6 +87,9 @@ def _step_asm(decode: str) -> str:
             else:
                 lines.append(f"shr.u32 t, {src}, {4 * j};")
             lines.append(f"lop3.b32 {dst}{j}, t, 0x000F000F, {magic}, 0xEA;")
+        if sub:
+            lines += [f"sub.rn.bf16x2 {dst}{j}, {dst}{j}, ${17 if dst == 'l' else 18};"
+                      for j in range(4)]
     lines += [f"{mma} {{$0, $1, $2, $3}}, {{l0, h0, l1, h1}}, {{$6, $7}}, {{$10, $11, $12, $13}};",
               f"{mma} {{$0, $1, $2, $3}}, {{l2, h2, l3, h3}}, {{$8, $9}}, {{$0, $1, $2, $3}};",
               "}"]
@@ -81,7 +99,10 @@ def _step_asm(decode: str) -> str:
 _STEP_BF16 = gl.constexpr(_step_asm("bf16"))
 _STEP_MULHI = gl.constexpr(_step_asm("bf16-mulhi"))
 _STEP_F16 = gl.constexpr(_step_asm("fp16"))
+_STEP_SUB = gl.constexpr(_step_asm("bf16", sub=True))
+_STEP_F16_SUB = gl.constexpr(_step_asm("fp16", sub=True))
 _STEP_CONS = gl.constexpr("=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f,r,r,r")
+_STEP_SUB_CONS = gl.constexpr("=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f,r,r,r,r,r,r,r")
 _SUM_CONS = gl.constexpr("=f,=f,=f,=f,r,r,r,r,r,f,f,f,f")
 DECODES = {"bf16": 0, "bf16-mulhi": 1, "fp16": 2}
 # PTX: words $8..$11 (rows g, g + 8 of one step, then of the next) as bytes, the even nibbles
@@ -99,11 +120,19 @@ _IMMA_CONS = gl.constexpr(",".join(["=r"] * 8 + ["r"] * 16))
 
 
 @gluon.jit
-def _mma_step(D: gl.constexpr, lo, hi, b, c, m1, m2, m3):
-    ASM: gl.constexpr = _STEP_BF16 if D == 0 else (_STEP_MULHI if D == 1 else _STEP_F16)
-    r = gl.inline_asm_elementwise(ASM, _STEP_CONS,
-                                  [lo, hi, b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3], m1,
-                                   m2, m3], dtype=(gl.float32,) * 4, is_pure=True, pack=1)
+def _mma_step(D: gl.constexpr, lo, hi, b, c, m1, m2, m3, zp=None):
+    if zp is not None:  # (bf16: $19, $20 unused)
+        ASM_SUB: gl.constexpr = _STEP_F16_SUB if D == 2 else _STEP_SUB
+        r = gl.inline_asm_elementwise(ASM_SUB, _STEP_SUB_CONS,
+                                      [lo, hi, b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3],
+                                       m1, m2, m3, zp[0], zp[1], zp[2], zp[3]],
+                                      dtype=(gl.float32,) * 4, is_pure=True, pack=1)
+    else:
+        ASM: gl.constexpr = _STEP_BF16 if D == 0 else (_STEP_MULHI if D == 1 else _STEP_F16)
+        r = gl.inline_asm_elementwise(ASM, _STEP_CONS,
+                                      [lo, hi, b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3],
+                                       m1, m2, m3], dtype=(gl.float32,) * 4, is_pure=True,
+                                      pack=1)
     return r[0], r[1], r[2], r[3]
 
 
@@ -171,18 +200,27 @@ def steps_sync(out_ptr, words_ptr, iters, m1s, m2s, m3s, D: gl.constexpr, SUMS: 
             acc_o = (z, z, z, z)
             cx_e = (z, z, z, z)
             cx_o = (z, z, z, z)
+            zp = None
+            if SUMS == 2:  # (a group's zero point pairs: from its words, as stand-ins)
+                zw = ws[8 * h]
+                if D == 2:
+                    zp = ((zw & 0x000F000F) | 0x64006400, ((zw >> 4) & 0x000F000F) | 0x64006400,
+                          ((zw >> 4) & 0x00F000F0) | -0x2BFF2C00, (zw & 0x00F000F0) | -0x2BFF2C00)
+                else:
+                    zp = ((zw & 0x000F000F) | 0x43004300, ((zw >> 4) & 0x000F000F) | 0x43004300,
+                          zw, zw)
             for s in gl.static_range(4):
                 # (B differs a step and a group, so that no MMA repeats another)
                 bb = (bx[s % 4] ^ (h << 8), bx[(s + 1) % 4], bx[(s + 2) % 4], bx[(s + 3) % 4])
                 lo = ws[8 * h + 2 * s]
                 hi = ws[8 * h + 2 * s + 1]
                 if s % 2 == 0:
-                    acc_e = _mma_step(D, lo, hi, bb, acc_e, m1, m2, m3)
-                    if SUMS:
+                    acc_e = _mma_step(D, lo, hi, bb, acc_e, m1, m2, m3, zp)
+                    if SUMS == 1:
                         cx_e = _sum_step(D, ones, bb, cx_e)
                 else:
-                    acc_o = _mma_step(D, lo, hi, bb, acc_o, m1, m2, m3)
-                    if SUMS:
+                    acc_o = _mma_step(D, lo, hi, bb, acc_o, m1, m2, m3, zp)
+                    if SUMS == 1:
                         cx_o = _sum_step(D, ones, bb, cx_o)
             tot = tot + (acc_e[0] + acc_o[0]) * 0.5 - (cx_e[0] + cx_o[0]) * 136.0
     gl.store(out_ptr + pid * 128 + idx, tot)
@@ -329,8 +367,8 @@ def steps_wgmma(out_ptr, seed, iters, SUMS: gl.constexpr):
     gl.store(out_ptr + pid * 512 + gl.expand_dims(mm, 1) * 8 + gl.expand_dims(nn, 0), tot)
 
 
-FORMS = [("sync", "bf16", 1), ("sync", "bf16", 0), ("sync", "bf16-mulhi", 1),
-         ("sync", "bf16-mulhi", 0), ("sync", "fp16", 1), ("sync", "fp16", 0),
+FORMS = [("sync", "bf16", 1), ("sync", "bf16", 0), ("sync", "bf16", 2), ("sync", "bf16-mulhi", 1),
+         ("sync", "bf16-mulhi", 0), ("sync", "fp16", 1), ("sync", "fp16", 0), ("sync", "fp16", 2),
          ("wgmma", "ones", 1), ("wgmma", "none", 0), ("wgmma", "hsub", 2), ("imma", "u8", 0)]
 
 

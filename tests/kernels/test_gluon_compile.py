@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 JOBS = ("gemv_tc4", "gemv_tc6", "w8_tc", "attn_fp8", "layers:engine", "layers:fold",
         "layers:l2", "layers:pipe", "layers:pipexsum", "layers:allpoll", "layers:xpairs",
         "rows", "rows_pre", "decode_rows", "decode_rows_pre", "steps_bf16", "steps_mulhi",
-        "steps_fp16", "steps_wgmma", "steps_wgmma_hsub", "steps_imma")
+        "steps_fp16", "steps_sub", "steps_fp16_sub", "steps_wgmma", "steps_wgmma_hsub", "steps_imma")
 SM90_SHARED = 227 * 1024  # the most shared memory a program may take on sm_90
 
 
@@ -178,13 +178,19 @@ def test_a_value_carried_only_as_a_loop_bound_is_found() -> None:
 
 def test_the_int4_steps_benchmark_runs_the_forms_it_names(compiled: dict) -> None:
     """An iteration is 8 steps of two words a warp: bf16 decodes a word with 3 shifts, the
-    mul.hi form with 3 multiplies instead, fp16 with 1; the warpgroup form issues 16 weight
+    mul.hi form with 3 multiplies instead, fp16 with 1; with the zero point subtracted in the
+    decode (bf16 or fp16) a step is its 2 weight MMAs and no sums; the warpgroup form issues 16 weight
     MMAs and 16 sum MMAs, or with the zero point subtracted in the decode 16 and no sums; the
     8-bit form 8 integer MMAs (two a four words) and no shifts, compiled to as many IMMAs."""
     bf16, mulhi, fp16 = (_job(compiled, f"steps_{n}")["ptx"] for n in ("bf16", "mulhi", "fp16"))
     assert bf16["mma"] == mulhi["mma"] == fp16["mma"] == 32  # (16 weight, 16 sum MMAs)
     assert bf16["shr"] - fp16["shr"] == 8 * 2 * (3 - 1)
     assert bf16["shr"] - mulhi["shr"] == mulhi["mul_hi"] - bf16["mul_hi"] == 8 * 2 * 3
+    sub, f16_sub = (_job(compiled, f"steps_{n}")["ptx"] for n in ("sub", "fp16_sub"))
+    assert (sub["mma"], sub["mma_const_a"], sub["sub_bf16x2"]) == (16, 0, 8 * 2 * 4)
+    assert sub["shr"] - bf16["shr"] <= 2  # (the same decode, and the stand-in zero points')
+    assert (f16_sub["mma"], f16_sub["mma_const_a"]) == (16, 0)
+    assert f16_sub["sub_f16x2"] == f16_sub["fma_f16x2"] == 8 * 2 * 2
     wg, hsub = _job(compiled, "steps_wgmma")["ptx"], _job(compiled, "steps_wgmma_hsub")["ptx"]
     assert (wg["mma"], wg["wgmma"], wg["sub_bf16x2"]) == (0, 32, 0)
     assert (hsub["wgmma"], hsub["sub_bf16x2"]) == (16, 16 * 4)
