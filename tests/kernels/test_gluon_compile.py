@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 JOBS = ("gemv_tc4", "gemv_tc6", "w8_tc", "attn_fp8", "layers:engine", "layers:fold",
         "layers:l2", "layers:pipe", "layers:pipexsum", "layers:allpoll", "layers:xpairs",
         "rows", "rows_pre", "decode_rows", "decode_rows_pre", "steps_bf16", "steps_mulhi",
-        "steps_fp16", "steps_sub", "steps_fp16_sub", "steps_wgmma", "steps_wgmma_hsub", "steps_imma")
+        "steps_fp16", "steps_sub", "steps_fp16_sub", "steps_wgmma", "steps_wgmma_hsub",
+        "steps_imma")
 SM90_SHARED = 227 * 1024  # the most shared memory a program may take on sm_90
 
 
@@ -179,8 +180,8 @@ def test_a_value_carried_only_as_a_loop_bound_is_found() -> None:
 def test_the_int4_steps_benchmark_runs_the_forms_it_names(compiled: dict) -> None:
     """An iteration is 8 steps of two words a warp: bf16 decodes a word with 3 shifts, the
     mul.hi form with 3 multiplies instead, fp16 with 1; with the zero point subtracted in the
-    decode (bf16 or fp16) a step is its 2 weight MMAs and no sums; the warpgroup form issues 16 weight
-    MMAs and 16 sum MMAs, or with the zero point subtracted in the decode 16 and no sums; the
+    decode (bf16 or fp16) a step is its 2 weight MMAs and no sums; the warpgroup form issues 16
+    weight MMAs and 16 sum MMAs, or with the zero point subtracted in the decode 16 and no sums; the
     8-bit form 8 integer MMAs (two a four words) and no shifts, compiled to as many IMMAs."""
     bf16, mulhi, fp16 = (_job(compiled, f"steps_{n}")["ptx"] for n in ("bf16", "mulhi", "fp16"))
     assert bf16["mma"] == mulhi["mma"] == fp16["mma"] == 32  # (16 weight, 16 sum MMAs)
